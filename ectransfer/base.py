@@ -1,0 +1,68 @@
+"""The transport interface. Every transport implements both halves.
+
+Producer half (encoder engine process, on the transfer server's threads):
+    ``describe(data, desc)``   fill ``desc``'s payload oneof for one item whose
+                               bytes are ``data`` (a flat uint8 view of an
+                               outbound-pool slot). The producer keeps owning
+                               the slot until the consumer acks or cancels.
+    ``payload(id, data)``      messages that follow the ItemHeader (chunks for
+                               GRPC_CHUNKS; nothing for shm and CUDA IPC).
+
+Consumer half (LM engine process, on the transfer client's thread):
+    ``receiver(desc, dest)``   a ``Receiver`` that lands the item's bytes into
+                               ``dest``, a flat uint8 buffer the consumer owns
+                               (its inbound staging); ``feed`` takes the
+                               following messages and returns True when every
+                               byte has landed. Transports whose bytes are
+                               readable at once (shm) are complete on creation.
+    ``close()``                drop cached mappings (pools mapped once per peer).
+
+Failures are raised as ``ProtocolError`` inside the transfer threads and turned
+into a FAILED item state there; nothing raises across vLLM's engine step.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from typing import ClassVar
+
+import torch
+
+from epd.common.v1 import common_pb2
+from epd.encoder.v1 import encoder_pb2
+
+
+class Receiver(ABC):
+    @property
+    @abstractmethod
+    def complete(self) -> bool: ...
+
+    def feed(self, chunk: encoder_pb2.Chunk) -> bool:
+        """Takes one payload message; returns True once complete."""
+        from ectransfer.protocol import ProtocolError
+
+        raise ProtocolError("this transport sends no chunks")
+
+
+class ProducerTransport(ABC):
+    kind: ClassVar[int]
+
+    @abstractmethod
+    def describe(self, data: torch.Tensor, desc: common_pb2.TensorDescriptor) -> None: ...
+
+    def payload(self, identifier: str, data: torch.Tensor) -> Iterator[encoder_pb2.TransferServerMsg]:
+        return iter(())
+
+    def close(self) -> None:
+        return None
+
+
+class ConsumerTransport(ABC):
+    kind: ClassVar[int]
+
+    @abstractmethod
+    def receiver(self, desc: common_pb2.TensorDescriptor, dest: torch.Tensor) -> Receiver: ...
+
+    def close(self) -> None:
+        return None

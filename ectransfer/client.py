@@ -1,0 +1,233 @@
+"""The consumer end of the Transfer stream.
+
+Runs inside the LM's vLLM engine process on its own asyncio loop and thread
+(``epd-transfer-client``); the scheduler-side connector calls ``fetch``/
+``ack``/``cancel`` from vLLM's scheduler thread and polls each item's
+``ItemTransfer.state``. Nothing here blocks the scheduler.
+
+Buffers: the caller allocates the destination (an inbound-staging slot) before
+``fetch`` and keeps owning it; the client only writes into it. One stream per
+encoder endpoint, opened lazily, dropped when it breaks (the next fetch
+reconnects).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from ectransfer.base import ConsumerTransport, Receiver
+from ectransfer.protocol import CompatError, ItemTransfer, ProtocolError, TransferState, check_compat
+from ectransfer import tensors
+from epd.common.v1 import common_pb2
+from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Fetch:
+    """One item in flight. ``dest`` belongs to the caller (inbound staging)."""
+
+    transfer: ItemTransfer
+    endpoint: str
+    dest: torch.Tensor  # flat uint8, exactly the expected nbytes
+    deadline: float
+    shape: tuple[int, ...] | None = None
+    dtype: torch.dtype | None = None
+    receiver: Receiver | None = None
+    started: float = 0.0
+    landed_at: float = 0.0
+
+
+class _Peer:
+    def __init__(self, client: "TransferClient", endpoint: str) -> None:
+        self.client = client
+        self.endpoint = endpoint
+        self.out: asyncio.Queue = asyncio.Queue()
+        self.items: dict[str, Fetch] = {}
+        self.channel = grpc.aio.insecure_channel(endpoint, options=_GRPC_OPTIONS)
+        self.task = asyncio.create_task(self._run())
+
+    async def _requests(self):
+        yield encoder_pb2.TransferClientMsg(
+            hello=encoder_pb2.Hello(
+                compat=self.client.compat,
+                consumer_id=self.client.consumer_id,
+                transports=[t.kind for t in self.client.transports],
+            )
+        )
+        while (msg := await self.out.get()) is not None:
+            yield msg
+
+    async def _run(self) -> None:
+        error = "stream closed"
+        try:
+            call = encoder_pb2_grpc.TransferServiceStub(self.channel).Transfer(self._requests())
+            first = await call.read()
+            if first is grpc.aio.EOF or first.WhichOneof("msg") != "hello":
+                raise ProtocolError("producer did not answer Hello")
+            check_compat(self.client.compat, first.hello.compat)
+            transport = self.client.by_kind.get(first.hello.transport)
+            if transport is None:
+                raise ProtocolError(f"producer chose transport {first.hello.transport} that this consumer lacks")
+            self.transport = transport
+            while (msg := await call.read()) is not grpc.aio.EOF:
+                self._on_message(msg)
+        except grpc.aio.AioRpcError as e:
+            error = f"encoder at {self.endpoint}: {e.code().name}: {e.details()}"
+        except (CompatError, ProtocolError) as e:
+            error = f"encoder at {self.endpoint}: {e}"
+        except asyncio.CancelledError:
+            error = "transfer client shutting down"
+        except Exception as e:  # noqa: BLE001 - any failure fails the items, never the engine
+            logger.exception("transfer stream to %s failed", self.endpoint)
+            error = f"encoder at {self.endpoint}: {e!r}"
+        finally:
+            self.client._peer_closed(self, error)
+            await self.channel.close()
+
+    def _on_message(self, msg: encoder_pb2.TransferServerMsg) -> None:
+        kind = msg.WhichOneof("msg")
+        body = getattr(msg, kind)
+        fetch = self.items.get(body.identifier)
+        if fetch is None:
+            return  # cancelled meanwhile; late bytes are dropped
+        try:
+            if kind == "header":
+                self._on_header(fetch, body)
+            elif kind == "chunk":
+                if fetch.receiver is None:
+                    raise ProtocolError("chunk before header")
+                if fetch.receiver.feed(body):
+                    self._landed(fetch)
+            elif kind == "error":
+                self._finish(fetch, error=f"encoder at {self.endpoint}: {body.message}")
+        except ProtocolError as e:
+            self._finish(fetch, error=f"encoder at {self.endpoint}: {e}")
+
+    def _on_header(self, fetch: Fetch, header: encoder_pb2.ItemHeader) -> None:
+        desc = header.tensor
+        if desc.nbytes != fetch.dest.numel():
+            raise ProtocolError(
+                f"item {header.identifier} has {desc.nbytes} bytes, expected {fetch.dest.numel()}"
+            )
+        fetch.shape = tuple(desc.shape)
+        fetch.dtype = tensors.dtype_from_proto(desc.dtype)
+        if tensors.nbytes_of(fetch.shape, fetch.dtype) != desc.nbytes:
+            raise ProtocolError(f"descriptor shape {list(desc.shape)} does not match {desc.nbytes} bytes")
+        fetch.transfer.advance(TransferState.RECEIVING)
+        fetch.receiver = self.transport.receiver(desc, fetch.dest)
+        if fetch.receiver.complete:
+            self._landed(fetch)
+
+    def _landed(self, fetch: Fetch) -> None:
+        fetch.landed_at = time.monotonic()
+        # The bytes now sit in our staging: the producer's copy is no longer needed.
+        self.out.put_nowait(encoder_pb2.TransferClientMsg(ack=encoder_pb2.Ack(identifier=fetch.transfer.identifier)))
+        self.items.pop(fetch.transfer.identifier, None)
+        fetch.transfer.advance(TransferState.LANDED)
+
+    def _finish(self, fetch: Fetch, error: str) -> None:
+        self.items.pop(fetch.transfer.identifier, None)
+        fetch.transfer.fail(error)
+
+
+class TransferClient:
+    """Owns the loop thread and one stream per encoder endpoint."""
+
+    def __init__(
+        self,
+        compat: common_pb2.CompatInfo,
+        consumer_id: str,
+        transports: list[ConsumerTransport],
+        timeout_s: float = 30.0,
+    ) -> None:
+        self.compat = compat
+        self.consumer_id = consumer_id
+        self.transports = transports
+        self.by_kind = {t.kind: t for t in transports}
+        self.timeout_s = timeout_s
+        self._peers: dict[str, _Peer] = {}
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name="epd-transfer-client", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.create_task(self._watchdog())
+        self._loop.run_forever()
+
+    async def _watchdog(self) -> None:
+        while True:
+            await asyncio.sleep(0.25)
+            now = time.monotonic()
+            for peer in list(self._peers.values()):
+                for fetch in list(peer.items.values()):
+                    if now > fetch.deadline:
+                        peer._finish(fetch, f"encoder at {peer.endpoint}: no data within {self.timeout_s}s")
+                        peer.out.put_nowait(encoder_pb2.TransferClientMsg(
+                            cancel=encoder_pb2.Cancel(identifier=fetch.transfer.identifier)))
+
+    # -- called from vLLM's scheduler thread --------------------------------
+
+    def fetch(self, transfer: ItemTransfer, endpoint: str, dest: torch.Tensor, request_id: str) -> Fetch:
+        fetch = Fetch(transfer, endpoint, dest, deadline=time.monotonic() + self.timeout_s, started=time.monotonic())
+        self._loop.call_soon_threadsafe(self._start_fetch, fetch, request_id)
+        return fetch
+
+    def cancel(self, endpoint: str, identifier: str) -> None:
+        self._loop.call_soon_threadsafe(self._send, endpoint, "cancel", identifier)
+
+    def close(self) -> None:
+        if not self._thread.is_alive():
+            return
+
+        async def _close() -> None:
+            for peer in list(self._peers.values()):
+                peer.task.cancel()
+            await asyncio.sleep(0)
+
+        try:
+            asyncio.run_coroutine_threadsafe(_close(), self._loop).result(timeout=5)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=5)
+
+    # -- loop thread ----------------------------------------------------------
+
+    def _start_fetch(self, fetch: Fetch, request_id: str) -> None:
+        peer = self._peers.get(fetch.endpoint)
+        if peer is None:
+            peer = self._peers[fetch.endpoint] = _Peer(self, fetch.endpoint)
+        peer.items[fetch.transfer.identifier] = fetch
+        peer.out.put_nowait(encoder_pb2.TransferClientMsg(reserve=encoder_pb2.Reserve(
+            identifier=fetch.transfer.identifier, request_id=request_id, max_nbytes=fetch.dest.numel())))
+
+    def _send(self, endpoint: str, kind: str, identifier: str) -> None:
+        peer = self._peers.get(endpoint)
+        if peer is None:
+            return
+        peer.items.pop(identifier, None)
+        msg = encoder_pb2.TransferClientMsg(**{kind: getattr(encoder_pb2, kind.capitalize())(identifier=identifier)})
+        peer.out.put_nowait(msg)
+
+    def _peer_closed(self, peer: _Peer, error: str) -> None:
+        if self._peers.get(peer.endpoint) is peer:
+            del self._peers[peer.endpoint]
+        for fetch in list(peer.items.values()):
+            peer._finish(fetch, error)
+        if peer.items or error != "stream closed":
+            logger.warning("transfer stream to %s closed: %s", peer.endpoint, error)
+
+
+_GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", 64 << 20),
+    ("grpc.max_receive_message_length", 64 << 20),
+]

@@ -1,0 +1,218 @@
+"""Consumer halves (LM engine, ``ec_role=ec_consumer``).
+
+Scheduler half (vLLM's scheduler thread): for each request whose
+``ec_transfer_params`` name an encoder, ``ensure_cache_available`` reserves
+inbound staging and asks the encoder for each item (the request is deferred,
+not failed, until every item landed); ``has_cache_item`` says yes for landed
+items so vLLM loads them instead of encoding; ``update_state_after_alloc``
+queues the load; the worker's report frees the staging slot.
+
+Ownership: a staging slot is allocated here and freed here, exactly once, when
+the worker injected it, the transfer failed, or no request needs it any more.
+
+Worker half: copies staged bytes into vLLM's encoder cache on the worker's
+device, with the producer's dtype and shape.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict, defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from ectransfer import factory, tensors
+from ectransfer.client import Fetch, TransferClient
+from ectransfer.connector.common import compat_for, worker_device
+from ectransfer.connector.config import ConnectorConfig
+from ectransfer.connector.metadata import EPDConnectorMetadata, EPDWorkerMetadata, LoadSpec
+from ectransfer.pool import Slot
+from ectransfer.protocol import ItemTransfer, TransferState
+from ectransfer.shm import Mappings, ShmPool
+
+logger = logging.getLogger(__name__)
+
+_INJECTED_MEMORY = 4096  # identifiers remembered as already in vLLM's encoder cache
+
+
+@dataclass
+class _Inbound:
+    transfer: ItemTransfer
+    endpoint: str
+    slot: Slot
+    fetch: Fetch
+    requests: set[str] = field(default_factory=set)
+    queued: bool = False
+
+
+@dataclass
+class _RequestStats:
+    local_encoder_runs: int = 0
+    transferred_items: int = 0
+    wait_started: float = 0.0
+    transfer_ms: float = 0.0
+
+
+class ConsumerScheduler:
+    def __init__(self, vllm_config, cfg: ConnectorConfig) -> None:
+        self.cfg = cfg
+        engine_id = vllm_config.ec_transfer_config.engine_id
+        # Shared memory because vLLM's worker may be another process (it is on CPU).
+        self.staging = ShmPool(cfg.staging_bytes, role="staging")
+        self.client = TransferClient(
+            compat_for(vllm_config, cfg.model_name),
+            consumer_id=engine_id,
+            transports=[factory.make_consumer(n) for n in cfg.transports],
+            timeout_s=cfg.transfer_timeout_s,
+        )
+        self._items: dict[str, _Inbound] = {}
+        self._injected: OrderedDict[str, None] = OrderedDict()
+        self._to_load: list[LoadSpec] = []
+        self._unavailable: set[str] = set()
+        self._stats: dict[str, _RequestStats] = defaultdict(_RequestStats)
+
+    # -- scheduling -----------------------------------------------------------
+
+    def ensure_cache_available(self, request, num_computed_tokens: int) -> bool:
+        sources = (request.ec_transfer_params or {}).get("items")
+        if not sources:
+            return True
+        stats = self._stats[request.request_id]
+        ready = True
+        for index, feat in enumerate(request.mm_features):
+            src = sources.get(feat.identifier)
+            if src is None or feat.identifier in self._injected:
+                continue
+            pos = feat.mm_position
+            if pos.offset + pos.length <= num_computed_tokens:
+                continue  # the prefix cache already covers this item
+            item = self._items.get(feat.identifier)
+            if item is None:
+                item = self._start(request, index, src)
+                if item is None:
+                    ready = False  # staging full: try again next step
+                    continue
+            item.requests.add(request.request_id)
+            state = item.transfer.state
+            if state is TransferState.FAILED:
+                self._fail(item)
+                return False
+            if state is not TransferState.LANDED:
+                ready = False
+        if not stats.wait_started:
+            stats.wait_started = time.monotonic()
+        if ready:
+            stats.transfer_ms = stats.transfer_ms or (time.monotonic() - stats.wait_started) * 1e3
+        return ready
+
+    def _start(self, request, index: int, src: dict[str, Any]) -> _Inbound | None:
+        ident = request.mm_features[index].identifier
+        width = int(src["embed_width"])
+        dtype = tensors.dtype_from_name(src["dtype"])
+        nbytes = tensors.nbytes_of((request.get_num_encoder_embeds(index), width), dtype)
+        slot = self.staging.try_alloc(nbytes)
+        if slot is None:
+            return None
+        transfer = ItemTransfer(ident, nbytes)
+        fetch = self.client.fetch(transfer, src["endpoint"], self.staging.view(slot), request.request_id)
+        item = self._items[ident] = _Inbound(transfer, src["endpoint"], slot, fetch)
+        return item
+
+    def _fail(self, item: _Inbound) -> None:
+        logger.error("requests %s cannot get item %s: %s", sorted(item.requests),
+                     item.transfer.identifier, item.transfer.error)
+        self._unavailable |= item.requests
+        self._drop(item)
+
+    def _drop(self, item: _Inbound) -> None:
+        if self._items.pop(item.transfer.identifier, None) is not None:
+            self.staging.free(item.slot)
+
+    def has_cache_item(self, identifier: str) -> bool:
+        item = self._items.get(identifier)
+        return item is not None and item.transfer.state is TransferState.LANDED
+
+    def update_state_after_alloc(self, request, index: int) -> None:
+        item = self._items.get(request.mm_features[index].identifier)
+        if item is None or item.queued or item.transfer.state is not TransferState.LANDED:
+            return
+        fetch = item.fetch
+        item.queued = True
+        self._to_load.append(LoadSpec(item.transfer.identifier, fetch.shape, tensors.dtype_name(fetch.dtype),
+                                      self.staging.name, item.slot.offset, item.slot.nbytes))
+        self._stats[request.request_id].transferred_items += 1
+
+    def build_meta(self, scheduler_output) -> EPDConnectorMetadata:
+        for req_id, inputs in scheduler_output.scheduled_encoder_inputs.items():
+            self._stats[req_id].local_encoder_runs += len(inputs)
+        meta = EPDConnectorMetadata(loads=self._to_load)
+        self._to_load = []
+        return meta
+
+    def update_connector_output(self, output) -> None:
+        meta = output.ec_connector_worker_meta
+        if not isinstance(meta, EPDWorkerMetadata):
+            return
+        for ident in meta.loaded:
+            item = self._items.get(ident)
+            if item is not None:
+                item.transfer.advance(TransferState.DONE)
+                self._drop(item)
+            self._injected[ident] = None
+            self._injected.move_to_end(ident)
+            while len(self._injected) > _INJECTED_MEMORY:
+                self._injected.popitem(last=False)
+
+    def take_unavailable(self) -> set[str]:
+        out, self._unavailable = self._unavailable, set()
+        return out
+
+    def request_finished(self, request) -> dict[str, Any] | None:
+        rid = request.request_id
+        for item in list(self._items.values()):
+            item.requests.discard(rid)
+            if not item.requests and not item.queued:
+                if not item.transfer.state.terminal and item.transfer.state is not TransferState.LANDED:
+                    self.client.cancel(item.endpoint, item.transfer.identifier)
+                    item.transfer.advance(TransferState.CANCELLED)
+                self._drop(item)
+        stats = self._stats.pop(rid, None)
+        if stats is None or not request.mm_features:
+            return None
+        return {
+            "local_encoder_runs": stats.local_encoder_runs,
+            "transferred_items": stats.transferred_items,
+            "transfer_ms": stats.transfer_ms,
+        }
+
+    def shutdown(self) -> None:
+        self.client.close()
+        self.staging.close()
+
+
+class ConsumerWorker:
+    def __init__(self, vllm_config, cfg: ConnectorConfig) -> None:
+        self.mappings = Mappings()  # the scheduler half's staging, mapped once
+        self._loaded: list[str] = []
+
+    def load(self, encoder_cache, meta: EPDConnectorMetadata) -> None:
+        device = worker_device()
+        for spec in meta.loads:
+            if spec.identifier in encoder_cache:
+                self._loaded.append(spec.identifier)
+                continue
+            raw = self.mappings.get(spec.segment).buffer[spec.offset : spec.offset + spec.nbytes]
+            t = tensors.from_bytes(raw, spec.shape, tensors.dtype_from_name(spec.dtype))
+            # A copy: the staging slot is freed as soon as the scheduler hears back.
+            encoder_cache[spec.identifier] = t.to(device, copy=True)
+            self._loaded.append(spec.identifier)
+
+    def shutdown(self) -> None:
+        self.mappings.close()
+
+    def build_worker_meta(self) -> EPDWorkerMetadata | None:
+        if not self._loaded:
+            return None
+        meta, self._loaded = EPDWorkerMetadata(self._loaded), []
+        return meta

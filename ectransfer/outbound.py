@@ -1,0 +1,148 @@
+"""The encoder's outbound store: encoded items waiting for their consumer.
+
+Owner: the producer connector's worker half (encoder engine process). It
+``put``s each item right after vLLM encodes it (copying out of vLLM's encoder
+cache into a pool slot), the transfer server reads slots while streaming, and
+the slot is freed by exactly one of: the consumer's Ack, its Cancel, or the
+lease expiring (``ttl_s`` without an Ack, e.g. the consumer died). A full pool
+blocks ``put`` up to ``put_timeout_s`` (backpressure), then drops the item with
+a log line; a consumer asking for it then gets ``NOT_FOUND``/``TIMED_OUT``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ectransfer import tensors
+from ectransfer.pool import Pool, PoolFullError, Slot
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class OutboundItem:
+    identifier: str
+    slot: Slot
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    created: float = field(default_factory=time.monotonic)
+    sending: int = 0  # streams currently reading the slot; a lease never frees it meanwhile
+
+
+@dataclass
+class OutboundStats:
+    items_put: int = 0
+    items_reused: int = 0
+    items_dropped: int = 0
+    acks: int = 0
+    cancels: int = 0
+    expired: int = 0
+
+    def aggregate(self, other: "OutboundStats") -> "OutboundStats":
+        return OutboundStats(**{k: getattr(self, k) + getattr(other, k) for k in self.__dataclass_fields__})
+
+
+_RELEASE_COUNTERS = {"ack": "acks", "cancel": "cancels", "expired": "expired"}
+
+
+class OutboundStore:
+    def __init__(self, pool: Pool, *, ttl_s: float = 60.0, put_timeout_s: float = 30.0) -> None:
+        self.pool = pool
+        self.ttl_s = ttl_s
+        self.put_timeout_s = put_timeout_s
+        self.stats = OutboundStats()
+        self._items: dict[str, OutboundItem] = {}
+        self._waiters: dict[str, list[Callable[[OutboundItem], None]]] = {}
+        self._lock = threading.Lock()
+
+    def put(self, identifier: str, tensor: torch.Tensor) -> bool:
+        """Copies ``tensor`` into a new slot. Called on vLLM's model-runner
+        thread; returns False if the item was dropped (pool full too long)."""
+        with self._lock:
+            if identifier in self._items:
+                self.stats.items_reused += 1
+                return True
+        data = tensors.as_bytes(tensor.detach())
+        try:
+            slot = self.pool.alloc(data.numel(), timeout=self.put_timeout_s)
+        except PoolFullError as e:
+            logger.error("dropping encoder output %s: %s", identifier, e)
+            self.stats.items_dropped += 1
+            return False
+        self.pool.view(slot).copy_(data)
+        item = OutboundItem(identifier, slot, tuple(tensor.shape), tensor.dtype)
+        with self._lock:
+            self._items[identifier] = item
+            self.stats.items_put += 1
+            waiters = self._waiters.pop(identifier, [])
+        for cb in waiters:
+            cb(item)
+        return True
+
+    def contains(self, identifier: str) -> bool:
+        with self._lock:
+            return identifier in self._items
+
+    def on_ready(self, identifier: str, callback: Callable[[OutboundItem], None]) -> None:
+        """Calls ``callback(item)`` once the item is in the store (at once if it
+        is). The callback runs on the putting thread: keep it tiny."""
+        with self._lock:
+            item = self._items.get(identifier)
+            if item is None:
+                self._waiters.setdefault(identifier, []).append(callback)
+                return
+        callback(item)
+
+    def forget_waiter(self, identifier: str, callback: Callable[[OutboundItem], None]) -> None:
+        with self._lock:
+            cbs = self._waiters.get(identifier)
+            if cbs and callback in cbs:
+                cbs.remove(callback)
+                if not cbs:
+                    del self._waiters[identifier]
+
+    def begin_send(self, identifier: str) -> OutboundItem | None:
+        with self._lock:
+            item = self._items.get(identifier)
+            if item is not None:
+                item.sending += 1
+            return item
+
+    def end_send(self, item: OutboundItem) -> None:
+        with self._lock:
+            item.sending -= 1
+
+    def view(self, item: OutboundItem) -> torch.Tensor:
+        return self.pool.view(item.slot)
+
+    def release(self, identifier: str, reason: str) -> bool:
+        """Frees the item's slot (reason: "ack", "cancel" or "expired")."""
+        with self._lock:
+            item = self._items.pop(identifier, None)
+            if item is None:
+                return False
+            counter = _RELEASE_COUNTERS[reason]
+            setattr(self.stats, counter, getattr(self.stats, counter) + 1)
+        self.pool.free(item.slot)
+        return True
+
+    def expire(self, now: float | None = None) -> list[str]:
+        """Frees items older than the lease that nobody is sending right now."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            stale = [i.identifier for i in self._items.values() if i.sending == 0 and now - i.created > self.ttl_s]
+        for ident in stale:
+            if self.release(ident, "expired"):
+                logger.warning("outbound item %s expired after %.1fs without an ack", ident, self.ttl_s)
+        return stale
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            n = len(self._items)
+        return {"items": n, **self.pool.stats(), **self.stats.__dict__}

@@ -1,0 +1,114 @@
+"""The Transfer protocol: per-item states, legal transitions, compatibility.
+
+One ``Transfer`` stream per (consumer, producer) pair carries many items::
+
+    consumer                           producer
+    Hello(compat, transports)   --->
+                                <---   HelloReply(compat, transport)   | FAILED_PRECONDITION
+    Reserve(id, max_nbytes)     --->   (waits until the item is encoded)
+                                <---   ItemHeader(id, descriptor)      | ItemError(id)
+                                <---   Chunk(id, offset, bytes) ...    (GRPC_CHUNKS only)
+    Ack(id) | Cancel(id)        --->   producer frees the outbound slot
+
+States are polled, never raised across vLLM's engine step (SGLang's KVPoll
+idea): the consumer connector asks ``state`` each scheduler step.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+
+from epd.common.v1 import common_pb2
+
+
+class TransferState(enum.Enum):
+    RESERVED = "reserved"    # consumer holds inbound space, Reserve sent
+    RECEIVING = "receiving"  # header arrived, bytes are landing
+    LANDED = "landed"        # every byte is on the consumer; not yet in vLLM's cache
+    DONE = "done"            # injected into vLLM's encoder cache and acked
+    FAILED = "failed"        # error from the producer, a broken stream or a timeout
+    CANCELLED = "cancelled"  # not needed any more (prefix cache, abort)
+
+    @property
+    def terminal(self) -> bool:
+        return self in (TransferState.DONE, TransferState.FAILED, TransferState.CANCELLED)
+
+
+_ALLOWED: dict[TransferState, frozenset[TransferState]] = {
+    TransferState.RESERVED: frozenset(
+        {TransferState.RECEIVING, TransferState.LANDED, TransferState.FAILED, TransferState.CANCELLED}
+    ),
+    TransferState.RECEIVING: frozenset({TransferState.LANDED, TransferState.FAILED, TransferState.CANCELLED}),
+    TransferState.LANDED: frozenset({TransferState.DONE, TransferState.FAILED, TransferState.CANCELLED}),
+    TransferState.DONE: frozenset(),
+    TransferState.FAILED: frozenset(),
+    TransferState.CANCELLED: frozenset(),
+}
+
+
+class ProtocolError(Exception):
+    """A peer broke the protocol (illegal transition, bad chunk, bad header)."""
+
+
+class CompatError(Exception):
+    """The two ends disagree on model, dtype, width or vLLM version."""
+
+
+@dataclass
+class ItemTransfer:
+    """Consumer-side record of one item moving through the protocol."""
+
+    identifier: str
+    max_nbytes: int
+    state: TransferState = TransferState.RESERVED
+    error: str | None = None
+    request_ids: set[str] = field(default_factory=set)
+
+    def advance(self, new: TransferState, error: str | None = None) -> None:
+        if new not in _ALLOWED[self.state]:
+            raise ProtocolError(f"item {self.identifier}: illegal transition {self.state.value} -> {new.value}")
+        self.state = new
+        if error is not None:
+            self.error = error
+
+    def fail(self, error: str) -> None:
+        """Moves to FAILED unless already terminal (idempotent on teardown)."""
+        if not self.state.terminal:
+            self.advance(TransferState.FAILED, error)
+
+
+def _model_fingerprint(model: str) -> str:
+    """The model's config.json content when ``model`` is a local directory
+    (two different directories with the same config are the same model),
+    else the name itself."""
+    cfg = os.path.join(model, "config.json")
+    if os.path.isfile(cfg):
+        with open(cfg, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+    return model
+
+
+def make_compat(*, vllm_version: str, model: str, dtype: str, embed_width: int) -> common_pb2.CompatInfo:
+    fingerprint = _model_fingerprint(model)
+    digest = hashlib.sha256(
+        json.dumps([vllm_version, fingerprint, dtype, int(embed_width)]).encode()
+    ).hexdigest()
+    return common_pb2.CompatInfo(
+        hash=digest, vllm_version=vllm_version, model=model, dtype=dtype, embed_width=int(embed_width)
+    )
+
+
+def check_compat(local: common_pb2.CompatInfo, remote: common_pb2.CompatInfo) -> None:
+    """Raises CompatError naming every field that differs."""
+    if local.hash == remote.hash:
+        return
+    diffs = [
+        f"{name}: here {getattr(local, name)!r}, peer {getattr(remote, name)!r}"
+        for name in ("model", "dtype", "embed_width", "vllm_version")
+        if getattr(local, name) != getattr(remote, name)
+    ] or [f"model config differs (here {local.model!r}, peer {remote.model!r})"]
+    raise CompatError("encoder and LM are incompatible: " + "; ".join(diffs))

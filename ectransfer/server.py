@@ -1,0 +1,221 @@
+"""The producer end of the Transfer stream (``epd.encoder.v1.TransferService``).
+
+Runs inside the encoder's vLLM engine process, next to the outbound store, on a
+``grpc.aio`` server in its own thread (``epd-transfer-server``), so vLLM's
+model-runner thread only ever does ``OutboundStore.put``. One stream serves
+many items; each Reserve gets its own task, so a slow encode never blocks
+another item's bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+
+import grpc
+
+from ectransfer.base import ProducerTransport
+from ectransfer.outbound import OutboundItem, OutboundStore
+from ectransfer.protocol import CompatError, check_compat
+from ectransfer import tensors
+from epd.common.v1 import common_pb2
+from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+class TransferServicer(encoder_pb2_grpc.TransferServiceServicer):
+    def __init__(
+        self,
+        store: OutboundStore,
+        compat: common_pb2.CompatInfo,
+        producer_id: str,
+        transports: dict[int, ProducerTransport],
+        item_wait_s: float = 60.0,
+    ) -> None:
+        self.store = store
+        self.compat = compat
+        self.producer_id = producer_id
+        self.transports = transports
+        self.item_wait_s = item_wait_s
+
+    def _choose(self, offered: list[int]) -> ProducerTransport | None:
+        for kind in offered or [common_pb2.GRPC_CHUNKS]:
+            if kind in self.transports:
+                return self.transports[kind]
+        return None
+
+    async def Transfer(self, request_iterator, context):
+        out: asyncio.Queue = asyncio.Queue()
+        first = await anext(aiter(request_iterator), None)
+        if first is None or first.WhichOneof("msg") != "hello":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first Transfer message must be Hello")
+        hello = first.hello
+        try:
+            check_compat(self.compat, hello.compat)
+        except CompatError as e:
+            logger.warning("refusing consumer %s: %s", hello.consumer_id, e)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        transport = self._choose(list(hello.transports))
+        if transport is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"no common transport: consumer offers {list(hello.transports)}, producer has {list(self.transports)}",
+            )
+        yield encoder_pb2.TransferServerMsg(
+            hello=encoder_pb2.HelloReply(
+                compat=self.compat,
+                producer_id=self.producer_id,
+                transport=transport.kind,
+                chunk_nbytes=getattr(transport, "chunk_nbytes", 0),
+            )
+        )
+        tasks: dict[str, asyncio.Task] = {}
+
+        async def read() -> None:
+            async for msg in request_iterator:
+                kind = msg.WhichOneof("msg")
+                if kind == "reserve":
+                    r = msg.reserve
+                    if r.identifier not in tasks:
+                        tasks[r.identifier] = asyncio.create_task(self._serve_item(r, transport, out))
+                elif kind in ("ack", "cancel"):
+                    ident = getattr(msg, kind).identifier
+                    task = tasks.pop(ident, None)
+                    if task is not None and not task.done():
+                        task.cancel()
+                    self.store.release(ident, kind)
+                else:
+                    logger.warning("consumer %s sent an unexpected %s", hello.consumer_id, kind)
+            await out.put(None)  # client half-closed: finish the stream
+
+        reader = asyncio.create_task(read())
+        try:
+            while (msg := await out.get()) is not None:
+                yield msg
+        finally:
+            reader.cancel()
+            for t in tasks.values():
+                t.cancel()
+
+    async def _serve_item(self, reserve: encoder_pb2.Reserve, transport: ProducerTransport, out: asyncio.Queue) -> None:
+        ident = reserve.identifier
+        item = await self._wait_for(ident)
+        if item is None:
+            await out.put(_error(ident, encoder_pb2.ItemError.TIMED_OUT,
+                                 f"item {ident} was not encoded here within {self.item_wait_s}s"))
+            return
+        item = self.store.begin_send(ident)
+        if item is None:  # freed between ready and now (lease or another consumer's ack)
+            await out.put(_error(ident, encoder_pb2.ItemError.NOT_FOUND, f"item {ident} is no longer held here"))
+            return
+        try:
+            nbytes = item.slot.nbytes
+            if nbytes > reserve.max_nbytes:
+                await out.put(_error(ident, encoder_pb2.ItemError.TOO_LARGE,
+                                     f"item {ident} has {nbytes} bytes, consumer reserved {reserve.max_nbytes}"))
+                return
+            data = self.store.view(item)
+            desc = common_pb2.TensorDescriptor(
+                shape=list(item.shape), dtype=tensors.dtype_to_proto(item.dtype), nbytes=nbytes
+            )
+            transport.describe(data, desc)
+            await out.put(encoder_pb2.TransferServerMsg(header=encoder_pb2.ItemHeader(identifier=ident, tensor=desc)))
+            for msg in transport.payload(ident, data):
+                await out.put(msg)
+                await asyncio.sleep(0)  # let other items interleave
+        finally:
+            self.store.end_send(item)
+
+    async def _wait_for(self, ident: str) -> OutboundItem | None:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+
+        def ready(item: OutboundItem) -> None:
+            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(item))
+
+        self.store.on_ready(ident, ready)
+        try:
+            return await asyncio.wait_for(fut, self.item_wait_s)
+        except asyncio.TimeoutError:
+            return None
+        finally:
+            self.store.forget_waiter(ident, ready)
+
+
+def _error(ident: str, code: int, message: str) -> encoder_pb2.TransferServerMsg:
+    return encoder_pb2.TransferServerMsg(error=encoder_pb2.ItemError(identifier=ident, code=code, message=message))
+
+
+class TransferServerThread:
+    """Owns the asyncio loop and the grpc.aio server of the Transfer service.
+
+    ``start()`` binds and returns the bound port (port 0 picks a free one);
+    ``stop()`` stops the server and the loop. A lease sweeper runs on the same
+    loop and frees outbound items nobody acked within the store's TTL.
+    """
+
+    def __init__(self, servicer: TransferServicer, host: str, port: int, sweep_s: float = 1.0) -> None:
+        self.servicer = servicer
+        self.host = host
+        self.port = port
+        self.sweep_s = sweep_s
+        self.bound_port: int | None = None
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name="epd-transfer-server", daemon=True)
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._server: grpc.aio.Server | None = None
+
+    def start(self) -> int:
+        self._thread.start()
+        self._ready.wait()
+        if self._error is not None:
+            raise RuntimeError(f"transfer server failed to bind {self.host}:{self.port}") from self._error
+        assert self.bound_port is not None
+        return self.bound_port
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._start())
+        except BaseException as e:  # noqa: BLE001 - reported to start()
+            self._error = e
+            self._ready.set()
+            return
+        self._ready.set()
+        self._loop.run_forever()
+
+    async def _start(self) -> None:
+        self._server = grpc.aio.server(options=_GRPC_OPTIONS)
+        encoder_pb2_grpc.add_TransferServiceServicer_to_server(self.servicer, self._server)
+        self.bound_port = self._server.add_insecure_port(f"{self.host}:{self.port}")
+        if not self.bound_port:
+            raise OSError(f"cannot bind {self.host}:{self.port}")
+        await self._server.start()
+        self._sweeper = asyncio.create_task(self._sweep())
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(self.sweep_s)
+            self.servicer.store.expire()
+
+    def stop(self, grace: float = 1.0) -> None:
+        if not self._thread.is_alive():
+            return
+
+        async def _stop() -> None:
+            self._sweeper.cancel()
+            if self._server is not None:
+                await self._server.stop(grace)
+
+        asyncio.run_coroutine_threadsafe(_stop(), self._loop).result(timeout=grace + 5)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+
+
+_GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", 64 << 20),
+    ("grpc.max_receive_message_length", 64 << 20),
+]

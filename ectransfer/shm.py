@@ -1,0 +1,207 @@
+"""POSIX shared memory: segments, a pool backed by one, and the SHM transport.
+
+Segments live in /dev/shm, are created 0600 with O_EXCL by their owner, carry
+the owner's pid in their name (``epd-<role>-<pid>-<random>``) and are unlinked
+by that owner on close. ``cleanup_orphans`` unlinks segments whose owner pid is
+gone (a ``kill -9``), and every owner calls it when it starts.
+
+SHM transport: the producer's outbound pool is a segment; an item travels as
+(segment, offset) and the consumer copies it out of its mapping, which it opens
+once per segment and caches. The producer's slot stays allocated until the
+consumer acks, so the bytes cannot change under the copy.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import re
+import secrets
+import warnings
+
+import torch
+
+from ectransfer.base import ConsumerTransport, ProducerTransport, Receiver
+from ectransfer.pool import ALIGNMENT, Pool
+from ectransfer.protocol import ProtocolError
+from epd.common.v1 import common_pb2
+
+logger = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
+_OWNED = re.compile(r"^epd-[a-z]+-(\d+)-[0-9a-f]+$")
+
+
+def validate_name(name: str) -> str:
+    if not _NAME.match(name) or name in (".", ".."):
+        raise ValueError(f"invalid shared-memory name {name!r}: use 1-200 of [A-Za-z0-9_.-], no path separators")
+    return name
+
+
+def new_name(role: str) -> str:
+    return f"epd-{role}-{os.getpid()}-{secrets.token_hex(6)}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def cleanup_orphans() -> list[str]:
+    """Unlinks epd segments whose owner process no longer exists."""
+    removed = []
+    try:
+        names = os.listdir(SHM_DIR)
+    except FileNotFoundError:
+        return removed
+    for name in names:
+        m = _OWNED.match(name)
+        if m and not _pid_alive(int(m.group(1))):
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+                removed.append(name)
+            except FileNotFoundError:
+                pass
+    if removed:
+        logger.warning("removed %d orphaned shared-memory segment(s): %s", len(removed), ", ".join(removed))
+    return removed
+
+
+class ShmSegment:
+    """One mapping of a /dev/shm segment. ``create`` makes the caller the owner
+    (who must ``unlink``); ``attach`` maps an existing one."""
+
+    def __init__(self, name: str, fd: int, nbytes: int, owner: bool, readonly: bool) -> None:
+        self.name, self.nbytes, self.owner = name, nbytes, owner
+        prot = mmap.PROT_READ if readonly else mmap.PROT_READ | mmap.PROT_WRITE
+        self._mmap = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, prot)
+        os.close(fd)
+        with warnings.catch_warnings():
+            # A read-only mapping: torch cannot mark the tensor read-only, and we never write it.
+            warnings.simplefilter("ignore", UserWarning)
+            self.buffer = torch.frombuffer(self._mmap, dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
+
+    @classmethod
+    def create(cls, name: str, nbytes: int) -> "ShmSegment":
+        path = os.path.join(SHM_DIR, validate_name(name))
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+        except OSError:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        return cls(name, fd, nbytes, owner=True, readonly=False)
+
+    @classmethod
+    def attach(cls, name: str, readonly: bool = True) -> "ShmSegment":
+        path = os.path.join(SHM_DIR, validate_name(name))
+        fd = os.open(path, os.O_RDONLY if readonly else os.O_RDWR)
+        return cls(name, fd, os.fstat(fd).st_size, owner=False, readonly=readonly)
+
+    def close(self) -> None:
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+        try:
+            self._mmap.close()
+        except BufferError:
+            pass  # a tensor view is still alive; the mapping goes with it
+        if self.owner:
+            self.unlink()
+
+    def unlink(self) -> None:
+        try:
+            os.unlink(os.path.join(SHM_DIR, self.name))
+        except FileNotFoundError:
+            pass
+
+
+class ShmPool(Pool):
+    """A Pool whose backing buffer is a shared-memory segment this process owns."""
+
+    def __init__(self, capacity: int, role: str, alignment: int = ALIGNMENT) -> None:
+        cleanup_orphans()
+        self.segment = ShmSegment.create(new_name(role), capacity)
+        super().__init__(capacity, alignment)
+
+    def _make_buffer(self, capacity: int) -> torch.Tensor:
+        return self.segment.buffer
+
+    @property
+    def name(self) -> str:
+        return self.segment.name
+
+    def close(self) -> None:
+        super().close()
+        self.segment.close()
+
+
+class Mappings:
+    """Segments this process attached, mapped once each (cached by name)."""
+
+    def __init__(self) -> None:
+        self._segments: dict[str, ShmSegment] = {}
+
+    def get(self, name: str) -> ShmSegment:
+        seg = self._segments.get(name)
+        if seg is None:
+            seg = self._segments[name] = ShmSegment.attach(name)
+        return seg
+
+    def close(self) -> None:
+        for seg in self._segments.values():
+            seg.close()
+        self._segments.clear()
+
+
+class ShmProducer(ProducerTransport):
+    """Describes items of a ShmPool by (segment, offset); sends no bytes."""
+
+    kind = common_pb2.SHM
+
+    def __init__(self, pool: ShmPool) -> None:
+        self.pool = pool
+
+    def describe(self, data: torch.Tensor, desc: common_pb2.TensorDescriptor) -> None:
+        offset = data.data_ptr() - self.pool.buffer.data_ptr() if data.numel() else 0
+        desc.shm.segment = self.pool.name
+        desc.shm.offset = offset
+        desc.shm.segment_nbytes = self.pool.capacity
+
+
+class _Done(Receiver):
+    @property
+    def complete(self) -> bool:
+        return True
+
+
+class ShmConsumer(ConsumerTransport):
+    """Copies an item out of the producer's segment into ``dest`` at once."""
+
+    kind = common_pb2.SHM
+
+    def __init__(self) -> None:
+        self.mappings = Mappings()
+
+    def receiver(self, desc: common_pb2.TensorDescriptor, dest: torch.Tensor) -> Receiver:
+        if desc.WhichOneof("payload") != "shm":
+            raise ProtocolError(f"expected a shared-memory payload, got {desc.WhichOneof('payload')}")
+        ref = desc.shm
+        try:
+            seg = self.mappings.get(ref.segment)
+        except (OSError, ValueError) as e:
+            raise ProtocolError(f"cannot map shared-memory segment {ref.segment!r}: {e}") from None
+        if ref.offset + desc.nbytes > seg.nbytes:
+            raise ProtocolError(f"shm range {ref.offset}+{desc.nbytes} exceeds segment {ref.segment} ({seg.nbytes})")
+        if desc.nbytes:
+            dest.copy_(seg.buffer[ref.offset : ref.offset + desc.nbytes])
+        return _Done()
+
+    def close(self) -> None:
+        self.mappings.close()

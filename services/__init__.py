@@ -1,0 +1,1 @@
+"""EPD services: encoder, LM, gateway and shared helpers."""

@@ -1,0 +1,1 @@
+"""Pieces every service shares: errors, gRPC server wiring, engine building, media."""

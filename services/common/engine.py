@@ -1,0 +1,74 @@
+"""Builds the embedded vLLM engine (AsyncLLM) for a service."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+# Before vLLM is imported anywhere: nothing at run time may reach a model hub.
+for _k, _v in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+               "VLLM_DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false"}.items():
+    os.environ.setdefault(_k, _v)
+
+
+@dataclass
+class EngineConfig:
+    model: str = ""
+    """Model directory or name (default: the built-in tiny model)."""
+    dtype: str = "bfloat16"
+    """Weights and activations dtype."""
+    max_model_len: int = 0
+    """Longest prompt + output in tokens (0: the model's own limit)."""
+    max_num_seqs: int = 8
+    """Concurrent sequences per engine step."""
+    kv_cache_bytes: int = 64 << 20
+    """KV cache size in bytes (0: let vLLM size it from free memory)."""
+    enforce_eager: bool = True
+    """Skip graph capture (fast start; set False on GPU hosts for speed)."""
+    seed: int = 0
+    """Engine seed."""
+    max_images_per_prompt: int = 8
+    """vLLM's limit_mm_per_prompt for images."""
+    device: str = "auto"
+    """"auto", "cpu" or "cuda" (informational; vLLM picks the platform)."""
+    engine_args: dict[str, Any] = field(default_factory=dict)
+    """Extra vLLM engine arguments (JSON on the command line)."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("bfloat16", "float16", "float32", "auto"):
+            raise ValueError(f"dtype must be one of bfloat16, float16, float32, auto; got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda; got {self.device!r}")
+        if isinstance(self.engine_args, str):
+            self.engine_args = json.loads(self.engine_args)
+
+
+def engine_kwargs(cfg: EngineConfig, ec_transfer_config: dict[str, Any] | None = None) -> dict[str, Any]:
+    kw: dict[str, Any] = dict(
+        model=cfg.model,
+        dtype=cfg.dtype,
+        max_num_seqs=cfg.max_num_seqs,
+        enforce_eager=cfg.enforce_eager,
+        seed=cfg.seed,
+        limit_mm_per_prompt={"image": cfg.max_images_per_prompt},
+    )
+    if cfg.max_model_len:
+        kw["max_model_len"] = cfg.max_model_len
+    if cfg.kv_cache_bytes:
+        kw["kv_cache_memory_bytes"] = cfg.kv_cache_bytes
+    if ec_transfer_config is not None:
+        from vllm.config import ECTransferConfig
+
+        kw["ec_transfer_config"] = ECTransferConfig(**ec_transfer_config)
+    kw.update(cfg.engine_args)
+    return kw
+
+
+def build_async_engine(cfg: EngineConfig, ec_transfer_config: dict[str, Any] | None = None):
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    args = AsyncEngineArgs(**engine_kwargs(cfg, ec_transfer_config))
+    return AsyncLLM.from_engine_args(args)

@@ -1,0 +1,1 @@
+"""The encoder service: vLLM in encoder-only producer mode behind gRPC."""

@@ -1,0 +1,33 @@
+"""Encoder service configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EncoderServiceConfig:
+    host: str = "127.0.0.1"
+    """Address of the API port (Encode, GetInfo, health, reflection)."""
+    port: int = 50051
+    """API port (0 picks a free one)."""
+    transfer_host: str = "127.0.0.1"
+    """Address the Transfer server (inside the engine process) binds."""
+    advertise_host: str = ""
+    """Address LMs dial for Transfer (default: transfer_host; the pod IP on Kubernetes)."""
+    transfer_port: int = 0
+    """Transfer port (0 picks a free one)."""
+    metrics_port: int = 0
+    """Prometheus /metrics HTTP port (0: disabled)."""
+    outbound_pool_mib: int = 256
+    """Outbound pool size: encoder outputs held until an LM acks them."""
+    transports: str = "grpc"
+    """Transports offered to LMs, best first (comma-separated; allowed: grpc)."""
+    lease_s: float = 60.0
+    """An outbound item nobody acked within this time is freed."""
+    encode_timeout_s: float = 60.0
+    """An Encode that takes longer fails with DEADLINE_EXCEEDED."""
+
+    def __post_init__(self) -> None:
+        if self.outbound_pool_mib <= 0:
+            raise ValueError(f"outbound_pool_mib must be > 0, got {self.outbound_pool_mib}")

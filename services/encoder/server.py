@@ -1,0 +1,100 @@
+"""Encoder service wiring and lifecycle.
+
+Start: build the producer engine (its connector binds the Transfer server in
+the engine process and writes the bound endpoint to a file), then serve
+EncoderService + health + reflection. Stop: NOT_SERVING, stop gRPC, then shut
+the engine down (which stops the Transfer server and frees the pool).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import tempfile
+import time
+
+from ectransfer.connector.common import compat_for
+from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
+from services.common.engine import EngineConfig, build_async_engine
+from services.common.grpc_server import GrpcServer
+from services.encoder.config import EncoderServiceConfig
+from services.encoder.servicer import EncoderServicer, dtype_enum
+
+logger = logging.getLogger(__name__)
+
+
+def _ec_config(cfg: EncoderServiceConfig, engine_cfg: EngineConfig, endpoint_file: str) -> dict:
+    return {
+        "ec_connector": "EPDConnector",
+        "ec_connector_module_path": "ectransfer.connector",
+        "ec_role": "ec_producer",
+        "ec_connector_extra_config": {
+            "transfer_host": cfg.transfer_host,
+            "advertise_host": cfg.advertise_host,
+            "transfer_port": cfg.transfer_port,
+            "endpoint_file": endpoint_file,
+            "outbound_pool_bytes": cfg.outbound_pool_mib << 20,
+            "transports": [t for t in cfg.transports.split(",") if t],
+            "lease_s": cfg.lease_s,
+            "model_name": engine_cfg.model,
+        },
+    }
+
+
+def _placeholder(engine) -> str:
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    mc = engine.model_config
+    model_cls, _ = ModelRegistry.resolve_model_cls(mc.architectures, mc)
+    ph = model_cls.get_placeholder_str("image", 1)
+    if not ph:
+        raise ValueError(f"{mc.architectures} declares no image placeholder")
+    return ph
+
+
+async def serve(cfg: EncoderServiceConfig, engine_cfg: EngineConfig, stop: asyncio.Event | None = None) -> None:
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    fd, endpoint_file = tempfile.mkstemp(prefix="epd-encoder-", suffix=".endpoint")
+    os.close(fd)
+    os.unlink(endpoint_file)
+    engine = build_async_engine(engine_cfg, _ec_config(cfg, engine_cfg, endpoint_file))
+    server = None
+    try:
+        deadline = time.monotonic() + 30
+        while not os.path.exists(endpoint_file):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the engine's transfer server did not report its endpoint")
+            await asyncio.sleep(0.05)
+        with open(endpoint_file) as f:
+            transfer_endpoint = f.read().strip()
+        os.unlink(endpoint_file)
+        mc = engine.model_config
+        info = encoder_pb2.EncoderInfo(
+            encoder_id=engine.vllm_config.ec_transfer_config.engine_id,
+            transfer_endpoint=transfer_endpoint,
+            compat=compat_for(engine.vllm_config, engine_cfg.model),
+        )
+        servicer = EncoderServicer(engine, info, _placeholder(engine), mc.get_hidden_size(),
+                                   dtype_enum(str(mc.dtype).removeprefix("torch.")), cfg.encode_timeout_s)
+        server = GrpcServer(cfg.host, cfg.port)
+        server.add(encoder_pb2_grpc.add_EncoderServiceServicer_to_server, servicer, "epd.encoder.v1.EncoderService")
+        port = await server.start()
+        if cfg.metrics_port:
+            from prometheus_client import start_http_server
+
+            start_http_server(cfg.metrics_port, addr=cfg.host)
+        await server.set_serving(True)
+        logger.info("encoder ready: api %s:%d, transfer %s, model %s", cfg.host, port, transfer_endpoint,
+                    engine_cfg.model)
+        await stop.wait()
+    finally:
+        if server is not None:
+            await server.stop()
+        engine.shutdown()
+        if os.path.exists(endpoint_file):
+            os.unlink(endpoint_file)

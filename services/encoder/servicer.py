@@ -1,0 +1,109 @@
+"""EncoderService handlers: Encode and GetInfo.
+
+Encode processes the media once in vLLM's frontend (HF processor), streams each
+item's metadata right away, then runs the engine (encoder only) and streams
+"encoded" per item once the output sits in the outbound pool, which the
+connector inside the engine process owns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+
+from prometheus_client import Counter, Histogram
+
+from ectransfer import tensors
+from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
+from services.common.errors import BadInput, EPDError
+from services.common.media import content_id, decode_image
+
+logger = logging.getLogger(__name__)
+
+ENCODE_REQUESTS = Counter("epd_encoder_requests_total", "Encode calls", ["status"])
+ENCODER_RUNS = Counter("epd_encoder_vision_runs_total", "Items the vision encoder actually ran on")
+ITEMS = Counter("epd_encoder_items_total", "Items requested through Encode")
+ENCODE_SECONDS = Histogram("epd_encoder_encode_seconds", "Encode call duration",
+                           buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+
+
+class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
+    def __init__(self, engine, info: encoder_pb2.EncoderInfo, placeholder: str, embed_width: int,
+                 dtype: int, timeout_s: float) -> None:
+        self.engine = engine
+        self.info = info
+        self.placeholder = placeholder
+        self.embed_width = embed_width
+        self.dtype = dtype
+        self.timeout_s = timeout_s
+        self._tasks = None
+
+    async def GetInfo(self, request, context):
+        return self.info
+
+    async def Encode(self, request, context):
+        from vllm import SamplingParams
+
+        t0 = time.perf_counter()
+        status = "error"
+        rid = request.request_id or uuid.uuid4().hex
+        try:
+            if not request.items:
+                raise BadInput("Encode needs at least one item")
+            images, idents = [], []
+            for i, item in enumerate(request.items):
+                if item.modality not in ("", "image"):
+                    raise BadInput(f"item {i}: modality {item.modality!r} is not supported (allowed: image)")
+                images.append(decode_image(item.data))
+                idents.append(item.identifier or content_id(item.data))
+            ITEMS.inc(len(images))
+            prompt = {
+                "prompt": self.placeholder * len(images),
+                "multi_modal_data": {"image": images},
+                "multi_modal_uuids": {"image": idents},
+            }
+            params = SamplingParams(max_tokens=1)
+            try:
+                engine_req = await self.engine.input_processor.process_inputs_async(
+                    rid, prompt, params, supported_tasks=await self.engine.get_supported_tasks())
+            except ValueError as e:
+                raise BadInput(f"input rejected by the encoder's processor: {e}") from None
+            features = engine_req.mm_features or []
+            for index, feat in enumerate(features):
+                yield encoder_pb2.EncodeEvent(metadata=encoder_pb2.ItemMetadata(
+                    identifier=feat.identifier, index=index, modality=feat.modality,
+                    num_embeds=feat.mm_position.get_num_embeds(), embed_width=self.embed_width,
+                    dtype=self.dtype, transfer_endpoint=self.info.transfer_endpoint,
+                    encoder_id=self.info.encoder_id))
+            final = None
+            async with asyncio.timeout(self.timeout_s):
+                async for out in self.engine.generate(engine_req, params, rid):
+                    final = out
+            if final is None or not final.finished:
+                raise EPDError(f"request {rid}: the encoder engine returned no result")
+            if final.outputs and final.outputs[0].finish_reason not in (None, "stop", "length"):
+                raise EPDError(f"request {rid}: encoding failed ({final.outputs[0].finish_reason})")
+            runs = (final.ec_transfer_params or {}).get("encoder_runs", 0)
+            ENCODER_RUNS.inc(runs)
+            encode_ms = (time.perf_counter() - t0) * 1e3
+            for index, feat in enumerate(features):
+                yield encoder_pb2.EncodeEvent(encoded=encoder_pb2.ItemEncoded(
+                    identifier=feat.identifier, index=index, encode_ms=encode_ms))
+            status = "ok"
+            logger.info("request %s: encoded %d item(s) in %.1f ms (%d vision run(s))",
+                        rid, len(features), encode_ms, runs)
+        except TimeoutError:
+            await self.engine.abort(rid)
+            raise EPDError(f"request {rid}: encode took longer than {self.timeout_s}s") from None
+        except asyncio.CancelledError:
+            await self.engine.abort(rid)
+            raise
+        finally:
+            ENCODE_REQUESTS.labels(status).inc()
+            ENCODE_SECONDS.observe(time.perf_counter() - t0)
+
+
+def dtype_enum(name: str) -> int:
+    return tensors.dtype_to_proto(tensors.dtype_from_name(name))

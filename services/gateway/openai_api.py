@@ -1,0 +1,275 @@
+"""OpenAI-compatible REST: request parsing, responses, SSE, and the one
+function that maps gRPC status codes to OpenAI-style HTTP errors."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import logging
+import time
+import uuid
+from typing import Any
+
+import grpc
+from aiohttp import web
+
+from epd.lm.v1 import lm_pb2
+from services.common.media import content_id
+from services.gateway.config import GatewayConfig
+from services.gateway.orchestrator import Media, Orchestrator, Timings
+
+logger = logging.getLogger(__name__)
+
+_HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.FAILED_PRECONDITION: (502, "server_error"),
+    grpc.StatusCode.UNAVAILABLE: (503, "server_error"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "server_error"),
+    grpc.StatusCode.CANCELLED: (499, "server_error"),
+}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param = status, message, type_, param
+
+
+def from_grpc(e: grpc.aio.AioRpcError) -> ApiError:
+    """The one place gRPC codes become HTTP errors."""
+    status, type_ = _HTTP_STATUS.get(e.code(), (500, "server_error"))
+    return ApiError(status, e.details() or e.code().name, type_)
+
+
+def error_body(e: ApiError) -> dict[str, Any]:
+    return {"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.status}}
+
+
+def error_response(e: ApiError) -> web.Response:
+    return web.json_response(error_body(e), status=e.status)
+
+
+def _sampling(body: dict[str, Any]) -> lm_pb2.SamplingOptions:
+    s = lm_pb2.SamplingOptions()
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    try:
+        if max_tokens is not None:
+            if not isinstance(max_tokens, int) or max_tokens <= 0:
+                raise ApiError(400, "max_tokens must be a positive integer", param="max_tokens")
+            s.max_tokens = max_tokens
+        for name in ("temperature", "top_p"):
+            if body.get(name) is not None:
+                if not isinstance(body[name], (int, float)):
+                    raise ApiError(400, f"{name} must be a number", param=name)
+                setattr(s, name, float(body[name]))
+        if body.get("seed") is not None:
+            s.seed = int(body["seed"])
+        if body.get("n") is not None:
+            s.n = int(body["n"])
+    except (TypeError, ValueError) as e:
+        raise ApiError(400, f"bad sampling parameter: {e}") from None
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        s.stop.append(stop)
+    elif isinstance(stop, list) and all(isinstance(x, str) for x in stop):
+        s.stop.extend(stop)
+    elif stop is not None:
+        raise ApiError(400, "stop must be a string or a list of strings", param="stop")
+    return s
+
+
+def _image_bytes(url: str, cfg: GatewayConfig) -> bytes:
+    if not url.startswith("data:"):
+        if url.startswith(("http://", "https://")):
+            raise ApiError(400, "http(s) image URLs are not enabled on this gateway; send a data: URL", param="image_url")
+        raise ApiError(400, f"unsupported image URL scheme in {url[:32]!r}; use a data: URL", param="image_url")
+    header, _, payload = url.partition(",")
+    mime = header[5:].split(";")[0].strip().lower()
+    if not mime.startswith("image/"):
+        raise ApiError(400, f"data URL has media type {mime or 'none'!r}, expected image/*", param="image_url")
+    if ";base64" not in header:
+        raise ApiError(400, "image data URLs must be base64-encoded", param="image_url")
+    if len(payload) * 3 // 4 > cfg.max_image_bytes:
+        raise ApiError(413, f"image larger than {cfg.max_image_bytes} bytes", param="image_url")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise ApiError(400, "image data URL is not valid base64", param="image_url") from None
+
+
+def parse_chat(body: Any, cfg: GatewayConfig) -> tuple[lm_pb2.GenerateRequest, list[Media]]:
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "'messages' is required and must be a non-empty list", param="messages")
+    req = lm_pb2.GenerateRequest(request_id=f"chatcmpl-{uuid.uuid4().hex}", sampling=_sampling(body))
+    media: list[Media] = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ApiError(400, f"messages[{i}] must be an object with a 'role'", param="messages")
+        msg = req.chat.messages.add(role=m["role"])
+        content = m.get("content")
+        if isinstance(content, str):
+            msg.content.add(text=content)
+            continue
+        if not isinstance(content, list):
+            raise ApiError(400, f"messages[{i}].content must be a string or a list of parts", param="messages")
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                msg.content.add(text=part["text"])
+            elif kind == "image_url":
+                url = part.get("image_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                if not isinstance(url, str):
+                    raise ApiError(400, f"messages[{i}].content[{j}].image_url.url is required", param="messages")
+                if len(media) >= cfg.max_images:
+                    raise ApiError(400, f"at most {cfg.max_images} images per request", param="messages")
+                data = _image_bytes(url, cfg)
+                ident = content_id(data)
+                msg.content.add(item_index=len(media))
+                req.items.add(modality="image", identifier=ident, data=data)
+                media.append(Media(data, ident))
+            else:
+                raise ApiError(400, f"messages[{i}].content[{j}]: unsupported part type {kind!r}", param="messages")
+    return req, media
+
+
+def parse_completion(body: Any) -> lm_pb2.GenerateRequest:
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise ApiError(400, "'prompt' is required and must be a string", param="prompt")
+    return lm_pb2.GenerateRequest(request_id=f"cmpl-{uuid.uuid4().hex}", prompt=prompt, sampling=_sampling(body))
+
+
+class OpenAIRoutes:
+    def __init__(self, cfg: GatewayConfig, orch: Orchestrator, model: str) -> None:
+        self.cfg, self.orch, self.model = cfg, orch, model
+
+    def add_to(self, app: web.Application) -> None:
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+
+    async def _json(self, request: web.Request) -> Any:
+        try:
+            return json.loads(await request.read())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"request body is not valid JSON: {e}") from None
+
+    def _check_model(self, body: dict) -> None:
+        model = body.get("model")
+        if model not in (None, "", self.model):
+            raise ApiError(404, f"model {model!r} does not exist; this gateway serves {self.model!r}",
+                           "not_found_error", "model")
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": self.model, "object": "model", "created": 0, "owned_by": "epd-serve"}]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = await self._json(request)
+            req, media = parse_chat(body, self.cfg)
+            self._check_model(body)
+        except ApiError as e:
+            return error_response(e)
+        return await self._run(request, req, media, body, chat=True)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = await self._json(request)
+            req = parse_completion(body)
+            self._check_model(body)
+        except ApiError as e:
+            return error_response(e)
+        return await self._run(request, req, [], body, chat=False)
+
+    async def _run(self, request, req, media, body, chat: bool) -> web.StreamResponse:
+        timings = Timings()
+        stream = bool(body.get("stream"))
+        created = int(time.time())
+        gen = self.orch.generate(req, media, timings)
+        if not stream:
+            text, ids, final = [], [], None
+            try:
+                async for resp in gen:
+                    text.append(resp.text)
+                    ids.extend(resp.token_ids)
+                    final = resp
+            except grpc.aio.AioRpcError as e:
+                return error_response(from_grpc(e))
+            return web.json_response(self._full(req.request_id, created, "".join(text), ids, final, timings, chat))
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        first = True
+        try:
+            async for resp in gen:
+                if chat and first:
+                    await _sse(response, self._chunk(req.request_id, created, {"role": "assistant", "content": ""},
+                                                     None, chat))
+                    first = False
+                if resp.text or resp.finish_reason:
+                    delta = {"content": resp.text} if chat else resp.text
+                    await _sse(response, self._chunk(req.request_id, created, delta, resp.finish_reason or None,
+                                                     chat, list(resp.token_ids)))
+                if resp.finish_reason and (body.get("stream_options") or {}).get("include_usage"):
+                    await _sse(response, {"id": req.request_id, "object": _obj(chat, True), "created": created,
+                                          "model": self.model, "choices": [], "usage": _usage(resp)})
+        except grpc.aio.AioRpcError as e:
+            await _sse(response, error_body(from_grpc(e)))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    def _chunk(self, rid, created, delta, finish, chat, token_ids=None) -> dict:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
+        if chat:
+            choice["delta"] = delta
+        else:
+            choice["text"] = delta
+        if token_ids is not None:
+            choice["token_ids"] = token_ids
+        return {"id": rid, "object": _obj(chat, True), "created": created, "model": self.model, "choices": [choice]}
+
+    def _full(self, rid, created, text, ids, final, timings: Timings, chat: bool) -> dict:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": final.finish_reason if final else "stop",
+                                  "token_ids": ids}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return {
+            "id": rid, "object": _obj(chat, False), "created": created, "model": self.model,
+            "choices": [choice], "usage": _usage(final),
+            "epd": {"timings": timings.as_dict(),
+                    "local_encoder_runs": final.local_encoder_runs if final else 0,
+                    "transferred_items": final.transferred_items if final else 0},
+        }
+
+
+def _obj(chat: bool, chunk: bool) -> str:
+    return ("chat.completion" if chat else "text_completion") + (".chunk" if chunk and chat else "")
+
+
+def _usage(final) -> dict[str, int]:
+    p = final.usage.prompt_tokens if final else 0
+    c = final.usage.completion_tokens if final else 0
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+async def _sse(response: web.StreamResponse, payload: dict) -> None:
+    await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")

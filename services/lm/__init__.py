@@ -1,0 +1,1 @@
+"""The LM service: vLLM (AsyncLLM) as the EC consumer behind gRPC."""

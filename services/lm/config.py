@@ -1,0 +1,29 @@
+"""LM service configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class LMServiceConfig:
+    host: str = "127.0.0.1"
+    """Address of the API port (Generate, GetInfo, health, reflection)."""
+    port: int = 50061
+    """API port (0 picks a free one)."""
+    metrics_port: int = 0
+    """Prometheus /metrics HTTP port (0: disabled)."""
+    staging_mib: int = 256
+    """Inbound staging for encoder outputs (transfers wait when it is full)."""
+    transports: str = "grpc"
+    """Transports this LM can use, best first (comma-separated; allowed: grpc)."""
+    transfer_timeout_s: float = 30.0
+    """An item with no data from its encoder within this time fails its request."""
+    handshake_timeout_s: float = 5.0
+    """Compatibility handshake with a new encoder endpoint."""
+    default_max_tokens: int = 256
+    """max_tokens when the request sets none."""
+
+    def __post_init__(self) -> None:
+        if self.staging_mib <= 0:
+            raise ValueError(f"staging_mib must be > 0, got {self.staging_mib}")

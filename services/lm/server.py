@@ -1,0 +1,62 @@
+"""LM service wiring and lifecycle: consumer engine + LMService + health."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+from ectransfer import factory
+from ectransfer.connector.common import compat_for
+from epd.lm.v1 import lm_pb2, lm_pb2_grpc
+from services.common.engine import EngineConfig, build_async_engine
+from services.common.grpc_server import GrpcServer
+from services.lm.config import LMServiceConfig
+from services.lm.peers import PeerChecker
+from services.lm.servicer import LMServicer
+
+logger = logging.getLogger(__name__)
+
+
+def _ec_config(cfg: LMServiceConfig, engine_cfg: EngineConfig) -> dict:
+    return {
+        "ec_connector": "EPDConnector",
+        "ec_connector_module_path": "ectransfer.connector",
+        "ec_role": "ec_consumer",
+        "ec_connector_extra_config": {
+            "staging_bytes": cfg.staging_mib << 20,
+            "transports": [t for t in cfg.transports.split(",") if t],
+            "transfer_timeout_s": cfg.transfer_timeout_s,
+            "model_name": engine_cfg.model,
+        },
+    }
+
+
+async def serve(cfg: LMServiceConfig, engine_cfg: EngineConfig, stop: asyncio.Event | None = None) -> None:
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    engine = build_async_engine(engine_cfg, _ec_config(cfg, engine_cfg))
+    server = None
+    try:
+        compat = compat_for(engine.vllm_config, engine_cfg.model)
+        transports = [factory.transport_enum(t) for t in cfg.transports.split(",") if t]
+        peers = PeerChecker(compat, engine.vllm_config.ec_transfer_config.engine_id, transports,
+                            cfg.handshake_timeout_s)
+        info = lm_pb2.LMInfo(model=engine_cfg.model, compat=compat)
+        server = GrpcServer(cfg.host, cfg.port)
+        server.add(lm_pb2_grpc.add_LMServiceServicer_to_server,
+                   LMServicer(engine, info, peers, cfg.default_max_tokens), "epd.lm.v1.LMService")
+        port = await server.start()
+        if cfg.metrics_port:
+            from prometheus_client import start_http_server
+
+            start_http_server(cfg.metrics_port, addr=cfg.host)
+        await server.set_serving(True)
+        logger.info("lm ready: api %s:%d, model %s", cfg.host, port, engine_cfg.model)
+        await stop.wait()
+    finally:
+        if server is not None:
+            await server.stop()
+        engine.shutdown()

@@ -1,0 +1,163 @@
+"""LMService handlers: Generate and GetInfo.
+
+Generate hands vLLM the prompt, the media (only as far as the model's
+processor needs it to lay out the prompt) and, per item, the encoder it comes
+from (``ec_transfer_params``); the consumer connector inside the engine pulls
+the embeddings. A cancelled call aborts the engine request, which releases its
+staging reservations through the connector's ``request_finished``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+
+from prometheus_client import Counter, Histogram
+
+from ectransfer import tensors
+from epd.lm.v1 import lm_pb2, lm_pb2_grpc
+from services.common.chat import render_chat
+from services.common.errors import BadInput, PeerUnavailable
+from services.common.media import decode_image
+from services.lm.peers import PeerChecker
+
+logger = logging.getLogger(__name__)
+
+REQUESTS = Counter("epd_lm_requests_total", "Generate calls", ["status"])
+LOCAL_ENCODER_RUNS = Counter("epd_lm_local_encoder_runs_total", "Items this LM had to encode itself")
+TRANSFERRED = Counter("epd_lm_transferred_items_total", "Items whose embedding arrived from an encoder")
+TTFT = Histogram("epd_lm_ttft_seconds", "Arrival at the LM to first token",
+                 buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+TRANSFER = Histogram("epd_lm_transfer_seconds", "Time a request waited for encoder outputs",
+                     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5))
+
+
+class LMServicer(lm_pb2_grpc.LMServiceServicer):
+    def __init__(self, engine, info: lm_pb2.LMInfo, peers: PeerChecker, default_max_tokens: int) -> None:
+        self.engine = engine
+        self.info = info
+        self.peers = peers
+        self.default_max_tokens = default_max_tokens
+        self.max_model_len = engine.model_config.max_model_len
+
+    async def GetInfo(self, request, context):
+        return self.info
+
+    def _sampling(self, s: lm_pb2.SamplingOptions, sources: dict):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        if s.HasField("n") and s.n != 1:
+            raise BadInput(f"n={s.n} is not supported (only 1)")
+        temperature = s.temperature if s.HasField("temperature") else 1.0
+        if temperature < 0:
+            raise BadInput(f"temperature must be >= 0, got {temperature}")
+        top_p = s.top_p if s.HasField("top_p") else 1.0
+        if not 0 < top_p <= 1:
+            raise BadInput(f"top_p must be in (0, 1], got {top_p}")
+        max_tokens = s.max_tokens or self.default_max_tokens
+        if max_tokens >= self.max_model_len:
+            raise BadInput(f"max_tokens={max_tokens} exceeds the model's context ({self.max_model_len})")
+        return SamplingParams(
+            temperature=temperature, top_p=top_p, max_tokens=max_tokens,
+            seed=s.seed if s.HasField("seed") else None, stop=list(s.stop) or None,
+            output_kind=RequestOutputKind.DELTA,
+            extra_args={"ec_transfer_params": {"items": sources}} if sources else None,
+        )
+
+    async def _prompt(self, request: lm_pb2.GenerateRequest) -> tuple[str, list[int]]:
+        """Prompt text and the item indices in prompt order."""
+        kind = request.WhichOneof("input")
+        if kind == "prompt":
+            return request.prompt, list(range(len(request.items)))
+        if kind != "chat" or not request.chat.messages:
+            raise BadInput("GenerateRequest needs chat messages or a prompt")
+        order, messages = [], []
+        for m in request.chat.messages:
+            parts = []
+            for p in m.content:
+                if p.WhichOneof("part") == "text":
+                    parts.append({"type": "text", "text": p.text})
+                else:
+                    if p.item_index >= len(request.items):
+                        raise BadInput(f"content refers to item {p.item_index}, request has {len(request.items)}")
+                    order.append(p.item_index)
+                    parts.append({"type": "image"})
+            messages.append({"role": m.role or "user", "content": parts})
+        tokenizer = self.engine.get_tokenizer() if not asyncio.iscoroutinefunction(
+            self.engine.get_tokenizer) else await self.engine.get_tokenizer()
+        try:
+            return render_chat(tokenizer, messages), order
+        except Exception as e:  # noqa: BLE001 - template errors are the caller's input
+            raise BadInput(f"chat template failed: {e}") from None
+
+    async def Generate(self, request, context):
+        t0 = time.perf_counter()
+        rid = request.request_id or uuid.uuid4().hex
+        status = "error"
+        try:
+            prompt, order = await self._prompt(request)
+            images, idents, sources = [], [], {}
+            for i in order:
+                item = request.items[i]
+                if not item.data:
+                    raise BadInput(f"item {i}: {self.info.model} needs the media bytes to lay out its prompt")
+                images.append(decode_image(item.data))
+                idents.append(item.identifier)
+                if item.HasField("source") and item.identifier:
+                    src = item.source
+                    sources[item.identifier] = {
+                        "endpoint": src.transfer_endpoint,
+                        "embed_width": src.embed_width,
+                        "dtype": tensors.dtype_name(tensors.dtype_from_proto(src.dtype)),
+                    }
+            for endpoint in {s["endpoint"] for s in sources.values()}:
+                await self.peers.check(endpoint)
+            params = self._sampling(request.sampling, sources)
+            engine_prompt: dict = {"prompt": prompt}
+            if images:
+                engine_prompt["multi_modal_data"] = {"image": images}
+                if all(idents):
+                    engine_prompt["multi_modal_uuids"] = {"image": idents}
+            n_out, first, final = 0, None, None
+            try:
+                async for out in self.engine.generate(engine_prompt, params, rid):
+                    final = out
+                    c = out.outputs[0]
+                    if c.finish_reason == "error":
+                        break
+                    if first is None and c.token_ids:
+                        first = time.perf_counter()
+                        TTFT.observe(first - t0)
+                    n_out += len(c.token_ids)
+                    if not out.finished:
+                        yield lm_pb2.GenerateResponse(request_id=rid, token_ids=c.token_ids, text=c.text)
+            except ValueError as e:  # vLLM's input validation
+                raise BadInput(str(e)) from None
+            ec = (final.ec_transfer_params if final is not None else None) or {}
+            c = final.outputs[0]
+            if c.finish_reason == "error":
+                for endpoint in {s["endpoint"] for s in sources.values()}:
+                    self.peers.forget(endpoint)
+                raise PeerUnavailable(ec.get("error") or f"request {rid}: the encoder output could not be obtained")
+            LOCAL_ENCODER_RUNS.inc(ec.get("local_encoder_runs", 0))
+            TRANSFERRED.inc(ec.get("transferred_items", 0))
+            if ec.get("transfer_ms"):
+                TRANSFER.observe(ec["transfer_ms"] / 1e3)
+            yield lm_pb2.GenerateResponse(
+                request_id=rid, token_ids=c.token_ids, text=c.text, finish_reason=c.finish_reason or "stop",
+                usage=lm_pb2.Usage(prompt_tokens=len(final.prompt_token_ids or []), completion_tokens=n_out),
+                timings=lm_pb2.Timings(transfer_ms=ec.get("transfer_ms", 0.0),
+                                       ttft_ms=((first or time.perf_counter()) - t0) * 1e3),
+                local_encoder_runs=ec.get("local_encoder_runs", 0),
+                transferred_items=ec.get("transferred_items", 0),
+            )
+            status = "ok"
+        except asyncio.CancelledError:
+            status = "cancelled"
+            await self.engine.abort(rid)
+            raise
+        finally:
+            REQUESTS.labels(status).inc()
