@@ -59,42 +59,74 @@ class OutboundStore:
         self.stats = OutboundStats()
         self._items: dict[str, OutboundItem] = {}
         self._waiters: dict[str, list[Callable[[OutboundItem], None]]] = {}
+        self._putting: set[str] = set()
+        self._failures: dict[str, str] = {}
         self._lock = threading.Lock()
 
     def put(self, identifier: str, tensor: torch.Tensor) -> bool:
         """Copies ``tensor`` into a new slot. Called on vLLM's model-runner
         thread; returns False if the item was dropped (pool full too long)."""
         with self._lock:
-            if identifier in self._items:
+            if identifier in self._items or identifier in self._putting:
                 self.stats.items_reused += 1
                 return True
-        data = tensors.as_bytes(tensor.detach())
+            self._putting.add(identifier)
         try:
-            slot = self.pool.alloc(data.numel(), timeout=self.put_timeout_s)
-        except PoolFullError as e:
-            logger.error("dropping encoder output %s: %s", identifier, e)
-            self.stats.items_dropped += 1
-            return False
-        self.pool.view(slot).copy_(data)
-        item = OutboundItem(identifier, slot, tuple(tensor.shape), tensor.dtype)
+            data = tensors.as_bytes(tensor.detach())
+            try:
+                slot = self.pool.alloc(data.numel(), timeout=self.put_timeout_s)
+            except PoolFullError as e:
+                logger.error("dropping encoder output %s: %s", identifier, e)
+                self.stats.items_dropped += 1
+                return False
+            self.pool.view(slot).copy_(data)
+            self.adopt(identifier, slot, tuple(tensor.shape), tensor.dtype)
+            return True
+        finally:
+            with self._lock:
+                self._putting.discard(identifier)
+
+    def adopt(self, identifier: str, slot: Slot, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        """Takes ownership of an already-filled slot (the producer connector's
+        second allocation stage: reserved by the scheduler, written by the worker)."""
+        item = OutboundItem(identifier, slot, tuple(shape), dtype)
         with self._lock:
+            old = self._items.get(identifier)
             self._items[identifier] = item
             self.stats.items_put += 1
             waiters = self._waiters.pop(identifier, [])
+            self._failures.pop(identifier, None)
+        if old is not None:
+            self.pool.free(old.slot)
         for cb in waiters:
             cb(item)
-        return True
+
+    def mark_failed(self, identifier: str, reason: str) -> None:
+        """The item will never arrive: waiters are called with None and
+        ``failure`` reports why (remembered for the last 1024 failures)."""
+        with self._lock:
+            self._failures[identifier] = reason
+            while len(self._failures) > 1024:
+                self._failures.pop(next(iter(self._failures)))
+            waiters = self._waiters.pop(identifier, [])
+        for cb in waiters:
+            cb(None)
+
+    def failure(self, identifier: str) -> str | None:
+        with self._lock:
+            return self._failures.get(identifier)
 
     def contains(self, identifier: str) -> bool:
         with self._lock:
             return identifier in self._items
 
-    def on_ready(self, identifier: str, callback: Callable[[OutboundItem], None]) -> None:
+    def on_ready(self, identifier: str, callback: Callable[[OutboundItem | None], None]) -> None:
         """Calls ``callback(item)`` once the item is in the store (at once if it
-        is). The callback runs on the putting thread: keep it tiny."""
+        is), or ``callback(None)`` if it is marked failed. The callback runs on
+        the putting thread: keep it tiny."""
         with self._lock:
             item = self._items.get(identifier)
-            if item is None:
+            if item is None and identifier not in self._failures:
                 self._waiters.setdefault(identifier, []).append(callback)
                 return
         callback(item)
@@ -123,6 +155,8 @@ class OutboundStore:
 
     def release(self, identifier: str, reason: str) -> bool:
         """Frees the item's slot (reason: "ack", "cancel" or "expired")."""
+        if reason not in _RELEASE_COUNTERS:
+            raise ValueError(f"unknown release reason {reason!r}; allowed: {sorted(_RELEASE_COUNTERS)}")
         with self._lock:
             item = self._items.pop(identifier, None)
             if item is None:

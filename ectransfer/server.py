@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import threading
 
 import grpc
@@ -103,7 +104,9 @@ class TransferServicer(encoder_pb2_grpc.TransferServiceServicer):
         ident = reserve.identifier
         item = await self._wait_for(ident)
         if item is None:
-            await out.put(_error(ident, encoder_pb2.ItemError.TIMED_OUT,
+            failed = self.store.failure(ident)
+            await out.put(_error(ident, encoder_pb2.ItemError.INTERNAL, f"item {ident}: {failed}") if failed else
+                          _error(ident, encoder_pb2.ItemError.TIMED_OUT,
                                  f"item {ident} was not encoded here within {self.item_wait_s}s"))
             return
         item = self.store.begin_send(ident)
@@ -200,6 +203,24 @@ class TransferServerThread:
         while True:
             await asyncio.sleep(self.sweep_s)
             self.servicer.store.expire()
+
+    def add_datagram_endpoint(self, address: str, on_datagram) -> None:
+        """Receives unix datagrams at ``address`` on this loop and calls
+        ``on_datagram(bytes)`` for each (the producer worker's save reports)."""
+
+        class _Proto(asyncio.DatagramProtocol):
+            def datagram_received(self, data, addr):
+                try:
+                    on_datagram(data)
+                except Exception:  # noqa: BLE001 - one bad report must not stop the endpoint
+                    logger.exception("bad report on %r", address)
+
+        async def _open() -> None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            sock.bind(address)
+            await asyncio.get_running_loop().create_datagram_endpoint(_Proto, sock=sock)
+
+        asyncio.run_coroutine_threadsafe(_open(), self._loop).result(timeout=5)
 
     def stop(self, grace: float = 1.0) -> None:
         if not self._thread.is_alive():

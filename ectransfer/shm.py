@@ -81,15 +81,19 @@ class ShmSegment:
     def __init__(self, name: str, fd: int, nbytes: int, owner: bool, readonly: bool) -> None:
         self.name, self.nbytes, self.owner = name, nbytes, owner
         prot = mmap.PROT_READ if readonly else mmap.PROT_READ | mmap.PROT_WRITE
-        self._mmap = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, prot)
-        os.close(fd)
+        try:
+            self._mmap = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, prot)
+        finally:
+            os.close(fd)
         with warnings.catch_warnings():
             # A read-only mapping: torch cannot mark the tensor read-only, and we never write it.
             warnings.simplefilter("ignore", UserWarning)
-            self.buffer = torch.frombuffer(self._mmap, dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
+            self.buffer = torch.frombuffer(self._mmap, dtype=torch.uint8)
 
     @classmethod
     def create(cls, name: str, nbytes: int) -> "ShmSegment":
+        if nbytes <= 0:
+            raise ValueError(f"a shared-memory segment needs > 0 bytes, got {nbytes}")
         path = os.path.join(SHM_DIR, validate_name(name))
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
@@ -104,7 +108,11 @@ class ShmSegment:
     def attach(cls, name: str, readonly: bool = True) -> "ShmSegment":
         path = os.path.join(SHM_DIR, validate_name(name))
         fd = os.open(path, os.O_RDONLY if readonly else os.O_RDWR)
-        return cls(name, fd, os.fstat(fd).st_size, owner=False, readonly=readonly)
+        size = os.fstat(fd).st_size
+        if size == 0:
+            os.close(fd)
+            raise ValueError(f"shared-memory segment {name!r} is empty")
+        return cls(name, fd, size, owner=False, readonly=readonly)
 
     def close(self) -> None:
         self.buffer = torch.empty(0, dtype=torch.uint8)
@@ -146,12 +154,12 @@ class Mappings:
     """Segments this process attached, mapped once each (cached by name)."""
 
     def __init__(self) -> None:
-        self._segments: dict[str, ShmSegment] = {}
+        self._segments: dict[tuple[str, bool], ShmSegment] = {}
 
-    def get(self, name: str) -> ShmSegment:
-        seg = self._segments.get(name)
+    def get(self, name: str, writable: bool = False) -> ShmSegment:
+        seg = self._segments.get((name, writable))
         if seg is None:
-            seg = self._segments[name] = ShmSegment.attach(name)
+            seg = self._segments[(name, writable)] = ShmSegment.attach(name, readonly=not writable)
         return seg
 
     def close(self) -> None:
@@ -197,6 +205,8 @@ class ShmConsumer(ConsumerTransport):
             seg = self.mappings.get(ref.segment)
         except (OSError, ValueError) as e:
             raise ProtocolError(f"cannot map shared-memory segment {ref.segment!r}: {e}") from None
+        if dest.numel() != desc.nbytes:
+            raise ProtocolError(f"destination has {dest.numel()} bytes, tensor needs {desc.nbytes}")
         if ref.offset + desc.nbytes > seg.nbytes:
             raise ProtocolError(f"shm range {ref.offset}+{desc.nbytes} exceeds segment {ref.segment} ({seg.nbytes})")
         if desc.nbytes:

@@ -36,7 +36,7 @@ def _logging(level: str) -> None:
 def _engine_cfg(ns):
     from services.common.engine import EngineConfig
 
-    cfg = from_args(EngineConfig, ns, prefix="engine_")
+    cfg = from_args(EngineConfig, ns)
     if not cfg.model:
         cfg.model = default_model()
     return cfg
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, cls in (("encoder", EncoderServiceConfig), ("lm", LMServiceConfig)):
         sp = sub.add_parser(name, help=f"run the {name} service")
         add_dataclass_args(sp, cls)
-        add_dataclass_args(sp.add_argument_group("engine"), EngineConfig, prefix="engine_")
+        add_dataclass_args(sp.add_argument_group("engine (vLLM)"), EngineConfig)
 
     g = sub.add_parser("gateway", help="run the gateway")
     add_dataclass_args(g, GatewayConfig)
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     u.add_argument("--model", default="", help="model directory or name (default: the tiny model)")
     u.add_argument("--port", type=int, default=8000, help="gateway HTTP port")
     u.add_argument("--host", default="127.0.0.1")
-    u.add_argument("--engine-args", default="{}", help="extra vLLM engine arguments for both engines (JSON)")
+    u.add_argument("--vllm-args", default="{}", help="extra vLLM engine arguments for both engines (JSON)")
 
     ns = p.parse_args(argv)
     _logging(ns.log_level)
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     if ns.cmd == "up":
         from services.up import run_up
 
-        return run_up(model=ns.model or default_model(), host=ns.host, port=ns.port, engine_args=ns.engine_args)
+        return run_up(model=ns.model or default_model(), host=ns.host, port=ns.port, engine_args=ns.vllm_args)
     return 2
 
 

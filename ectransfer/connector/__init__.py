@@ -10,8 +10,8 @@ Load it with::
 vLLM builds it twice per engine: role SCHEDULER in the EngineCore's scheduler
 and role WORKER in each worker. This facade picks the matching half:
 
-    producer, scheduler: ProducerScheduler  counts encodes, reports item metadata
-    producer, worker:    ProducerWorker     outbound pool + Transfer server
+    producer, scheduler: ProducerScheduler  outbound pool + reservations + Transfer server
+    producer, worker:    ProducerWorker     copies encoder outputs into reserved slots
     consumer, scheduler: ConsumerScheduler  reserves staging, pulls items, defers requests
     consumer, worker:    ConsumerWorker     injects staged bytes into vLLM's encoder cache
 
@@ -49,14 +49,10 @@ class EPDConnector(ECConnectorBase):
 
     # -- worker side ----------------------------------------------------------
 
-    def start_worker_services(self) -> None:
-        if self.is_producer:
-            self._half.start()
-
     def start_save_caches(self, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
-        if self.is_producer and isinstance(meta, EPDConnectorMetadata) and meta.publish:
-            self._half.publish(kwargs["encoder_cache"], meta.publish)
+        if self.is_producer and isinstance(meta, EPDConnectorMetadata) and meta.saves:
+            self._half.begin_step(kwargs["encoder_cache"], meta)
 
     def save_caches(self, encoder_cache, mm_hash: str, **kwargs: Any) -> None:
         if self.is_producer:
@@ -68,7 +64,7 @@ class EPDConnector(ECConnectorBase):
             self._half.load(encoder_cache, meta)
 
     def build_connector_worker_meta(self):
-        return self._half.build_worker_meta() if self.is_consumer else None
+        return self._half.build_worker_meta()
 
     # -- scheduler side -------------------------------------------------------
 
@@ -76,8 +72,6 @@ class EPDConnector(ECConnectorBase):
         return self.is_consumer and self._half.has_cache_item(identifier)
 
     def ensure_cache_available(self, request, num_computed_tokens: int) -> bool:
-        if not self.is_consumer:
-            return True
         return self._half.ensure_cache_available(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request, index: int) -> None:
@@ -88,11 +82,10 @@ class EPDConnector(ECConnectorBase):
         return self._half.build_meta(scheduler_output)
 
     def update_connector_output(self, connector_output) -> None:
-        if self.is_consumer:
-            self._half.update_connector_output(connector_output)
+        self._half.update_connector_output(connector_output)
 
     def take_unavailable_requests(self) -> set[str]:
-        return self._half.take_unavailable() if self.is_consumer else set()
+        return self._half.take_unavailable()
 
     def request_finished(self, request) -> tuple[bool, dict[str, Any] | None]:
         # Never delay_free: in vLLM 0.32 that leaks the request.

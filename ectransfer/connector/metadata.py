@@ -24,18 +24,34 @@ class LoadSpec:
 
 
 @dataclass
+class SaveSpec:
+    """Producer: copy encoder output ``identifier`` into ``nbytes`` at ``offset``
+    of shared-memory ``segment`` (a slot the scheduler half reserved)."""
+
+    identifier: str
+    segment: str
+    offset: int
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass
 class EPDConnectorMetadata(ECConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     """Consumer: items to inject this step."""
-    publish: list[str] = field(default_factory=list)
-    """Producer: items already in vLLM's encoder cache (not re-encoded this
-    step) to put in the outbound store if it no longer holds them."""
+    saves: list[SaveSpec] = field(default_factory=list)
+    """Producer: slots reserved this step, one per item to save."""
+    notify: str = ""
+    """Producer: unix datagram address the worker reports saves to."""
 
 
 @dataclass
 class EPDWorkerMetadata(ECConnectorWorkerMetadata):
     loaded: list[str] = field(default_factory=list)
+    """Consumer: items injected into vLLM's encoder cache this step."""
 
     def aggregate(self, other: ECConnectorWorkerMetadata) -> "EPDWorkerMetadata":
+        # Every TP rank injects the same items.
         assert isinstance(other, EPDWorkerMetadata)
         return EPDWorkerMetadata(sorted(set(self.loaded) | set(other.loaded)))

@@ -1,110 +1,232 @@
 """Producer halves (encoder engine, ``ec_role=ec_producer``).
 
-Scheduler half: counts encoder runs per request, tells the worker which
-already-cached items to publish, and reports each item's metadata in
-``request_finished`` (it lands in the encoder service's RequestOutput).
+Scheduler half (EngineCore process, not pinned to the worker's cores): owns the
+outbound pool (a shared-memory segment), the outbound store and the Transfer
+server thread. Two-stage allocation on this side too:
 
-Worker half: owns the outbound pool and store and the Transfer server thread.
-``save_caches`` copies each fresh encoder output into the store; the Transfer
-server streams it to the LM and frees it on Ack/Cancel/lease expiry.
+1. ``ensure_cache_available`` reserves a slot for every item of a request that
+   the store does not hold yet, all or nothing; when the pool is full the
+   request is deferred (backpressure: it waits, nothing is dropped, memory is
+   bounded).
+2. ``build_meta`` hands the worker a ``SaveSpec`` (segment, offset) per
+   reserved item; the worker copies the encoder output into it and reports
+   back over a unix datagram socket; the report finalizes the slot into the
+   store, where the Transfer server can send it. (vLLM 0.32's encoder-only
+   runner drops the worker's EC connector output -- it returns
+   ``make_empty_encoder_model_runner_output`` -- so ``update_connector_output``
+   never sees producer reports; the socket is our own channel instead.)
+
+A reservation is freed by the store (Ack, Cancel, lease) once finalized, by the
+worker's failure report, or here when its request ends before dispatch.
+
+Worker half (vLLM's worker process): maps the segment once and copies each
+fresh (``save_caches``) or already-cached (``start_save_caches``) encoder
+output into its slot. It never allocates.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import socket
+import threading
 from collections import defaultdict
+from dataclasses import dataclass, field
 from typing import Any
 
-from ectransfer import factory
+
+from ectransfer import factory, tensors
 from ectransfer.connector.common import compat_for
 from ectransfer.connector.config import ConnectorConfig
-from ectransfer.connector.metadata import EPDConnectorMetadata
+from ectransfer.connector.metadata import EPDConnectorMetadata, SaveSpec
 from ectransfer.outbound import OutboundStore
-from ectransfer.pool import Pool
+from ectransfer.pool import PoolFullError, Slot
 from ectransfer.server import TransferServerThread, TransferServicer
+from ectransfer.shm import Mappings, ShmPool, new_name
 
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class _Reserved:
+    slot: Slot
+    shape: tuple[int, int]
+    requests: set[str] = field(default_factory=set)
+    dispatched: bool = False
+
+
 class ProducerScheduler:
     def __init__(self, vllm_config, cfg: ConnectorConfig) -> None:
-        self._encoder_runs: dict[str, int] = defaultdict(int)
-
-    def build_meta(self, scheduler_output) -> EPDConnectorMetadata:
-        meta = EPDConnectorMetadata()
-        encoded = scheduler_output.scheduled_encoder_inputs
-        for req_id, inputs in encoded.items():
-            self._encoder_runs[req_id] += len(inputs)
-        for new in scheduler_output.scheduled_new_reqs:
-            now = set(encoded.get(new.req_id, ()))
-            meta.publish.extend(
-                f.identifier for i, f in enumerate(new.mm_features or ()) if i not in now
-            )
-        return meta
-
-    def request_finished(self, request) -> dict[str, Any]:
-        items = {
-            f.identifier: {"num_embeds": f.mm_position.get_num_embeds(), "modality": f.modality}
-            for f in request.mm_features
-        }
-        return {"items": items, "encoder_runs": self._encoder_runs.pop(request.request_id, 0)}
-
-
-class ProducerWorker:
-    def __init__(self, vllm_config, cfg: ConnectorConfig) -> None:
-        self.cfg = cfg
-        self.vllm_config = vllm_config
-        self.store: OutboundStore | None = None
-        self.server: TransferServerThread | None = None
-
-    def start(self) -> None:
-        """Called once the model is resident: allocate the pool, bind Transfer."""
-        try:
-            from vllm.distributed import get_tensor_model_parallel_rank
-
-            if get_tensor_model_parallel_rank() != 0:
-                return  # every TP rank computes the same output; rank 0 serves it
-        except Exception:  # noqa: BLE001 - not initialised in single-process tests
-            pass
-        cfg = self.cfg
-        self.store = OutboundStore(Pool(cfg.outbound_pool_bytes), ttl_s=cfg.lease_s, put_timeout_s=cfg.put_timeout_s)
+        mc = vllm_config.model_config
+        self.dtype = mc.dtype
+        self.widths = dict(vllm_config.ec_transfer_config.mm_encoder_output_widths)
+        self.default_width = mc.get_hidden_size()
+        self.pool = ShmPool(cfg.outbound_pool_bytes, role="outbound")
+        self.store = OutboundStore(self.pool, ttl_s=cfg.lease_s)
         transports = {}
         for name in cfg.transports:
-            kwargs = {"chunk_nbytes": cfg.chunk_nbytes} if name == "grpc" else {}
+            kwargs = {"chunk_nbytes": cfg.chunk_nbytes} if name == "grpc" else {"pool": self.pool}
             t = factory.make_producer(name, **kwargs)
             transports[t.kind] = t
-        servicer = TransferServicer(
-            self.store,
-            compat_for(self.vllm_config, cfg.model_name),
-            self.vllm_config.ec_transfer_config.engine_id,
-            transports,
-            item_wait_s=cfg.item_wait_s,
-        )
+        servicer = TransferServicer(self.store, compat_for(vllm_config, cfg.model_name),
+                                    vllm_config.ec_transfer_config.engine_id, transports,
+                                    item_wait_s=cfg.item_wait_s)
         self.server = TransferServerThread(servicer, cfg.transfer_host, cfg.transfer_port)
         port = self.server.start()
         endpoint = f"{cfg.advertise_host or cfg.transfer_host}:{port}"
-        logger.info("EPD transfer server listening on %s (pool %d MiB)", endpoint, cfg.outbound_pool_bytes >> 20)
+        logger.info("EPD transfer server on %s, outbound pool %s (%d MiB)", endpoint, self.pool.name,
+                    cfg.outbound_pool_bytes >> 20)
         if cfg.endpoint_file:
             tmp = cfg.endpoint_file + ".tmp"
             with open(tmp, "w") as f:
                 f.write(endpoint)
             os.replace(tmp, cfg.endpoint_file)
+        self._reserved: dict[str, _Reserved] = {}
+        self._unavailable: set[str] = set()
+        self._encoder_runs: dict[str, int] = defaultdict(int)
+        self._lock = threading.Lock()  # _reserved/_unavailable: scheduler thread + report thread
+        # Abstract-namespace socket: no file to clean up, gone with the process.
+        self.notify_addr = "\0" + new_name("notify")
+        self.server.add_datagram_endpoint(self.notify_addr, self._on_report)
 
-    def save(self, encoder_cache, mm_hash: str) -> None:
-        if self.store is not None:
-            self.store.put(mm_hash, encoder_cache[mm_hash])
+    def _shape(self, feat) -> tuple[int, int]:
+        return feat.mm_position.get_num_embeds(), self.widths.get(feat.modality, self.default_width)
 
-    def publish(self, encoder_cache, identifiers: list[str]) -> None:
-        if self.store is None:
+    def ensure_cache_available(self, request, num_computed_tokens: int) -> bool:
+        with self._lock:
+            return self._reserve(request)
+
+    def _reserve(self, request) -> bool:
+        missing = {}
+        for feat in request.mm_features:
+            ident = feat.identifier
+            res = self._reserved.get(ident)
+            if res is not None:
+                res.requests.add(request.request_id)
+            elif not self.store.contains(ident):
+                missing[ident] = self._shape(feat)
+        slots: dict[str, Slot] = {}
+        for ident, shape in missing.items():
+            try:
+                slot = self.pool.try_alloc(tensors.nbytes_of(shape, self.dtype))
+            except PoolFullError as e:
+                logger.error("request %s: %s", request.request_id, e)
+                self._unavailable.add(request.request_id)
+                slot = None
+            if slot is None:  # all or nothing, so two requests never hold half each
+                for s in slots.values():
+                    self.pool.free(s)
+                return False
+            slots[ident] = slot
+        for ident, slot in slots.items():
+            self._reserved[ident] = _Reserved(slot, missing[ident], {request.request_id})
+        return True
+
+    def build_meta(self, scheduler_output) -> EPDConnectorMetadata:
+        for req_id, inputs in scheduler_output.scheduled_encoder_inputs.items():
+            self._encoder_runs[req_id] += len(inputs)
+        meta = EPDConnectorMetadata(notify=self.notify_addr)
+        with self._lock:
+            for ident, res in self._reserved.items():
+                if not res.dispatched:
+                    res.dispatched = True
+                    meta.saves.append(SaveSpec(ident, self.pool.name, res.slot.offset, res.slot.nbytes,
+                                               res.shape, tensors.dtype_name(self.dtype)))
+        return meta
+
+    def _on_report(self, data: bytes) -> None:
+        """A worker's report (Transfer server thread): finalize or fail a slot."""
+        report = json.loads(data)
+        ident = report["id"]
+        with self._lock:
+            res = self._reserved.pop(ident, None)
+            if res is not None and report.get("error"):
+                self._unavailable |= res.requests
+        if res is None:
             return
-        for ident in identifiers:
-            if ident in encoder_cache and not self.store.contains(ident):
-                self.store.put(ident, encoder_cache[ident])
+        if report.get("error"):
+            logger.error("encoder output %s could not be saved: %s", ident, report["error"])
+            self.pool.free(res.slot)
+            self.store.mark_failed(ident, report["error"])
+        else:
+            self.store.adopt(ident, res.slot, res.shape, self.dtype)
+
+    def update_connector_output(self, output) -> None:
+        return None  # see the module docstring: reports arrive on the socket
+
+    def take_unavailable(self) -> set[str]:
+        with self._lock:
+            out, self._unavailable = self._unavailable, set()
+        return out
+
+    def request_finished(self, request) -> dict[str, Any]:
+        rid = request.request_id
+        with self._lock:
+            for ident in [i for i, r in self._reserved.items() if rid in r.requests]:
+                res = self._reserved[ident]
+                res.requests.discard(rid)
+                if not res.requests and not res.dispatched:  # a dispatched one is reported by the worker
+                    del self._reserved[ident]
+                    self.pool.free(res.slot)
+        items = {f.identifier: {"num_embeds": f.mm_position.get_num_embeds(), "modality": f.modality}
+                 for f in request.mm_features}
+        return {"items": items, "encoder_runs": self._encoder_runs.pop(rid, 0)}
 
     def shutdown(self) -> None:
-        if self.server is not None:
-            self.server.stop()
-            self.server = None
-        if self.store is not None:
-            self.store.pool.close()
+        self.server.stop()
+        self.pool.close()
+
+
+class ProducerWorker:
+    def __init__(self, vllm_config, cfg: ConnectorConfig) -> None:
+        self.mappings = Mappings()
+        self._specs: dict[str, SaveSpec] = {}
+        self._notify = ""
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        try:
+            from vllm.distributed import get_tensor_model_parallel_rank
+
+            self.writes = get_tensor_model_parallel_rank() == 0  # every TP rank holds the same output
+        except Exception:  # noqa: BLE001 - not initialised outside an engine
+            self.writes = True
+
+    def begin_step(self, encoder_cache, meta: EPDConnectorMetadata) -> None:
+        """Takes this step's new slots; publishes items vLLM already holds."""
+        self._notify = meta.notify
+        for spec in meta.saves:
+            self._specs[spec.identifier] = spec
+            if spec.identifier in encoder_cache:  # cached from an earlier request: no re-encode
+                self.save(encoder_cache, spec.identifier)
+
+    def save(self, encoder_cache, mm_hash: str) -> None:
+        spec = self._specs.pop(mm_hash, None)
+        if spec is None:
+            return  # already stored on the scheduler side (a reuse), nothing reserved
+        out = encoder_cache[mm_hash]
+        try:
+            if tuple(out.shape) != tuple(spec.shape) or tensors.dtype_name(out.dtype) != spec.dtype:
+                raise ValueError(f"encoder output is {list(out.shape)} {out.dtype}, "
+                                 f"slot was sized for {list(spec.shape)} {spec.dtype}")
+            if self.writes and spec.nbytes:
+                dst = self.mappings.get(spec.segment, writable=True).buffer[spec.offset: spec.offset + spec.nbytes]
+                # On GPU this is the device-to-host sync the contract asks for
+                # (save_caches runs right after the encoder kernel is enqueued).
+                dst.copy_(tensors.as_bytes(out.detach()))
+            report = {"id": mm_hash}
+        except Exception as e:  # noqa: BLE001 - reported to the scheduler, never raised into vLLM
+            report = {"id": mm_hash, "error": str(e)}
+        if self.writes:
+            try:
+                self._sock.sendto(json.dumps(report).encode(), self._notify)
+            except OSError as e:  # the scheduler half is gone: the engine is shutting down
+                logger.warning("cannot report encoder output %s: %s", mm_hash, e)
+
+    def build_worker_meta(self) -> EPDWorkerMetadata | None:
+        return None
+
+    def shutdown(self) -> None:
+        self._sock.close()
+        self.mappings.close()
+
+

@@ -7,9 +7,13 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-# Before vLLM is imported anywhere: nothing at run time may reach a model hub.
+# Before vLLM is imported anywhere: nothing at run time may reach a model hub, and
+# vLLM's engine and worker processes are spawned, not forked: our services have
+# gRPC running before the engine starts, and gRPC does not survive fork() (the
+# child's channels intermittently never connect).
 for _k, _v in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-               "VLLM_DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false"}.items():
+               "VLLM_DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false",
+               "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}.items():
     os.environ.setdefault(_k, _v)
 
 
@@ -33,16 +37,19 @@ class EngineConfig:
     """vLLM's limit_mm_per_prompt for images."""
     device: str = "auto"
     """"auto", "cpu" or "cuda" (informational; vLLM picks the platform)."""
-    engine_args: dict[str, Any] = field(default_factory=dict)
-    """Extra vLLM engine arguments (JSON on the command line)."""
+    cpu_cores: str = ""
+    """CPU hosts: cores the engine's worker binds, e.g. "0-3" (vLLM's VLLM_CPU_OMP_THREADS_BIND;
+    empty: vLLM's auto). Give engines sharing a host disjoint cores."""
+    vllm_args: dict[str, Any] = field(default_factory=dict)
+    """Extra vLLM engine arguments, e.g. {"tensor_parallel_size": 2} (JSON on the command line)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in ("bfloat16", "float16", "float32", "auto"):
             raise ValueError(f"dtype must be one of bfloat16, float16, float32, auto; got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda; got {self.device!r}")
-        if isinstance(self.engine_args, str):
-            self.engine_args = json.loads(self.engine_args)
+        if isinstance(self.vllm_args, str):
+            self.vllm_args = json.loads(self.vllm_args)
 
 
 def engine_kwargs(cfg: EngineConfig, ec_transfer_config: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -62,11 +69,13 @@ def engine_kwargs(cfg: EngineConfig, ec_transfer_config: dict[str, Any] | None =
         from vllm.config import ECTransferConfig
 
         kw["ec_transfer_config"] = ECTransferConfig(**ec_transfer_config)
-    kw.update(cfg.engine_args)
+    kw.update(cfg.vllm_args)
     return kw
 
 
 def build_async_engine(cfg: EngineConfig, ec_transfer_config: dict[str, Any] | None = None):
+    if cfg.cpu_cores:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpu_cores  # read by the spawned worker
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 

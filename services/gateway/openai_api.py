@@ -58,16 +58,18 @@ def _sampling(body: dict[str, Any]) -> lm_pb2.SamplingOptions:
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     try:
         if max_tokens is not None:
-            if not isinstance(max_tokens, int) or max_tokens <= 0:
+            if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens <= 0:
                 raise ApiError(400, "max_tokens must be a positive integer", param="max_tokens")
             s.max_tokens = max_tokens
         for name in ("temperature", "top_p"):
             if body.get(name) is not None:
-                if not isinstance(body[name], (int, float)):
+                if not isinstance(body[name], (int, float)) or isinstance(body[name], bool):
                     raise ApiError(400, f"{name} must be a number", param=name)
                 setattr(s, name, float(body[name]))
         if body.get("seed") is not None:
-            s.seed = int(body["seed"])
+            if not isinstance(body["seed"], int) or isinstance(body["seed"], bool):
+                raise ApiError(400, "seed must be an integer", param="seed")
+            s.seed = body["seed"]
         if body.get("n") is not None:
             s.n = int(body["n"])
     except (TypeError, ValueError) as e:

@@ -1,0 +1,71 @@
+"""Plain vLLM on the same model, prompt and image: the oracle for exactness.
+
+Runs each request alone through ``vllm.LLM`` with the engine settings the
+services use (``EngineConfig`` defaults), rendering chats exactly as the LM
+service does. Run it as a subprocess so its engine never shares a process with
+anything else::
+
+    python -m services.reference --model DIR < requests.json > tokens.json
+
+Input: a JSON list of OpenAI-style request bodies (chat ``messages`` with
+image_url data URLs, or a completion ``prompt``; ``max_tokens``). Output: a JSON
+list of token-id lists, one per request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import sys
+
+
+def run(model: str, requests: list[dict]) -> list[list[int]]:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from services.common.engine import EngineConfig, engine_kwargs  # sets the offline env first
+    from services.common.chat import openai_to_hf, render_chat
+    from services.common.media import decode_image
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(**engine_kwargs(EngineConfig(model=model)))
+    tokenizer = llm.get_tokenizer()
+    results = []
+    for body in requests:
+        params = SamplingParams(temperature=body.get("temperature", 0.0), max_tokens=body.get("max_tokens", 16),
+                                seed=body.get("seed"))
+        if "messages" in body:
+            hf, urls = openai_to_hf(body["messages"])
+            prompt: dict = {"prompt": render_chat(tokenizer, hf)}
+            if urls:
+                prompt["multi_modal_data"] = {
+                    "image": [decode_image(base64.b64decode(u.partition(",")[2])) for u in urls]}
+        else:
+            prompt = {"prompt": body["prompt"]}
+        out = llm.generate(prompt, params, use_tqdm=False)
+        results.append(list(out[0].outputs[0].token_ids))
+    return results
+
+
+def run_subprocess(model: str, requests: list[dict], timeout: float = 600) -> list[list[int]]:
+    """Runs ``run`` in a fresh interpreter and returns its result."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-m", "services.reference", "--model", model],
+                          input=json.dumps(requests), capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"reference run failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True)
+    ns = p.parse_args()
+    tokens = run(ns.model, json.load(sys.stdin))
+    sys.stdout.write("\n" + json.dumps(tokens) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,223 @@
+"""``epd up``: one encoder, one LM and the gateway on this machine.
+
+``Deployment`` starts the three services as subprocesses (each in its own
+session, so its vLLM engine processes go down with it), shows progress until
+each is ready, and stops them in reverse order on ``stop()``: SIGTERM, then
+SIGKILL after a grace period. Shared-memory segments left by a killed child are
+removed at the end. The e2e tests and the demo use the same class.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from ectransfer.shm import cleanup_orphans
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Service:
+    name: str
+    args: list[str]
+    log_path: str
+    proc: subprocess.Popen | None = None
+
+    def start(self, env: dict[str, str]) -> None:
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", "services.cli", *self.args], stdout=log,
+                                     stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        log.close()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(f.readlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self, grace: float = 15.0) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            _signal_group(self.proc, signal.SIGTERM)
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                pass
+        _signal_group(self.proc, signal.SIGKILL)  # stragglers in the session (engine processes)
+        self.proc.wait()
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def grpc_serving(address: str, timeout: float = 1.0) -> bool:
+    try:
+        with grpc.insecure_channel(address) as ch:
+            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+            return resp.status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.RpcError:
+        return False
+
+
+def http_ok(url: str, timeout: float = 1.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def split_cores() -> tuple[str, str]:
+    """Disjoint core sets for the encoder and the LM engine on a CPU host (vLLM's
+    CPU worker pins its whole process, so two engines on the same cores starve
+    each other's side threads). The LM gets the larger half."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return "", ""
+    k = max(1, len(cores) // 2)
+    fmt = lambda cs: ",".join(map(str, cs))  # noqa: E731
+    return fmt(cores[:k]), fmt(cores[k:])
+
+
+@dataclass
+class Deployment:
+    model: str
+    host: str = "127.0.0.1"
+    port: int = 0
+    engine_args: str = "{}"
+    encoder_args: list[str] = field(default_factory=list)
+    lm_args: list[str] = field(default_factory=list)
+    gateway_args: list[str] = field(default_factory=list)
+    log_dir: str = ""
+    quiet: bool = False
+
+    def __post_init__(self) -> None:
+        h = self.host
+        self.port = self.port or free_port(h)
+        self.encoder_addr = f"{h}:{free_port(h)}"
+        self.lm_addr = f"{h}:{free_port(h)}"
+        self.gateway_grpc = f"{h}:{free_port(h)}"
+        self.encoder_metrics = free_port(h)
+        self.lm_metrics = free_port(h)
+        self.log_dir = self.log_dir or tempfile.mkdtemp(prefix="epd-up-")
+        common = ["--model", self.model, "--vllm-args", self.engine_args]
+        enc_cores, lm_cores = split_cores()
+        self.encoder = Service("encoder", ["encoder", "--host", h, "--port", self.encoder_addr.split(":")[1],
+                                           "--transfer-host", h, "--metrics-port", str(self.encoder_metrics),
+                                           "--cpu-cores", enc_cores, *common, *self.encoder_args],
+                               os.path.join(self.log_dir, "encoder.log"))
+        self.lm = Service("lm", ["lm", "--host", h, "--port", self.lm_addr.split(":")[1],
+                                 "--metrics-port", str(self.lm_metrics), "--cpu-cores", lm_cores,
+                                 *common, *self.lm_args],
+                          os.path.join(self.log_dir, "lm.log"))
+        self.gateway = Service("gateway", ["gateway", "--host", h, "--port", str(self.port),
+                                           "--grpc-port", self.gateway_grpc.split(":")[1],
+                                           "--encoders", self.encoder_addr, "--lms", self.lm_addr,
+                                           *self.gateway_args], os.path.join(self.log_dir, "gateway.log"))
+        self.services = [self.encoder, self.lm, self.gateway]
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def _say(self, msg: str, end: str = "\n") -> None:
+        if not self.quiet:
+            print(msg, end=end, flush=True)
+
+    def start(self, timeout: float = 300.0) -> "Deployment":
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self._say(f"epd up: model {self.model}; logs in {self.log_dir}")
+        t0 = time.monotonic()
+        try:
+            self.encoder.start(env)
+            self.lm.start(env)
+            self._wait({"encoder": lambda: grpc_serving(self.encoder_addr), "lm": lambda: grpc_serving(self.lm_addr)},
+                       t0, timeout)
+            self.gateway.start(env)
+            self._wait({"gateway": lambda: http_ok(self.url + "/health")}, t0, timeout)
+        except BaseException:
+            self.stop()
+            raise
+        self._say(f"epd up: ready in {time.monotonic() - t0:.0f}s; OpenAI API at {self.url}/v1 "
+                  f"(gRPC {self.gateway_grpc})")
+        return self
+
+    def _wait(self, checks: dict, t0: float, timeout: float) -> None:
+        pending = dict(checks)
+        tty = sys.stdout.isatty()
+        cr = "\r" if tty else ""
+        while pending:
+            for name in list(pending):
+                svc = {"encoder": self.encoder, "lm": self.lm, "gateway": self.gateway}[name]
+                if not svc.alive():
+                    raise RuntimeError(f"{name} exited during start-up; last log lines:\n{svc.log_tail()}")
+                if pending[name]():
+                    del pending[name]
+                    self._say(f"{cr}  {name} ready ({time.monotonic() - t0:.0f}s)" + " " * 20)
+            if pending:
+                if time.monotonic() - t0 > timeout:
+                    raise TimeoutError(f"{', '.join(pending)} not ready after {timeout:.0f}s (logs in {self.log_dir})")
+                if tty:  # a live progress line on terminals; logs and CI get the ready lines only
+                    self._say(f"\r  starting {', '.join(pending)} ... {time.monotonic() - t0:.0f}s", end="")
+                time.sleep(0.5)
+
+    def stop(self) -> None:
+        for svc in reversed(self.services):
+            svc.stop()
+        cleanup_orphans()
+
+    def __enter__(self) -> "Deployment":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def run_up(model: str, host: str, port: int, engine_args: str) -> int:
+    dep = Deployment(model=model, host=host, port=port, engine_args=engine_args)
+    stop = {"now": False}
+
+    def on_signal(signum, frame):
+        stop["now"] = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        dep.start()
+        print(json.dumps({"gateway": dep.url + "/v1", "encoder": dep.encoder_addr, "lm": dep.lm_addr}), flush=True)
+        print("Ctrl-C stops everything.", flush=True)
+        while not stop["now"]:
+            for svc in dep.services:
+                if not svc.alive():
+                    print(f"{svc.name} exited unexpectedly:\n{svc.log_tail()}", file=sys.stderr)
+                    return 1
+            time.sleep(0.5)
+    finally:
+        print("epd up: shutting down", flush=True)
+        dep.stop()
+    return 0

@@ -1,0 +1,159 @@
+"""The encoder's outbound store: slots in, acks/cancels/leases free them."""
+
+import pytest
+import torch
+from helpers import assert_bit_identical
+
+from ectransfer import tensors
+from ectransfer.outbound import OutboundStore
+from ectransfer.pool import Pool
+
+pytestmark = pytest.mark.unit
+
+A = 256
+
+
+def make_store(capacity=16 * A, **kw):
+    return OutboundStore(Pool(capacity, alignment=A), **kw)
+
+
+def item_of(store, ident):
+    got = []
+    store.on_ready(ident, got.append)  # fires at once for a stored item
+    assert len(got) == 1
+    return got[0]
+
+
+def used(store):
+    return store.pool.stats()["used_bytes"]
+
+
+def test_put_copies_the_tensor_into_a_slot():
+    store = make_store()
+    t = torch.randn(4, 10).to(torch.bfloat16)
+    original = t.clone()
+    assert store.put("a", t)
+    t.zero_()  # the store holds its own copy
+    item = item_of(store, "a")
+    assert (item.identifier, item.shape, item.dtype, item.slot.nbytes) == ("a", (4, 10), torch.bfloat16, 80)
+    assert store.contains("a") and not store.contains("b")
+    assert store.stats.items_put == 1
+    assert used(store) == A
+    assert_bit_identical(tensors.from_bytes(store.view(item), item.shape, item.dtype), original)
+
+
+def test_put_of_a_non_contiguous_tensor_stores_its_logical_bytes():
+    store = make_store()
+    t = torch.arange(48, dtype=torch.float32).reshape(6, 8).t()
+    store.put("a", t)
+    item = item_of(store, "a")
+    assert_bit_identical(tensors.from_bytes(store.view(item), item.shape, item.dtype), t)
+
+
+@pytest.mark.parametrize("reason, counter", [("ack", "acks"), ("cancel", "cancels"), ("expired", "expired")])
+def test_release_frees_the_slot_and_counts_the_reason(reason, counter):
+    store = make_store()
+    store.put("a", torch.ones(100))
+    assert used(store) == 2 * A
+    assert store.release("a", reason) is True
+    assert getattr(store.stats, counter) == 1
+    assert used(store) == 0 and store.pool.stats()["allocations"] == 0
+    assert not store.contains("a")
+    assert store.release("a", reason) is False  # exactly once
+    assert getattr(store.stats, counter) == 1
+
+
+def test_begin_and_end_send_track_readers():
+    store = make_store()
+    store.put("a", torch.ones(3))
+    assert store.begin_send("missing") is None
+    item = store.begin_send("a")
+    assert item.sending == 1 and store.begin_send("a").sending == 2
+    store.end_send(item)
+    store.end_send(item)
+    assert item.sending == 0
+    store.release("a", "ack")
+    snap = store.snapshot()
+    assert snap["items"] == 0 and snap["acks"] == 1 and snap["items_put"] == 1 and snap["used_bytes"] == 0
+
+
+def test_putting_an_existing_identifier_reuses_it_without_allocating():
+    store = make_store()
+    store.put("a", torch.ones(10))
+    assert store.put("a", torch.zeros(10)) is True
+    assert store.stats.items_reused == 1 and store.stats.items_put == 1
+    assert store.pool.stats()["allocations"] == 1
+    item = item_of(store, "a")
+    assert torch.equal(tensors.from_bytes(store.view(item), item.shape, item.dtype), torch.ones(10))
+
+
+def test_on_ready_fires_at_once_when_present_and_on_put_otherwise():
+    store = make_store()
+    calls = []
+    store.on_ready("later", calls.append)
+    store.on_ready("later", lambda item: calls.append(("second", item.identifier)))
+    assert calls == []
+    store.put("later", torch.ones(2))
+    assert [getattr(c, "identifier", c) for c in calls] == ["later", ("second", "later")]
+    store.put("later", torch.ones(2))  # a reuse does not fire the waiters again
+    assert len(calls) == 2
+    store.on_ready("later", calls.append)
+    assert len(calls) == 3 and calls[-1].identifier == "later"
+
+
+def test_forget_waiter_removes_only_that_callback():
+    store = make_store()
+    kept, dropped = [], []
+    store.on_ready("a", kept.append)
+    store.on_ready("a", dropped.append)
+    store.forget_waiter("a", dropped.append)
+    store.forget_waiter("never-registered", dropped.append)  # a no-op
+    store.put("a", torch.ones(2))
+    assert len(kept) == 1 and dropped == []
+
+
+def test_expire_frees_only_old_items_nobody_is_sending():
+    store = make_store(ttl_s=60.0)
+    for ident in ("old", "busy", "young", "edge"):
+        store.put(ident, torch.ones(1))
+    item_of(store, "old").created = 100.0
+    item_of(store, "busy").created = 100.0
+    item_of(store, "young").created = 150.0
+    item_of(store, "edge").created = 140.0  # exactly ttl old at now=200: kept
+    busy = store.begin_send("busy")
+    assert store.expire(now=200.0) == ["old"]
+    assert store.stats.expired == 1 and used(store) == 3 * A
+    store.end_send(busy)
+    assert store.expire(now=200.0) == ["busy"]
+    assert sorted(store.expire(now=1000.0)) == ["edge", "young"]
+    assert store.stats.expired == 4 and used(store) == 0
+
+
+def test_put_on_a_full_pool_drops_the_item_after_the_timeout():
+    store = make_store(capacity=A, put_timeout_s=0.01)
+    assert store.put("a", torch.ones(64))  # 256 bytes: the whole pool
+    waiter = []
+    store.on_ready("b", waiter.append)
+    assert store.put("b", torch.ones(1)) is False
+    assert store.stats.items_dropped == 1 and store.stats.items_put == 1
+    assert not store.contains("b") and waiter == []
+    assert store.pool.stats()["allocations"] == 1
+    store.release("a", "ack")
+    assert store.put("b", torch.ones(1)) is True
+    assert waiter and waiter[0].identifier == "b"
+
+
+def test_an_item_larger_than_the_pool_is_dropped_at_once():
+    store = make_store(capacity=A, put_timeout_s=30.0)
+    assert store.put("huge", torch.ones(A)) is False  # 1 KiB never fits 256 bytes
+    assert store.stats.items_dropped == 1 and used(store) == 0
+
+
+def test_stats_aggregate_adds_fieldwise():
+    a, b = make_store(), make_store()
+    a.put("x", torch.ones(1))
+    a.release("x", "ack")
+    b.put("y", torch.ones(1))
+    b.put("y", torch.ones(1))
+    total = a.stats.aggregate(b.stats)
+    assert (total.items_put, total.items_reused, total.acks, total.cancels) == (2, 1, 1, 0)
