@@ -59,7 +59,8 @@ class Service:
         if self.proc is None:
             return
         if self.proc.poll() is None:
-            _signal_group(self.proc, signal.SIGTERM)
+            # The service stops its own engine in order; only stragglers get SIGKILL.
+            self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(grace)
             except subprocess.TimeoutExpired:

@@ -16,6 +16,7 @@ import tempfile
 import time
 
 from ectransfer.connector.common import compat_for
+from ectransfer.shm import cleanup_orphans
 from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
 from services.common.engine import EngineConfig, build_async_engine
 from services.common.grpc_server import GrpcServer
@@ -96,5 +97,9 @@ async def serve(cfg: EncoderServiceConfig, engine_cfg: EngineConfig, stop: async
         if server is not None:
             await server.stop()
         engine.shutdown()
+        # The engine process may be gone before its connector's shutdown ran
+        # (vLLM stops the executor first, and the client kills stragglers):
+        # remove the segments it owned, now that its pid is dead.
+        cleanup_orphans()
         if os.path.exists(endpoint_file):
             os.unlink(endpoint_file)

@@ -224,7 +224,7 @@ class OpenAIRoutes:
                     await _sse(response, self._chunk(req.request_id, created, {"role": "assistant", "content": ""},
                                                      None, chat))
                     first = False
-                if resp.text or resp.finish_reason:
+                if resp.text or resp.token_ids or resp.finish_reason:
                     delta = {"content": resp.text} if chat else resp.text
                     await _sse(response, self._chunk(req.request_id, created, delta, resp.finish_reason or None,
                                                      chat, list(resp.token_ids)))

@@ -8,6 +8,7 @@ import signal
 
 from ectransfer import factory
 from ectransfer.connector.common import compat_for
+from ectransfer.shm import cleanup_orphans
 from epd.lm.v1 import lm_pb2, lm_pb2_grpc
 from services.common.engine import EngineConfig, build_async_engine
 from services.common.grpc_server import GrpcServer
@@ -60,3 +61,7 @@ async def serve(cfg: LMServiceConfig, engine_cfg: EngineConfig, stop: asyncio.Ev
         if server is not None:
             await server.stop()
         engine.shutdown()
+        # The engine process may be gone before its connector's shutdown ran
+        # (vLLM stops the executor first, and the client kills stragglers):
+        # remove the segments it owned, now that its pid is dead.
+        cleanup_orphans()

@@ -1,0 +1,48 @@
+"""One epd-serve deployment (encoder + LM + gateway as subprocesses) per test
+session, and plain-vLLM reference tokens computed once, in a subprocess."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.cli import default_model
+from services.reference import run_subprocess
+from services.up import Deployment
+
+from tests.e2e.helpers import image_chat, text_chat
+
+# Every request whose tokens a test compares with plain vLLM.
+REFERENCE_REQUESTS = {
+    "image0": image_chat(0),
+    "image1": image_chat(1, text="Describe it."),
+    "image2": image_chat(2, size=(200, 150)),
+    "fresh": image_chat(1000),  # used by one test only: its encode must be a cache miss
+    "text": text_chat("Tell me a story about a cat."),
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> str:
+    return default_model()
+
+
+@pytest.fixture(scope="session")
+def deployment(tiny_model):
+    dep = Deployment(model=tiny_model, quiet=True)
+    dep.start()
+    yield dep
+    dep.stop()
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_model) -> dict[str, list[int]]:
+    names = list(REFERENCE_REQUESTS)
+    tokens = run_subprocess(tiny_model, [REFERENCE_REQUESTS[n] for n in names])
+    return dict(zip(names, tokens))
+
+
+@pytest.fixture
+def client(deployment):
+    from openai import OpenAI
+
+    return OpenAI(base_url=deployment.url + "/v1", api_key="unused", max_retries=0, timeout=120)

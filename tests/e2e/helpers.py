@@ -1,0 +1,43 @@
+"""Request builders and metric readers for the e2e tests (one place)."""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.error
+import urllib.request
+
+from services.common.images import data_url, make_image
+
+
+def image_chat(seed: int, text: str = "What is in this picture?", max_tokens: int = 12,
+               size: tuple[int, int] = (112, 112)) -> dict:
+    return {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(make_image(seed, size))}},
+        {"type": "text", "text": text}]}], "max_tokens": max_tokens, "temperature": 0}
+
+
+def text_chat(text: str, max_tokens: int = 12) -> dict:
+    return {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "temperature": 0}
+
+
+def post(url: str, body: bytes | dict, timeout: float = 60) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def metric(port: int, name: str) -> float:
+    """Sum of every sample of ``name`` (all label sets) on a Prometheus endpoint."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        m = re.match(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.eE+-]+)$", line)
+        if m:
+            total += float(m.group(1))
+    return total
