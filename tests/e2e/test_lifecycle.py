@@ -1,0 +1,106 @@
+"""Issue 2 must-show: a compatibility mismatch is a clear error within seconds
+with both engines up; ``epd up`` starts everything and Ctrl-C leaves no process
+and no shared memory behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from services.cli import DEFAULT_MODEL_DIR
+from services.tiny_model import build_tiny_model
+from services.up import Service, free_port, grpc_serving, http_ok, split_cores
+from tests.e2e.conftest import REFERENCE_REQUESTS
+from tests.e2e.helpers import post
+
+pytestmark = pytest.mark.e2e
+
+
+def _wait(check, what: str, svc: Service, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert svc.alive(), f"{what} exited:\n{svc.log_tail()}"
+        assert time.monotonic() < deadline, f"{what} not ready:\n{svc.log_tail()}"
+        time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def mismatched(deployment, tmp_path_factory):
+    """An LM on a different model, and a gateway joining it to the session's encoder."""
+    alt = str(build_tiny_model(DEFAULT_MODEL_DIR / "tiny-alt-idefics3", variant="tiny-alt"))
+    logs = tmp_path_factory.mktemp("alt")
+    lm_addr = f"127.0.0.1:{free_port()}"
+    gw_port = free_port()
+    lm = Service("lm-alt", ["lm", "--port", lm_addr.split(":")[1], "--model", alt, "--cpu-cores", split_cores()[1]],
+                 str(logs / "lm.log"))
+    gw = Service("gw-alt", ["gateway", "--port", str(gw_port), "--encoders", deployment.encoder_addr,
+                            "--lms", lm_addr], str(logs / "gw.log"))
+    env = dict(os.environ)
+    try:
+        lm.start(env)
+        _wait(lambda: grpc_serving(lm_addr), "alt LM", lm)
+        gw.start(env)
+        _wait(lambda: http_ok(f"http://127.0.0.1:{gw_port}/health"), "alt gateway", gw)
+        yield f"http://127.0.0.1:{gw_port}", lm_addr
+    finally:
+        gw.stop()
+        lm.stop()
+
+
+def test_compat_mismatch_is_a_clear_error_within_seconds_and_both_engines_stay_up(
+        deployment, mismatched, reference):
+    url, lm_addr = mismatched
+    t0 = time.monotonic()
+    status, body = post(url + "/v1/chat/completions", REFERENCE_REQUESTS["image0"], timeout=30)
+    elapsed = time.monotonic() - t0
+    assert status == 502, body
+    msg = body["error"]["message"]
+    assert "incompatible" in msg and "embed_width" in msg, msg
+    assert elapsed < 10, elapsed  # a bound on "within seconds", not a speed measurement
+    # Both engines are still serving.
+    assert grpc_serving(deployment.encoder_addr) and grpc_serving(lm_addr)
+    status, body = post(url + "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                       "max_tokens": 4})
+    assert status == 200, body
+    status, body = post(deployment.url + "/v1/chat/completions", REFERENCE_REQUESTS["image0"])
+    assert status == 200 and body["choices"][0]["token_ids"] == reference["image0"]
+
+
+def _epd_segments() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith(("epd-", "psm_"))}
+
+
+def test_epd_up_serves_and_ctrl_c_leaves_nothing_behind(tiny_model):
+    before = _epd_segments()
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--model", tiny_model, "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        info, lines = None, []
+        deadline = time.monotonic() + 300
+        while info is None and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            assert line, "epd up exited early:\n" + "".join(lines)
+            lines.append(line)
+            if line.startswith("{"):
+                info = json.loads(line)
+        assert info and info["gateway"] == f"http://127.0.0.1:{port}/v1"
+        tree = psutil.Process(proc.pid).children(recursive=True)
+        assert len(tree) >= 3  # encoder, LM, gateway (and their engine processes)
+        status, body = post(f"http://127.0.0.1:{port}/v1/chat/completions", REFERENCE_REQUESTS["image0"])
+        assert status == 200, body
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=90) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    gone, alive = psutil.wait_procs(tree, timeout=10)
+    assert not alive, [p.pid for p in alive]
+    assert _epd_segments() - before == set()
