@@ -1,5 +1,11 @@
 """The transport interface. Every transport implements both halves.
 
+Handshake (both halves): the producer ``offer()``s each transport, the consumer
+``probe(offer)``s it and returns a proof (raising ProtocolError when it cannot
+use it, e.g. it cannot map the producer's shared memory), and the producer
+``verify(proof)``s the consumer's choice. ``ectransfer.selection.choose`` picks
+the consumer's best transport that proves usable.
+
 Producer half (encoder engine process, on the transfer server's threads):
     ``describe(data, desc)``   fill ``desc``'s payload oneof for one item whose
                                bytes are ``data`` (a flat uint8 view of an
@@ -34,6 +40,8 @@ from epd.encoder.v1 import encoder_pb2
 
 
 class Receiver(ABC):
+    """Lands one item's bytes; created per item by ``ConsumerTransport.receiver``."""
+
     @property
     @abstractmethod
     def complete(self) -> bool: ...
@@ -48,6 +56,12 @@ class Receiver(ABC):
 class ProducerTransport(ABC):
     kind: ClassVar[int]
 
+    def offer(self) -> encoder_pb2.TransportOffer:
+        return encoder_pb2.TransportOffer(transport=self.kind)
+
+    def verify(self, proof: bytes) -> bool:
+        return True
+
     @abstractmethod
     def describe(self, data: torch.Tensor, desc: common_pb2.TensorDescriptor) -> None: ...
 
@@ -60,6 +74,10 @@ class ProducerTransport(ABC):
 
 class ConsumerTransport(ABC):
     kind: ClassVar[int]
+
+    def probe(self, offer: encoder_pb2.TransportOffer) -> bytes:
+        """The proof that this consumer can use ``offer`` (raises ProtocolError if not)."""
+        return b""
 
     @abstractmethod
     def receiver(self, desc: common_pb2.TensorDescriptor, dest: torch.Tensor) -> Receiver: ...

@@ -24,6 +24,7 @@ import torch
 
 from ectransfer.base import ConsumerTransport, Receiver
 from ectransfer.protocol import CompatError, ItemTransfer, ProtocolError, TransferState, check_compat
+from ectransfer.selection import Choice, choose
 from ectransfer import tensors
 from epd.common.v1 import common_pb2
 from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
@@ -50,7 +51,8 @@ class _Peer:
     def __init__(self, client: "TransferClient", endpoint: str) -> None:
         self.client = client
         self.endpoint = endpoint
-        self.out: asyncio.Queue = asyncio.Queue()
+        self.ctrl: asyncio.Queue = asyncio.Queue()  # handshake messages
+        self.out: asyncio.Queue = asyncio.Queue()   # item messages, sent only after Select
         self.items: dict[str, Fetch] = {}
         self.channel = grpc.aio.insecure_channel(endpoint, options=_GRPC_OPTIONS)
         self.task = asyncio.create_task(self._run())
@@ -63,6 +65,7 @@ class _Peer:
                 transports=[t.kind for t in self.client.transports],
             )
         )
+        yield await self.ctrl.get()  # Select
         while (msg := await self.out.get()) is not None:
             yield msg
 
@@ -70,14 +73,10 @@ class _Peer:
         error = "stream closed"
         try:
             call = encoder_pb2_grpc.TransferServiceStub(self.channel).Transfer(self._requests())
-            first = await call.read()
-            if first is grpc.aio.EOF or first.WhichOneof("msg") != "hello":
-                raise ProtocolError("producer did not answer Hello")
-            check_compat(self.client.compat, first.hello.compat)
-            transport = self.client.by_kind.get(first.hello.transport)
-            if transport is None:
-                raise ProtocolError(f"producer chose transport {first.hello.transport} that this consumer lacks")
-            self.transport = transport
+            choice = await negotiate(call, self.ctrl.put_nowait, self.client.compat, self.client.transports)
+            if choice.fell_back:
+                logger.warning("transfer from %s uses %s (%s)", self.endpoint, choice.name, "; ".join(choice.skipped))
+            self.transport = choice.transport
             while (msg := await call.read()) is not grpc.aio.EOF:
                 self._on_message(msg)
         except grpc.aio.AioRpcError as e:
@@ -137,6 +136,22 @@ class _Peer:
     def _finish(self, fetch: Fetch, error: str) -> None:
         self.items.pop(fetch.transfer.identifier, None)
         fetch.transfer.fail(error)
+
+
+async def negotiate(call, send, compat: common_pb2.CompatInfo, transports: list[ConsumerTransport]) -> Choice:
+    """Consumer side of the handshake on an open Transfer ``call`` whose request
+    stream already yielded Hello; ``send`` enqueues a client message. Raises
+    CompatError or ProtocolError with a message meant for people."""
+    first = await call.read()
+    if first is grpc.aio.EOF or first.WhichOneof("msg") != "hello":
+        raise ProtocolError("producer did not answer Hello")
+    check_compat(compat, first.hello.compat)
+    choice = choose(list(first.hello.offers), transports)
+    send(encoder_pb2.TransferClientMsg(select=encoder_pb2.Select(transport=choice.transport.kind, proof=choice.proof)))
+    second = await call.read()
+    if second is grpc.aio.EOF or second.WhichOneof("msg") != "selected":
+        raise ProtocolError("producer did not confirm the transport")
+    return choice
 
 
 class TransferClient:

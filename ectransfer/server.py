@@ -41,12 +41,6 @@ class TransferServicer(encoder_pb2_grpc.TransferServiceServicer):
         self.transports = transports
         self.item_wait_s = item_wait_s
 
-    def _choose(self, offered: list[int]) -> ProducerTransport | None:
-        for kind in offered or [common_pb2.GRPC_CHUNKS]:
-            if kind in self.transports:
-                return self.transports[kind]
-        return None
-
     async def Transfer(self, request_iterator, context):
         out: asyncio.Queue = asyncio.Queue()
         first = await anext(aiter(request_iterator), None)
@@ -58,20 +52,28 @@ class TransferServicer(encoder_pb2_grpc.TransferServiceServicer):
         except CompatError as e:
             logger.warning("refusing consumer %s: %s", hello.consumer_id, e)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-        transport = self._choose(list(hello.transports))
-        if transport is None:
+        offers = [self.transports[k].offer() for k in hello.transports if k in self.transports]
+        if not offers:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"no common transport: consumer offers {list(hello.transports)}, producer has {list(self.transports)}",
+                f"no common transport: consumer allows {_names(hello.transports)}, "
+                f"this encoder offers {_names(self.transports)}",
             )
-        yield encoder_pb2.TransferServerMsg(
-            hello=encoder_pb2.HelloReply(
-                compat=self.compat,
-                producer_id=self.producer_id,
-                transport=transport.kind,
-                chunk_nbytes=getattr(transport, "chunk_nbytes", 0),
-            )
-        )
+        yield encoder_pb2.TransferServerMsg(hello=encoder_pb2.HelloReply(
+            compat=self.compat, producer_id=self.producer_id, offers=offers,
+            chunk_nbytes=getattr(self.transports.get(common_pb2.GRPC_CHUNKS), "chunk_nbytes", 0)))
+        select = await anext(aiter(request_iterator), None)
+        if select is None:
+            return  # a probe-only handshake (the LM service's compatibility check)
+        if select.WhichOneof("msg") != "select":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "expected Select after HelloReply")
+        transport = self.transports.get(select.select.transport)
+        if transport is None or not transport.verify(select.select.proof):
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"consumer {hello.consumer_id} selected {_names([select.select.transport])} "
+                                "without a valid proof")
+        logger.info("consumer %s uses %s", hello.consumer_id, _names([transport.kind]))
+        yield encoder_pb2.TransferServerMsg(selected=encoder_pb2.Selected(transport=transport.kind))
         tasks: dict[str, asyncio.Task] = {}
 
         async def read() -> None:
@@ -145,6 +147,12 @@ class TransferServicer(encoder_pb2_grpc.TransferServiceServicer):
             return None
         finally:
             self.store.forget_waiter(ident, ready)
+
+
+def _names(kinds) -> str:
+    from ectransfer.factory import transport_name
+
+    return ", ".join(transport_name(k) for k in kinds) or "none"
 
 
 def _error(ident: str, code: int, message: str) -> encoder_pb2.TransferServerMsg:

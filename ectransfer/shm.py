@@ -26,6 +26,7 @@ from ectransfer.base import ConsumerTransport, ProducerTransport, Receiver
 from ectransfer.pool import ALIGNMENT, Pool
 from ectransfer.protocol import ProtocolError
 from epd.common.v1 import common_pb2
+from epd.encoder.v1 import encoder_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -169,12 +170,26 @@ class Mappings:
 
 
 class ShmProducer(ProducerTransport):
-    """Describes items of a ShmPool by (segment, offset); sends no bytes."""
+    """Describes items of a ShmPool by (segment, offset); sends no bytes.
+
+    Holds one small slot of the pool with a random nonce: a consumer proves it
+    maps the very same memory by reading the nonce back (capability, not hostname)."""
 
     kind = common_pb2.SHM
+    NONCE_NBYTES = 16
 
     def __init__(self, pool: ShmPool) -> None:
         self.pool = pool
+        self._nonce = secrets.token_bytes(self.NONCE_NBYTES)
+        self._probe = pool.alloc(self.NONCE_NBYTES)
+        pool.view(self._probe).copy_(torch.frombuffer(bytearray(self._nonce), dtype=torch.uint8))
+
+    def offer(self) -> encoder_pb2.TransportOffer:
+        return encoder_pb2.TransportOffer(transport=self.kind, shm_probe=encoder_pb2.ShmProbe(
+            segment=self.pool.name, offset=self._probe.offset, nbytes=self.NONCE_NBYTES))
+
+    def verify(self, proof: bytes) -> bool:
+        return secrets.compare_digest(proof, self._nonce)
 
     def describe(self, data: torch.Tensor, desc: common_pb2.TensorDescriptor) -> None:
         offset = data.data_ptr() - self.pool.buffer.data_ptr() if data.numel() else 0
@@ -196,6 +211,16 @@ class ShmConsumer(ConsumerTransport):
 
     def __init__(self) -> None:
         self.mappings = Mappings()
+
+    def probe(self, offer: encoder_pb2.TransportOffer) -> bytes:
+        p = offer.shm_probe
+        try:
+            seg = self.mappings.get(p.segment)
+        except (OSError, ValueError) as e:
+            raise ProtocolError(f"cannot map shared-memory segment {p.segment!r}: {e}") from None
+        if p.offset + p.nbytes > seg.nbytes:
+            raise ProtocolError(f"probe range outside segment {p.segment!r}")
+        return seg.buffer[p.offset : p.offset + p.nbytes].numpy().tobytes()
 
     def receiver(self, desc: common_pb2.TensorDescriptor, dest: torch.Tensor) -> Receiver:
         if desc.WhichOneof("payload") != "shm":

@@ -24,7 +24,7 @@ class ConnectorConfig:
     """Consumer: bytes of inbound staging (transfers wait when it is full)."""
     chunk_nbytes: int = 4 << 20
     """GRPC_CHUNKS chunk size."""
-    transports: list[str] = field(default_factory=lambda: ["grpc"])
+    transports: list[str] = field(default_factory=lambda: ["shm", "grpc"])
     """Transports this end may use, best first."""
     lease_s: float = 60.0
     """Producer: an outbound item nobody acked within this time is freed."""

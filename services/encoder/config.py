@@ -21,8 +21,8 @@ class EncoderServiceConfig:
     """Prometheus /metrics HTTP port (0: disabled)."""
     outbound_pool_mib: int = 256
     """Outbound pool size: encoder outputs held until an LM acks them."""
-    transports: str = "grpc"
-    """Transports offered to LMs, best first (comma-separated; allowed: grpc)."""
+    transports: str = "shm,grpc"
+    """Transports offered to LMs (comma-separated; allowed: shm, grpc)."""
     lease_s: float = 60.0
     """An outbound item nobody acked within this time is freed."""
     encode_timeout_s: float = 60.0

@@ -15,8 +15,9 @@ class LMServiceConfig:
     """Prometheus /metrics HTTP port (0: disabled)."""
     staging_mib: int = 256
     """Inbound staging for encoder outputs (transfers wait when it is full)."""
-    transports: str = "grpc"
-    """Transports this LM can use, best first (comma-separated; allowed: grpc)."""
+    transports: str = "shm,grpc"
+    """Transports this LM may use, best first (comma-separated; allowed: shm, grpc). The first
+    one whose probe succeeds is used; a single name forces it (the handshake fails if it cannot work)."""
     transfer_timeout_s: float = 30.0
     """An item with no data from its encoder within this time fails its request."""
     handshake_timeout_s: float = 5.0

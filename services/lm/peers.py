@@ -10,15 +10,23 @@ import logging
 
 import grpc
 
+from prometheus_client import Gauge
+
+from ectransfer.base import ConsumerTransport
+from ectransfer.client import negotiate
+from ectransfer.protocol import CompatError, ProtocolError
 from epd.common.v1 import common_pb2
 from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
 from services.common.errors import Incompatible, PeerUnavailable
+
+PEER_TRANSPORT = Gauge("epd_lm_peer_transport", "Transport chosen per encoder (1 = in use)", ["peer", "transport"])
 
 logger = logging.getLogger(__name__)
 
 
 class PeerChecker:
-    def __init__(self, compat: common_pb2.CompatInfo, consumer_id: str, transports: list[int], timeout_s: float):
+    def __init__(self, compat: common_pb2.CompatInfo, consumer_id: str, transports: list[ConsumerTransport],
+                 timeout_s: float):
         self.compat = compat
         self.consumer_id = consumer_id
         self.transports = transports
@@ -38,19 +46,32 @@ class PeerChecker:
     def forget(self, endpoint: str) -> None:
         self._ok.discard(endpoint)
 
-    async def _handshake(self, endpoint: str) -> None:
+    async def _handshake(self, endpoint: str) -> str:
+        """The connector's handshake, from this process (same host, same /dev/shm
+        view as the engine): compatibility and transport choice."""
+        out: asyncio.Queue = asyncio.Queue()
         hello = encoder_pb2.TransferClientMsg(hello=encoder_pb2.Hello(
-            compat=self.compat, consumer_id=self.consumer_id, transports=self.transports))
+            compat=self.compat, consumer_id=self.consumer_id, transports=[t.kind for t in self.transports]))
 
         async def requests():
             yield hello
+            while (msg := await out.get()) is not None:
+                yield msg
 
         async with grpc.aio.insecure_channel(endpoint) as ch:
             call = encoder_pb2_grpc.TransferServiceStub(ch).Transfer(requests(), timeout=self.timeout_s)
             try:
-                async for _ in call:
-                    pass
+                choice = await negotiate(call, out.put_nowait, self.compat, self.transports)
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
                     raise Incompatible(e.details()) from None
                 raise PeerUnavailable(f"encoder at {endpoint}: {e.code().name}: {e.details()}") from None
+            except (CompatError, ProtocolError) as e:
+                raise Incompatible(f"encoder at {endpoint}: {e}") from None
+            finally:
+                out.put_nowait(None)
+                call.cancel()
+        PEER_TRANSPORT.labels(endpoint, choice.name).set(1)
+        if choice.fell_back:
+            logger.warning("encoder %s: transfers use %s (%s)", endpoint, choice.name, "; ".join(choice.skipped))
+        return choice.name

@@ -42,7 +42,7 @@ async def serve(cfg: LMServiceConfig, engine_cfg: EngineConfig, stop: asyncio.Ev
     server = None
     try:
         compat = compat_for(engine.vllm_config, engine_cfg.model)
-        transports = [factory.transport_enum(t) for t in cfg.transports.split(",") if t]
+        transports = [factory.make_consumer(t) for t in cfg.transports.split(",") if t]
         peers = PeerChecker(compat, engine.vllm_config.ec_transfer_config.engine_id, transports,
                             cfg.handshake_timeout_s)
         info = lm_pb2.LMInfo(model=engine_cfg.model, compat=compat)

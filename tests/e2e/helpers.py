@@ -31,13 +31,14 @@ def post(url: str, body: bytes | dict, timeout: float = 60) -> tuple[int, dict]:
         return e.code, json.loads(e.read())
 
 
-def metric(port: int, name: str) -> float:
-    """Sum of every sample of ``name`` (all label sets) on a Prometheus endpoint."""
+def metric(port: int, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` on a Prometheus endpoint whose labels
+    include ``labels`` (all label sets when none are given)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
         text = r.read().decode()
     total = 0.0
     for line in text.splitlines():
-        m = re.match(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.eE+-]+)$", line)
-        if m:
-            total += float(m.group(1))
+        m = re.match(rf"^{re.escape(name)}(?:{{([^}}]*)}})? ([0-9.eE+-]+)$", line)
+        if m and all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
+            total += float(m.group(2))
     return total

@@ -1,0 +1,167 @@
+"""The Transfer protocol over real gRPC on loopback with real shared memory."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from ectransfer import tensors
+from ectransfer.protocol import TransferState
+from tests.integration.transfer_harness import Consumer, Producer, compat
+
+pytestmark = pytest.mark.integration
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+@pytest.fixture
+def producer():
+    p = Producer()
+    yield p
+    p.close()
+
+
+def random_tensor(rng: random.Random) -> torch.Tensor:
+    dtype = rng.choice(DTYPES)
+    shape = (rng.randint(0, 300), rng.choice([1, 64, 128, 1024]))
+    bits = torch.randint(-(2**15), 2**15, shape, dtype=torch.int16, generator=torch.Generator().manual_seed(rng.randint(0, 2**31)))
+    if dtype == torch.float32:
+        return torch.cat([bits, bits], dim=-1).view(torch.float32) if shape[0] else torch.empty(shape, dtype=dtype)
+    return bits.view(dtype)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(tensors.as_bytes(a), tensors.as_bytes(b))
+
+
+@pytest.mark.parametrize("transport", ["shm", "grpc"])
+def test_many_random_tensors_arrive_bit_identical_and_free_the_producer_slot(producer, transport):
+    consumer = Consumer(transports=(transport,))
+    rng = random.Random(7)
+    baseline = producer.pool.stats()["used_bytes"]  # the shm transport's nonce slot
+    try:
+        for i in range(60):
+            t = random_tensor(rng)
+            producer.store.put(f"item-{i}", t)
+            transfer, got = consumer.get(producer.endpoint, f"item-{i}", t.numel() * t.element_size())
+            assert transfer.state is TransferState.LANDED, transfer.error
+            assert same_bits(got, t)
+        deadline = time.monotonic() + 5
+        while producer.pool.stats()["used_bytes"] != baseline and time.monotonic() < deadline:
+            time.sleep(0.01)  # acks travel asynchronously
+        assert producer.pool.stats()["used_bytes"] == baseline
+        assert producer.store.stats.acks == 60
+    finally:
+        consumer.close()
+
+
+def test_a_reserve_waits_for_an_item_encoded_later(producer):
+    consumer = Consumer()
+    try:
+        t = torch.randn(16, 128).to(torch.bfloat16)
+        transfer, fetch, slot = consumer.start(producer.endpoint, "late", 16 * 128 * 2)
+        time.sleep(0.2)
+        assert transfer.state is TransferState.RESERVED
+        producer.store.put("late", t)
+        assert consumer.wait(transfer) is TransferState.LANDED
+        assert same_bits(tensors.from_bytes(consumer.staging.view(slot), fetch.shape, fetch.dtype), t)
+    finally:
+        consumer.close()
+
+
+def test_compatibility_mismatch_fails_the_item_with_a_message_naming_the_difference(producer):
+    consumer = Consumer(compat_info=compat(width=96))
+    try:
+        producer.store.put("x", torch.zeros(4, 128, dtype=torch.bfloat16))
+        transfer, _ = consumer.get(producer.endpoint, "x", 4 * 128 * 2)
+        assert transfer.state is TransferState.FAILED
+        assert "incompatible" in transfer.error and "embed_width" in transfer.error
+    finally:
+        consumer.close()
+
+
+def test_a_reservation_smaller_than_the_item_is_refused(producer):
+    consumer = Consumer()
+    try:
+        producer.store.put("big", torch.zeros(64, 128, dtype=torch.bfloat16))
+        transfer, _ = consumer.get(producer.endpoint, "big", 1024)
+        assert transfer.state is TransferState.FAILED and "reserved" in transfer.error
+    finally:
+        consumer.close()
+
+
+def test_an_item_never_encoded_times_out_at_the_producer():
+    p = Producer(item_wait_s=0.3)
+    consumer = Consumer()
+    try:
+        transfer, _ = consumer.get(p.endpoint, "never", 256)
+        assert transfer.state is TransferState.FAILED and "not encoded" in transfer.error
+    finally:
+        consumer.close()
+        p.close()
+
+
+def test_a_producer_that_dies_mid_wait_fails_the_item_promptly():
+    p = Producer(item_wait_s=30)
+    consumer = Consumer(timeout_s=30)
+    try:
+        transfer, _, _ = consumer.start(p.endpoint, "orphan", 256)
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        p.close()
+        assert consumer.wait(transfer, timeout=10) is TransferState.FAILED
+        assert time.monotonic() - t0 < 5
+        assert "UNAVAILABLE" in transfer.error or "closed" in transfer.error or "CANCELLED" in transfer.error
+    finally:
+        consumer.close()
+
+
+def test_an_unacked_item_is_freed_when_its_lease_expires():
+    p = Producer(ttl_s=0.2)
+    try:
+        p.store.put("stale", torch.zeros(8, 8, dtype=torch.float32))
+        deadline = time.monotonic() + 5
+        while p.store.contains("stale") and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not p.store.contains("stale") and p.store.stats.expired == 1
+    finally:
+        p.close()
+
+
+def _probe(endpoint: str, transports: str, isolated: bool) -> str:
+    cmd = [sys.executable, "-m", "tests.integration.probe_peer", endpoint, transports]
+    if isolated:  # a separate mount namespace with its own, empty /dev/shm
+        cmd = ["unshare", "-m", "--propagation", "private", "sh", "-c",
+               'mount -t tmpfs tmpfs /dev/shm && exec "$@"', "sh", *cmd]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    return out.stdout.strip().splitlines()[-1] if out.stdout.strip() else out.stderr[-2000:]
+
+
+def _can_unshare() -> bool:
+    try:
+        return subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c",
+                               "mount -t tmpfs tmpfs /dev/shm"], capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def test_selection_same_host_chooses_shm(producer):
+    assert _probe(producer.endpoint, "shm,grpc", isolated=False) == "CHOSE shm"
+
+
+@pytest.mark.skipif(not _can_unshare(), reason="this sandbox forbids mount namespaces (unshare -m)")
+def test_selection_without_the_producers_dev_shm_falls_back_to_chunks(producer):
+    assert _probe(producer.endpoint, "shm,grpc", isolated=True) == "CHOSE grpc"
+
+
+@pytest.mark.skipif(not _can_unshare(), reason="this sandbox forbids mount namespaces (unshare -m)")
+def test_a_forced_transport_that_cannot_work_fails_the_handshake_clearly(producer):
+    out = _probe(producer.endpoint, "shm", isolated=True)
+    assert out.startswith("ERROR") and "forced" in out and "cannot map" in out, out

@@ -1,0 +1,71 @@
+"""A real Transfer server (grpc.aio on loopback, shared-memory pool) and a real
+client, in-process, without vLLM. Shared by the integration tests and by the
+namespace probe that runs in a subprocess."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ectransfer import factory, tensors
+from ectransfer.client import TransferClient
+from ectransfer.outbound import OutboundStore
+from ectransfer.pool import Pool
+from ectransfer.protocol import ItemTransfer, TransferState, make_compat
+from ectransfer.server import TransferServerThread, TransferServicer
+from ectransfer.shm import ShmPool
+
+
+def compat(width: int = 128, model: str = "test-model"):
+    return make_compat(vllm_version="0.32.0", model=model, dtype="bfloat16", embed_width=width)
+
+
+class Producer:
+    def __init__(self, pool_bytes: int = 64 << 20, item_wait_s: float = 10.0, ttl_s: float = 60.0,
+                 transports=("shm", "grpc"), chunk_nbytes: int = 1 << 20, compat_info=None) -> None:
+        self.pool = ShmPool(pool_bytes, role="test")
+        self.store = OutboundStore(self.pool, ttl_s=ttl_s)
+        ts = {}
+        for name in transports:
+            t = factory.make_producer(name, **({"pool": self.pool} if name == "shm" else {"chunk_nbytes": chunk_nbytes}))
+            ts[t.kind] = t
+        self.servicer = TransferServicer(self.store, compat_info or compat(), "producer-1", ts, item_wait_s=item_wait_s)
+        self.server = TransferServerThread(self.servicer, "127.0.0.1", 0, sweep_s=0.05)
+        self.endpoint = f"127.0.0.1:{self.server.start()}"
+
+    def close(self) -> None:
+        self.server.stop()
+        self.pool.close()
+
+
+class Consumer:
+    def __init__(self, transports=("shm", "grpc"), compat_info=None, timeout_s: float = 10.0,
+                 staging_bytes: int = 64 << 20) -> None:
+        self.staging = Pool(staging_bytes)
+        self.client = TransferClient(compat_info or compat(), "consumer-1",
+                                     [factory.make_consumer(n) for n in transports], timeout_s=timeout_s)
+
+    def start(self, endpoint: str, ident: str, nbytes: int):
+        slot = self.staging.alloc(nbytes)
+        transfer = ItemTransfer(ident, nbytes)
+        fetch = self.client.fetch(transfer, endpoint, self.staging.view(slot), request_id="r")
+        return transfer, fetch, slot
+
+    def wait(self, transfer: ItemTransfer, timeout: float = 20.0) -> TransferState:
+        deadline = time.monotonic() + timeout
+        while transfer.state not in (TransferState.LANDED, TransferState.FAILED) and time.monotonic() < deadline:
+            time.sleep(0.002)
+        return transfer.state
+
+    def get(self, endpoint: str, ident: str, nbytes: int) -> tuple[ItemTransfer, torch.Tensor | None]:
+        transfer, fetch, slot = self.start(endpoint, ident, nbytes)
+        state = self.wait(transfer)
+        out = None
+        if state is TransferState.LANDED:
+            out = tensors.from_bytes(self.staging.view(slot).clone(), fetch.shape, fetch.dtype)
+        self.staging.free(slot)
+        return transfer, out
+
+    def close(self) -> None:
+        self.client.close()
