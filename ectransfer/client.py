@@ -23,7 +23,7 @@ import grpc
 import torch
 
 from ectransfer.base import ConsumerTransport, Receiver
-from ectransfer.protocol import CompatError, ItemTransfer, ProtocolError, TransferState, check_compat
+from ectransfer.protocol import CompatError, ItemTransfer, ProtocolError, TransferState, check_compat, new_event_loop
 from ectransfer.selection import Choice, choose
 from ectransfer import tensors
 from epd.common.v1 import common_pb2
@@ -170,7 +170,7 @@ class TransferClient:
         self.by_kind = {t.kind: t for t in transports}
         self.timeout_s = timeout_s
         self._peers: dict[str, _Peer] = {}
-        self._loop = asyncio.new_event_loop()
+        self._loop = new_event_loop()
         self._thread = threading.Thread(target=self._run, name="epd-transfer-client", daemon=True)
         self._thread.start()
 

@@ -18,7 +18,7 @@ import grpc
 
 from ectransfer.base import ProducerTransport
 from ectransfer.outbound import OutboundItem, OutboundStore
-from ectransfer.protocol import CompatError, check_compat
+from ectransfer.protocol import CompatError, check_compat, new_event_loop
 from ectransfer import tensors
 from epd.common.v1 import common_pb2
 from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
@@ -173,7 +173,7 @@ class TransferServerThread:
         self.port = port
         self.sweep_s = sweep_s
         self.bound_port: int | None = None
-        self._loop = asyncio.new_event_loop()
+        self._loop = new_event_loop()
         self._thread = threading.Thread(target=self._run, name="epd-transfer-server", daemon=True)
         self._ready = threading.Event()
         self._error: BaseException | None = None

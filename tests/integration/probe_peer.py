@@ -12,7 +12,7 @@ import sys
 from ectransfer import factory
 from services.common.errors import EPDError
 from services.lm.peers import PeerChecker
-from tests.integration.transfer_harness import compat
+from ectransfer.loopback import compat
 
 
 async def main(endpoint: str, transports: str) -> int:

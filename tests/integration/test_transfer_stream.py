@@ -13,7 +13,7 @@ import torch
 
 from ectransfer import tensors
 from ectransfer.protocol import TransferState
-from tests.integration.transfer_harness import Consumer, Producer, compat
+from ectransfer.loopback import Consumer, Producer, compat
 
 pytestmark = pytest.mark.integration
 

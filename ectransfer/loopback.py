@@ -1,10 +1,13 @@
-"""A real Transfer server (grpc.aio on loopback, shared-memory pool) and a real
-client, in-process, without vLLM. Shared by the integration tests and by the
-namespace probe that runs in a subprocess."""
+"""A real Transfer server and client in one process, without vLLM.
+
+``Producer`` is the encoder side (shared-memory outbound pool, OutboundStore,
+TransferService on a loopback port); ``Consumer`` is the LM side (a staging
+pool and a TransferClient). The integration tests, the namespace probe and
+``bench/transfer.py`` drive the real protocol through them. Buffers: the
+producer's items belong to its store until acked; ``Consumer.get`` frees its
+staging slot before returning (it hands back a copy)."""
 
 from __future__ import annotations
-
-import time
 
 import torch
 
@@ -53,9 +56,7 @@ class Consumer:
         return transfer, fetch, slot
 
     def wait(self, transfer: ItemTransfer, timeout: float = 20.0) -> TransferState:
-        deadline = time.monotonic() + timeout
-        while transfer.state not in (TransferState.LANDED, TransferState.FAILED) and time.monotonic() < deadline:
-            time.sleep(0.002)
+        transfer.wait_for({TransferState.LANDED, TransferState.FAILED}, timeout)
         return transfer.state
 
     def get(self, endpoint: str, ident: str, nbytes: int) -> tuple[ItemTransfer, torch.Tensor | None]:
