@@ -228,7 +228,7 @@ class TransferClient:
     def _send(self, endpoint: str, kind: str, identifier: str) -> None:
         peer = self._peers.get(endpoint)
         if peer is None:
-            return
+            peer = self._peers[endpoint] = _Peer(self, endpoint)
         peer.items.pop(identifier, None)
         msg = encoder_pb2.TransferClientMsg(**{kind: getattr(encoder_pb2, kind.capitalize())(identifier=identifier)})
         peer.out.put_nowait(msg)

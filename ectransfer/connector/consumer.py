@@ -68,6 +68,7 @@ class ConsumerScheduler:
         )
         self._items: dict[str, _Inbound] = {}
         self._injected: OrderedDict[str, None] = OrderedDict()
+        self._cancelled: OrderedDict[str, None] = OrderedDict()  # "not needed" already sent
         self._to_load: list[LoadSpec] = []
         self._unavailable: set[str] = set()
         self._stats: dict[str, _RequestStats] = defaultdict(_RequestStats)
@@ -86,7 +87,11 @@ class ConsumerScheduler:
                 continue
             pos = feat.mm_position
             if pos.offset + pos.length <= num_computed_tokens:
-                continue  # the prefix cache already covers this item
+                # The prefix cache already covers this item: tell the encoder it
+                # is not needed (it frees the slot now, not at lease expiry).
+                if feat.identifier not in self._cancelled:
+                    self._cancel(feat.identifier, src["endpoint"])
+                continue
             item = self._items.get(feat.identifier)
             if item is None:
                 item = self._start(request, index, src)
@@ -118,6 +123,16 @@ class ConsumerScheduler:
         fetch = self.client.fetch(transfer, src["endpoint"], self.staging.view(slot), request.request_id)
         item = self._items[ident] = _Inbound(transfer, src["endpoint"], slot, fetch)
         return item
+
+    def _cancel(self, ident: str, endpoint: str) -> None:
+        item = self._items.get(ident)
+        if item is not None and not item.transfer.state.terminal and item.transfer.state is not TransferState.LANDED:
+            item.transfer.advance(TransferState.CANCELLED)
+            self._drop(item)
+        self.client.cancel(endpoint, ident)
+        self._cancelled[ident] = None
+        while len(self._cancelled) > _INJECTED_MEMORY:
+            self._cancelled.popitem(last=False)
 
     def _fail(self, item: _Inbound) -> None:
         logger.error("requests %s cannot get item %s: %s", sorted(item.requests),
