@@ -47,7 +47,8 @@ test-unit: install
 	$(PY) -m pytest -m unit $(PYTEST_ARGS)
 
 bench-transfer: install
-	$(PY) bench/transfer.py --quick
+	$(PY) -m pip install -q "matplotlib>=3.8"
+	$(PY) bench/transfer.py --quick --json bench/results/transfer-cpu.json --plot bench/results/transfer-cpu.png
 
 clean:
 	rm -rf $(VENV) epd build *.egg-info .pytest_cache

@@ -9,6 +9,7 @@ from epd.common.v1 import common_pb2
 
 # name -> (module, producer class, consumer class, proto enum)
 _REGISTRY: dict[str, tuple[str, str, str, int]] = {
+    "cuda_ipc": ("ectransfer.cuda_ipc", "CudaIpcProducer", "CudaIpcConsumer", common_pb2.CUDA_IPC),
     "shm": ("ectransfer.shm", "ShmProducer", "ShmConsumer", common_pb2.SHM),
     "grpc": ("ectransfer.grpc_stream", "GrpcChunkProducer", "GrpcChunkConsumer", common_pb2.GRPC_CHUNKS),
 }

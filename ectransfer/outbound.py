@@ -72,7 +72,7 @@ class OutboundStore:
                 return True
             self._putting.add(identifier)
         try:
-            data = tensors.as_bytes(tensor.detach())
+            data = tensors.as_bytes(tensor.detach(), keep_device=self.pool.buffer.device == tensor.device)
             try:
                 slot = self.pool.alloc(data.numel(), timeout=self.put_timeout_s)
             except PoolFullError as e:

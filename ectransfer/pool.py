@@ -103,13 +103,14 @@ class Pool:
     GPU) provide a different backing buffer through ``_make_buffer``.
     """
 
-    def __init__(self, capacity: int, alignment: int = ALIGNMENT) -> None:
+    def __init__(self, capacity: int, alignment: int = ALIGNMENT, device: str = "cpu") -> None:
         self._alloc = OffsetAllocator(capacity, alignment)
         self._cond = threading.Condition()
+        self._device = device
         self.buffer = self._make_buffer(capacity)
 
     def _make_buffer(self, capacity: int) -> torch.Tensor:
-        return torch.empty(capacity, dtype=torch.uint8)
+        return torch.empty(capacity, dtype=torch.uint8, device=self._device)
 
     @property
     def capacity(self) -> int:

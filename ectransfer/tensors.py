@@ -57,14 +57,14 @@ def nbytes_of(shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> int:
     return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
 
 
-def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 CPU view of ``t``'s bytes (copies only if ``t`` is
-    non-contiguous or not on the CPU). The result shares memory with ``t``
-    when no copy was needed, so the caller must keep ``t`` alive."""
-    if t.device.type != "cpu":
+def as_bytes(t: torch.Tensor, keep_device: bool = False) -> torch.Tensor:
+    """A flat uint8 view of ``t``'s bytes, on the CPU unless ``keep_device``
+    (copies only if ``t`` is non-contiguous or must move). The result shares
+    memory with ``t`` when no copy was needed, so the caller keeps ``t`` alive."""
+    if t.device.type != "cpu" and not keep_device:
         t = t.cpu()
     t = t.contiguous()
-    return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+    return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8, device=t.device)
 
 
 def from_bytes(buf: torch.Tensor, shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> torch.Tensor:

@@ -1,0 +1,170 @@
+"""CUDA_IPC: one device-to-device copy between processes on one GPU node.
+
+Producer: ``CudaPool`` is one raw ``cudaMalloc`` (through cupy, so the pointer
+is the allocation's base, which CUDA IPC requires; the PyTorch caching
+allocator hands out sub-ranges of larger segments). Its IPC handle is exported
+once; an item travels as (handle, pool_id, offset, nbytes). The producer owns
+the pool and every slot until the consumer acks.
+
+Consumer: maps each (producer, pool) once -- ``cudaIpcOpenMemHandle`` costs
+up to hundreds of milliseconds -- with its own device current, so no context
+is created on the producer's device (peer access instead), copies the range
+into its destination on its current stream, records an event and waits on it
+before reporting the item landed: the ack that lets the producer reuse the
+slot is stream-ordered after the copy.
+
+Selection: the producer keeps a nonce in a small slot of the pool; a consumer
+proves it can use CUDA IPC by opening the handle and reading the nonce back.
+cupy is imported lazily; importing ``ectransfer`` never loads CUDA libraries.
+"""
+
+from __future__ import annotations
+
+import secrets
+import uuid
+
+import torch
+
+from ectransfer.base import ConsumerTransport, ProducerTransport, Receiver
+from ectransfer.pool import ALIGNMENT, Pool
+from ectransfer.protocol import ProtocolError
+from epd.common.v1 import common_pb2
+from epd.encoder.v1 import encoder_pb2
+
+
+def _cupy():
+    try:
+        import cupy
+    except ImportError as e:
+        raise ProtocolError(f"CUDA IPC needs cupy (pip install cupy-cuda12x): {e}") from None
+    return cupy
+
+
+def _device_uuid(index: int) -> str:
+    try:
+        return str(torch.cuda.get_device_properties(index).uuid)
+    except Exception:  # noqa: BLE001 - informational only
+        return f"cuda:{index}"
+
+
+class CudaPool(Pool):
+    """A Pool whose buffer is one raw device allocation, exported once."""
+
+    def __init__(self, capacity: int, device: int | None = None, alignment: int = ALIGNMENT) -> None:
+        cp = _cupy()
+        self.device = torch.cuda.current_device() if device is None else device
+        with cp.cuda.Device(self.device):
+            self._mem = cp.cuda.Memory(capacity)  # freed when this object goes
+            self.handle = bytes(cp.cuda.runtime.ipcGetMemHandle(self._mem.ptr))
+        self.pool_id = uuid.uuid4().hex
+        self.device_uuid = _device_uuid(self.device)
+        super().__init__(capacity, alignment)
+
+    def _make_buffer(self, capacity: int) -> torch.Tensor:
+        cp = _cupy()
+        arr = cp.ndarray((capacity,), dtype=cp.uint8, memptr=cp.cuda.MemoryPointer(self._mem, 0))
+        return torch.as_tensor(arr, device=f"cuda:{self.device}")
+
+    def ref(self, offset: int) -> common_pb2.CudaIpcRef:
+        return common_pb2.CudaIpcRef(handle=self.handle, pool_id=self.pool_id, device_uuid=self.device_uuid,
+                                     offset=offset, pool_nbytes=self.capacity)
+
+    def close(self) -> None:
+        super().close()
+        self._mem = None
+
+
+class CudaIpcProducer(ProducerTransport):
+    kind = common_pb2.CUDA_IPC
+    NONCE_NBYTES = 16
+
+    def __init__(self, pool: CudaPool) -> None:
+        self.pool = pool
+        self._nonce = secrets.token_bytes(self.NONCE_NBYTES)
+        self._probe = pool.alloc(self.NONCE_NBYTES)
+        pool.view(self._probe).copy_(torch.frombuffer(bytearray(self._nonce), dtype=torch.uint8))
+        torch.cuda.synchronize(pool.device)
+
+    def offer(self) -> encoder_pb2.TransportOffer:
+        return encoder_pb2.TransportOffer(transport=self.kind, cuda_probe=self.pool.ref(self._probe.offset),
+                                          cuda_probe_nbytes=self.NONCE_NBYTES)
+
+    def verify(self, proof: bytes) -> bool:
+        return secrets.compare_digest(proof, self._nonce)
+
+    def describe(self, data: torch.Tensor, desc: common_pb2.TensorDescriptor) -> None:
+        offset = data.data_ptr() - self.pool.buffer.data_ptr() if data.numel() else 0
+        desc.cuda_ipc.CopyFrom(self.pool.ref(offset))
+
+
+class _Mapped:
+    def __init__(self, ptr: int, nbytes: int, device: int) -> None:
+        cp = _cupy()
+        self.ptr = ptr
+        mem = cp.cuda.UnownedMemory(ptr, nbytes, owner=None, device_id=device)
+        arr = cp.ndarray((nbytes,), dtype=cp.uint8, memptr=cp.cuda.MemoryPointer(mem, 0))
+        self.buffer = torch.as_tensor(arr, device=f"cuda:{device}")
+
+
+class _Done(Receiver):
+    @property
+    def complete(self) -> bool:
+        return True
+
+
+class CudaIpcConsumer(ConsumerTransport):
+    kind = common_pb2.CUDA_IPC
+
+    def __init__(self, device: int | None = None) -> None:
+        self.device = device
+        self._mapped: dict[str, _Mapped] = {}
+        self.open_count = 0  # handles opened (once per pool): tests assert it
+
+    def _dev(self) -> int:
+        return torch.cuda.current_device() if self.device is None else self.device
+
+    def _map(self, ref: common_pb2.CudaIpcRef) -> _Mapped:
+        m = self._mapped.get(ref.pool_id)
+        if m is None:
+            cp = _cupy()
+            dev = self._dev()
+            try:
+                with cp.cuda.Device(dev):  # our device: no context on the producer's GPU
+                    ptr = cp.cuda.runtime.ipcOpenMemHandle(ref.handle, cp.cuda.runtime.cudaIpcMemLazyEnablePeerAccess)
+            except Exception as e:  # noqa: BLE001 - another namespace, no peer access, no driver
+                raise ProtocolError(f"cannot open CUDA IPC handle of pool {ref.pool_id}: {e}") from None
+            m = self._mapped[ref.pool_id] = _Mapped(ptr, ref.pool_nbytes, dev)
+            self.open_count += 1
+        return m
+
+    def probe(self, offer: encoder_pb2.TransportOffer) -> bytes:
+        if not torch.cuda.is_available():
+            raise ProtocolError("no CUDA device in this process")
+        ref = offer.cuda_probe
+        m = self._map(ref)
+        return m.buffer[ref.offset : ref.offset + offer.cuda_probe_nbytes].cpu().numpy().tobytes()
+
+    def receiver(self, desc: common_pb2.TensorDescriptor, dest: torch.Tensor) -> Receiver:
+        if desc.WhichOneof("payload") != "cuda_ipc":
+            raise ProtocolError(f"expected a CUDA IPC payload, got {desc.WhichOneof('payload')}")
+        ref = desc.cuda_ipc
+        if dest.numel() != desc.nbytes:
+            raise ProtocolError(f"destination has {dest.numel()} bytes, tensor needs {desc.nbytes}")
+        if ref.offset + desc.nbytes > ref.pool_nbytes:
+            raise ProtocolError(f"CUDA IPC range {ref.offset}+{desc.nbytes} exceeds pool {ref.pool_id}")
+        if desc.nbytes:
+            src = self._map(ref).buffer[ref.offset : ref.offset + desc.nbytes]
+            dest.copy_(src, non_blocking=True)  # D2D (or D2H when dest is host staging)
+            done = torch.cuda.Event()
+            done.record()
+            done.synchronize()  # landed == copied: the ack after this is stream-ordered
+        return _Done()
+
+    def close(self) -> None:
+        cp = _cupy() if self._mapped else None
+        for m in self._mapped.values():
+            try:
+                cp.cuda.runtime.ipcCloseMemHandle(m.ptr)
+            except Exception:  # noqa: BLE001 - the producer may be gone already
+                pass
+        self._mapped.clear()
