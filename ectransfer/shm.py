@@ -1,9 +1,12 @@
 """POSIX shared memory: segments, a pool backed by one, and the SHM transport.
 
-Segments live in /dev/shm, are created 0600 with O_EXCL by their owner, carry
-the owner's pid in their name (``epd-<role>-<pid>-<random>``) and are unlinked
-by that owner on close. ``cleanup_orphans`` unlinks segments whose owner pid is
-gone (a ``kill -9``), and every owner calls it when it starts.
+Segments live in /dev/shm, are created 0600 with O_EXCL by their owner, are
+named ``epd-<role>-<pid>-<random>`` and are unlinked by that owner on close.
+The owner holds a shared ``flock`` on the segment for as long as it lives; the
+kernel drops it when the process dies, even by ``kill -9``. ``cleanup_orphans``
+unlinks the segments nobody holds, and every owner calls it when it starts.
+The lock, not the pid in the name, decides: containers that share /dev/shm
+but not a PID namespace must not remove each other's live segments.
 
 SHM transport: the producer's outbound pool is a segment; an item travels as
 (segment, offset) and the consumer copies it out of its mapping, which it opens
@@ -13,6 +16,7 @@ consumer acks, so the bytes cannot change under the copy.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import mmap
 import os
@@ -45,28 +49,32 @@ def new_name(role: str) -> str:
     return f"epd-{role}-{os.getpid()}-{secrets.token_hex(6)}"
 
 
-def _pid_alive(pid: int) -> bool:
+def _owner_alive(path: str) -> bool:
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return True  # gone already: nothing to do
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True  # the owner still holds its lock
+    finally:
+        os.close(fd)  # closing drops our lock too
+    return False
 
 
 def cleanup_orphans() -> list[str]:
-    """Unlinks epd segments whose owner process no longer exists."""
+    """Unlinks epd segments whose owner no longer holds them (it died)."""
     removed = []
     try:
         names = os.listdir(SHM_DIR)
     except FileNotFoundError:
         return removed
     for name in names:
-        m = _OWNED.match(name)
-        if m and not _pid_alive(int(m.group(1))):
+        path = os.path.join(SHM_DIR, name)
+        if _OWNED.match(name) and not _owner_alive(path):
             try:
-                os.unlink(os.path.join(SHM_DIR, name))
+                os.unlink(path)
                 removed.append(name)
             except FileNotFoundError:
                 pass
@@ -84,8 +92,15 @@ class ShmSegment:
         prot = mmap.PROT_READ if readonly else mmap.PROT_READ | mmap.PROT_WRITE
         try:
             self._mmap = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, prot)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        if owner:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # liveness for cleanup_orphans; released when we die
+            self._fd: int | None = fd
+        else:
+            os.close(fd)
+            self._fd = None
         with warnings.catch_warnings():
             # A read-only mapping: torch cannot mark the tensor read-only, and we never write it.
             warnings.simplefilter("ignore", UserWarning)
@@ -123,6 +138,9 @@ class ShmSegment:
             pass  # a tensor view is still alive; the mapping goes with it
         if self.owner:
             self.unlink()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
     def unlink(self) -> None:
         try:

@@ -28,8 +28,6 @@ class ConnectorConfig:
     """Transports this end may use, best first."""
     lease_s: float = 60.0
     """Producer: an outbound item nobody acked within this time is freed."""
-    put_timeout_s: float = 30.0
-    """Producer: how long an encode waits for pool room before the item is dropped."""
     item_wait_s: float = 60.0
     """Producer: how long a Reserve waits for an item that is not encoded yet."""
     transfer_timeout_s: float = 30.0

@@ -68,7 +68,8 @@ class ConsumerScheduler:
         )
         self._items: dict[str, _Inbound] = {}
         self._injected: OrderedDict[str, None] = OrderedDict()
-        self._cancelled: OrderedDict[str, None] = OrderedDict()  # "not needed" already sent
+        self._skipped: dict[str, set[str]] = {}  # request -> items it told the encoder it does not need
+        self._errors: dict[str, str] = {}  # request -> why its encoder outputs cannot be had
         self._to_load: list[LoadSpec] = []
         self._unavailable: set[str] = set()
         self._stats: dict[str, _RequestStats] = defaultdict(_RequestStats)
@@ -79,65 +80,77 @@ class ConsumerScheduler:
         sources = (request.ec_transfer_params or {}).get("items")
         if not sources:
             return True
-        stats = self._stats[request.request_id]
-        ready = True
+        rid = request.request_id
+        stats = self._stats[rid]
+        if not stats.wait_started:
+            stats.wait_started = time.monotonic()
+        skipped = self._skipped.setdefault(rid, set())
+        needed = []
         for index, feat in enumerate(request.mm_features):
             src = sources.get(feat.identifier)
-            if src is None or feat.identifier in self._injected:
-                continue
+            if src is None:
+                continue  # no encoder named: vLLM encodes it here
             pos = feat.mm_position
-            if pos.offset + pos.length <= num_computed_tokens:
-                # The prefix cache already covers this item: tell the encoder it
-                # is not needed (it frees the slot now, not at lease expiry).
-                if feat.identifier not in self._cancelled:
-                    self._cancel(feat.identifier, src["endpoint"])
+            if pos.offset + pos.length <= num_computed_tokens or feat.identifier in self._injected:
+                # The prefix cache covers it, or vLLM's encoder cache holds it:
+                # tell the encoder it is not needed (it frees the slot now).
+                if feat.identifier not in skipped and feat.identifier not in self._items:
+                    skipped.add(feat.identifier)
+                    self.client.cancel(src["endpoint"], feat.identifier)
                 continue
-            item = self._items.get(feat.identifier)
-            if item is None:
-                item = self._start(request, index, src)
-                if item is None:
-                    ready = False  # staging full: try again next step
-                    continue
-            item.requests.add(request.request_id)
+            needed.append((index, feat, src))
+        missing = [n for n in needed if n[1].identifier not in self._items]
+        if missing and not self._start_all(request, missing):
+            return False
+        ready = True
+        for _, feat, _ in needed:
+            item = self._items[feat.identifier]
+            item.requests.add(rid)
             state = item.transfer.state
             if state is TransferState.FAILED:
                 self._fail(item)
                 return False
             if state is not TransferState.LANDED:
                 ready = False
-        if not stats.wait_started:
-            stats.wait_started = time.monotonic()
-        if ready:
-            stats.transfer_ms = stats.transfer_ms or (time.monotonic() - stats.wait_started) * 1e3
+        if ready and not stats.transfer_ms:
+            stats.transfer_ms = (time.monotonic() - stats.wait_started) * 1e3
         return ready
 
-    def _start(self, request, index: int, src: dict[str, Any]) -> _Inbound | None:
-        ident = request.mm_features[index].identifier
-        width = int(src["embed_width"])
-        dtype = tensors.dtype_from_name(src["dtype"])
-        nbytes = tensors.nbytes_of((request.get_num_encoder_embeds(index), width), dtype)
-        slot = self.staging.try_alloc(nbytes)
-        if slot is None:
-            return None
-        transfer = ItemTransfer(ident, nbytes)
-        fetch = self.client.fetch(transfer, src["endpoint"], self.staging.view(slot), request.request_id)
-        item = self._items[ident] = _Inbound(transfer, src["endpoint"], slot, fetch)
-        return item
-
-    def _cancel(self, ident: str, endpoint: str) -> None:
-        item = self._items.get(ident)
-        if item is not None and not item.transfer.state.terminal and item.transfer.state is not TransferState.LANDED:
-            item.transfer.advance(TransferState.CANCELLED)
-            self._drop(item)
-        self.client.cancel(endpoint, ident)
-        self._cancelled[ident] = None
-        while len(self._cancelled) > _INJECTED_MEMORY:
-            self._cancelled.popitem(last=False)
+    def _start_all(self, request, missing) -> bool:
+        """Reserves staging for every missing item of ``request`` or for none
+        (two requests never hold half the staging each), then asks the encoders."""
+        sizes = [
+            tensors.nbytes_of((request.get_num_encoder_embeds(index), int(src["embed_width"])),
+                              tensors.dtype_from_name(src["dtype"]))
+            for index, _, src in missing
+        ]
+        if sum(sizes) > self.staging.capacity:
+            msg = (f"the request's encoder outputs need {sum(sizes)} bytes, more than the LM's staging "
+                   f"({self.staging.capacity} bytes; raise --staging-mib)")
+            logger.error("request %s: %s", request.request_id, msg)
+            self._errors[request.request_id] = msg
+            self._unavailable.add(request.request_id)
+            return False
+        slots = []
+        for n in sizes:
+            slot = self.staging.try_alloc(n)
+            if slot is None:  # staging full: wait for other requests to drain (backpressure)
+                for taken in slots:
+                    self.staging.free(taken)
+                return False
+            slots.append(slot)
+        for (_, feat, src), slot, n in zip(missing, slots, sizes):
+            transfer = ItemTransfer(feat.identifier, n)
+            fetch = self.client.fetch(transfer, src["endpoint"], self.staging.view(slot), request.request_id)
+            self._items[feat.identifier] = _Inbound(transfer, src["endpoint"], slot, fetch)
+        return True
 
     def _fail(self, item: _Inbound) -> None:
         logger.error("requests %s cannot get item %s: %s", sorted(item.requests),
                      item.transfer.identifier, item.transfer.error)
         self._unavailable |= item.requests
+        for rid in item.requests:
+            self._errors[rid] = item.transfer.error or "the encoder output could not be obtained"
         self._drop(item)
 
     def _drop(self, item: _Inbound) -> None:
@@ -192,14 +205,14 @@ class ConsumerScheduler:
                     self.client.cancel(item.endpoint, item.transfer.identifier)
                     item.transfer.advance(TransferState.CANCELLED)
                 self._drop(item)
+        self._skipped.pop(rid, None)
+        error = self._errors.pop(rid, None)
         stats = self._stats.pop(rid, None)
-        if stats is None or not request.mm_features:
-            return None
-        return {
-            "local_encoder_runs": stats.local_encoder_runs,
-            "transferred_items": stats.transferred_items,
-            "transfer_ms": stats.transfer_ms,
-        }
+        out: dict[str, Any] = {"error": error} if error else {}
+        if stats is not None and request.mm_features:
+            out.update(local_encoder_runs=stats.local_encoder_runs, transferred_items=stats.transferred_items,
+                       transfer_ms=stats.transfer_ms)
+        return out or None
 
     def shutdown(self) -> None:
         self.client.close()

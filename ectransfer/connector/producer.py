@@ -62,6 +62,9 @@ class ProducerScheduler:
         self.dtype = mc.dtype
         self.widths = dict(vllm_config.ec_transfer_config.mm_encoder_output_widths)
         self.default_width = mc.get_hidden_size()
+        if "cuda_ipc" in cfg.transports:
+            raise ValueError("the cuda_ipc transport is not wired into the encoder connector yet "
+                             "(its GPU pool must live in the worker); use shm and/or grpc")
         self.pool = ShmPool(cfg.outbound_pool_bytes, role="outbound")
         self.store = OutboundStore(self.pool, ttl_s=cfg.lease_s)
         transports = {}

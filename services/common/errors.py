@@ -35,6 +35,10 @@ class Incompatible(EPDError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class Deadline(EPDError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
 async def _abort(context, e: BaseException, method: str):
     if isinstance(e, EPDError):
         await context.abort(e.code, str(e))

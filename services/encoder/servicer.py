@@ -17,7 +17,7 @@ from prometheus_client import Counter, Histogram
 
 from ectransfer import tensors
 from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
-from services.common.errors import BadInput, EPDError
+from services.common.errors import BadInput, Deadline, EPDError
 from services.common.media import content_id, decode_image
 
 logger = logging.getLogger(__name__)
@@ -96,7 +96,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
                         rid, len(features), encode_ms, runs)
         except TimeoutError:
             await self.engine.abort(rid)
-            raise EPDError(f"request {rid}: encode took longer than {self.timeout_s}s") from None
+            raise Deadline(f"request {rid}: encode took longer than {self.timeout_s}s") from None
         except asyncio.CancelledError:
             await self.engine.abort(rid)
             raise

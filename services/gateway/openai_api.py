@@ -16,6 +16,7 @@ from aiohttp import web
 
 from epd.lm.v1 import lm_pb2
 from services.common.media import content_id
+from services.gateway import metrics
 from services.gateway.config import GatewayConfig
 from services.gateway.orchestrator import Media, Orchestrator, Timings
 
@@ -188,6 +189,7 @@ class OpenAIRoutes:
             req, media = parse_chat(body, self.cfg)
             self._check_model(body)
         except ApiError as e:
+            metrics.REQUESTS.labels("chat", str(e.status)).inc()
             return error_response(e)
         return await self._run(request, req, media, body, chat=True)
 
@@ -197,6 +199,7 @@ class OpenAIRoutes:
             req = parse_completion(body)
             self._check_model(body)
         except ApiError as e:
+            metrics.REQUESTS.labels("completions", str(e.status)).inc()
             return error_response(e)
         return await self._run(request, req, [], body, chat=False)
 
@@ -205,6 +208,7 @@ class OpenAIRoutes:
         stream = bool(body.get("stream"))
         created = int(time.time())
         gen = self.orch.generate(req, media, timings)
+        route = "chat" if chat else "completions"
         if not stream:
             text, ids, final = [], [], None
             try:
@@ -213,7 +217,10 @@ class OpenAIRoutes:
                     ids.extend(resp.token_ids)
                     final = resp
             except grpc.aio.AioRpcError as e:
-                return error_response(from_grpc(e))
+                err = from_grpc(e)
+                metrics.observe(route, err.status, timings, bool(media))
+                return error_response(err)
+            metrics.observe(route, 200, timings, bool(media))
             return web.json_response(self._full(req.request_id, created, "".join(text), ids, final, timings, chat))
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
@@ -231,8 +238,11 @@ class OpenAIRoutes:
                 if resp.finish_reason and (body.get("stream_options") or {}).get("include_usage"):
                     await _sse(response, {"id": req.request_id, "object": _obj(chat, True), "created": created,
                                           "model": self.model, "choices": [], "usage": _usage(resp)})
+            metrics.observe(route, 200, timings, bool(media))
         except grpc.aio.AioRpcError as e:
-            await _sse(response, error_body(from_grpc(e)))
+            err = from_grpc(e)
+            metrics.observe(route, err.status, timings, bool(media))
+            await _sse(response, error_body(err))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response

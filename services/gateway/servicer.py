@@ -39,6 +39,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                     msg.content.add(text=part.text)
                     continue
                 img = part.image
+                if len(media) >= self.cfg.max_images:
+                    raise BadInput(f"at most {self.cfg.max_images} images per request")
                 try:
                     data = img.data if img.WhichOneof("source") == "data" else _image_bytes(img.url, self.cfg)
                 except ApiError as e:

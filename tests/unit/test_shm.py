@@ -103,19 +103,35 @@ def test_pool_close_unlinks_its_segment():
 
 
 def test_cleanup_orphans_removes_dead_owners_and_keeps_live_ones(names):
-    dead, live = names(dead_pid()), names()
-    for n in (dead, live):
-        with open(path(n), "wb") as f:
-            f.write(b"\0" * 16)
+    dead = names(dead_pid())  # a file nobody holds: its owner died
+    with open(path(dead), "wb") as f:
+        f.write(b"\0" * 16)
+    live = shm.ShmSegment.create(names(dead_pid()), 16)  # held by us, whatever pid its name claims
     unrelated = f"not-epd-{dead_pid()}"  # a name we do not own the pattern of
     open(path(unrelated), "wb").close()
     try:
         removed = shm.cleanup_orphans()
-        assert dead in removed and live not in removed and unrelated not in removed
+        assert dead in removed and live.name not in removed and unrelated not in removed
         assert not os.path.exists(path(dead))
-        assert os.path.exists(path(live)) and os.path.exists(path(unrelated))
+        assert os.path.exists(path(live.name)) and os.path.exists(path(unrelated))
     finally:
+        live.close()
         os.unlink(path(unrelated))
+
+
+def test_a_segment_is_an_orphan_once_its_owner_process_is_killed(names):
+    import subprocess
+    import sys
+
+    name = names()
+    code = f"from ectransfer.shm import ShmSegment; s = ShmSegment.create({name!r}, 4096); print('up', flush=True); input()"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert proc.stdout.readline().strip() == "up"
+    assert name not in shm.cleanup_orphans()  # alive: kept
+    proc.kill()
+    proc.wait()
+    assert name in shm.cleanup_orphans()  # kill -9 released its lock
 
 
 def test_a_zero_byte_segment_is_created_or_leaves_nothing_behind(names):
