@@ -63,6 +63,7 @@ class OutboundStore:
         self._waiters: dict[str, list[Callable[[OutboundItem], None]]] = {}
         self._putting: set[str] = set()
         self._failures: dict[str, str] = {}
+        self._cancelled: dict[str, None] = {}  # cancelled before they were encoded
         self._lock = threading.Lock()
 
     def put(self, identifier: str, tensor: torch.Tensor) -> bool:
@@ -93,11 +94,18 @@ class OutboundStore:
         second allocation stage: reserved by the scheduler, written by the worker)."""
         item = OutboundItem(identifier, slot, tuple(shape), dtype)
         with self._lock:
-            old = self._items.get(identifier)
-            self._items[identifier] = item
             self.stats.items_put += 1
-            waiters = self._waiters.pop(identifier, [])
             self._failures.pop(identifier, None)
+            waiters = self._waiters.pop(identifier, [])
+            if identifier in self._cancelled and not waiters:
+                # Its only consumer gave up before the encode finished (abort,
+                # prefix-cache hit): free it now instead of at lease expiry.
+                del self._cancelled[identifier]
+                self.stats.cancels += 1
+                old, item = item, None
+            else:
+                old = self._items.get(identifier)
+                self._items[identifier] = item
         if old is not None:
             self.pool.free(old.slot)
         for cb in waiters:
@@ -162,6 +170,10 @@ class OutboundStore:
         with self._lock:
             item = self._items.pop(identifier, None)
             if item is None:
+                if reason == "cancel":  # not encoded yet: free it when it arrives
+                    self._cancelled[identifier] = None
+                    while len(self._cancelled) > 4096:
+                        self._cancelled.pop(next(iter(self._cancelled)))
                 return False
             counter = _RELEASE_COUNTERS[reason]
             setattr(self.stats, counter, getattr(self.stats, counter) + 1)

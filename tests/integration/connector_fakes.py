@@ -1,0 +1,48 @@
+"""Stand-ins for the few vLLM objects the connector halves read (a config and a
+Request), so the halves run for real without an engine: real gRPC, real
+shared memory, real pools. One place for these builders."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import torch
+
+WIDTH = 128
+
+
+def vllm_config(engine_id: str, width: int = WIDTH):
+    mc = SimpleNamespace(model="test-model", dtype=torch.bfloat16, get_hidden_size=lambda: width)
+    ec = SimpleNamespace(engine_id=engine_id, mm_encoder_output_widths={"image": width})
+    return SimpleNamespace(model_config=mc, ec_transfer_config=ec)
+
+
+def request(rid: str, items: list[tuple[str, int]], endpoint: str | None = None, width: int = WIDTH):
+    """A request whose prompt holds ``items`` as (identifier, num_embeds), each
+    placeholder 3 tokens longer than its embeddings, starting at token 5."""
+    feats, pos = [], 5
+    for ident, n in items:
+        feats.append(SimpleNamespace(identifier=ident, modality="image", mm_position=SimpleNamespace(
+            offset=pos, length=n + 3, get_num_embeds=lambda n=n: n)))
+        pos += n + 3
+    params = None
+    if endpoint is not None:
+        params = {"items": {i: {"endpoint": endpoint, "embed_width": width, "dtype": "bfloat16"} for i, _ in items}}
+    req = SimpleNamespace(request_id=rid, mm_features=feats, ec_transfer_params=params)
+    req.get_num_encoder_embeds = lambda i: feats[i].mm_position.get_num_embeds()
+    return req
+
+
+def steps_until(predicate, timeout: float = 10.0) -> bool:
+    """Calls ``predicate`` like successive engine steps until it holds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.002)
+    return False
+
+
+def embedding(n: int, seed: int, width: int = WIDTH) -> torch.Tensor:
+    return torch.randn(n, width, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)

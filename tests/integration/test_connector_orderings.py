@@ -1,0 +1,209 @@
+"""The connector's scheduler and worker halves under every ordering the seed
+design names: request before/after the encode, abort during transfer, cancel
+because of the prefix cache, full pools on either side, lease expiry, reuse.
+Real gRPC, real shared memory, no vLLM engine (tests/integration/connector_fakes.py)."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from ectransfer.connector.config import ConnectorConfig
+from ectransfer.connector.consumer import ConsumerScheduler, ConsumerWorker
+from ectransfer.connector.metadata import EPDWorkerMetadata
+from ectransfer.connector.producer import ProducerScheduler, ProducerWorker
+from ectransfer.loopback import Producer
+from tests.integration.connector_fakes import embedding, request, steps_until, vllm_config
+
+pytestmark = pytest.mark.integration
+
+NB = 16 * 128 * 2  # bytes of one 16-row item
+
+
+@pytest.fixture
+def producer():
+    p = Producer(pool_bytes=1 << 20, ttl_s=60)
+    yield p
+    p.close()
+
+
+def consumer(staging_bytes: int = 1 << 20, timeout_s: float = 10.0) -> ConsumerScheduler:
+    cfg = ConnectorConfig(staging_bytes=staging_bytes, transfer_timeout_s=timeout_s, model_name="test-model")
+    return ConsumerScheduler(vllm_config("lm-1"), cfg)
+
+
+def inject(sched: ConsumerScheduler, req) -> dict:
+    """What vLLM does once ensure_cache_available says yes: allocate, load, report."""
+    cache: dict = {}
+    for i, feat in enumerate(req.mm_features):
+        if sched.has_cache_item(feat.identifier):
+            sched.update_state_after_alloc(req, i)
+    meta = sched.build_meta(SimpleNamespace(scheduled_encoder_inputs={}))
+    worker = ConsumerWorker(vllm_config("lm-1"), sched.cfg)
+    worker.load(cache, meta)
+    sched.update_connector_output(SimpleNamespace(ec_connector_worker_meta=worker.build_worker_meta()))
+    worker.shutdown()
+    return cache
+
+
+def used(sched: ConsumerScheduler) -> int:
+    return sched.staging.stats()["used_bytes"]
+
+
+def test_prealloc_request_before_encode_lands_exactly_and_frees_staging(producer):
+    sched = consumer()
+    try:
+        req = request("r1", [("a", 16)], producer.endpoint)
+        assert not sched.ensure_cache_available(req, 0)  # reserved, asked, nothing encoded yet
+        assert used(sched) == NB
+        t = embedding(16, 1)
+        producer.store.put("a", t)  # the encode finishes after the request arrived
+        assert steps_until(lambda: sched.ensure_cache_available(req, 0))
+        cache = inject(sched, req)
+        assert torch.equal(cache["a"].view(torch.int16), t.view(torch.int16))
+        assert used(sched) == 0
+        assert steps_until(lambda: not producer.store.contains("a"))  # acked
+        assert sched.request_finished(req)["transferred_items"] == 1
+    finally:
+        sched.shutdown()
+
+
+def test_prealloc_encode_before_request(producer):
+    sched = consumer()
+    try:
+        producer.store.put("b", embedding(16, 2))
+        req = request("r1", [("b", 16)], producer.endpoint)
+        assert steps_until(lambda: sched.ensure_cache_available(req, 0))
+        assert "b" in inject(sched, req)
+    finally:
+        sched.shutdown()
+
+
+def test_prealloc_abort_during_transfer_releases_both_sides(producer):
+    sched = consumer()
+    try:
+        req = request("r1", [("c", 16)], producer.endpoint)
+        assert not sched.ensure_cache_available(req, 0)
+        sched.request_finished(req)  # the client went away while the encode runs
+        assert used(sched) == 0
+        time.sleep(0.1)  # the Cancel reaches the encoder before its output does
+        producer.store.put("c", embedding(16, 3))
+        assert not producer.store.contains("c") and producer.store.stats.cancels == 1
+    finally:
+        sched.shutdown()
+
+
+def test_prealloc_cancel_because_the_prefix_cache_covers_the_item(producer):
+    sched = consumer()
+    try:
+        producer.store.put("d", embedding(16, 4))
+        req = request("r1", [("d", 16)], producer.endpoint)
+        covered = req.mm_features[0].mm_position.offset + req.mm_features[0].mm_position.length
+        assert sched.ensure_cache_available(req, covered)  # nothing to fetch
+        assert used(sched) == 0
+        assert steps_until(lambda: not producer.store.contains("d"))  # "not needed" freed it
+        assert producer.store.stats.cancels == 1
+    finally:
+        sched.shutdown()
+
+
+def test_backpressure_staging_full_defers_whole_requests_then_proceeds(producer):
+    sched = consumer(staging_bytes=NB + 512)  # room for one item
+    try:
+        producer.store.put("e1", embedding(16, 5))
+        producer.store.put("e2", embedding(16, 6))
+        r1 = request("r1", [("e1", 16)], producer.endpoint)
+        r2 = request("r2", [("e2", 16)], producer.endpoint)
+        assert steps_until(lambda: sched.ensure_cache_available(r1, 0))
+        assert not sched.ensure_cache_available(r2, 0)  # waits; reserves nothing
+        assert used(sched) == NB
+        inject(sched, r1)
+        sched.request_finished(r1)
+        assert steps_until(lambda: sched.ensure_cache_available(r2, 0))
+        assert "e2" in inject(sched, r2)
+    finally:
+        sched.shutdown()
+
+
+def test_backpressure_a_request_larger_than_staging_fails_cleanly_with_a_reason(producer):
+    sched = consumer(staging_bytes=NB // 2)
+    try:
+        req = request("r1", [("f", 16)], producer.endpoint)
+        assert not sched.ensure_cache_available(req, 0)
+        assert sched.take_unavailable() == {"r1"}
+        assert "staging" in sched.request_finished(req)["error"]
+    finally:
+        sched.shutdown()
+
+
+def test_lease_an_item_nobody_produces_fails_its_request_with_a_reason():
+    p = Producer(item_wait_s=0.3)
+    sched = consumer()
+    try:
+        req = request("r1", [("never", 16)], p.endpoint)
+        assert steps_until(lambda: (sched.ensure_cache_available(req, 0), sched.take_unavailable())[1] == {"r1"})
+        assert used(sched) == 0
+        assert "not encoded" in sched.request_finished(req)["error"]
+    finally:
+        sched.shutdown()
+        p.close()
+
+
+def test_lease_an_unacked_outbound_item_is_reclaimed():
+    p = Producer(ttl_s=0.2)
+    try:
+        p.store.put("g", embedding(16, 7))
+        assert steps_until(lambda: not p.store.contains("g"))
+        assert p.store.stats.expired == 1 and p.pool.stats()["allocations"] == 1  # only the shm nonce
+    finally:
+        p.close()
+
+
+def test_reuse_an_item_in_vllms_encoder_cache_is_not_transferred_again(producer):
+    sched = consumer()
+    try:
+        producer.store.put("h", embedding(16, 8))
+        r1 = request("r1", [("h", 16)], producer.endpoint)
+        assert steps_until(lambda: sched.ensure_cache_available(r1, 0))
+        inject(sched, r1)
+        producer.store.put("h", embedding(16, 8))  # the encoder published it again for r2
+        r2 = request("r2", [("h", 16)], producer.endpoint)
+        assert sched.ensure_cache_available(r2, 0)  # at once: no transfer
+        assert used(sched) == 0
+        assert steps_until(lambda: not producer.store.contains("h"))  # and the encoder was told
+    finally:
+        sched.shutdown()
+
+
+def test_prealloc_producer_halves_reserve_save_and_serve(producer):
+    """ProducerScheduler + ProducerWorker: reserve at schedule time, the worker
+    writes the slot and reports over the datagram socket, Transfer serves it."""
+    cfg = ConnectorConfig(outbound_pool_bytes=3 * NB, model_name="test-model")
+    ps = ProducerScheduler(vllm_config("enc-1"), cfg)
+    pw = ProducerWorker(vllm_config("enc-1"), cfg)
+    sched = consumer()
+    try:
+        endpoint = f"127.0.0.1:{ps.server.bound_port}"
+        r1 = request("e1", [("p1", 16), ("p2", 16)])
+        r2 = request("e2", [("p3", 16), ("p4", 16)])
+        assert ps.ensure_cache_available(r1, 0)
+        assert not ps.ensure_cache_available(r2, 0)  # backpressure: the pool holds 2 items + the nonce
+        meta = ps.build_meta(SimpleNamespace(scheduled_encoder_inputs={"e1": [0, 1]}))
+        outputs = {"p1": embedding(16, 11), "p2": embedding(16, 12)}
+        pw.begin_step(outputs, meta)  # neither is cached yet
+        for ident in ("p1", "p2"):
+            pw.save(outputs, ident)  # vLLM calls this right after each encode
+        assert steps_until(lambda: ps.store.contains("p1") and ps.store.contains("p2"))
+        assert ps.request_finished(r1)["encoder_runs"] == 2
+        req = request("l1", [("p1", 16), ("p2", 16)], endpoint)
+        assert steps_until(lambda: sched.ensure_cache_available(req, 0))
+        cache = inject(sched, req)
+        assert all(torch.equal(cache[i].view(torch.int16), outputs[i].view(torch.int16)) for i in outputs)
+        assert steps_until(lambda: ps.ensure_cache_available(r2, 0))  # acks freed the pool
+    finally:
+        sched.shutdown()
+        pw.shutdown()
+        ps.shutdown()
