@@ -34,12 +34,18 @@ class TransferServicer(encoder_pb2_grpc.TransferServiceServicer):
         producer_id: str,
         transports: dict[int, ProducerTransport],
         item_wait_s: float = 60.0,
+        stats_fn=None,
     ) -> None:
+        self.stats_fn = stats_fn or store.snapshot
         self.store = store
         self.compat = compat
         self.producer_id = producer_id
         self.transports = transports
         self.item_wait_s = item_wait_s
+
+    async def Stats(self, request, context):
+        values = {k: float(v) for k, v in self.stats_fn().items() if isinstance(v, (int, float))}
+        return encoder_pb2.StatsReply(values=values)
 
     async def Transfer(self, request_iterator, context):
         out: asyncio.Queue = asyncio.Queue()

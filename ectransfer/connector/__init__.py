@@ -91,6 +91,28 @@ class EPDConnector(ECConnectorBase):
         # Never delay_free: in vLLM 0.32 that leaks the request.
         return False, self._half.request_finished(request)
 
+    # -- stats (vLLM carries these to the service's Prometheus registry) ----
+
+    def get_ec_connector_stats(self):
+        snapshot = getattr(self._half, "stats_snapshot", None)  # scheduler halves only
+        if snapshot is None:
+            return None
+        from ectransfer.connector.stats import EPDConnectorStats
+
+        return EPDConnectorStats(data=snapshot())
+
+    @classmethod
+    def build_ec_connector_stats(cls, data: dict[str, Any] | None = None):
+        from ectransfer.connector.stats import EPDConnectorStats
+
+        return EPDConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        from ectransfer.connector.stats import EPDPromMetrics
+
+        return EPDPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def shutdown(self) -> None:
         shutdown = getattr(self._half, "shutdown", None)
         if shutdown is not None:

@@ -73,6 +73,7 @@ class ConsumerScheduler:
         self._to_load: list[LoadSpec] = []
         self._unavailable: set[str] = set()
         self._stats: dict[str, _RequestStats] = defaultdict(_RequestStats)
+        self._counts = {"cancels": 0, "failed": 0, "reuse_hits": 0}
 
     # -- scheduling -----------------------------------------------------------
 
@@ -97,6 +98,8 @@ class ConsumerScheduler:
                 if feat.identifier not in skipped and feat.identifier not in self._items:
                     skipped.add(feat.identifier)
                     self.client.cancel(src["endpoint"], feat.identifier)
+                    self._counts["cancels"] += 1
+                    self._counts["reuse_hits"] += feat.identifier in self._injected
                 continue
             needed.append((index, feat, src))
         missing = [n for n in needed if n[1].identifier not in self._items]
@@ -149,6 +152,7 @@ class ConsumerScheduler:
         logger.error("requests %s cannot get item %s: %s", sorted(item.requests),
                      item.transfer.identifier, item.transfer.error)
         self._unavailable |= item.requests
+        self._counts["failed"] += 1
         for rid in item.requests:
             self._errors[rid] = item.transfer.error or "the encoder output could not be obtained"
         self._drop(item)
@@ -191,6 +195,20 @@ class ConsumerScheduler:
             self._injected.move_to_end(ident)
             while len(self._injected) > _INJECTED_MEMORY:
                 self._injected.popitem(last=False)
+
+    def stats_snapshot(self) -> dict[str, Any]:
+        pool = self.staging.stats()
+        pending = [i for i in self._items.values() if i.transfer.state is not TransferState.LANDED]
+        return {
+            "role": "consumer",
+            "pool_capacity_bytes": pool["capacity_bytes"],
+            "pool_used_bytes": pool["used_bytes"],
+            "reserved_bytes": sum(i.slot.nbytes for i in pending),
+            "pending_reservations": len(self._items),
+            "cancels": self._counts["cancels"],
+            "failed": self._counts["failed"],
+            "reuse_hits": self._counts["reuse_hits"],
+        }
 
     def take_unavailable(self) -> set[str]:
         out, self._unavailable = self._unavailable, set()

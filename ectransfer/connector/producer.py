@@ -74,7 +74,7 @@ class ProducerScheduler:
             transports[t.kind] = t
         servicer = TransferServicer(self.store, compat_for(vllm_config, cfg.model_name),
                                     vllm_config.ec_transfer_config.engine_id, transports,
-                                    item_wait_s=cfg.item_wait_s)
+                                    item_wait_s=cfg.item_wait_s, stats_fn=lambda: self.stats_snapshot())
         self.server = TransferServerThread(servicer, cfg.transfer_host, cfg.transfer_port)
         port = self.server.start()
         endpoint = f"{cfg.advertise_host or cfg.transfer_host}:{port}"
@@ -86,6 +86,9 @@ class ProducerScheduler:
                 f.write(endpoint)
             os.replace(tmp, cfg.endpoint_file)
         self._reserved: dict[str, _Reserved] = {}
+        self._failed = 0
+        self._seen: set[str] = set()  # requests whose reservation succeeded (reuse counted once)
+        self._reuse_hits = 0  # items a request needed that the store already held
         self._unavailable: set[str] = set()
         self._encoder_runs: dict[str, int] = defaultdict(int)
         self._lock = threading.Lock()  # _reserved/_unavailable: scheduler thread + report thread
@@ -109,6 +112,8 @@ class ProducerScheduler:
                 res.requests.add(request.request_id)
             elif not self.store.contains(ident):
                 missing[ident] = self._shape(feat)
+            elif request.request_id not in self._seen:
+                self._reuse_hits += 1
         slots: dict[str, Slot] = {}
         for ident, shape in missing.items():
             try:
@@ -124,6 +129,7 @@ class ProducerScheduler:
             slots[ident] = slot
         for ident, slot in slots.items():
             self._reserved[ident] = _Reserved(slot, missing[ident], {request.request_id})
+        self._seen.add(request.request_id)
         return True
 
     def build_meta(self, scheduler_output) -> EPDConnectorMetadata:
@@ -149,6 +155,7 @@ class ProducerScheduler:
         if res is None:
             return
         if report.get("error"):
+            self._failed += 1
             logger.error("encoder output %s could not be saved: %s", ident, report["error"])
             self.pool.free(res.slot)
             self.store.mark_failed(ident, report["error"])
@@ -158,6 +165,24 @@ class ProducerScheduler:
     def update_connector_output(self, output) -> None:
         return None  # see the module docstring: reports arrive on the socket
 
+    def stats_snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            reserved = list(self._reserved.values())
+        store = self.store.snapshot()
+        return {
+            "role": "producer",
+            "pool_capacity_bytes": store["capacity_bytes"],
+            "pool_used_bytes": store["used_bytes"],
+            "reserved_bytes": sum(r.slot.nbytes for r in reserved),
+            "pending_reservations": len(reserved),
+            "items_held": store["items"],
+            "acks": store["acks"],
+            "cancels": store["cancels"],
+            "expired": store["expired"],
+            "failed": store["items_dropped"] + self._failed,
+            "reuse_hits": self._reuse_hits,
+        }
+
     def take_unavailable(self) -> set[str]:
         with self._lock:
             out, self._unavailable = self._unavailable, set()
@@ -166,6 +191,7 @@ class ProducerScheduler:
     def request_finished(self, request) -> dict[str, Any]:
         rid = request.request_id
         with self._lock:
+            self._seen.discard(rid)
             for ident in [i for i, r in self._reserved.items() if rid in r.requests]:
                 res = self._reserved[ident]
                 res.requests.discard(rid)

@@ -19,7 +19,7 @@ class EncoderServiceConfig:
     """Transfer port (0 picks a free one)."""
     metrics_port: int = 0
     """Prometheus /metrics HTTP port (0: disabled)."""
-    outbound_pool_mib: int = 256
+    outbound_pool_mib: float = 256.0
     """Outbound pool size: encoder outputs held until an LM acks them."""
     transports: str = "shm,grpc"
     """Transports offered to LMs (comma-separated; allowed: shm, grpc)."""

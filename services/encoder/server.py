@@ -36,7 +36,7 @@ def _ec_config(cfg: EncoderServiceConfig, engine_cfg: EngineConfig, endpoint_fil
             "advertise_host": cfg.advertise_host,
             "transfer_port": cfg.transfer_port,
             "endpoint_file": endpoint_file,
-            "outbound_pool_bytes": cfg.outbound_pool_mib << 20,
+            "outbound_pool_bytes": int(cfg.outbound_pool_mib * (1 << 20)),
             "transports": [t for t in cfg.transports.split(",") if t],
             "lease_s": cfg.lease_s,
             "model_name": engine_cfg.model,

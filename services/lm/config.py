@@ -13,7 +13,7 @@ class LMServiceConfig:
     """API port (0 picks a free one)."""
     metrics_port: int = 0
     """Prometheus /metrics HTTP port (0: disabled)."""
-    staging_mib: int = 256
+    staging_mib: float = 256.0
     """Inbound staging for encoder outputs (transfers wait when it is full)."""
     transports: str = "shm,grpc"
     """Transports this LM may use, best first (comma-separated; allowed: shm, grpc). The first

@@ -25,7 +25,7 @@ def _ec_config(cfg: LMServiceConfig, engine_cfg: EngineConfig) -> dict:
         "ec_connector_module_path": "ectransfer.connector",
         "ec_role": "ec_consumer",
         "ec_connector_extra_config": {
-            "staging_bytes": cfg.staging_mib << 20,
+            "staging_bytes": int(cfg.staging_mib * (1 << 20)),
             "transports": [t for t in cfg.transports.split(",") if t],
             "transfer_timeout_s": cfg.transfer_timeout_s,
             "model_name": engine_cfg.model,
