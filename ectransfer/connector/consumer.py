@@ -66,6 +66,8 @@ class ConsumerScheduler:
             transports=[factory.make_consumer(n) for n in cfg.transports],
             timeout_s=cfg.transfer_timeout_s,
         )
+        self.engine_id = engine_id
+        self._manager = None  # EPDEncoderCacheManager, when configured (created after us)
         self._items: dict[str, _Inbound] = {}
         self._injected: OrderedDict[str, None] = OrderedDict()
         self._skipped: dict[str, set[str]] = {}  # request -> items it told the encoder it does not need
@@ -92,14 +94,14 @@ class ConsumerScheduler:
             if src is None:
                 continue  # no encoder named: vLLM encodes it here
             pos = feat.mm_position
-            if pos.offset + pos.length <= num_computed_tokens or feat.identifier in self._injected:
+            if pos.offset + pos.length <= num_computed_tokens or self._in_vllm_cache(feat.identifier):
                 # The prefix cache covers it, or vLLM's encoder cache holds it:
                 # tell the encoder it is not needed (it frees the slot now).
                 if feat.identifier not in skipped and feat.identifier not in self._items:
                     skipped.add(feat.identifier)
                     self.client.cancel(src["endpoint"], feat.identifier)
                     self._counts["cancels"] += 1
-                    self._counts["reuse_hits"] += feat.identifier in self._injected
+                    self._counts["reuse_hits"] += self._in_vllm_cache(feat.identifier)
                 continue
             needed.append((index, feat, src))
         missing = [n for n in needed if n[1].identifier not in self._items]
@@ -135,11 +137,19 @@ class ConsumerScheduler:
             self._unavailable.add(request.request_id)
             return False
         slots = []
-        for n in sizes:
+        manager = self._cache_manager()
+        for (index, feat, _), n in zip(missing, sizes):
             slot = self.staging.try_alloc(n)
-            if slot is None:  # staging full: wait for other requests to drain (backpressure)
-                for taken in slots:
+            # Stage 1 of the two-stage allocation: room in vLLM's encoder cache too.
+            if slot is not None and manager is not None and not manager.preallocate(
+                    feat.identifier, request.get_num_encoder_embeds(index)):
+                self.staging.free(slot)
+                slot = None
+            if slot is None:  # full: wait for other requests to drain (backpressure)
+                for (_, taken_feat, _), taken in zip(missing, slots):
                     self.staging.free(taken)
+                    if manager is not None:
+                        manager.depreallocate(taken_feat.identifier)
                 return False
             slots.append(slot)
         for (_, feat, src), slot, n in zip(missing, slots, sizes):
@@ -157,9 +167,26 @@ class ConsumerScheduler:
             self._errors[rid] = item.transfer.error or "the encoder output could not be obtained"
         self._drop(item)
 
+    def _cache_manager(self):
+        if self._manager is None:
+            from ectransfer.connector.cache_manager import manager_for
+
+            self._manager = manager_for(self.engine_id) or False
+        return self._manager or None
+
+    def _in_vllm_cache(self, ident: str) -> bool:
+        """Whether vLLM's encoder cache holds the item (exact with our cache
+        manager; otherwise what we injected recently, which eviction may undo:
+        then vLLM encodes it locally, correct but slower)."""
+        manager = self._cache_manager()
+        return manager.is_cached(ident) if manager is not None else ident in self._injected
+
     def _drop(self, item: _Inbound) -> None:
         if self._items.pop(item.transfer.identifier, None) is not None:
             self.staging.free(item.slot)
+            manager = self._cache_manager()
+            if manager is not None and item.transfer.state is not TransferState.DONE:
+                manager.depreallocate(item.transfer.identifier)  # never injected: give the room back
 
     def has_cache_item(self, identifier: str) -> bool:
         item = self._items.get(identifier)

@@ -73,11 +73,15 @@ def engine_kwargs(cfg: EngineConfig, ec_transfer_config: dict[str, Any] | None =
     return kw
 
 
-def build_async_engine(cfg: EngineConfig, ec_transfer_config: dict[str, Any] | None = None):
+def build_async_engine(cfg: EngineConfig, ec_transfer_config: dict[str, Any] | None = None,
+                       ec_manager_config: dict[str, Any] | None = None):
     if cfg.cpu_cores:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpu_cores  # read by the spawned worker
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    args = AsyncEngineArgs(**engine_kwargs(cfg, ec_transfer_config))
+    kw = engine_kwargs(cfg, ec_transfer_config)
+    if ec_manager_config is not None:
+        kw["ec_manager_config"] = ec_manager_config
+    args = AsyncEngineArgs(**kw)
     return AsyncLLM.from_engine_args(args)

@@ -38,7 +38,8 @@ async def serve(cfg: LMServiceConfig, engine_cfg: EngineConfig, stop: asyncio.Ev
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    engine = build_async_engine(engine_cfg, _ec_config(cfg, engine_cfg))
+    engine = build_async_engine(engine_cfg, _ec_config(cfg, engine_cfg), ec_manager_config={
+        "encoder_cache_manager_cls": "ectransfer.connector.cache_manager.EPDEncoderCacheManager"})
     server = None
     try:
         compat = compat_for(engine.vllm_config, engine_cfg.model)

@@ -18,6 +18,7 @@ REFERENCE_REQUESTS = {
     "image2": image_chat(2, size=(200, 150)),
     "fresh": image_chat(1000),  # used by one test only: its encode must be a cache miss
     "fresh_shm": image_chat(1001, size=(200, 150)),  # likewise, for the transport test
+    "reuse": image_chat(1002),  # likewise, for the reuse test
     "text": text_chat("Tell me a story about a cat."),
 }
 

@@ -207,3 +207,30 @@ def test_prealloc_producer_halves_reserve_save_and_serve(producer):
         sched.shutdown()
         pw.shutdown()
         ps.shutdown()
+
+
+def test_prealloc_fetches_reserve_vllm_cache_room_first_and_return_it_on_failure():
+    from ectransfer.connector.cache_manager import EPDEncoderCacheManager
+    from tests.integration.connector_fakes import vllm_config as fake_config
+
+    p = Producer(item_wait_s=0.5)
+    manager = EPDEncoderCacheManager.create_manager(cache_size=20, vllm_config=fake_config("lm-prealloc"))
+    cfg = ConnectorConfig(staging_bytes=1 << 20, transfer_timeout_s=10, model_name="test-model")
+    sched = ConsumerScheduler(fake_config("lm-prealloc"), cfg)
+    try:
+        r1 = request("r1", [("z1", 16)], p.endpoint)
+        r2 = request("r2", [("z2", 16)], p.endpoint)
+        assert not sched.ensure_cache_available(r1, 0)
+        assert manager.preallocated == {"z1": 16}
+        assert not sched.ensure_cache_available(r2, 0)  # backpressure: vLLM's cache has room for one
+        assert "z2" not in manager.preallocated and used(sched) == NB
+        # z1 is never encoded: its request fails and both reservations come back.
+        assert steps_until(lambda: (sched.ensure_cache_available(r1, 0), sched.take_unavailable())[1] == {"r1"})
+        assert manager.preallocated == {} and manager.num_free_slots == 20 and used(sched) == 0
+        sched.request_finished(r1)
+        p.store.put("z2", embedding(16, 9))
+        assert steps_until(lambda: sched.ensure_cache_available(r2, 0))  # now it fits
+        assert manager.preallocated == {"z2": 16}
+    finally:
+        sched.shutdown()
+        p.close()

@@ -1,0 +1,90 @@
+"""``EPDEncoderCacheManager``: vLLM's encoder cache manager with the seed
+design's two-stage allocation, plugged in with::
+
+    --ec-manager-config '{"encoder_cache_manager_cls":
+                          "ectransfer.connector.cache_manager.EPDEncoderCacheManager"}'
+
+Stage 1, ``preallocate``: when the consumer connector starts fetching an item
+from an encoder, it reserves the item's embeddings in vLLM's encoder cache, so
+a landed item always has room (the fetch waits instead when the cache is
+full). Stage 2, ``finalize_allocation``: when vLLM's scheduler allocates the
+item for its request (``allocate``), the reservation becomes that allocation,
+net zero. ``depreallocate`` returns a reservation whose fetch failed or was
+cancelled. A preallocated item is never in ``freeable``, so it is never evicted.
+
+The scheduler and the connector's scheduler half share one process; the
+connector finds this manager through ``manager_for(engine_id)``. Called only on
+vLLM's scheduler thread: no locks.
+"""
+
+from __future__ import annotations
+
+from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
+
+_MANAGERS: dict[str, "EPDEncoderCacheManager"] = {}
+
+
+def manager_for(engine_id: str) -> "EPDEncoderCacheManager | None":
+    return _MANAGERS.get(engine_id)
+
+
+class EPDEncoderCacheManager(EncoderCacheManager):
+    @classmethod
+    def create_manager(cls, *, cache_size: int, vllm_config) -> "EPDEncoderCacheManager":
+        manager = cls(cache_size=cache_size)
+        if vllm_config.ec_transfer_config is not None:
+            _MANAGERS[vllm_config.ec_transfer_config.engine_id] = manager
+        return manager
+
+    def __init__(self, cache_size: int) -> None:
+        super().__init__(cache_size)
+        self.preallocated: dict[str, int] = {}  # mm_hash -> embeddings reserved
+
+    def reset(self) -> None:
+        super().reset()
+        self.preallocated.clear()
+
+    def is_cached(self, mm_hash: str) -> bool:
+        return mm_hash in self.cached
+
+    def can_preallocate(self, num_embeds: int) -> bool:
+        return num_embeds <= self.num_freeable_slots  # free now, or after evicting unreferenced entries
+
+    def preallocate(self, mm_hash: str, num_embeds: int) -> bool:
+        """Stage 1. Reserves room (evicting unreferenced entries, oldest first,
+        as vLLM would); False if it cannot, and nothing changes."""
+        if mm_hash in self.preallocated:
+            return True
+        if num_embeds > self.num_freeable_slots:
+            return False
+        while num_embeds > self.num_free_slots:
+            evicted, n = self.freeable.popitem(last=False)
+            del self.cached[evicted]
+            del self.num_embeds_by_hash[evicted]
+            self.freed.append(evicted)
+            self.num_free_slots += n
+        self.num_free_slots -= num_embeds
+        self.num_freeable_slots -= num_embeds
+        self.preallocated[mm_hash] = num_embeds
+        return True
+
+    def depreallocate(self, mm_hash: str) -> None:
+        n = self.preallocated.pop(mm_hash, None)
+        if n is not None:
+            self.num_free_slots += n
+            self.num_freeable_slots += n
+
+    def finalize_allocation(self, mm_hash: str) -> None:
+        """Stage 2: hands the reservation to vLLM's own allocation (net zero)."""
+        self.depreallocate(mm_hash)
+
+    # -- vLLM's hooks -----------------------------------------------------------
+
+    def can_allocate(self, request, input_id: int, encoder_compute_budget: int, num_embeds_to_schedule: int) -> bool:
+        if request.mm_features[input_id].identifier in self.preallocated:
+            return request.get_num_encoder_embeds(input_id) <= encoder_compute_budget  # room is reserved
+        return super().can_allocate(request, input_id, encoder_compute_budget, num_embeds_to_schedule)
+
+    def allocate(self, request, input_id: int) -> None:
+        self.finalize_allocation(request.mm_features[input_id].identifier)
+        super().allocate(request, input_id)

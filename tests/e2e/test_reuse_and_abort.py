@@ -1,0 +1,68 @@
+"""Issue 4 must-show: reuse (a repeated image is encoded once and, with its
+prefix cached, transferred once) and a client that disconnects mid-stream
+releases what it held."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+
+import grpc
+import pytest
+
+from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
+from tests.e2e.conftest import REFERENCE_REQUESTS
+from tests.e2e.helpers import image_chat, metric, post
+
+pytestmark = pytest.mark.e2e
+
+
+def _counters(dep) -> tuple[float, float, float]:
+    return (metric(dep.encoder_metrics, "epd_encoder_vision_runs_total"),
+            metric(dep.lm_metrics, "epd_lm_transferred_items_total"),
+            metric(dep.lm_metrics, "epd_lm_local_encoder_runs_total"))
+
+
+def _producer_stats(dep) -> dict[str, float]:
+    with grpc.insecure_channel(dep.encoder_addr) as ch:
+        info = encoder_pb2_grpc.EncoderServiceStub(ch).GetInfo(encoder_pb2.GetInfoRequest(), timeout=5)
+    with grpc.insecure_channel(info.transfer_endpoint) as ch:
+        return dict(encoder_pb2_grpc.TransferServiceStub(ch).Stats(encoder_pb2.StatsRequest(), timeout=5).values)
+
+
+def test_reuse_same_image_is_encoded_once_and_transferred_once(deployment, reference):
+    url = deployment.url + "/v1/chat/completions"
+    runs0, moved0, local0 = _counters(deployment)
+    status, first = post(url, REFERENCE_REQUESTS["reuse"])
+    assert status == 200 and first["choices"][0]["token_ids"] == reference["reuse"]
+    assert _counters(deployment) == (runs0 + 1, moved0 + 1, local0)
+
+    status, second = post(url, REFERENCE_REQUESTS["reuse"])  # same image, same prompt prefix
+    assert status == 200 and second["choices"][0]["token_ids"] == reference["reuse"]
+    assert _counters(deployment) == (runs0 + 1, moved0 + 1, local0)  # no second encode, no transfer
+    assert second["epd"]["transferred_items"] == 0
+
+
+def test_abort_client_disconnecting_mid_stream_releases_everything(deployment):
+    cancelled = metric(deployment.lm_metrics, "epd_lm_requests_total", status="cancelled")
+    body = dict(image_chat(1003, max_tokens=400), stream=True)
+    req = urllib.request.Request(deployment.url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    resp = urllib.request.urlopen(req, timeout=60)
+    assert resp.readline().startswith(b"data: ")  # the stream started
+    resp.close()  # the client goes away mid-stream
+
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        stats = _producer_stats(deployment)
+        gone = metric(deployment.lm_metrics, "epd_lm_requests_total", status="cancelled") > cancelled
+        if gone and stats["items_held"] == 0 and stats["reserved_bytes"] == 0:
+            break
+        time.sleep(0.2)
+    assert gone, "the abort reached the LM"
+    assert stats["reserved_bytes"] == 0 and stats["pending_reservations"] == 0 and stats["items_held"] == 0, stats
+    assert metric(deployment.lm_metrics, "epd_ec_reserved_bytes", role="consumer") == 0
+    assert metric(deployment.lm_metrics, "epd_ec_pending_reservations", role="consumer") == 0
+    status, _ = post(deployment.url + "/v1/chat/completions", REFERENCE_REQUESTS["image0"])
+    assert status == 200
