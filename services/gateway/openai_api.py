@@ -208,6 +208,14 @@ class OpenAIRoutes:
         stream = bool(body.get("stream"))
         created = int(time.time())
         gen = self.orch.generate(req, media, timings)
+        try:
+            return await self._respond(request, req, media, body, chat, stream, created, gen, timings)
+        finally:
+            # A client that went away (or any error) must cancel the LM call now,
+            # which aborts the engine request and frees what it holds.
+            await gen.aclose()
+
+    async def _respond(self, request, req, media, body, chat, stream, created, gen, timings) -> web.StreamResponse:
         route = "chat" if chat else "completions"
         if not stream:
             text, ids, final = [], [], None

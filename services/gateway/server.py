@@ -34,7 +34,9 @@ async def serve(cfg: GatewayConfig, stop: asyncio.Event | None = None) -> None:
     app = web.Application(client_max_size=cfg.max_image_bytes * 2 + (1 << 20))
     OpenAIRoutes(cfg, orch, model).add_to(app)
     app.router.add_get("/metrics", _metrics)
-    runner = web.AppRunner(app, access_log=None)
+    # handler_cancellation: a client that disconnects cancels its handler, which
+    # cancels the LM call (and with it the engine request).
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port)
     await site.start()

@@ -10,6 +10,7 @@ staging reservations through the connector's ``request_finished``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -123,17 +124,21 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
                     engine_prompt["multi_modal_uuids"] = {"image": idents}
             n_out, first, final = 0, None, None
             try:
-                async for out in self.engine.generate(engine_prompt, params, rid):
-                    final = out
-                    c = out.outputs[0]
-                    if c.finish_reason == "error":
-                        break
-                    if first is None and c.token_ids:
-                        first = time.perf_counter()
-                        TTFT.observe(first - t0)
-                    n_out += len(c.token_ids)
-                    if not out.finished:
-                        yield lm_pb2.GenerateResponse(request_id=rid, token_ids=c.token_ids, text=c.text)
+                # aclosing: if the client goes away while we sit at a yield, grpc
+                # closes this handler (GeneratorExit); closing vLLM's generator
+                # right then aborts the engine request and frees its reservations.
+                async with contextlib.aclosing(self.engine.generate(engine_prompt, params, rid)) as outputs:
+                    async for out in outputs:
+                        final = out
+                        c = out.outputs[0]
+                        if c.finish_reason == "error":
+                            break
+                        if first is None and c.token_ids:
+                            first = time.perf_counter()
+                            TTFT.observe(first - t0)
+                        n_out += len(c.token_ids)
+                        if not out.finished:
+                            yield lm_pb2.GenerateResponse(request_id=rid, token_ids=c.token_ids, text=c.text)
             except ValueError as e:  # vLLM's input validation
                 raise BadInput(str(e)) from None
             ec = (final.ec_transfer_params if final is not None else None) or {}
@@ -155,7 +160,7 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
                 transferred_items=ec.get("transferred_items", 0),
             )
             status = "ok"
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
             status = "cancelled"
             await self.engine.abort(rid)
             raise

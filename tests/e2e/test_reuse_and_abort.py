@@ -60,7 +60,8 @@ def test_abort_client_disconnecting_mid_stream_releases_everything(deployment):
         if gone and stats["items_held"] == 0 and stats["reserved_bytes"] == 0:
             break
         time.sleep(0.2)
-    assert gone, "the abort reached the LM"
+    assert gone, ("the abort reached the LM", stats, cancelled,
+                  metric(deployment.lm_metrics, "epd_lm_requests_total", status="cancelled"))
     assert stats["reserved_bytes"] == 0 and stats["pending_reservations"] == 0 and stats["items_held"] == 0, stats
     assert metric(deployment.lm_metrics, "epd_ec_reserved_bytes", role="consumer") == 0
     assert metric(deployment.lm_metrics, "epd_ec_pending_reservations", role="consumer") == 0

@@ -12,10 +12,11 @@ from tests.e2e.helpers import metric, post
 pytestmark = pytest.mark.e2e
 
 
-@pytest.fixture(scope="module")
-def chunks_only(tiny_model):
-    with Deployment(model=tiny_model, quiet=True, lm_args=["--transports", "grpc"]) as dep:
-        yield dep
+@pytest.fixture(scope="module", params=["grpc", "shm"])
+def forced(tiny_model, request):
+    """A deployment whose LM allows exactly one transport."""
+    with Deployment(model=tiny_model, quiet=True, lm_args=["--transports", request.param]) as dep:
+        yield request.param, dep
 
 
 def _exact(dep, reference, names) -> None:
@@ -34,7 +35,9 @@ def test_same_host_chooses_shm_and_tokens_are_exact(deployment, reference):
     assert metric(deployment.lm_metrics, "epd_lm_peer_transport", transport="grpc") == 0
 
 
-def test_chunks_forced_tokens_are_exact(chunks_only, reference):
-    _exact(chunks_only, reference, ["image0", "image2"])
-    assert metric(chunks_only.lm_metrics, "epd_lm_peer_transport", transport="grpc") == 1
-    assert metric(chunks_only.lm_metrics, "epd_lm_peer_transport", transport="shm") == 0
+def test_each_transport_forced_tokens_are_exact(forced, reference):
+    name, dep = forced
+    _exact(dep, reference, ["image0", "image2"])
+    assert metric(dep.lm_metrics, "epd_lm_peer_transport", transport=name) == 1
+    other = {"grpc": "shm", "shm": "grpc"}[name]
+    assert metric(dep.lm_metrics, "epd_lm_peer_transport", transport=other) == 0
