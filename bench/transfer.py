@@ -55,15 +55,26 @@ def iters_for(nbytes: int, quick: bool) -> int:
     return max(5 if quick else 10, min(200 if quick else 500, budget // max(nbytes, 1)))
 
 
-def time_transport(name: str, shape, iters: int, producer: Producer, consumer: Consumer) -> list[float]:
+def time_transport(name: str, shape, iters: int, producer: Producer, consumer: Consumer,
+                   reserve_first: bool = False) -> list[float]:
+    """Per-item latency through the real protocol. Default: the item is ready
+    first, timed from the Reserve to landed (a full round trip).
+    ``reserve_first``: the Reserve waits at the producer first (as in serving:
+    the LM asks while the encoder runs), timed from ready to landed."""
     t = torch.randn(shape).to(torch.bfloat16)
     nbytes = t.numel() * 2
     lat = []
     for i in range(iters + 2):  # two warm-up items
-        ident = f"{name}-{shape}-{i}"
-        producer.store.put(ident, t)
-        t0 = time.perf_counter()
-        transfer, _, slot = consumer.start(producer.endpoint, ident, nbytes)
+        ident = f"{name}-{shape}-{reserve_first}-{i}"
+        if reserve_first:
+            transfer, _, slot = consumer.start(producer.endpoint, ident, nbytes)
+            time.sleep(0.002)  # the Reserve reaches the producer and waits there
+            t0 = time.perf_counter()
+            producer.store.put(ident, t)
+        else:
+            producer.store.put(ident, t)
+            t0 = time.perf_counter()
+            transfer, _, slot = consumer.start(producer.endpoint, ident, nbytes)
         state = consumer.wait(transfer, timeout=120)
         dt = time.perf_counter() - t0
         consumer.staging.free(slot)
@@ -79,29 +90,6 @@ def _wait_released(producer: Producer, ident: str) -> None:
     deadline = time.monotonic() + 10
     while producer.store.contains(ident) and time.monotonic() < deadline:
         time.sleep(0.0002)
-
-
-def time_push(name: str, shape, iters: int, producer: Producer, consumer: Consumer) -> list[float]:
-    """Reserve outstanding first (as in serving: the LM asks while the encoder
-    runs), then the item becomes ready: time from ready to landed."""
-    t = torch.randn(shape).to(torch.bfloat16)
-    nbytes = t.numel() * 2
-    lat = []
-    for i in range(iters + 2):
-        ident = f"push-{name}-{shape}-{i}"
-        transfer, _, slot = consumer.start(producer.endpoint, ident, nbytes)
-        time.sleep(0.002)  # the Reserve reaches the producer and waits there
-        t0 = time.perf_counter()
-        producer.store.put(ident, t)
-        state = consumer.wait(transfer, timeout=60)
-        dt = time.perf_counter() - t0
-        consumer.staging.free(slot)
-        if state is not TransferState.LANDED:
-            raise RuntimeError(f"{name} {shape}: {transfer.error}")
-        if i >= 2:
-            lat.append(dt)
-        _wait_released(producer, ident)
-    return lat
 
 
 def time_memcpy(shape, iters: int) -> list[float]:
@@ -225,7 +213,7 @@ def main() -> int:
                                  time_transport(name, CONTROL_SHAPE, n_ctl, producer, consumer), None, None,
                                  kind="control_rtt"))
                 rows.append(_row(name, ctl_bytes, CONTROL_SHAPE,
-                                 time_push(name, CONTROL_SHAPE, n_ctl // 2, producer, consumer), None, None,
+                                 time_transport(name, CONTROL_SHAPE, n_ctl // 2, producer, consumer, reserve_first=True), None, None,
                                  kind="control_push"))
                 for shape in shapes:
                     nbytes = shape[0] * shape[1] * 2
