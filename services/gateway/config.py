@@ -14,7 +14,7 @@ class GatewayConfig:
     grpc_port: int = 0
     """Native gRPC API port (0: disabled)."""
     encoders: str = ""
-    """Encoder API addresses, comma-separated host:port."""
+    """Encoder API addresses, comma-separated host:port (none: colocated, the LMs encode media themselves)."""
     lms: str = ""
     """LM API addresses, comma-separated host:port."""
     model_name: str = ""

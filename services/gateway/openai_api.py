@@ -73,6 +73,7 @@ def _sampling(body: dict[str, Any]) -> lm_pb2.SamplingOptions:
             s.seed = body["seed"]
         if body.get("n") is not None:
             s.n = int(body["n"])
+        s.ignore_eos = body.get("ignore_eos") is True
     except (TypeError, ValueError) as e:
         raise ApiError(400, f"bad sampling parameter: {e}") from None
     stop = body.get("stop")

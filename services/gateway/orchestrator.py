@@ -61,11 +61,10 @@ class Orchestrator:
                        timings: Timings) -> AsyncIterator[lm_pb2.GenerateResponse]:
         """Yields the LM's responses. Raises grpc.aio.AioRpcError from either service."""
         encode_tail = None
-        if media:
-            if self._enc_rr is None:
-                raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None,
-                                           "this gateway has no encoder for media requests")
+        if media and self._enc_rr is not None:
             encode_tail = await self._encode(req, media, timings)
+        # Without encoders (colocated mode) the items carry no source and the
+        # LM's vLLM encodes them itself, exactly as plain vLLM would.
         lm = self._lm[next(self._lm_rr)]
         call = lm.Generate(req, timeout=self.timeout_s)
         if encode_tail is not None:

@@ -63,7 +63,7 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
             raise BadInput(f"max_tokens={max_tokens} exceeds the model's context ({self.max_model_len})")
         return SamplingParams(
             temperature=temperature, top_p=top_p, max_tokens=max_tokens,
-            seed=s.seed if s.HasField("seed") else None, stop=list(s.stop) or None,
+            seed=s.seed if s.HasField("seed") else None, stop=list(s.stop) or None, ignore_eos=s.ignore_eos,
             output_kind=RequestOutputKind.DELTA,
             extra_args={"ec_transfer_params": {"items": sources}} if sources else None,
         )

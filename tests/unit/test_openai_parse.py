@@ -205,3 +205,14 @@ def test_from_grpc_maps_status_codes(code, status, type_):
 def test_from_grpc_without_details_uses_the_code_name():
     e = from_grpc(grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None, None))
     assert e.message == "UNAVAILABLE"
+
+
+def test_ignore_eos_passes_through_only_when_true():
+    from services.gateway.config import GatewayConfig
+    from services.gateway.openai_api import parse_chat
+
+    cfg = GatewayConfig(lms="x:1")
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    assert parse_chat(dict(body, ignore_eos=True), cfg)[0].sampling.ignore_eos is True
+    assert parse_chat(dict(body, ignore_eos="yes"), cfg)[0].sampling.ignore_eos is False
+    assert parse_chat(body, cfg)[0].sampling.ignore_eos is False
