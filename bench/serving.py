@@ -46,7 +46,7 @@ def workload(n: int, rate: float, image_every: int, prompt_words: int, image_siz
         text = "Summarize: " + " ".join(rng.choice(WORDS) for _ in range(prompt_words))
         content: list | str = text
         if image_every and i % image_every == image_every - 1:
-            content = [{"type": "image_url", "image_url": {"url": data_url(make_image(10_000 + i, image_size))}},
+            content = [{"type": "image_url", "image_url": {"url": data_url(make_image(seed * 100_000 + i, image_size))}},
                        {"type": "text", "text": text}]
         reqs.append((t, {"messages": [{"role": "user", "content": content}], "stream": True}))
     return reqs
@@ -192,10 +192,10 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
     labels = [f"{r['system']}\n{r['rate']} req/s" for r in rows]
-    axes[0].boxplot([[x * 1e3 for x in r["raw"]["ttft"]] for r in rows], labels=labels, showfliers=True)
+    axes[0].boxplot([[x * 1e3 for x in r["raw"]["ttft"]] for r in rows], tick_labels=labels, showfliers=True)
     axes[0].set_title("TTFT, all requests (ms)")
     axes[0].set_yscale("log")
-    axes[1].boxplot([[x * 1e3 for x in r["raw"]["text_tpot"]] for r in rows], labels=labels, showfliers=True)
+    axes[1].boxplot([[x * 1e3 for x in r["raw"]["text_tpot"]] for r in rows], tick_labels=labels, showfliers=True)
     axes[1].set_title("TPOT, text-only requests (ms)")
     for ax in axes:
         ax.grid(True, alpha=0.3)
