@@ -116,6 +116,8 @@ class Deployment:
     gateway_args: list[str] = field(default_factory=list)
     log_dir: str = ""
     quiet: bool = False
+    with_encoder: bool = True
+    """False: colocated (no encoder service; the LM encodes media itself)."""
 
     def __post_init__(self) -> None:
         h = self.host
@@ -138,9 +140,10 @@ class Deployment:
                           os.path.join(self.log_dir, "lm.log"))
         self.gateway = Service("gateway", ["gateway", "--host", h, "--port", str(self.port),
                                            "--grpc-port", self.gateway_grpc.split(":")[1],
-                                           "--encoders", self.encoder_addr, "--lms", self.lm_addr,
-                                           *self.gateway_args], os.path.join(self.log_dir, "gateway.log"))
-        self.services = [self.encoder, self.lm, self.gateway]
+                                           "--encoders", self.encoder_addr if self.with_encoder else "",
+                                           "--lms", self.lm_addr, *self.gateway_args],
+                               os.path.join(self.log_dir, "gateway.log"))
+        self.services = [self.encoder, self.lm, self.gateway] if self.with_encoder else [self.lm, self.gateway]
 
     @property
     def url(self) -> str:
@@ -155,10 +158,12 @@ class Deployment:
         self._say(f"epd up: model {self.model}; logs in {self.log_dir}")
         t0 = time.monotonic()
         try:
-            self.encoder.start(env)
+            engines = {"lm": lambda: grpc_serving(self.lm_addr)}
+            if self.with_encoder:
+                self.encoder.start(env)
+                engines["encoder"] = lambda: grpc_serving(self.encoder_addr)
             self.lm.start(env)
-            self._wait({"encoder": lambda: grpc_serving(self.encoder_addr), "lm": lambda: grpc_serving(self.lm_addr)},
-                       t0, timeout)
+            self._wait(engines, t0, timeout)
             self.gateway.start(env)
             self._wait({"gateway": lambda: http_ok(self.url + "/health")}, t0, timeout)
         except BaseException:
