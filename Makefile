@@ -10,7 +10,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.epd-installed-$(EXTRA)
 PYTEST_ARGS ?=
 
-.PHONY: install protos model demo up test test-all test-unit bench-transfer clean
+.PHONY: install protos model demo up test test-all test-unit bench-transfer bench-serving clean
 
 install: $(STAMP) protos
 
@@ -51,6 +51,10 @@ test-unit: install
 bench-transfer: install
 	$(PY) -m pip install -q "matplotlib>=3.8"
 	$(PY) bench/transfer.py --quick --json bench/results/transfer-cpu.json --plot bench/results/transfer-cpu.png
+
+bench-serving: install
+	$(PY) -m pip install -q "matplotlib>=3.8"
+	$(PY) bench/serving.py --quick --rates 0.5,1.5 --json bench/results/serving-cpu.json --plot bench/results/serving-cpu.png
 
 clean:
 	rm -rf $(VENV) epd build *.egg-info .pytest_cache
