@@ -43,8 +43,6 @@ class Fetch:
     shape: tuple[int, ...] | None = None
     dtype: torch.dtype | None = None
     receiver: Receiver | None = None
-    started: float = 0.0
-    landed_at: float = 0.0
 
 
 class _Peer:
@@ -127,7 +125,6 @@ class _Peer:
             self._landed(fetch)
 
     def _landed(self, fetch: Fetch) -> None:
-        fetch.landed_at = time.monotonic()
         # The bytes now sit in our staging: the producer's copy is no longer needed.
         self.out.put_nowait(encoder_pb2.TransferClientMsg(ack=encoder_pb2.Ack(identifier=fetch.transfer.identifier)))
         self.items.pop(fetch.transfer.identifier, None)
@@ -193,7 +190,7 @@ class TransferClient:
     # -- called from vLLM's scheduler thread --------------------------------
 
     def fetch(self, transfer: ItemTransfer, endpoint: str, dest: torch.Tensor, request_id: str) -> Fetch:
-        fetch = Fetch(transfer, endpoint, dest, deadline=time.monotonic() + self.timeout_s, started=time.monotonic())
+        fetch = Fetch(transfer, endpoint, dest, deadline=time.monotonic() + self.timeout_s)
         self._loop.call_soon_threadsafe(self._start_fetch, fetch, request_id)
         return fetch
 

@@ -67,7 +67,6 @@ class ItemTransfer:
     max_nbytes: int
     state: TransferState = TransferState.RESERVED
     error: str | None = None
-    request_ids: set[str] = field(default_factory=set)
     _changed: threading.Condition = field(default_factory=threading.Condition, repr=False, compare=False)
 
     def advance(self, new: TransferState, error: str | None = None) -> None:
