@@ -53,6 +53,14 @@ class Receiver(ABC):
         raise ProtocolError("this transport sends no chunks")
 
 
+class Landed(Receiver):
+    """For transports that copy the whole item while creating the receiver (shm, CUDA IPC)."""
+
+    @property
+    def complete(self) -> bool:
+        return True
+
+
 class ProducerTransport(ABC):
     kind: ClassVar[int]
 

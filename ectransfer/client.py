@@ -23,7 +23,15 @@ import grpc
 import torch
 
 from ectransfer.base import ConsumerTransport, Receiver
-from ectransfer.protocol import CompatError, ItemTransfer, ProtocolError, TransferState, check_compat, new_event_loop
+from ectransfer.protocol import (
+    TRANSFER_GRPC_OPTIONS,
+    CompatError,
+    ItemTransfer,
+    ProtocolError,
+    TransferState,
+    check_compat,
+    new_event_loop,
+)
 from ectransfer.selection import Choice, choose
 from ectransfer import tensors
 from epd.common.v1 import common_pb2
@@ -52,7 +60,7 @@ class _Peer:
         self.ctrl: asyncio.Queue = asyncio.Queue()  # handshake messages
         self.out: asyncio.Queue = asyncio.Queue()   # item messages, sent only after Select
         self.items: dict[str, Fetch] = {}
-        self.channel = grpc.aio.insecure_channel(endpoint, options=_GRPC_OPTIONS)
+        self.channel = grpc.aio.insecure_channel(endpoint, options=TRANSFER_GRPC_OPTIONS)
         self.task = asyncio.create_task(self._run())
 
     async def _requests(self):
@@ -237,9 +245,3 @@ class TransferClient:
             peer._finish(fetch, error)
         if peer.items or error != "stream closed":
             logger.warning("transfer stream to %s closed: %s", peer.endpoint, error)
-
-
-_GRPC_OPTIONS = [
-    ("grpc.max_send_message_length", 64 << 20),
-    ("grpc.max_receive_message_length", 64 << 20),
-]

@@ -25,7 +25,7 @@ import uuid
 
 import torch
 
-from ectransfer.base import ConsumerTransport, ProducerTransport, Receiver
+from ectransfer.base import ConsumerTransport, Landed, ProducerTransport, Receiver
 from ectransfer.pool import ALIGNMENT, Pool
 from ectransfer.protocol import ProtocolError
 from epd.common.v1 import common_pb2
@@ -106,12 +106,6 @@ class _Mapped:
         self.buffer = torch.as_tensor(arr, device=f"cuda:{device}")
 
 
-class _Done(Receiver):
-    @property
-    def complete(self) -> bool:
-        return True
-
-
 class CudaIpcConsumer(ConsumerTransport):
     kind = common_pb2.CUDA_IPC
 
@@ -158,7 +152,7 @@ class CudaIpcConsumer(ConsumerTransport):
             done = torch.cuda.Event()
             done.record()
             done.synchronize()  # landed == copied: the ack after this is stream-ordered
-        return _Done()
+        return Landed()
 
     def close(self) -> None:
         cp = _cupy() if self._mapped else None

@@ -26,6 +26,13 @@ from dataclasses import dataclass, field
 from epd.common.v1 import common_pb2
 
 
+# Both ends of the Transfer stream: chunks are a few MiB, well under the limit.
+TRANSFER_GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", 64 << 20),
+    ("grpc.max_receive_message_length", 64 << 20),
+]
+
+
 class TransferState(enum.Enum):
     RESERVED = "reserved"    # consumer holds inbound space, Reserve sent
     RECEIVING = "receiving"  # header arrived, bytes are landing

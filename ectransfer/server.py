@@ -18,7 +18,7 @@ import grpc
 
 from ectransfer.base import ProducerTransport
 from ectransfer.outbound import OutboundItem, OutboundStore
-from ectransfer.protocol import CompatError, check_compat, new_event_loop
+from ectransfer.protocol import TRANSFER_GRPC_OPTIONS, CompatError, check_compat, new_event_loop
 from ectransfer import tensors
 from epd.common.v1 import common_pb2
 from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
@@ -205,7 +205,7 @@ class TransferServerThread:
         self._loop.run_forever()
 
     async def _start(self) -> None:
-        self._server = grpc.aio.server(options=_GRPC_OPTIONS)
+        self._server = grpc.aio.server(options=TRANSFER_GRPC_OPTIONS)
         encoder_pb2_grpc.add_TransferServiceServicer_to_server(self.servicer, self._server)
         self.bound_port = self._server.add_insecure_port(f"{self.host}:{self.port}")
         if not self.bound_port:
@@ -248,9 +248,3 @@ class TransferServerThread:
         asyncio.run_coroutine_threadsafe(_stop(), self._loop).result(timeout=grace + 5)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
-
-
-_GRPC_OPTIONS = [
-    ("grpc.max_send_message_length", 64 << 20),
-    ("grpc.max_receive_message_length", 64 << 20),
-]

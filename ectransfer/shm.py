@@ -26,7 +26,7 @@ import warnings
 
 import torch
 
-from ectransfer.base import ConsumerTransport, ProducerTransport, Receiver
+from ectransfer.base import ConsumerTransport, Landed, ProducerTransport, Receiver
 from ectransfer.pool import ALIGNMENT, Pool
 from ectransfer.protocol import ProtocolError
 from epd.common.v1 import common_pb2
@@ -216,12 +216,6 @@ class ShmProducer(ProducerTransport):
         desc.shm.segment_nbytes = self.pool.capacity
 
 
-class _Done(Receiver):
-    @property
-    def complete(self) -> bool:
-        return True
-
-
 class ShmConsumer(ConsumerTransport):
     """Copies an item out of the producer's segment into ``dest`` at once."""
 
@@ -254,7 +248,7 @@ class ShmConsumer(ConsumerTransport):
             raise ProtocolError(f"shm range {ref.offset}+{desc.nbytes} exceeds segment {ref.segment} ({seg.nbytes})")
         if desc.nbytes:
             dest.copy_(seg.buffer[ref.offset : ref.offset + desc.nbytes])
-        return _Done()
+        return Landed()
 
     def close(self) -> None:
         self.mappings.close()

@@ -251,8 +251,8 @@ class ProducerWorker:
             except OSError as e:  # the scheduler half is gone: the engine is shutting down
                 logger.warning("cannot report encoder output %s: %s", mm_hash, e)
 
-    def build_worker_meta(self) -> EPDWorkerMetadata | None:
-        return None
+    def build_worker_meta(self) -> None:
+        return None  # reports go over the datagram socket (see the module docstring)
 
     def shutdown(self) -> None:
         self._sock.close()

@@ -87,10 +87,8 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
                     order.append(p.item_index)
                     parts.append({"type": "image"})
             messages.append({"role": m.role or "user", "content": parts})
-        tokenizer = self.engine.get_tokenizer() if not asyncio.iscoroutinefunction(
-            self.engine.get_tokenizer) else await self.engine.get_tokenizer()
         try:
-            return render_chat(tokenizer, messages), order
+            return render_chat(self.engine.get_tokenizer(), messages), order
         except Exception as e:  # noqa: BLE001 - template errors are the caller's input
             raise BadInput(f"chat template failed: {e}") from None
 

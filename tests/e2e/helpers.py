@@ -42,3 +42,15 @@ def metric(port: int, name: str, **labels: str) -> float:
         if m and all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
             total += float(m.group(2))
     return total
+
+
+def producer_stats(dep) -> dict[str, float]:
+    """Live outbound-pool numbers of a deployment's encoder (TransferService.Stats)."""
+    import grpc
+
+    from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
+
+    with grpc.insecure_channel(dep.encoder_addr) as ch:
+        info = encoder_pb2_grpc.EncoderServiceStub(ch).GetInfo(encoder_pb2.GetInfoRequest(), timeout=5)
+    with grpc.insecure_channel(info.transfer_endpoint) as ch:
+        return dict(encoder_pb2_grpc.TransferServiceStub(ch).Stats(encoder_pb2.StatsRequest(), timeout=5).values)

@@ -8,13 +8,11 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import grpc
 import pytest
 
-from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
 from services.reference import run_subprocess
 from services.up import Deployment
-from tests.e2e.helpers import image_chat, metric, post
+from tests.e2e.helpers import image_chat, metric, post, producer_stats
 
 pytestmark = pytest.mark.e2e
 
@@ -23,14 +21,6 @@ POOL_MIB = str(4.5 * ITEM_MIB)       # about four items (plus the shm probe slot
 DISTINCT = 12
 N = 200
 
-
-def _producer_stats(dep: Deployment) -> dict[str, float]:
-    with grpc.insecure_channel(dep.encoder_addr) as ch:
-        from epd.encoder.v1 import encoder_pb2 as pb
-
-        info = encoder_pb2_grpc.EncoderServiceStub(ch).GetInfo(pb.GetInfoRequest(), timeout=5)
-    with grpc.insecure_channel(info.transfer_endpoint) as ch:
-        return dict(encoder_pb2_grpc.TransferServiceStub(ch).Stats(encoder_pb2.StatsRequest(), timeout=5).values)
 
 
 def test_burst_of_200_with_pools_for_4_items_completes_exactly_and_drains(tiny_model):
@@ -52,7 +42,7 @@ def test_burst_of_200_with_pools_for_4_items_completes_exactly_and_drains(tiny_m
             assert resp["choices"][0]["token_ids"] == reference[key]
 
         deadline = time.monotonic() + 10
-        while (stats := _producer_stats(dep))["items_held"] and time.monotonic() < deadline:
+        while (stats := producer_stats(dep))["items_held"] and time.monotonic() < deadline:
             time.sleep(0.1)  # the last acks travel after the last engine step
         assert stats["reserved_bytes"] == 0 and stats["pending_reservations"] == 0, stats
         assert stats["items_held"] == 0 and stats["expired"] == 0, stats

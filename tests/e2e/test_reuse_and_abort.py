@@ -8,12 +8,10 @@ import json
 import time
 import urllib.request
 
-import grpc
 import pytest
 
-from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
 from tests.e2e.conftest import REFERENCE_REQUESTS
-from tests.e2e.helpers import image_chat, metric, post
+from tests.e2e.helpers import image_chat, metric, post, producer_stats
 
 pytestmark = pytest.mark.e2e
 
@@ -23,12 +21,6 @@ def _counters(dep) -> tuple[float, float, float]:
             metric(dep.lm_metrics, "epd_lm_transferred_items_total"),
             metric(dep.lm_metrics, "epd_lm_local_encoder_runs_total"))
 
-
-def _producer_stats(dep) -> dict[str, float]:
-    with grpc.insecure_channel(dep.encoder_addr) as ch:
-        info = encoder_pb2_grpc.EncoderServiceStub(ch).GetInfo(encoder_pb2.GetInfoRequest(), timeout=5)
-    with grpc.insecure_channel(info.transfer_endpoint) as ch:
-        return dict(encoder_pb2_grpc.TransferServiceStub(ch).Stats(encoder_pb2.StatsRequest(), timeout=5).values)
 
 
 def test_reuse_same_image_is_encoded_once_and_transferred_once(deployment, reference):
@@ -55,7 +47,7 @@ def test_abort_client_disconnecting_mid_stream_releases_everything(deployment):
 
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
-        stats = _producer_stats(deployment)
+        stats = producer_stats(deployment)
         gone = metric(deployment.lm_metrics, "epd_lm_requests_total", status="cancelled") > cancelled
         if gone and stats["items_held"] == 0 and stats["reserved_bytes"] == 0:
             break

@@ -13,7 +13,6 @@ import torch
 
 from ectransfer.connector.config import ConnectorConfig
 from ectransfer.connector.consumer import ConsumerScheduler, ConsumerWorker
-from ectransfer.connector.metadata import EPDWorkerMetadata
 from ectransfer.connector.producer import ProducerScheduler, ProducerWorker
 from ectransfer.loopback import Producer
 from tests.integration.connector_fakes import embedding, request, steps_until, vllm_config
@@ -30,9 +29,19 @@ def producer():
     p.close()
 
 
-def consumer(staging_bytes: int = 1 << 20, timeout_s: float = 10.0) -> ConsumerScheduler:
-    cfg = ConnectorConfig(staging_bytes=staging_bytes, transfer_timeout_s=timeout_s, model_name="test-model")
-    return ConsumerScheduler(vllm_config("lm-1"), cfg)
+@pytest.fixture
+def consumer():
+    """Makes consumer scheduler halves; shuts each down after the test."""
+    made: list[ConsumerScheduler] = []
+
+    def make(staging_bytes: int = 1 << 20, timeout_s: float = 10.0) -> ConsumerScheduler:
+        cfg = ConnectorConfig(staging_bytes=staging_bytes, transfer_timeout_s=timeout_s, model_name="test-model")
+        made.append(ConsumerScheduler(vllm_config("lm-1"), cfg))
+        return made[-1]
+
+    yield make
+    for sched in made:
+        sched.shutdown()
 
 
 def inject(sched: ConsumerScheduler, req) -> dict:
@@ -53,93 +62,75 @@ def used(sched: ConsumerScheduler) -> int:
     return sched.staging.stats()["used_bytes"]
 
 
-def test_prealloc_request_before_encode_lands_exactly_and_frees_staging(producer):
+def test_prealloc_request_before_encode_lands_exactly_and_frees_staging(producer, consumer):
     sched = consumer()
-    try:
-        req = request("r1", [("a", 16)], producer.endpoint)
-        assert not sched.ensure_cache_available(req, 0)  # reserved, asked, nothing encoded yet
-        assert used(sched) == NB
-        t = embedding(16, 1)
-        producer.store.put("a", t)  # the encode finishes after the request arrived
-        assert steps_until(lambda: sched.ensure_cache_available(req, 0))
-        cache = inject(sched, req)
-        assert torch.equal(cache["a"].view(torch.int16), t.view(torch.int16))
-        assert used(sched) == 0
-        assert steps_until(lambda: not producer.store.contains("a"))  # acked
-        assert sched.request_finished(req)["transferred_items"] == 1
-    finally:
-        sched.shutdown()
+    req = request("r1", [("a", 16)], producer.endpoint)
+    assert not sched.ensure_cache_available(req, 0)  # reserved, asked, nothing encoded yet
+    assert used(sched) == NB
+    t = embedding(16, 1)
+    producer.store.put("a", t)  # the encode finishes after the request arrived
+    assert steps_until(lambda: sched.ensure_cache_available(req, 0))
+    cache = inject(sched, req)
+    assert torch.equal(cache["a"].view(torch.int16), t.view(torch.int16))
+    assert used(sched) == 0
+    assert steps_until(lambda: not producer.store.contains("a"))  # acked
+    assert sched.request_finished(req)["transferred_items"] == 1
 
 
-def test_prealloc_encode_before_request(producer):
+def test_prealloc_encode_before_request(producer, consumer):
     sched = consumer()
-    try:
-        producer.store.put("b", embedding(16, 2))
-        req = request("r1", [("b", 16)], producer.endpoint)
-        assert steps_until(lambda: sched.ensure_cache_available(req, 0))
-        assert "b" in inject(sched, req)
-    finally:
-        sched.shutdown()
+    producer.store.put("b", embedding(16, 2))
+    req = request("r1", [("b", 16)], producer.endpoint)
+    assert steps_until(lambda: sched.ensure_cache_available(req, 0))
+    assert "b" in inject(sched, req)
 
 
-def test_prealloc_abort_during_transfer_releases_both_sides(producer):
+def test_prealloc_abort_during_transfer_releases_both_sides(producer, consumer):
     sched = consumer()
-    try:
-        req = request("r1", [("c", 16)], producer.endpoint)
-        assert not sched.ensure_cache_available(req, 0)
-        sched.request_finished(req)  # the client went away while the encode runs
-        assert used(sched) == 0
-        time.sleep(0.1)  # the Cancel reaches the encoder before its output does
-        producer.store.put("c", embedding(16, 3))
-        assert not producer.store.contains("c") and producer.store.stats.cancels == 1
-    finally:
-        sched.shutdown()
+    req = request("r1", [("c", 16)], producer.endpoint)
+    assert not sched.ensure_cache_available(req, 0)
+    sched.request_finished(req)  # the client went away while the encode runs
+    assert used(sched) == 0
+    time.sleep(0.1)  # the Cancel reaches the encoder before its output does
+    producer.store.put("c", embedding(16, 3))
+    assert not producer.store.contains("c") and producer.store.stats.cancels == 1
 
 
-def test_prealloc_cancel_because_the_prefix_cache_covers_the_item(producer):
+def test_prealloc_cancel_because_the_prefix_cache_covers_the_item(producer, consumer):
     sched = consumer()
-    try:
-        producer.store.put("d", embedding(16, 4))
-        req = request("r1", [("d", 16)], producer.endpoint)
-        covered = req.mm_features[0].mm_position.offset + req.mm_features[0].mm_position.length
-        assert sched.ensure_cache_available(req, covered)  # nothing to fetch
-        assert used(sched) == 0
-        assert steps_until(lambda: not producer.store.contains("d"))  # "not needed" freed it
-        assert producer.store.stats.cancels == 1
-    finally:
-        sched.shutdown()
+    producer.store.put("d", embedding(16, 4))
+    req = request("r1", [("d", 16)], producer.endpoint)
+    covered = req.mm_features[0].mm_position.offset + req.mm_features[0].mm_position.length
+    assert sched.ensure_cache_available(req, covered)  # nothing to fetch
+    assert used(sched) == 0
+    assert steps_until(lambda: not producer.store.contains("d"))  # "not needed" freed it
+    assert producer.store.stats.cancels == 1
 
 
-def test_backpressure_staging_full_defers_whole_requests_then_proceeds(producer):
+def test_backpressure_staging_full_defers_whole_requests_then_proceeds(producer, consumer):
     sched = consumer(staging_bytes=NB + 512)  # room for one item
-    try:
-        producer.store.put("e1", embedding(16, 5))
-        producer.store.put("e2", embedding(16, 6))
-        r1 = request("r1", [("e1", 16)], producer.endpoint)
-        r2 = request("r2", [("e2", 16)], producer.endpoint)
-        assert steps_until(lambda: sched.ensure_cache_available(r1, 0))
-        assert not sched.ensure_cache_available(r2, 0)  # waits; reserves nothing
-        assert used(sched) == NB
-        inject(sched, r1)
-        sched.request_finished(r1)
-        assert steps_until(lambda: sched.ensure_cache_available(r2, 0))
-        assert "e2" in inject(sched, r2)
-    finally:
-        sched.shutdown()
+    producer.store.put("e1", embedding(16, 5))
+    producer.store.put("e2", embedding(16, 6))
+    r1 = request("r1", [("e1", 16)], producer.endpoint)
+    r2 = request("r2", [("e2", 16)], producer.endpoint)
+    assert steps_until(lambda: sched.ensure_cache_available(r1, 0))
+    assert not sched.ensure_cache_available(r2, 0)  # waits; reserves nothing
+    assert used(sched) == NB
+    inject(sched, r1)
+    sched.request_finished(r1)
+    assert steps_until(lambda: sched.ensure_cache_available(r2, 0))
+    assert "e2" in inject(sched, r2)
 
 
-def test_backpressure_a_request_larger_than_staging_fails_cleanly_with_a_reason(producer):
+def test_backpressure_a_request_larger_than_staging_fails_cleanly_with_a_reason(producer, consumer):
     sched = consumer(staging_bytes=NB // 2)
-    try:
-        req = request("r1", [("f", 16)], producer.endpoint)
-        assert not sched.ensure_cache_available(req, 0)
-        assert sched.take_unavailable() == {"r1"}
-        assert "staging" in sched.request_finished(req)["error"]
-    finally:
-        sched.shutdown()
+    req = request("r1", [("f", 16)], producer.endpoint)
+    assert not sched.ensure_cache_available(req, 0)
+    assert sched.take_unavailable() == {"r1"}
+    assert "staging" in sched.request_finished(req)["error"]
 
 
-def test_lease_an_item_nobody_produces_fails_its_request_with_a_reason():
+def test_lease_an_item_nobody_produces_fails_its_request_with_a_reason(consumer):
     p = Producer(item_wait_s=0.3)
     sched = consumer()
     try:
@@ -148,7 +139,6 @@ def test_lease_an_item_nobody_produces_fails_its_request_with_a_reason():
         assert used(sched) == 0
         assert "not encoded" in sched.request_finished(req)["error"]
     finally:
-        sched.shutdown()
         p.close()
 
 
@@ -162,23 +152,20 @@ def test_lease_an_unacked_outbound_item_is_reclaimed():
         p.close()
 
 
-def test_reuse_an_item_in_vllms_encoder_cache_is_not_transferred_again(producer):
+def test_reuse_an_item_in_vllms_encoder_cache_is_not_transferred_again(producer, consumer):
     sched = consumer()
-    try:
-        producer.store.put("h", embedding(16, 8))
-        r1 = request("r1", [("h", 16)], producer.endpoint)
-        assert steps_until(lambda: sched.ensure_cache_available(r1, 0))
-        inject(sched, r1)
-        producer.store.put("h", embedding(16, 8))  # the encoder published it again for r2
-        r2 = request("r2", [("h", 16)], producer.endpoint)
-        assert sched.ensure_cache_available(r2, 0)  # at once: no transfer
-        assert used(sched) == 0
-        assert steps_until(lambda: not producer.store.contains("h"))  # and the encoder was told
-    finally:
-        sched.shutdown()
+    producer.store.put("h", embedding(16, 8))
+    r1 = request("r1", [("h", 16)], producer.endpoint)
+    assert steps_until(lambda: sched.ensure_cache_available(r1, 0))
+    inject(sched, r1)
+    producer.store.put("h", embedding(16, 8))  # the encoder published it again for r2
+    r2 = request("r2", [("h", 16)], producer.endpoint)
+    assert sched.ensure_cache_available(r2, 0)  # at once: no transfer
+    assert used(sched) == 0
+    assert steps_until(lambda: not producer.store.contains("h"))  # and the encoder was told
 
 
-def test_prealloc_producer_halves_reserve_save_and_serve(producer):
+def test_prealloc_producer_halves_reserve_save_and_serve(producer, consumer):
     """ProducerScheduler + ProducerWorker: reserve at schedule time, the worker
     writes the slot and reports over the datagram socket, Transfer serves it."""
     cfg = ConnectorConfig(outbound_pool_bytes=3 * NB, model_name="test-model")
@@ -204,7 +191,6 @@ def test_prealloc_producer_halves_reserve_save_and_serve(producer):
         assert all(torch.equal(cache[i].view(torch.int16), outputs[i].view(torch.int16)) for i in outputs)
         assert steps_until(lambda: ps.ensure_cache_available(r2, 0))  # acks freed the pool
     finally:
-        sched.shutdown()
         pw.shutdown()
         ps.shutdown()
 
