@@ -64,6 +64,10 @@ class OutboundStore:
         self._putting: set[str] = set()
         self._failures: dict[str, str] = {}
         self._cancelled: dict[str, None] = {}  # cancelled before they were encoded
+        # Released lately (ack, cancel, lease). A Cancel that finds one of these gone
+        # is stale -- it was meant for the copy already freed -- and must not drop
+        # the next publication of the same item, which another consumer may need.
+        self._released: dict[str, None] = {}
         self._lock = threading.Lock()
 
     def put(self, identifier: str, tensor: torch.Tensor) -> bool:
@@ -74,6 +78,7 @@ class OutboundStore:
                 self.stats.items_reused += 1
                 return True
             self._putting.add(identifier)
+            self._released.pop(identifier, None)
         try:
             data = tensors.as_bytes(tensor.detach(), keep_device=self.pool.buffer.device == tensor.device)
             try:
@@ -89,11 +94,18 @@ class OutboundStore:
             with self._lock:
                 self._putting.discard(identifier)
 
+    def expect(self, identifier: str) -> None:
+        """A new copy of the item is on its way (the producer reserved a slot for
+        it): Cancels from now on are for this copy."""
+        with self._lock:
+            self._released.pop(identifier, None)
+
     def adopt(self, identifier: str, slot: Slot, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         """Takes ownership of an already-filled slot (the producer connector's
         second allocation stage: reserved by the scheduler, written by the worker)."""
         item = OutboundItem(identifier, slot, tuple(shape), dtype)
         with self._lock:
+            self._released.pop(identifier, None)
             self.stats.items_put += 1
             self._failures.pop(identifier, None)
             waiters = self._waiters.pop(identifier, [])
@@ -116,6 +128,7 @@ class OutboundStore:
         ``failure`` reports why (remembered for the last 1024 failures)."""
         with self._lock:
             self._failures[identifier] = reason
+            self._cancelled.pop(identifier, None)  # nothing will arrive for it to drop
             while len(self._failures) > 1024:
                 self._failures.pop(next(iter(self._failures)))
             waiters = self._waiters.pop(identifier, [])
@@ -170,11 +183,11 @@ class OutboundStore:
         with self._lock:
             item = self._items.pop(identifier, None)
             if item is None:
-                if reason == "cancel":  # not encoded yet: free it when it arrives
-                    self._cancelled[identifier] = None
-                    while len(self._cancelled) > 4096:
-                        self._cancelled.pop(next(iter(self._cancelled)))
+                if reason == "cancel" and identifier not in self._released:
+                    # Not encoded yet: free it when it arrives.
+                    _remember(self._cancelled, identifier)
                 return False
+            _remember(self._released, identifier)
             counter = _RELEASE_COUNTERS[reason]
             setattr(self.stats, counter, getattr(self.stats, counter) + 1)
         self.pool.free(item.slot)
@@ -194,3 +207,9 @@ class OutboundStore:
         with self._lock:
             n = len(self._items)
         return {"items": n, **self.pool.stats(), **self.stats.__dict__}
+
+
+def _remember(bounded: dict[str, None], identifier: str, limit: int = 4096) -> None:
+    bounded[identifier] = None
+    while len(bounded) > limit:
+        bounded.pop(next(iter(bounded)))

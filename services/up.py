@@ -32,12 +32,15 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-@dataclass
+@dataclass(eq=False)
 class Service:
     name: str
     args: list[str]
     log_path: str
     proc: subprocess.Popen | None = None
+    address: str = ""
+    """host:port of its API (set by Deployment)."""
+    metrics_port: int = 0
 
     def start(self, env: dict[str, str]) -> None:
         log = open(self.log_path, "ab")
@@ -118,32 +121,46 @@ class Deployment:
     quiet: bool = False
     with_encoder: bool = True
     """False: colocated (no encoder service; the LM encodes media itself)."""
+    n_encoders: int = 1
+    """Encoder services (they share the encoder half of the cores)."""
+    n_lms: int = 1
+    """LM services (they share the LM half of the cores)."""
 
     def __post_init__(self) -> None:
         h = self.host
         self.port = self.port or free_port(h)
-        self.encoder_addr = f"{h}:{free_port(h)}"
-        self.lm_addr = f"{h}:{free_port(h)}"
         self.gateway_grpc = f"{h}:{free_port(h)}"
-        self.encoder_metrics = free_port(h)
-        self.lm_metrics = free_port(h)
         self.log_dir = self.log_dir or tempfile.mkdtemp(prefix="epd-up-")
         common = ["--model", self.model, "--vllm-args", self.engine_args]
         enc_cores, lm_cores = split_cores()
-        self.encoder = Service("encoder", ["encoder", "--host", h, "--port", self.encoder_addr.split(":")[1],
-                                           "--transfer-host", h, "--metrics-port", str(self.encoder_metrics),
-                                           "--cpu-cores", enc_cores, *common, *self.encoder_args],
-                               os.path.join(self.log_dir, "encoder.log"))
-        self.lm = Service("lm", ["lm", "--host", h, "--port", self.lm_addr.split(":")[1],
-                                 "--metrics-port", str(self.lm_metrics), "--cpu-cores", lm_cores,
-                                 *common, *self.lm_args],
-                          os.path.join(self.log_dir, "lm.log"))
+        n_enc = self.n_encoders if self.with_encoder else 0
+        self.encoders = [self._service("encoder", i, n_enc, ["--transfer-host", h, "--cpu-cores", enc_cores,
+                                                             *common, *self.encoder_args]) for i in range(n_enc)]
+        self.lms = [self._service("lm", i, self.n_lms, ["--cpu-cores", lm_cores, *common, *self.lm_args])
+                    for i in range(self.n_lms)]
         self.gateway = Service("gateway", ["gateway", "--host", h, "--port", str(self.port),
                                            "--grpc-port", self.gateway_grpc.split(":")[1],
-                                           "--encoders", self.encoder_addr if self.with_encoder else "",
-                                           "--lms", self.lm_addr, *self.gateway_args],
+                                           "--encoders", ",".join(e.address for e in self.encoders),
+                                           "--lms", ",".join(lm.address for lm in self.lms), *self.gateway_args],
                                os.path.join(self.log_dir, "gateway.log"))
-        self.services = [self.encoder, self.lm, self.gateway] if self.with_encoder else [self.lm, self.gateway]
+        self.services = [*self.encoders, *self.lms, self.gateway]
+        # The first instance of each role under the names the single-instance callers use.
+        first = self.encoders[0] if self.encoders else self._service("encoder", 0, 1, [])
+        self.encoder, self.encoder_addr, self.encoder_metrics = first, first.address, first.metrics_port
+        self.lm, self.lm_addr, self.lm_metrics = self.lms[0], self.lms[0].address, self.lms[0].metrics_port
+
+    def _service(self, role: str, i: int, n: int, args: list[str]) -> Service:
+        h, port, metrics = self.host, free_port(self.host), free_port(self.host)
+        name = role if n == 1 else f"{role}{i}"
+        svc = Service(name, [role, "--host", h, "--port", str(port), "--metrics-port", str(metrics), *args],
+                      os.path.join(self.log_dir, f"{name}.log"))
+        svc.address, svc.metrics_port = f"{h}:{port}", metrics
+        return svc
+
+    @property
+    def gateway_metrics(self) -> int:
+        """The gateway serves /metrics on its HTTP port."""
+        return self.port
 
     @property
     def url(self) -> str:
@@ -158,14 +175,13 @@ class Deployment:
         self._say(f"epd up: model {self.model}; logs in {self.log_dir}")
         t0 = time.monotonic()
         try:
-            engines = {"lm": lambda: grpc_serving(self.lm_addr)}
-            if self.with_encoder:
-                self.encoder.start(env)
-                engines["encoder"] = lambda: grpc_serving(self.encoder_addr)
-            self.lm.start(env)
+            engines = {}
+            for svc in [*self.encoders, *self.lms]:
+                svc.start(env)
+                engines[svc] = (lambda a: lambda: grpc_serving(a))(svc.address)
             self._wait(engines, t0, timeout)
             self.gateway.start(env)
-            self._wait({"gateway": lambda: http_ok(self.url + "/health")}, t0, timeout)
+            self._wait({self.gateway: lambda: http_ok(self.url + "/health")}, t0, timeout)
         except BaseException:
             self.stop()
             raise
@@ -178,18 +194,18 @@ class Deployment:
         tty = sys.stdout.isatty()
         cr = "\r" if tty else ""
         while pending:
-            for name in list(pending):
-                svc = {"encoder": self.encoder, "lm": self.lm, "gateway": self.gateway}[name]
+            for svc in list(pending):
                 if not svc.alive():
-                    raise RuntimeError(f"{name} exited during start-up; last log lines:\n{svc.log_tail()}")
-                if pending[name]():
-                    del pending[name]
-                    self._say(f"{cr}  {name} ready ({time.monotonic() - t0:.0f}s)" + " " * 20)
+                    raise RuntimeError(f"{svc.name} exited during start-up; last log lines:\n{svc.log_tail()}")
+                if pending[svc]():
+                    del pending[svc]
+                    self._say(f"{cr}  {svc.name} ready ({time.monotonic() - t0:.0f}s)" + " " * 20)
             if pending:
+                names = ", ".join(s.name for s in pending)
                 if time.monotonic() - t0 > timeout:
-                    raise TimeoutError(f"{', '.join(pending)} not ready after {timeout:.0f}s (logs in {self.log_dir})")
+                    raise TimeoutError(f"{names} not ready after {timeout:.0f}s (logs in {self.log_dir})")
                 if tty:  # a live progress line on terminals; logs and CI get the ready lines only
-                    self._say(f"\r  starting {', '.join(pending)} ... {time.monotonic() - t0:.0f}s", end="")
+                    self._say(f"\r  starting {names} ... {time.monotonic() - t0:.0f}s", end="")
                 time.sleep(0.5)
 
     def stop(self) -> None:

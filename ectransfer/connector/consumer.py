@@ -72,6 +72,7 @@ class ConsumerScheduler:
         self._injected: OrderedDict[str, None] = OrderedDict()
         self._skipped: dict[str, set[str]] = {}  # request -> items it told the encoder it does not need
         self._errors: dict[str, str] = {}  # request -> why its encoder outputs cannot be had
+        self._failed_endpoints: dict[str, set[str]] = defaultdict(set)  # request -> encoders that failed it
         self._to_load: list[LoadSpec] = []
         self._unavailable: set[str] = set()
         self._stats: dict[str, _RequestStats] = defaultdict(_RequestStats)
@@ -165,6 +166,7 @@ class ConsumerScheduler:
         self._counts["failed"] += 1
         for rid in item.requests:
             self._errors[rid] = item.transfer.error or "the encoder output could not be obtained"
+            self._failed_endpoints[rid].add(item.endpoint)
         self._drop(item)
 
     def _cache_manager(self):
@@ -201,6 +203,11 @@ class ConsumerScheduler:
         self._to_load.append(LoadSpec(item.transfer.identifier, fetch.shape, tensors.dtype_name(fetch.dtype),
                                       self.staging.name, item.slot.offset, item.slot.nbytes))
         self._stats[request.request_id].transferred_items += 1
+        # Settled for this request: once injected, vLLM's cache holds it, and a later
+        # ensure_cache_available must not mistake that for a hit and Cancel an item
+        # this request already acked (the encoder would keep the stale cancel and
+        # drop the next publication of the same image, which another LM may need).
+        self._skipped.setdefault(request.request_id, set()).add(item.transfer.identifier)
 
     def build_meta(self, scheduler_output) -> EPDConnectorMetadata:
         for req_id, inputs in scheduler_output.scheduled_encoder_inputs.items():
@@ -252,8 +259,11 @@ class ConsumerScheduler:
                 self._drop(item)
         self._skipped.pop(rid, None)
         error = self._errors.pop(rid, None)
+        endpoints = sorted(self._failed_endpoints.pop(rid, ()))
         stats = self._stats.pop(rid, None)
         out: dict[str, Any] = {"error": error} if error else {}
+        if endpoints:
+            out["failed_endpoints"] = endpoints  # the gateway re-encodes these items elsewhere
         if stats is not None and request.mm_features:
             out.update(local_encoder_runs=stats.local_encoder_runs, transferred_items=stats.transferred_items,
                        transfer_ms=stats.transfer_ms)

@@ -129,6 +129,7 @@ class ProducerScheduler:
             slots[ident] = slot
         for ident, slot in slots.items():
             self._reserved[ident] = _Reserved(slot, missing[ident], {request.request_id})
+            self.store.expect(ident)
         self._seen.add(request.request_id)
         return True
 

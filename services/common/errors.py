@@ -3,7 +3,8 @@
 Handlers raise these; ``ErrorInterceptor`` turns them into statuses (bad input:
 INVALID_ARGUMENT, no capacity: RESOURCE_EXHAUSTED, peer gone: UNAVAILABLE,
 incompatible peer: FAILED_PRECONDITION, anything else: INTERNAL with the
-traceback logged).
+traceback logged). An error caused by a peer names it in the ``epd-fault``
+trailer (``encoder``), which the gateway's retry logic reads.
 """
 
 from __future__ import annotations
@@ -14,13 +15,30 @@ import grpc
 
 logger = logging.getLogger(__name__)
 
+FAULT_KEY = "epd-fault"
+FAULT_ENDPOINT_KEY = "epd-fault-endpoint"  # one per failing encoder transfer endpoint
+
 
 class EPDError(Exception):
     code = grpc.StatusCode.INTERNAL
+    fault = ""
+    """Which peer caused the error, sent as the ``epd-fault`` trailer when set,
+    so the gateway knows which instance to replace on a retry."""
 
 
 class BadInput(EPDError):
     code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class MediaError(BadInput):
+    """Refused media: an image URL that may not or could not be fetched, or image bytes that are too
+    large, not an image, or a decompression bomb. Raised by the gateway's ``services.gateway.fetch`` and
+    ``services.common.media.check_image``; the REST API answers ``status`` (400, or 413 for too large)
+    and the gRPC boundary INVALID_ARGUMENT. The message says what was refused and why."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class NoCapacity(EPDError):
@@ -29,6 +47,18 @@ class NoCapacity(EPDError):
 
 class PeerUnavailable(EPDError):
     code = grpc.StatusCode.UNAVAILABLE
+
+
+class EncoderUnavailable(PeerUnavailable):
+    """The LM could not get an item's embedding from its encoder (dead, timed
+    out, freed): the gateway re-encodes the item on another encoder.
+    ``endpoints`` name the encoders' transfer endpoints, when known."""
+
+    fault = "encoder"
+
+    def __init__(self, message: str, endpoints: list[str] | tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.endpoints = tuple(endpoints)
 
 
 class Incompatible(EPDError):
@@ -41,7 +71,9 @@ class Deadline(EPDError):
 
 async def _abort(context, e: BaseException, method: str):
     if isinstance(e, EPDError):
-        await context.abort(e.code, str(e))
+        trailers = [(FAULT_KEY, e.fault)] if e.fault else []
+        trailers += [(FAULT_ENDPOINT_KEY, ep) for ep in getattr(e, "endpoints", ())]
+        await context.abort(e.code, str(e), tuple(trailers))
     logger.exception("internal error in %s", method)
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {e!r}")
 

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import base64
+import functools
 import io
+import struct
+import zlib
 
 import numpy as np
 from PIL import Image
@@ -24,3 +27,17 @@ def make_image(seed: int = 0, size: tuple[int, int] = (112, 112)) -> bytes:
 
 def data_url(data: bytes, mime: str = "image/png") -> str:
     return f"data:{mime};base64," + base64.b64encode(data).decode()
+
+
+@functools.lru_cache(maxsize=4)
+def bomb_png(side: int = 20000) -> bytes:
+    """A valid 1-bit greyscale PNG of side x side black pixels: a few tens of KB that decode to side²
+    pixels (400 M for the default). For tests of the gateway's decompression-bomb guard."""
+    def chunk(kind: bytes, payload: bytes) -> bytes:
+        return struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", zlib.crc32(kind + payload))
+
+    z = zlib.compressobj(9)
+    row = bytes(1 + (side + 7) // 8)  # filter byte 0, then the packed bits
+    idat = b"".join(z.compress(row) for _ in range(side)) + z.flush()
+    ihdr = struct.pack(">IIBBBBB", side, side, 1, 0, 0, 0, 0)  # 1-bit greyscale
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")

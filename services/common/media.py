@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import hashlib
 import io
+import warnings
 
 from PIL import Image
 
-from services.common.errors import BadInput
+from services.common.errors import BadInput, MediaError
 
 MAX_IMAGE_PIXELS = 64_000_000  # decompression-bomb guard (PIL raises beyond 2x)
+IMAGE_FORMATS = ("PNG", "JPEG", "MPO", "WEBP", "GIF", "BMP")
+"""Formats the gateway accepts (what OpenAI accepts, plus BMP and MPO, the JPEG variant some cameras
+write). Only these PIL plugins are tried, so exotic parsers (EPS runs Ghostscript) are never reached."""
 
 
 def content_id(data: bytes) -> str:
@@ -34,3 +38,26 @@ def decode_image(data: bytes, *, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Im
         raise BadInput(f"image refused as a decompression bomb: {e}") from None
     except Exception as e:  # noqa: BLE001 - PIL raises many types for bad data
         raise BadInput(f"image could not be decoded: {e}") from None
+
+
+def check_image(data: bytes, max_pixels: int) -> tuple[str, int, int]:
+    """Reads the image header only (PIL opens lazily; nothing is decoded) and returns (format, width,
+    height), or raises MediaError for an unknown format or more than ``max_pixels`` pixels (the
+    decompression-bomb guard: a few KB of PNG can claim gigapixels). The gateway calls this for every
+    image, data: URL or fetched, before any service sees it."""
+    if not data:
+        raise MediaError("image is empty")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # our own limit decides
+            with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as img:
+                fmt, (w, h) = img.format, img.size
+    except Image.DecompressionBombError as e:
+        raise MediaError(f"image refused as a decompression bomb ({e}; the limit here is {max_pixels} pixels, "
+                         "--max-image-pixels)") from None
+    except Exception:  # noqa: BLE001 - PIL raises many types for data it cannot identify
+        raise MediaError(f"image is not a recognised image file (accepted: {', '.join(IMAGE_FORMATS)})") from None
+    if w * h > max_pixels:
+        raise MediaError(f"image is {w}x{h} = {w * h} pixels, more than the {max_pixels} allowed "
+                         "(--max-image-pixels; decompression-bomb guard); refused")
+    return fmt, w, h

@@ -1,8 +1,13 @@
-"""Gateway configuration."""
+"""Gateway configuration: one dataclass, one flag per field (``epd gateway --help``)."""
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
+
+from services.common.media import MAX_IMAGE_PIXELS
+
+DISPATCH_MODES = ("overlap", "sequential")
 
 
 @dataclass
@@ -14,26 +19,76 @@ class GatewayConfig:
     grpc_port: int = 0
     """Native gRPC API port (0: disabled)."""
     encoders: str = ""
-    """Encoder API addresses, comma-separated host:port (none: colocated, the LMs encode media themselves)."""
+    """Encoder API addresses, comma-separated host:port. A host name that resolves to several addresses (a
+    Kubernetes headless Service) counts as one instance per address, re-resolved every --dns-refresh-s.
+    None: colocated, the LMs encode media themselves."""
     lms: str = ""
-    """LM API addresses, comma-separated host:port."""
+    """LM API addresses, comma-separated host:port (host names as for --encoders)."""
     model_name: str = ""
     """Name served on /v1/models (default: the LM's model)."""
+    dispatch: str = "overlap"
+    """overlap: Generate goes to the LM as soon as Encode has streamed every item's metadata;
+    sequential: only after every item is encoded (upstream's proxy behaviour, for comparison)."""
     request_timeout_s: float = 120.0
-    """End-to-end limit for one request."""
+    """End-to-end limit for one request, generation included."""
+    encode_timeout_s: float = 30.0
+    """Limit for one encoder to stream every item's metadata and encode it; past it the items are
+    re-encoded elsewhere (if attempts are left) or the request fails with 504."""
+    max_attempts: int = 3
+    """Tries per request before its first token: a failed or timed-out encoder or LM is replaced by another
+    instance. After the first token a failure ends the stream with an error event."""
+    local_encode_fallback: bool = True
+    """With no healthy encoder, let the LM encode the request's media itself (plain vLLM behaviour) instead of
+    failing with 503."""
+    health_interval_s: float = 1.0
+    """Seconds between grpc.health.v1 checks of every instance; a failed check ejects the instance, a passing
+    one re-admits it."""
+    dns_refresh_s: float = 10.0
+    """Seconds between re-resolutions of host names in --encoders/--lms."""
+    affinity_spill: int = 4
+    """Cache affinity: an image goes to the encoder its content hash maps to (rendezvous hashing) unless that
+    encoder has this many more outstanding requests than the least-loaded healthy encoder."""
     max_image_bytes: int = 20 << 20
-    """Largest accepted encoded image."""
+    """Largest accepted encoded image (data: URL or fetched)."""
+    max_image_pixels: int = MAX_IMAGE_PIXELS
+    """Largest accepted image in pixels, read from its header before decoding (decompression-bomb guard)."""
     max_images: int = 8
     """Most images in one request."""
+    fetch_timeout_s: float = 10.0
+    """Limit for fetching one http(s) image URL: connect, redirects and body together."""
+    fetch_max_redirects: int = 3
+    """Most redirects followed for one image URL (each hop is checked again)."""
+    fetch_allow_networks: str = ""
+    """Comma-separated CIDRs that image URLs may resolve to even though they are loopback, private,
+    link-local or otherwise non-public (refused by default: SSRF guard), e.g. 10.1.0.0/16."""
 
     def __post_init__(self) -> None:
-        if not [a for a in self.lms.split(",") if a]:
+        if not self.lm_list:
             raise ValueError("at least one LM address is needed (--lms host:port[,host:port])")
+        if self.dispatch not in DISPATCH_MODES:
+            raise ValueError(f"dispatch must be one of {', '.join(DISPATCH_MODES)}, got {self.dispatch!r}")
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        for name in ("request_timeout_s", "encode_timeout_s", "health_interval_s", "dns_refresh_s",
+                     "fetch_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        if self.fetch_max_redirects < 0 or self.affinity_spill < 0:
+            raise ValueError("fetch_max_redirects and affinity_spill must be >= 0")
+        try:
+            self.allowed_networks
+        except ValueError as e:
+            raise ValueError(f"fetch_allow_networks: {e} (expected CIDRs such as 10.1.0.0/16)") from None
 
     @property
     def encoder_list(self) -> list[str]:
-        return [a for a in self.encoders.split(",") if a]
+        return [a.strip() for a in self.encoders.split(",") if a.strip()]
 
     @property
     def lm_list(self) -> list[str]:
-        return [a for a in self.lms.split(",") if a]
+        return [a.strip() for a in self.lms.split(",") if a.strip()]
+
+    @property
+    def allowed_networks(self) -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
+        return [ipaddress.ip_network(n.strip(), strict=False) for n in self.fetch_allow_networks.split(",")
+                if n.strip()]

@@ -3,10 +3,9 @@ function that maps gRPC status codes to OpenAI-style HTTP errors."""
 
 from __future__ import annotations
 
-import base64
-import binascii
 import json
 import logging
+import re
 import time
 import uuid
 from typing import Any
@@ -15,12 +14,19 @@ import grpc
 from aiohttp import web
 
 from epd.lm.v1 import lm_pb2
+from services.common.errors import MediaError
 from services.common.media import content_id
 from services.gateway import metrics
 from services.gateway.config import GatewayConfig
+from services.gateway.fetch import MediaFetcher, load_images
 from services.gateway.orchestrator import Media, Orchestrator, Timings
 
 logger = logging.getLogger(__name__)
+
+REQUEST_ID_HEADER = "X-Request-Id"
+REQUEST_ID_KEY = "epd_request_id"
+ARRIVAL_KEY = "epd_arrival"
+REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 _HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
@@ -86,33 +92,41 @@ def _sampling(body: dict[str, Any]) -> lm_pb2.SamplingOptions:
     return s
 
 
-def _image_bytes(url: str, cfg: GatewayConfig) -> bytes:
-    if not url.startswith("data:"):
-        if url.startswith(("http://", "https://")):
-            raise ApiError(400, "http(s) image URLs are not enabled on this gateway; send a data: URL", param="image_url")
-        raise ApiError(400, f"unsupported image URL scheme in {url[:32]!r}; use a data: URL", param="image_url")
-    header, _, payload = url.partition(",")
-    mime = header[5:].split(";")[0].strip().lower()
-    if not mime.startswith("image/"):
-        raise ApiError(400, f"data URL has media type {mime or 'none'!r}, expected image/*", param="image_url")
-    if ";base64" not in header:
-        raise ApiError(400, "image data URLs must be base64-encoded", param="image_url")
-    if len(payload) * 3 // 4 > cfg.max_image_bytes:
-        raise ApiError(413, f"image larger than {cfg.max_image_bytes} bytes", param="image_url")
+def media_api_error(e: MediaError) -> ApiError:
+    """A refused image as the REST API answers it (``OpenAIRoutes.chat``): 400 or 413, param image_url."""
+    return ApiError(e.status, str(e), param="image_url")
+
+
+async def load_media(req: lm_pb2.GenerateRequest, sources: list[str | bytes], cfg: GatewayConfig,
+                     fetcher: MediaFetcher | None) -> list[Media]:
+    """The second, async half of parsing (``OpenAIRoutes.chat`` after ``parse_chat``, and
+    ``GatewayServicer``): loads every image source (data: decoded, http(s) fetched concurrently,
+    every header checked), appends the items to ``req`` in order and returns them as Media.
+    Raises MediaError; REST callers turn it into ApiError, gRPC lets the error boundary map it."""
     try:
-        return base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError):
-        raise ApiError(400, "image data URL is not valid base64", param="image_url") from None
+        images = await load_images(sources, cfg, fetcher)
+    except MediaError as e:
+        logger.info("request %s: image refused (%d): %s", req.request_id, e.status, e)
+        raise
+    media = []
+    for data in images:
+        ident = content_id(data)
+        req.items.add(modality="image", identifier=ident, data=data)
+        media.append(Media(data, ident))
+    return media
 
 
-def parse_chat(body: Any, cfg: GatewayConfig) -> tuple[lm_pb2.GenerateRequest, list[Media]]:
+def parse_chat(body: Any, cfg: GatewayConfig) -> tuple[lm_pb2.GenerateRequest, list[str]]:
+    """Validates a chat body and builds the LM request without any I/O (``OpenAIRoutes.chat``).
+    Image parts become ``item_index`` placeholders; their URLs are returned in order for
+    ``load_media``, which adds the items themselves. Raises ApiError."""
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' is required and must be a non-empty list", param="messages")
     req = lm_pb2.GenerateRequest(request_id=f"chatcmpl-{uuid.uuid4().hex}", sampling=_sampling(body))
-    media: list[Media] = []
+    urls: list[str] = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ApiError(400, f"messages[{i}] must be an object with a 'role'", param="messages")
@@ -132,16 +146,13 @@ def parse_chat(body: Any, cfg: GatewayConfig) -> tuple[lm_pb2.GenerateRequest, l
                 url = url.get("url") if isinstance(url, dict) else url
                 if not isinstance(url, str):
                     raise ApiError(400, f"messages[{i}].content[{j}].image_url.url is required", param="messages")
-                if len(media) >= cfg.max_images:
+                if len(urls) >= cfg.max_images:
                     raise ApiError(400, f"at most {cfg.max_images} images per request", param="messages")
-                data = _image_bytes(url, cfg)
-                ident = content_id(data)
-                msg.content.add(item_index=len(media))
-                req.items.add(modality="image", identifier=ident, data=data)
-                media.append(Media(data, ident))
+                msg.content.add(item_index=len(urls))
+                urls.append(url)
             else:
                 raise ApiError(400, f"messages[{i}].content[{j}]: unsupported part type {kind!r}", param="messages")
-    return req, media
+    return req, urls
 
 
 def parse_completion(body: Any) -> lm_pb2.GenerateRequest:
@@ -156,8 +167,11 @@ def parse_completion(body: Any) -> lm_pb2.GenerateRequest:
 
 
 class OpenAIRoutes:
-    def __init__(self, cfg: GatewayConfig, orch: Orchestrator, model: str) -> None:
-        self.cfg, self.orch, self.model = cfg, orch, model
+    def __init__(self, cfg: GatewayConfig, orch: Orchestrator, model: str, *,
+                 fetcher: MediaFetcher | None = None) -> None:
+        """``fetcher``: owned by ``server.serve`` (which closes it); without one http(s) image URLs are
+        refused."""
+        self.cfg, self.orch, self.model, self.fetcher = cfg, orch, model, fetcher
 
     def add_to(self, app: web.Application) -> None:
         app.router.add_post("/v1/chat/completions", self.chat)
@@ -182,16 +196,24 @@ class OpenAIRoutes:
             {"id": self.model, "object": "model", "created": 0, "owned_by": "epd-serve"}]})
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
+        """200 while at least one LM is admitted (a readiness probe), else 503;
+        the body lists every instance's state."""
+        instances = self.orch.health()
+        ok = any(instances.get("lms", {}).values())
+        return web.json_response({"status": "ok" if ok else "no healthy LM", **instances}, status=200 if ok else 503)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         try:
             body = await self._json(request)
-            req, media = parse_chat(body, self.cfg)
+            req, urls = parse_chat(body, self.cfg)
             self._check_model(body)
-        except ApiError as e:
-            metrics.REQUESTS.labels("chat", str(e.status)).inc()
-            return error_response(e)
+            if request.get(REQUEST_ID_KEY):
+                req.request_id = request[REQUEST_ID_KEY]  # for the log line of a refused image
+            media = await load_media(req, urls, self.cfg, self.fetcher)
+        except (ApiError, MediaError) as e:
+            err = e if isinstance(e, ApiError) else media_api_error(e)
+            metrics.REQUESTS.labels("chat", str(err.status)).inc()
+            return error_response(err)
         return await self._run(request, req, media, body, chat=True)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -205,7 +227,9 @@ class OpenAIRoutes:
         return await self._run(request, req, [], body, chat=False)
 
     async def _run(self, request, req, media, body, chat: bool) -> web.StreamResponse:
-        timings = Timings()
+        timings = Timings(start=request.get(ARRIVAL_KEY) or time.perf_counter())
+        if request.get(REQUEST_ID_KEY):
+            req.request_id = request[REQUEST_ID_KEY]
         stream = bool(body.get("stream"))
         created = int(time.time())
         gen = self.orch.generate(req, media, timings)
@@ -218,6 +242,7 @@ class OpenAIRoutes:
 
     async def _respond(self, request, req, media, body, chat, stream, created, gen, timings) -> web.StreamResponse:
         route = "chat" if chat else "completions"
+        headers = {REQUEST_ID_HEADER: req.request_id}
         if not stream:
             text, ids, final = [], [], None
             try:
@@ -227,11 +252,13 @@ class OpenAIRoutes:
                     final = resp
             except grpc.aio.AioRpcError as e:
                 err = from_grpc(e)
-                metrics.observe(route, err.status, timings, bool(media))
-                return error_response(err)
-            metrics.observe(route, 200, timings, bool(media))
-            return web.json_response(self._full(req.request_id, created, "".join(text), ids, final, timings, chat))
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+                finished(route, err.status, req.request_id, timings, len(media), err.message)
+                return web.json_response(error_body(err), status=err.status, headers=headers)
+            finished(route, 200, req.request_id, timings, len(media))
+            return web.json_response(self._full(req.request_id, created, "".join(text), ids, final, timings, chat),
+                                     headers=headers)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                               **headers})
         await response.prepare(request)
         first = True
         try:
@@ -247,10 +274,11 @@ class OpenAIRoutes:
                 if resp.finish_reason and (body.get("stream_options") or {}).get("include_usage"):
                     await _sse(response, {"id": req.request_id, "object": _obj(chat, True), "created": created,
                                           "model": self.model, "choices": [], "usage": _usage(resp)})
-            metrics.observe(route, 200, timings, bool(media))
+            finished(route, 200, req.request_id, timings, len(media))
         except grpc.aio.AioRpcError as e:
+            # Past the first token there is no retry: the stream ends with an error event.
             err = from_grpc(e)
-            metrics.observe(route, err.status, timings, bool(media))
+            finished(route, err.status, req.request_id, timings, len(media), err.message)
             await _sse(response, error_body(err))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
@@ -278,8 +306,36 @@ class OpenAIRoutes:
             "choices": [choice], "usage": _usage(final),
             "epd": {"timings": timings.as_dict(),
                     "local_encoder_runs": final.local_encoder_runs if final else 0,
-                    "transferred_items": final.transferred_items if final else 0},
+                    "transferred_items": final.transferred_items if final else 0,
+                    "transports": timings.transports, "encoders": timings.encoders, "lm": timings.lm,
+                    "retries": timings.retries},
         }
+
+
+def finished(route: str, status: int, rid: str, timings: Timings, media: int, error: str = "") -> None:
+    """Metrics and the one log line per finished request (REST and gRPC)."""
+    metrics.observe(route, status, timings, media)
+    if status == 200:
+        logger.info("request %s: 200 in %.1f ms (ttft %.1f ms, %d item(s), encoders %s, lm %s, retries %d)",
+                    rid, timings.total_ms, timings.ttft_ms, media, ",".join(timings.encoders) or "-",
+                    timings.lm or "-", timings.retries)
+    else:
+        logger.warning("request %s: %d after %.1f ms (lm %s, retries %d): %s",
+                       rid, status, timings.total_ms, timings.lm or "-", timings.retries, error)
+
+
+@web.middleware
+async def request_context(request: web.Request, handler):
+    """Stamps each request's arrival (the gateway queue stage starts here) and
+    its id: a client's ``X-Request-Id`` (letters, digits, ``._-``, up to 64) is
+    carried through the encoder and LM; otherwise the gateway makes one."""
+    request[ARRIVAL_KEY] = time.perf_counter()
+    rid = request.headers.get(REQUEST_ID_HEADER, "")
+    if rid:
+        if not REQUEST_ID_RE.fullmatch(rid):
+            return error_response(ApiError(400, f"{REQUEST_ID_HEADER} must match {REQUEST_ID_RE.pattern}"))
+        request[REQUEST_ID_KEY] = rid
+    return await handler(request)
 
 
 def _obj(chat: bool, chunk: bool) -> str:

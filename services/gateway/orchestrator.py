@@ -1,27 +1,50 @@
-"""Runs one request across an encoder and an LM.
+"""Runs one request across encoders and an LM, with failover.
 
-Overlapped dispatch: ``Generate`` goes to the LM as soon as ``Encode`` has
-streamed every item's metadata, so the LM tokenizes and queues while the
-encoder still runs; the LM's connector then waits for the embeddings. Text-only
-requests go straight to the LM.
+One attempt: each image goes to an encoder (cache affinity, see
+``routing``); in ``overlap`` dispatch ``Generate`` goes to the least-loaded LM
+as soon as every encoder has streamed its items' metadata, so the LM tokenizes
+and queues while the encoders still run (``sequential`` waits for "encoded").
+Text-only requests go straight to an LM.
+
+Failover happens only before the first token reaches the caller: an encoder
+that fails or times out, or an LM that reports it could not get an item from
+its encoder (the ``epd-fault: encoder`` trailer), costs a re-encode on another
+encoder; an LM that fails costs a retry on another LM. Bad input and
+incompatible peers are never retried. After the first token, a failure ends the
+stream with the error. With no healthy encoder left, the LM encodes the items
+itself (``local_encode_fallback``), which is plain vLLM's behaviour.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
+from prometheus_client import Counter
 
 from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
 from epd.lm.v1 import lm_pb2, lm_pb2_grpc
-from services.common.grpc_server import GRPC_OPTIONS
+from services.common.errors import FAULT_ENDPOINT_KEY, FAULT_KEY
+from services.gateway.config import GatewayConfig
+from services.gateway.instances import Instance, InstancePool
+from services.gateway.routing import LeastOutstanding, pick_encoder
 
 logger = logging.getLogger(__name__)
+
+RETRIES = Counter("epd_gateway_retries_total", "Attempts retried before the first token, by the role blamed",
+                  ["role", "code"])
+LOCAL_FALLBACK = Counter("epd_gateway_local_encode_fallback_total",
+                         "Requests whose items the LM encoded itself because no encoder was healthy")
+
+# Codes that say the request itself is wrong (or the pair incompatible): retrying cannot help.
+_FINAL = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND,
+          grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNIMPLEMENTED,
+          grpc.StatusCode.UNAUTHENTICATED}
 
 
 @dataclass
@@ -33,95 +56,295 @@ class Media:
 
 @dataclass
 class Timings:
+    """Per-request stage times in ms from ``start`` (the request's arrival), and
+    what served it. Filled by the orchestrator; read by metrics and responses."""
+
     start: float = field(default_factory=time.perf_counter)
+    queue_ms: float = 0.0
     metadata_ms: float = 0.0
     encode_ms: float = 0.0
     transfer_ms: float = 0.0
+    lm_queue_ms: float = 0.0
     ttft_ms: float = 0.0
+    tpot_ms: float = 0.0
     total_ms: float = 0.0
+    retries: int = 0
+    transports: list[str] = field(default_factory=list)
+    encoders: list[str] = field(default_factory=list)
+    lm: str = ""
 
     def as_dict(self) -> dict[str, float]:
-        return {k: round(v, 3) for k, v in self.__dict__.items() if k != "start"}
+        return {k: round(v, 3) for k, v in self.__dict__.items() if k.endswith("_ms")}
+
+    def since_start_ms(self) -> float:
+        return (time.perf_counter() - self.start) * 1e3
+
+
+def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+class _Failure(Exception):
+    """One attempt failed at ``role`` (instances ``blame``)."""
+
+    def __init__(self, error: grpc.aio.AioRpcError, role: str, blame: list[Instance], retryable: bool = True) -> None:
+        super().__init__(error.details())
+        self.error, self.role, self.blame = error, role, blame
+        self.retryable = retryable and error.code() not in _FINAL
+
+
+@dataclass(eq=False)
+class _EncodeGroup:
+    """One Encode call: the items of a request that go to one encoder."""
+
+    inst: Instance
+    indices: list[int]
+    metadata: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    task: asyncio.Task | None = None
+
+    def failure(self) -> _Failure | None:
+        t = self.task
+        if t is None or not t.done() or t.cancelled():
+            return None
+        e = t.exception()
+        return e if isinstance(e, _Failure) else None
 
 
 class Orchestrator:
-    def __init__(self, encoders: list[str], lms: list[str], timeout_s: float) -> None:
-        self.timeout_s = timeout_s
-        self._enc = [encoder_pb2_grpc.EncoderServiceStub(grpc.aio.insecure_channel(a, options=GRPC_OPTIONS))
-                     for a in encoders]
-        self._lm = [lm_pb2_grpc.LMServiceStub(grpc.aio.insecure_channel(a, options=GRPC_OPTIONS)) for a in lms]
-        self._enc_rr = itertools.cycle(range(len(self._enc))) if self._enc else None
-        self._lm_rr = itertools.cycle(range(len(self._lm)))
+    """Owns the instance pools (their health loops start in ``start``) and runs requests."""
+
+    def __init__(self, cfg: GatewayConfig) -> None:
+        self.cfg = cfg
+        pool = dict(health_interval_s=cfg.health_interval_s, dns_refresh_s=cfg.dns_refresh_s)
+        self.encoders = (InstancePool("encoder", cfg.encoder_list, encoder_pb2_grpc.EncoderServiceStub, **pool)
+                         if cfg.encoder_list else None)
+        self.lms = InstancePool("lm", cfg.lm_list, lm_pb2_grpc.LMServiceStub, **pool)
+        self._lm_policy = LeastOutstanding()
+
+    async def start(self) -> None:
+        await asyncio.gather(*(p.start() for p in (self.encoders, self.lms) if p is not None))
+
+    async def close(self) -> None:
+        await asyncio.gather(*(p.close() for p in (self.encoders, self.lms) if p is not None))
 
     async def model_name(self) -> str:
-        info = await self._lm[0].GetInfo(lm_pb2.GetInfoRequest(), timeout=10)
-        return info.model
+        """The model of the first LM that answers (healthy ones first)."""
+        errors = []
+        for inst in sorted(self.lms.instances.values(), key=lambda i: not i.healthy):
+            try:
+                return (await inst.stub.GetInfo(lm_pb2.GetInfoRequest(), timeout=10)).model
+            except grpc.aio.AioRpcError as e:
+                errors.append(f"{inst.address}: {e.code().name}")
+        raise RuntimeError(f"no LM answered GetInfo ({'; '.join(errors) or 'no instances'})")
+
+    def health(self) -> dict[str, dict[str, bool]]:
+        pools = {"lms": self.lms, "encoders": self.encoders}
+        return {k: {a: i.healthy for a, i in p.instances.items()} for k, p in pools.items() if p is not None}
 
     async def generate(self, req: lm_pb2.GenerateRequest, media: list[Media],
                        timings: Timings) -> AsyncIterator[lm_pb2.GenerateResponse]:
-        """Yields the LM's responses. Raises grpc.aio.AioRpcError from either service."""
-        encode_tail = None
-        if media and self._enc_rr is not None:
-            encode_tail = await self._encode(req, media, timings)
-        # Without encoders (colocated mode) the items carry no source and the
-        # LM's vLLM encodes them itself, exactly as plain vLLM would.
-        lm = self._lm[next(self._lm_rr)]
-        call = lm.Generate(req, timeout=self.timeout_s)
-        if encode_tail is not None:
-            # An encode that fails after its metadata must not leave the LM
-            # waiting for an embedding that will never come.
-            encode_tail.add_done_callback(lambda t: t.cancelled() or t.exception() is None or call.cancel())
+        """Yields the LM's responses. Raises grpc.aio.AioRpcError (from either
+        service, or made here) once retries are exhausted or not allowed."""
+        deadline = time.monotonic() + self.cfg.request_timeout_s
+        excluded = {"encoder": set(), "lm": set()}
+        base_id = req.request_id
         try:
-            first = True
+            for attempt in range(1, self.cfg.max_attempts + 1):
+                if attempt > 1:  # a fresh id: the engines may still be dropping the failed one
+                    req.request_id = f"{base_id}-retry{attempt - 1}"
+                sent = False
+                try:
+                    async with contextlib.aclosing(self._attempt(req, media, timings, deadline, excluded)) as gen:
+                        async for resp in gen:
+                            sent = True
+                            yield resp
+                    return
+                except _Failure as f:
+                    last = attempt == self.cfg.max_attempts or time.monotonic() >= deadline
+                    if sent or not f.retryable or last:
+                        raise f.error from None
+                    excluded[f.role].update(i.address for i in f.blame)
+                    timings.retries += 1
+                    RETRIES.labels(f.role, f.error.code().name).inc()
+                    logger.warning("request %s: attempt %d failed at %s %s (%s: %s); retrying elsewhere",
+                                   base_id, attempt, f.role, ",".join(i.address for i in f.blame),
+                                   f.error.code().name, f.error.details())
+                    await self._recheck(f)
+        finally:
+            req.request_id = base_id  # callers log and answer with the id the client knows
+            timings.total_ms = timings.since_start_ms()
+
+    async def _recheck(self, f: _Failure) -> None:
+        """An instance that failed a call is health-checked at once, so a dead
+        one is ejected for every request, not just excluded for this one."""
+        pool = self.encoders if f.role == "encoder" else self.lms
+        if pool is not None and f.error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                                                    grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN):
+            await asyncio.gather(*(pool.check(i) for i in f.blame))
+
+    def _remaining(self, deadline: float) -> float:
+        return max(0.001, deadline - time.monotonic())
+
+    async def _attempt(self, req, media, timings: Timings, deadline: float, excluded: dict[str, set[str]]):
+        for item in req.items:
+            item.ClearField("source")
+        groups: list[_EncodeGroup] = []
+        try:
+            if media and self.encoders is not None:
+                groups = self._plan(media, excluded["encoder"], req.request_id)
+                if groups:
+                    if not timings.queue_ms:
+                        timings.queue_ms = timings.since_start_ms()
+                    await self._start_encodes(req, media, groups, timings, deadline)
+            # All ejected (a health blip on a busy host): try the ejected ones rather than fail outright.
+            lm = self._lm_policy.pick(self.lms.healthy(excluded["lm"]) or [
+                i for i in self.lms.instances.values() if i.address not in excluded["lm"]])
+            if lm is None:
+                raise _Failure(rpc_error(grpc.StatusCode.UNAVAILABLE, "no healthy LM instance"), "lm", [],
+                               retryable=False)
+            timings.lm = lm.address
+            if not timings.queue_ms:
+                timings.queue_ms = timings.since_start_ms()
+            async for resp in self._generate(lm, req, groups, timings, deadline):
+                yield resp
+        finally:
+            for g in groups:
+                if g.task is not None and not g.task.done():
+                    g.task.cancel()
+                if g.task is not None and g.task.done() and not g.task.cancelled():
+                    g.task.exception()  # retrieved: a failure after the LM finished is moot
+                if g.metadata.done() and not g.metadata.cancelled():
+                    g.metadata.exception()
+
+    def _plan(self, media: list[Media], excluded: set[str], rid: str) -> list[_EncodeGroup]:
+        """Items grouped by the encoder each one maps to; none when no encoder
+        is healthy and the LM may encode itself."""
+        by_inst: dict[Instance, list[int]] = {}
+        candidates = self.encoders.healthy(excluded)
+        for i, m in enumerate(media):
+            inst = pick_encoder(m.identifier, candidates, self.cfg.affinity_spill)
+            if inst is None:
+                if not self.cfg.local_encode_fallback:
+                    raise _Failure(rpc_error(grpc.StatusCode.UNAVAILABLE, "no healthy encoder instance"),
+                                   "encoder", [], retryable=False)
+                LOCAL_FALLBACK.inc()
+                logger.warning("request %s: no healthy encoder; the LM encodes its %d item(s) itself",
+                               rid, len(media))
+                return []
+            by_inst.setdefault(inst, []).append(i)
+        return [_EncodeGroup(inst, idx) for inst, idx in by_inst.items()]
+
+    async def _start_encodes(self, req, media, groups: list[_EncodeGroup], timings: Timings,
+                             deadline: float) -> None:
+        """Starts one Encode per group and returns once every item's metadata
+        (and so its source) is in ``req``; in sequential dispatch, once every
+        item is encoded."""
+        enc_deadline = min(deadline, time.monotonic() + self.cfg.encode_timeout_s)
+        for g in groups:
+            g.task = asyncio.get_running_loop().create_task(self._encode(g, req, media, timings, enc_deadline))
+        timings.encoders = [g.inst.address for g in groups]
+        waits = [g.task for g in groups] if self.cfg.dispatch == "sequential" else [g.metadata for g in groups]
+        await asyncio.gather(*waits)
+        timings.metadata_ms = timings.metadata_ms or timings.since_start_ms()
+
+    async def _encode(self, g: _EncodeGroup, req, media, timings: Timings, enc_deadline: float) -> None:
+        """One Encode stream: fills sources from the metadata, then drains the
+        "encoded" events. Any failure becomes a _Failure blaming this encoder."""
+        items = [encoder_pb2.MediaItem(modality=media[i].modality, data=media[i].data,
+                                       identifier=media[i].identifier) for i in g.indices]
+        with g.inst.track():
+            call = g.inst.stub.Encode(encoder_pb2.EncodeRequest(request_id=req.request_id, items=items),
+                                      timeout=self._remaining(enc_deadline))
+            seen = encoded = 0
+            try:
+                async for ev in call:
+                    if ev.WhichOneof("event") == "metadata":
+                        md = ev.metadata
+                        item = req.items[g.indices[md.index]]
+                        item.identifier = md.identifier
+                        item.source.CopyFrom(lm_pb2.ItemSource(
+                            transfer_endpoint=md.transfer_endpoint, encoder_id=md.encoder_id,
+                            num_embeds=md.num_embeds, embed_width=md.embed_width, dtype=md.dtype))
+                        seen += 1
+                        if seen == len(items):
+                            g.metadata.set_result(None)
+                    else:
+                        encoded += 1
+                        timings.encode_ms = max(timings.encode_ms, ev.encoded.encode_ms)
+                if encoded < len(items):
+                    raise rpc_error(grpc.StatusCode.INTERNAL, f"encoder {g.inst.address} ended the stream after "
+                                                              f"{seen} metadata and {encoded} encoded events "
+                                                              f"for {len(items)} item(s)")
+            except Exception as e:  # noqa: BLE001 - every failure of this stream blames this encoder
+                if not isinstance(e, grpc.aio.AioRpcError):
+                    logger.exception("request %s: encoder %s stream failed", req.request_id, g.inst.address)
+                    e = rpc_error(grpc.StatusCode.INTERNAL, f"encoder {g.inst.address}: {e!r}")
+                elif e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    e = rpc_error(e.code(), f"encoder {g.inst.address} did not encode within "
+                                            f"{self.cfg.encode_timeout_s:g}s")
+                failure = _Failure(e, "encoder", [g.inst])
+                if not g.metadata.done():
+                    g.metadata.set_exception(failure)
+                raise failure from None
+            finally:
+                call.cancel()
+
+    async def _generate(self, lm: Instance, req, groups: list[_EncodeGroup], timings: Timings, deadline: float):
+        first_at = last_at = 0.0
+        n_tokens = 0
+        stopped_for_encoder = False
+        with lm.track():
+            call = lm.stub.Generate(req, timeout=self._remaining(deadline))
+
+            def on_encode_done(task: asyncio.Task) -> None:
+                # An encode that fails after its metadata leaves the LM waiting for an
+                # embedding that will never come: stop it, unless tokens already flow.
+                nonlocal stopped_for_encoder
+                if not first_at and not task.cancelled() and task.exception() is not None:
+                    stopped_for_encoder = True
+                    call.cancel()
+
+            for g in groups:
+                g.task.add_done_callback(on_encode_done)
             try:
                 async for resp in call:
-                    if first and resp.token_ids:
-                        timings.ttft_ms = (time.perf_counter() - timings.start) * 1e3
-                        first = False
+                    if resp.token_ids:
+                        last_at = time.perf_counter()
+                        if not first_at:
+                            first_at = last_at
+                            timings.ttft_ms = timings.since_start_ms()
+                        n_tokens += len(resp.token_ids)
                     if resp.finish_reason:
                         timings.transfer_ms = resp.timings.transfer_ms
+                        timings.lm_queue_ms = resp.timings.lm_queue_ms
+                        timings.transports = list(resp.transports)
                     yield resp
             except asyncio.CancelledError:
-                if encode_tail is not None and encode_tail.done() and not encode_tail.cancelled() \
-                        and encode_tail.exception() is not None:
-                    raise encode_tail.exception() from None
+                # Only our own cancel (an encode failed) becomes a retryable failure;
+                # the caller's cancellation (client gone) stays a cancellation.
+                failed = next((f for g in groups if (f := g.failure()) is not None), None)
+                if stopped_for_encoder and failed is not None:
+                    raise failed from None
                 raise
-            if encode_tail is not None:
-                await asyncio.wait_for(encode_tail, timeout=self.timeout_s)
-        finally:
-            call.cancel()
-            if encode_tail is not None and not encode_tail.done():
-                encode_tail.cancel()
-            timings.total_ms = (time.perf_counter() - timings.start) * 1e3
+            except grpc.aio.AioRpcError as e:
+                trailers = list(e.trailing_metadata() or ())
+                if (FAULT_KEY, "encoder") in trailers:
+                    raise _Failure(e, "encoder", self._blame(groups, req, trailers)) from None
+                raise _Failure(e, "lm", [lm]) from None
+            finally:
+                call.cancel()
+        if n_tokens > 1:
+            timings.tpot_ms = (last_at - first_at) * 1e3 / (n_tokens - 1)
 
-    async def _encode(self, req: lm_pb2.GenerateRequest, media: list[Media], timings: Timings) -> asyncio.Task:
-        """Starts Encode, fills each item's source from its metadata, and returns
-        a task that drains the rest of the stream (the "encoded" events)."""
-        enc = self._enc[next(self._enc_rr)]
-        call = enc.Encode(encoder_pb2.EncodeRequest(
-            request_id=req.request_id,
-            items=[encoder_pb2.MediaItem(modality=m.modality, data=m.data, identifier=m.identifier) for m in media],
-        ), timeout=self.timeout_s)
-        seen = 0
-        while seen < len(media):
-            ev = await call.read()
-            if ev is grpc.aio.EOF:
-                raise grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, None, None,
-                                           "encoder ended the stream before sending every item's metadata")
-            if ev.WhichOneof("event") != "metadata":
-                continue
-            md = ev.metadata
-            item = req.items[md.index]
-            item.identifier = md.identifier
-            item.source.CopyFrom(lm_pb2.ItemSource(
-                transfer_endpoint=md.transfer_endpoint, encoder_id=md.encoder_id,
-                num_embeds=md.num_embeds, embed_width=md.embed_width, dtype=md.dtype))
-            seen += 1
-        timings.metadata_ms = (time.perf_counter() - timings.start) * 1e3
-
-        async def drain() -> None:
-            while (ev := await call.read()) is not grpc.aio.EOF:
-                if ev.WhichOneof("event") == "encoded":
-                    timings.encode_ms = max(timings.encode_ms, ev.encoded.encode_ms)
-
-        return asyncio.create_task(drain())
+    @staticmethod
+    def _blame(groups: list[_EncodeGroup], req, trailers: list[tuple[str, str]]) -> list[Instance]:
+        """The encoders behind an LM's ``epd-fault: encoder``: those whose encode
+        failed, else those whose transfer endpoint the LM named. None when it
+        cannot tell: the retry then re-encodes on the same encoders rather than
+        excluding healthy ones."""
+        failed = [g.inst for g in groups if g.failure() is not None]
+        if failed:
+            return failed
+        endpoints = {v for k, v in trailers if k == FAULT_ENDPOINT_KEY}
+        return [g.inst for g in groups if any(req.items[i].source.transfer_endpoint in endpoints
+                                               for i in g.indices)]

@@ -13,7 +13,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from epd.gateway.v1 import gateway_pb2_grpc
 from services.common.grpc_server import GrpcServer
 from services.gateway.config import GatewayConfig
-from services.gateway.openai_api import OpenAIRoutes
+from services.gateway.fetch import MediaFetcher
+from services.gateway.openai_api import OpenAIRoutes, request_context
 from services.gateway.orchestrator import Orchestrator
 from services.gateway.servicer import GatewayServicer
 
@@ -29,10 +30,12 @@ async def serve(cfg: GatewayConfig, stop: asyncio.Event | None = None) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    orch = Orchestrator(cfg.encoder_list, cfg.lm_list, cfg.request_timeout_s)
+    orch = Orchestrator(cfg)
+    await orch.start()  # resolves names, checks every instance once, then keeps checking
     model = cfg.model_name or await orch.model_name()
-    app = web.Application(client_max_size=cfg.max_image_bytes * 2 + (1 << 20))
-    OpenAIRoutes(cfg, orch, model).add_to(app)
+    app = web.Application(middlewares=[request_context], client_max_size=cfg.max_image_bytes * 2 + (1 << 20))
+    fetcher = MediaFetcher(cfg)  # http(s) image URLs; closed below, after the listeners stop
+    OpenAIRoutes(cfg, orch, model, fetcher=fetcher).add_to(app)
     app.router.add_get("/metrics", _metrics)
     # handler_cancellation: a client that disconnects cancels its handler, which
     # cancels the LM call (and with it the engine request).
@@ -43,8 +46,8 @@ async def serve(cfg: GatewayConfig, stop: asyncio.Event | None = None) -> None:
     grpc_server = None
     if cfg.grpc_port:
         grpc_server = GrpcServer(cfg.host, cfg.grpc_port)
-        grpc_server.add(gateway_pb2_grpc.add_GatewayServiceServicer_to_server, GatewayServicer(cfg, orch),
-                        "epd.gateway.v1.GatewayService")
+        grpc_server.add(gateway_pb2_grpc.add_GatewayServiceServicer_to_server,
+                        GatewayServicer(cfg, orch, fetcher=fetcher), "epd.gateway.v1.GatewayService")
         await grpc_server.start()
         await grpc_server.set_serving(True)
     logger.info("gateway ready: http://%s:%d/v1 (model %s, %d encoder(s), %d LM(s))",
@@ -55,3 +58,5 @@ async def serve(cfg: GatewayConfig, stop: asyncio.Event | None = None) -> None:
         if grpc_server is not None:
             await grpc_server.stop()
         await runner.cleanup()
+        await fetcher.close()
+        await orch.close()

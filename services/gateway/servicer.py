@@ -9,9 +9,9 @@ import grpc
 from epd.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from epd.lm.v1 import lm_pb2
 from services.common.errors import BadInput, EPDError
-from services.common.media import content_id
 from services.gateway.config import GatewayConfig
-from services.gateway.openai_api import ApiError, _image_bytes
+from services.gateway.fetch import MediaFetcher
+from services.gateway.openai_api import REQUEST_ID_HEADER, REQUEST_ID_RE, finished, from_grpc, load_media
 from services.gateway.orchestrator import Media, Orchestrator, Timings
 
 
@@ -24,14 +24,20 @@ class _Relay(EPDError):
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
-    def __init__(self, cfg: GatewayConfig, orch: Orchestrator) -> None:
-        self.cfg, self.orch = cfg, orch
+    def __init__(self, cfg: GatewayConfig, orch: Orchestrator, *, fetcher: MediaFetcher | None = None) -> None:
+        """``fetcher``: owned by ``server.serve`` (which closes it); without one http(s) image URLs are
+        refused."""
+        self.cfg, self.orch, self.fetcher = cfg, orch, fetcher
 
-    def _convert(self, request: gateway_pb2.ChatCompletionRequest):
+    async def _convert(self, request: gateway_pb2.ChatCompletionRequest) -> tuple[lm_pb2.GenerateRequest,
+                                                                                  list[Media]]:
+        """The LM request and its media; images load as on the REST path (``load_media``: data:
+        and http(s) URLs or raw bytes, every header checked). Raises BadInput (MediaError for
+        images), which the error boundary answers with INVALID_ARGUMENT."""
         if not request.messages:
             raise BadInput("messages is required")
         req = lm_pb2.GenerateRequest(request_id=f"chatcmpl-{uuid.uuid4().hex}", sampling=request.sampling)
-        media: list[Media] = []
+        sources: list[str | bytes] = []
         for m in request.messages:
             msg = req.chat.messages.add(role=m.role or "user")
             for part in m.content:
@@ -39,28 +45,27 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                     msg.content.add(text=part.text)
                     continue
                 img = part.image
-                if len(media) >= self.cfg.max_images:
+                if len(sources) >= self.cfg.max_images:
                     raise BadInput(f"at most {self.cfg.max_images} images per request")
-                try:
-                    data = img.data if img.WhichOneof("source") == "data" else _image_bytes(img.url, self.cfg)
-                except ApiError as e:
-                    raise BadInput(e.message) from None
-                if len(data) > self.cfg.max_image_bytes:
-                    raise BadInput(f"image larger than {self.cfg.max_image_bytes} bytes")
-                ident = content_id(data)
-                msg.content.add(item_index=len(media))
-                req.items.add(modality="image", identifier=ident, data=data)
-                media.append(Media(data, ident))
-        return req, media
+                msg.content.add(item_index=len(sources))
+                sources.append(img.data if img.WhichOneof("source") == "data" else img.url)
+        return req, await load_media(req, sources, self.cfg, self.fetcher)
 
     async def ChatCompletion(self, request, context):
-        req, media = self._convert(request)
+        timings = Timings()
+        rid = dict(context.invocation_metadata() or ()).get(REQUEST_ID_HEADER.lower(), "")
+        if rid and not REQUEST_ID_RE.fullmatch(rid):
+            raise BadInput(f"{REQUEST_ID_HEADER.lower()} metadata must match {REQUEST_ID_RE.pattern}")
+        req, media = await self._convert(request)
+        req.request_id = rid or req.request_id
         try:
-            async for resp in self.orch.generate(req, media, Timings()):
+            async for resp in self.orch.generate(req, media, timings):
                 yield gateway_pb2.ChatCompletionChunk(
                     id=req.request_id, text=resp.text, token_ids=resp.token_ids,
                     finish_reason=resp.finish_reason, usage=resp.usage if resp.finish_reason else None)
         except grpc.aio.AioRpcError as e:
+            finished("grpc", from_grpc(e).status, req.request_id, timings, len(media), e.details() or "")
             raise _Relay(e) from None
+        finished("grpc", 200, req.request_id, timings, len(media))
 
 

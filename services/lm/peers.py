@@ -17,7 +17,7 @@ from ectransfer.client import negotiate
 from ectransfer.protocol import CompatError, ProtocolError
 from epd.common.v1 import common_pb2
 from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
-from services.common.errors import Incompatible, PeerUnavailable
+from services.common.errors import EncoderUnavailable, Incompatible
 
 PEER_TRANSPORT = Gauge("epd_lm_peer_transport", "Transport chosen per encoder (1 = in use)", ["peer", "transport"])
 
@@ -32,6 +32,8 @@ class PeerChecker:
         self.transports = transports
         self.timeout_s = timeout_s
         self._ok: set[str] = set()
+        self.transport: dict[str, str] = {}
+        """Transport negotiated per encoder endpoint (GRPC_CHUNKS, SHM, CUDA_IPC)."""
         self._locks: dict[str, asyncio.Lock] = {}
 
     async def check(self, endpoint: str) -> None:
@@ -40,7 +42,7 @@ class PeerChecker:
         async with self._locks.setdefault(endpoint, asyncio.Lock()):
             if endpoint in self._ok:
                 return
-            await self._handshake(endpoint)
+            self.transport[endpoint] = await self._handshake(endpoint)
             self._ok.add(endpoint)
 
     def forget(self, endpoint: str) -> None:
@@ -65,7 +67,7 @@ class PeerChecker:
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
                     raise Incompatible(e.details()) from None
-                raise PeerUnavailable(f"encoder at {endpoint}: {e.code().name}: {e.details()}") from None
+                raise EncoderUnavailable(f"encoder at {endpoint}: {e.code().name}: {e.details()}", [endpoint]) from None
             except (CompatError, ProtocolError) as e:
                 raise Incompatible(f"encoder at {endpoint}: {e}") from None
             finally:

@@ -20,7 +20,7 @@ from prometheus_client import Counter, Histogram
 from ectransfer import tensors
 from epd.lm.v1 import lm_pb2, lm_pb2_grpc
 from services.common.chat import render_chat
-from services.common.errors import BadInput, PeerUnavailable
+from services.common.errors import BadInput, EncoderUnavailable
 from services.common.media import decode_image
 from services.lm.peers import PeerChecker
 
@@ -144,7 +144,8 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
             if c.finish_reason == "error":
                 for endpoint in {s["endpoint"] for s in sources.values()}:
                     self.peers.forget(endpoint)
-                raise PeerUnavailable(ec.get("error") or f"request {rid}: the encoder output could not be obtained")
+                raise EncoderUnavailable(ec.get("error") or f"request {rid}: the encoder output could not be obtained",
+                                         ec.get("failed_endpoints", ()))
             LOCAL_ENCODER_RUNS.inc(ec.get("local_encoder_runs", 0))
             TRANSFERRED.inc(ec.get("transferred_items", 0))
             if ec.get("transfer_ms"):
@@ -153,9 +154,12 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
                 request_id=rid, token_ids=c.token_ids, text=c.text, finish_reason=c.finish_reason or "stop",
                 usage=lm_pb2.Usage(prompt_tokens=len(final.prompt_token_ids or []), completion_tokens=n_out),
                 timings=lm_pb2.Timings(transfer_ms=ec.get("transfer_ms", 0.0),
-                                       ttft_ms=((first or time.perf_counter()) - t0) * 1e3),
+                                       ttft_ms=((first or time.perf_counter()) - t0) * 1e3,
+                                       lm_queue_ms=_queue_ms(final, ec.get("transfer_ms", 0.0))),
                 local_encoder_runs=ec.get("local_encoder_runs", 0),
                 transferred_items=ec.get("transferred_items", 0),
+                transports=[self.peers.transport.get(s["endpoint"], "") for s in sources.values()]
+                if ec.get("transferred_items") else [],
             )
             status = "ok"
         except (asyncio.CancelledError, GeneratorExit):
@@ -164,3 +168,12 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
             raise
         finally:
             REQUESTS.labels(status).inc()
+
+
+def _queue_ms(output, transfer_ms: float) -> float:
+    """Queued-to-scheduled time from vLLM's per-request stats, less the part the
+    connector spent deferring the request for its embeddings."""
+    m = getattr(output, "metrics", None)
+    if m is None or not getattr(m, "scheduled_ts", 0) or not getattr(m, "queued_ts", 0):
+        return 0.0
+    return max(0.0, (m.scheduled_ts - m.queued_ts) * 1e3 - transfer_ms)

@@ -20,6 +20,8 @@ REFERENCE_REQUESTS = {
     "fresh_shm": image_chat(1001, size=(200, 150)),  # likewise, for the transport test
     "reuse": image_chat(1002),  # likewise, for the reuse test
     "text": text_chat("Tell me a story about a cat."),
+    # The multi-instance tests (2 encoders, 2 LMs): larger images, so encodes are in flight long enough to kill.
+    **{f"multi{i}": image_chat(600 + i, max_tokens=16, size=(224, 224)) for i in range(8)},
 }
 
 

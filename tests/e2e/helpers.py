@@ -17,6 +17,17 @@ def image_chat(seed: int, text: str = "What is in this picture?", max_tokens: in
         {"type": "text", "text": text}]}], "max_tokens": max_tokens, "temperature": 0}
 
 
+def image_bytes(body: dict) -> bytes:
+    """The first image of a chat body built by ``image_chat``."""
+    import base64
+
+    for m in body["messages"]:
+        for part in m["content"] if isinstance(m["content"], list) else []:
+            if part.get("type") == "image_url":
+                return base64.b64decode(part["image_url"]["url"].split(",", 1)[1])
+    raise ValueError("no image in this request")
+
+
 def text_chat(text: str, max_tokens: int = 12) -> dict:
     return {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "temperature": 0}
 

@@ -3,6 +3,11 @@ text-only routing, concurrency."""
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import subprocess
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -66,3 +71,39 @@ def test_models_and_completions(client, deployment, reference):
     assert [m.id for m in models] == [deployment.model]
     resp = client.completions.create(model=deployment.model, prompt="Once upon a time", max_tokens=8, temperature=0)
     assert resp.choices[0].text and resp.usage.completion_tokens == 8
+
+
+def _curl(*args: str) -> tuple[dict[str, str], str]:
+    """Runs curl -i; returns the response headers (lower-case names) and the body."""
+    out = subprocess.run(["curl", "-sS", "-i", "--max-time", "60", *args], capture_output=True, text=True,
+                         check=True).stdout
+    head, _, body = out.replace("\r\n", "\n").partition("\n\n")
+    headers = dict(line.split(": ", 1) for line in head.splitlines()[1:] if ": " in line)
+    return {k.lower(): v for k, v in headers.items()}, body
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+def test_curl_chat_streaming_and_one_request_id_through_every_service(deployment, reference):
+    rid = f"curl-{uuid.uuid4().hex[:12]}"
+    body = json.dumps(REFERENCE_REQUESTS["image1"])
+    headers, text = _curl("-H", "Content-Type: application/json", "-H", f"X-Request-Id: {rid}", "-d", body,
+                          deployment.url + "/v1/chat/completions")
+    assert headers["x-request-id"] == rid
+    full = json.loads(text)
+    assert full["id"] == rid and full["choices"][0]["token_ids"] == reference["image1"]
+
+    stream_body = json.dumps(dict(REFERENCE_REQUESTS["image1"], stream=True))
+    headers, text = _curl("-N", "-H", "Content-Type: application/json", "-d", stream_body,
+                          deployment.url + "/v1/chat/completions")
+    assert headers["content-type"].startswith("text/event-stream")
+    events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert {c["id"] for c in chunks} == {headers["x-request-id"]}
+    tokens = [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids") or []]
+    assert tokens == reference["image1"]
+
+    # The client's id names the request in the gateway's and the encoder's logs.
+    for name in ("gateway.log", "encoder.log"):
+        with open(os.path.join(deployment.log_dir, name), errors="replace") as f:
+            assert rid in f.read(), name

@@ -1,5 +1,6 @@
 """OpenAI request parsing and the gRPC -> HTTP error mapping (no server)."""
 
+import asyncio
 import base64
 import hashlib
 
@@ -8,7 +9,8 @@ import pytest
 from helpers import data_url, image_bytes
 
 from services.gateway.config import GatewayConfig
-from services.gateway.openai_api import ApiError, from_grpc, parse_chat, parse_completion
+from services.common.errors import MediaError
+from services.gateway.openai_api import ApiError, from_grpc, load_media, media_api_error, parse_chat, parse_completion
 
 pytestmark = pytest.mark.unit
 
@@ -26,16 +28,26 @@ def image(url):
     return {"type": "image_url", "image_url": {"url": url}}
 
 
+def parse_and_load(body, cfg=CFG):
+    """What OpenAIRoutes.chat does before dispatch: parse_chat, then load_media (no fetcher: the
+    data: URLs here need none), a refused image becoming the ApiError the route answers."""
+    req, urls = parse_chat(body, cfg)
+    try:
+        return req, asyncio.run(load_media(req, urls, cfg, None))
+    except MediaError as e:
+        raise media_api_error(e) from None
+
+
 def api_error(body, cfg=CFG, parse=None) -> ApiError:
     with pytest.raises(ApiError) as e:
-        (parse or (lambda b: parse_chat(b, cfg)))(body)
+        (parse or (lambda b: parse_and_load(b, cfg)))(body)
     return e.value
 
 
 def test_text_only_messages():
     body = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]}
-    req, media = parse_chat(body, CFG)
-    assert media == [] and len(req.items) == 0
+    req, urls = parse_chat(body, CFG)
+    assert urls == [] and len(req.items) == 0
     assert req.request_id.startswith("chatcmpl-")
     assert [(m.role, [p.text for p in m.content]) for m in req.chat.messages] == [
         ("system", ["be brief"]),
@@ -48,7 +60,7 @@ def test_request_ids_are_unique():
 
 
 def test_image_data_url_becomes_an_item_identified_by_its_sha256():
-    req, media = parse_chat(chat("what is this?", image(data_url(PNG))), CFG)
+    req, media = parse_and_load(chat("what is this?", image(data_url(PNG))))
     ident = hashlib.sha256(PNG).hexdigest()
     assert [(m.data, m.identifier, m.modality) for m in media] == [(PNG, ident, "image")]
     assert [(i.modality, i.identifier, i.data) for i in req.items] == [("image", ident, PNG)]
@@ -60,7 +72,7 @@ def test_image_data_url_becomes_an_item_identified_by_its_sha256():
 def test_several_images_are_indexed_in_order_and_a_plain_string_url_works():
     jpg = image_bytes("JPEG")
     body = chat(image(data_url(PNG)), {"type": "image_url", "image_url": data_url(jpg, "image/jpeg")})
-    req, media = parse_chat(body, CFG)
+    req, media = parse_and_load(body)
     assert [p.item_index for p in req.chat.messages[0].content] == [0, 1]
     assert [m.identifier for m in media] == [hashlib.sha256(PNG).hexdigest(), hashlib.sha256(jpg).hexdigest()]
 
@@ -97,14 +109,16 @@ def test_a_part_that_is_not_a_dict_is_400():
     [
         ("data:text/plain;base64," + base64.b64encode(b"hello").decode(), "expected image/*"),
         ("data:;base64,AAAA", "expected image/*"),
-        ("http://example.com/cat.png", "http(s) image URLs are not enabled"),
-        ("https://example.com/cat.png", "http(s) image URLs are not enabled"),
-        ("file:///etc/passwd", "unsupported image URL scheme"),
+        ("http://example.com/cat.png", "no media fetcher"),  # with one, see tests/*/test_fetch.py
+        ("file:///etc/passwd", "scheme 'file' is not allowed"),
+        ("ftp://example.com/cat.png", "scheme 'ftp' is not allowed"),
+        ("data:image/png;base64," + base64.b64encode(b"not a png").decode(), "not a recognised image"),
         ("data:image/png," + "x" * 8, "must be base64-encoded"),
         ("data:image/png;base64,@@not-base64@@", "not valid base64"),
         ("data:image/png;base64,AAA", "not valid base64"),  # bad padding
     ],
-    ids=["text-plain", "no-mime", "http", "https", "file", "not-base64-encoded", "garbage", "padding"],
+    ids=["text-plain", "no-mime", "http-no-fetcher", "file", "ftp", "not-an-image", "not-base64-encoded", "garbage",
+         "padding"],
 )
 def test_bad_image_urls_are_400(url, needle):
     e = api_error(chat(image(url)))
@@ -119,7 +133,7 @@ def test_non_image_data_url_message_mentions_image():
 
 def test_too_many_images_is_400():
     cfg = GatewayConfig(lms="x:1", max_images=2)
-    parse_chat(chat(*[image(data_url(PNG))] * 2), cfg)  # the limit itself is fine
+    parse_and_load(chat(*[image(data_url(PNG))] * 2), cfg)  # the limit itself is fine
     e = api_error(chat(*[image(data_url(PNG))] * 3), cfg=cfg)
     assert e.status == 400 and "at most 2 images" in e.message
 

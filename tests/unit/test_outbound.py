@@ -157,3 +157,31 @@ def test_stats_aggregate_adds_fieldwise():
     b.put("y", torch.ones(1))
     total = a.stats.aggregate(b.stats)
     assert (total.items_put, total.items_reused, total.acks, total.cancels) == (2, 1, 1, 0)
+
+
+def test_stale_cancel_after_ack_does_not_drop_the_next_copy():
+    """A consumer's late Cancel for an item it already acked must not make the
+    store drop the next publication of the same item (another LM needs it)."""
+    store = make_store()
+    store.put("a", torch.ones(4))
+    assert store.release("a", "ack")
+    assert store.release("a", "cancel") is False  # stale: that copy is gone
+    store.expect("a")  # the encoder reserved a new copy for another request
+    store.put("a", torch.ones(4))
+    assert store.contains("a") and store.stats.cancels == 0
+
+
+def test_cancel_before_the_first_copy_still_frees_it_on_arrival():
+    store = make_store()
+    store.release("b", "cancel")  # the consumer gave up before the encode finished
+    store.expect("b")
+    store.put("b", torch.ones(4))
+    assert not store.contains("b") and store.stats.cancels == 1
+
+
+def test_failed_item_forgets_its_cancel():
+    store = make_store()
+    store.release("c", "cancel")
+    store.mark_failed("c", "encoder error")
+    store.put("c", torch.ones(4))  # a later encode of the same image is kept
+    assert store.contains("c")

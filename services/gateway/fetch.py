@@ -1,0 +1,277 @@
+"""Image sources for the gateway: data: URLs decoded, http(s) URLs fetched once, with limits.
+
+The gateway is the only component that reads media from the outside (encoders and LMs are handed
+bytes). ``load_images`` turns the sources of one request into checked image bytes; ``MediaFetcher``
+fetches http(s) URLs. Rules for a fetch, each refusal a ``MediaError`` that says what and why:
+
+- scheme http or https only;
+- SSRF guard, before any connection: an IP-literal host is checked directly; a host name is resolved
+  by ``GuardResolver``, which drops every address that is not globally routable (loopback, private,
+  link-local, multicast, reserved, unspecified, IPv4-mapped forms of those) unless it lies in
+  ``--fetch-allow-networks``. aiohttp then connects only to the addresses that resolver returned, so
+  a DNS answer cannot change between the check and the connection;
+- redirects followed by hand, at most ``--fetch-max-redirects``, each new URL checked again;
+- ``--fetch-timeout-s`` for the whole fetch (connect, redirects and body together);
+- a 2xx status, an ``image/*`` Content-Type, and at most ``--max-image-bytes``: a larger
+  Content-Length is refused before reading, a body is read in chunks and abandoned once over;
+- no proxies from the environment, no cookies kept, no content decoding (``Accept-Encoding:
+  identity``), so the byte limit is the limit on what the gateway holds.
+
+Owner: the gateway's ``server.serve`` creates one ``MediaFetcher`` and closes it at shutdown;
+``OpenAIRoutes`` and ``GatewayServicer`` use it through ``load_images``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import ipaddress
+import logging
+import re
+import socket
+from typing import TYPE_CHECKING
+
+import aiohttp
+from aiohttp.abc import AbstractResolver
+from yarl import URL
+
+from services.common.errors import MediaError
+from services.common.media import check_image
+from services.gateway.config import GatewayConfig
+
+if TYPE_CHECKING:
+    from aiohttp.abc import ResolveResult  # aiohttp >= 3.10; a plain dict before
+
+logger = logging.getLogger(__name__)
+
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+_REDIRECTS = (301, 302, 303, 307, 308)
+_GUARD_HINT = "refused (SSRF guard; see --fetch-allow-networks)"
+_NUMERIC_HOST = re.compile(r"[0-9.]+|0x[0-9a-f.x]*", re.IGNORECASE)  # 127.1, 2130706433, 0x7f.1
+
+
+def _short(url: str, n: int = 100) -> str:
+    return url if len(url) <= n else url[:n] + "..."
+
+
+def non_public_reason(ip: IPAddress) -> str | None:
+    """Why ``ip`` is not a globally routable unicast address ("loopback", "private", ...), or None.
+    IPv6 forms that embed an IPv4 address (IPv4-mapped, 6to4) are judged by that address."""
+    if isinstance(ip, ipaddress.IPv6Address):
+        inner = ip.ipv4_mapped or ip.sixtofour
+        if inner is not None:
+            return non_public_reason(inner)
+    for attr, reason in (("is_unspecified", "unspecified"), ("is_loopback", "loopback"),
+                         ("is_link_local", "link-local"), ("is_multicast", "multicast"),
+                         ("is_private", "private"), ("is_reserved", "reserved")):
+        if getattr(ip, attr):
+            return reason
+    return None if ip.is_global else "non-global"
+
+
+def address_refusal(ip: IPAddress, allowed: list[Network]) -> str | None:
+    """None when the gateway may connect to ``ip``; otherwise the reason it may not."""
+    candidates = [ip]
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        candidates.append(ip.ipv4_mapped)
+    if any(c in net for c in candidates for net in allowed if c.version == net.version):
+        return None
+    return non_public_reason(ip)
+
+
+def check_url(url: str | URL, allowed: list[Network]) -> URL:
+    """Validates one hop's URL without touching the network: http(s) scheme, a host, and, for an IP
+    literal, an address that passes ``address_refusal`` (aiohttp never asks the resolver about
+    literals). Host names are checked later, when ``GuardResolver`` resolves them. Returns the URL."""
+    text = str(url)
+    try:
+        u = url if isinstance(url, URL) else URL(url)
+    except (ValueError, TypeError) as e:
+        raise MediaError(f"image URL {_short(text)!r} is not a valid URL ({e})") from None
+    if u.scheme not in ("http", "https"):
+        raise MediaError(f"image URL scheme {u.scheme or 'none'!r} is not allowed in {_short(text)!r}; "
+                         "use http(s) or a data: URL")
+    host = (u.host or "").rstrip(".")
+    if not host:
+        raise MediaError(f"image URL {_short(text)!r} has no host")
+    try:
+        ip = ipaddress.ip_address(host.split("%")[0])
+    except ValueError:
+        if _NUMERIC_HOST.fullmatch(host):
+            raise MediaError(f"image URL host {host} is not a canonical IP address; refused") from None
+        return u
+    reason = address_refusal(ip, allowed)
+    if reason:
+        raise MediaError(f"image URL host {host} is a {reason} address; {_GUARD_HINT}")
+    return u
+
+
+class HostRefused(OSError):
+    """Raised by GuardResolver; aiohttp wraps it in ClientConnectorError, MediaFetcher unwraps it."""
+
+
+class GuardResolver(AbstractResolver):
+    """aiohttp resolver that keeps only addresses ``address_refusal`` accepts; when none remain it
+    raises HostRefused naming the host and every refused address. Created by MediaFetcher inside the
+    event loop (the wrapped ThreadedResolver binds to it)."""
+
+    def __init__(self, allowed: list[Network]) -> None:
+        self.allowed = allowed
+        self._inner = aiohttp.ThreadedResolver()
+
+    async def resolve(self, host: str, port: int = 0,
+                      family: socket.AddressFamily = socket.AF_INET) -> list[ResolveResult]:
+        results = await self._inner.resolve(host, port, family)
+        kept, refused = [], []
+        for r in results:
+            reason = address_refusal(ipaddress.ip_address(r["host"].split("%")[0]), self.allowed)
+            if reason:
+                refused.append(f"{r['host']} is {reason}")
+            else:
+                kept.append(r)
+        if refused:
+            logger.info("image URL host %s: dropped non-public addresses: %s", host, ", ".join(refused))
+        if not kept:
+            raise HostRefused(f"image URL host {host} resolves only to non-public addresses "
+                              f"({', '.join(refused) or 'none'}); {_GUARD_HINT}")
+        return kept
+
+    async def close(self) -> None:
+        await self._inner.close()
+
+
+class MediaFetcher:
+    """Fetches http(s) image URLs under the rules in the module docstring. One aiohttp session,
+    created on first use; ``close()`` (server shutdown) releases it. Safe to share across requests."""
+
+    def __init__(self, cfg: GatewayConfig) -> None:
+        self.cfg = cfg
+        self.allowed = cfg.allowed_networks
+        self._session: aiohttp.ClientSession | None = None
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            connector = aiohttp.TCPConnector(resolver=GuardResolver(self.allowed), limit=64)
+            self._session = aiohttp.ClientSession(
+                connector=connector, trust_env=False, cookie_jar=aiohttp.DummyCookieJar(),
+                auto_decompress=False, timeout=aiohttp.ClientTimeout(total=self.cfg.fetch_timeout_s),
+                headers={"User-Agent": "epd-serve-gateway", "Accept": "image/*", "Accept-Encoding": "identity"})
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def fetch(self, url: str) -> bytes:
+        """The body of ``url`` (after redirects), or MediaError. Called by ``load_images``."""
+        try:
+            # One deadline over every hop and the body (ClientTimeout alone is per request).
+            # wait_for rather than asyncio.timeout: the project supports Python 3.10.
+            return await asyncio.wait_for(self._fetch(url), self.cfg.fetch_timeout_s)
+        except asyncio.TimeoutError:
+            raise MediaError(f"image URL {_short(url)} was not fetched within {self.cfg.fetch_timeout_s:g} s "
+                             "(--fetch-timeout-s); refused") from None
+
+    async def _fetch(self, url: str) -> bytes:
+        current = check_url(url, self.allowed)
+        session = self._get_session()
+        for _ in range(self.cfg.fetch_max_redirects + 1):
+            try:
+                async with session.get(current, allow_redirects=False) as resp:
+                    if resp.status in _REDIRECTS:
+                        current = self._next_hop(resp, url)
+                        continue
+                    self._check_response(resp, url)
+                    return await self._read(resp, url)
+            except aiohttp.ClientConnectorError as e:
+                if isinstance(e.os_error, HostRefused):
+                    raise MediaError(str(e.os_error)) from None
+                raise MediaError(f"image URL {_short(url)} could not be fetched: {e}") from None
+            except aiohttp.ClientError as e:
+                if isinstance(e, asyncio.TimeoutError):
+                    raise  # fetch() words it
+                raise MediaError(f"image URL {_short(url)} could not be fetched: {e!r}") from None
+        raise MediaError(f"image URL {_short(url)} redirected more than {self.cfg.fetch_max_redirects} times "
+                         "(--fetch-max-redirects); refused")
+
+    def _next_hop(self, resp: aiohttp.ClientResponse, url: str) -> URL:
+        location = resp.headers.get("Location")
+        if not location:
+            raise MediaError(f"image URL {_short(url)} answered HTTP {resp.status} without a Location")
+        try:
+            target = resp.url.join(URL(location))
+        except ValueError as e:
+            raise MediaError(f"image URL {_short(url)} redirected to an invalid URL ({e})") from None
+        logger.debug("image URL %s redirects to %s", _short(url), target)
+        return check_url(target, self.allowed)
+
+    def _check_response(self, resp: aiohttp.ClientResponse, url: str) -> None:
+        if not 200 <= resp.status < 300:
+            raise MediaError(f"image URL {_short(url)} answered HTTP {resp.status} {resp.reason or ''}".rstrip())
+        if not resp.content_type.startswith("image/"):
+            raise MediaError(f"image URL {_short(url)} has Content-Type {resp.content_type!r}, expected image/*")
+        limit = self.cfg.max_image_bytes
+        if resp.content_length is not None and resp.content_length > limit:
+            raise MediaError(f"image URL {_short(url)} is {resp.content_length} bytes, more than the {limit} "
+                             "allowed (--max-image-bytes); refused before reading", status=413)
+
+    async def _read(self, resp: aiohttp.ClientResponse, url: str) -> bytes:
+        limit, buf = self.cfg.max_image_bytes, bytearray()
+        async for chunk in resp.content.iter_chunked(64 << 10):
+            buf += chunk
+            if len(buf) > limit:
+                raise MediaError(f"image URL {_short(url)} sent more than the {limit} bytes allowed "
+                                 "(--max-image-bytes); refused", status=413)
+        return bytes(buf)
+
+
+def decode_data_url(url: str, max_bytes: int) -> bytes:
+    """The bytes of a ``data:image/...;base64,`` URL, or MediaError (413 when over ``max_bytes``)."""
+    header, _, payload = url.partition(",")
+    mime = header[5:].split(";")[0].strip().lower()
+    if not mime.startswith("image/"):
+        raise MediaError(f"data URL has media type {mime or 'none'!r}, expected image/*")
+    if ";base64" not in header:
+        raise MediaError("image data URLs must be base64-encoded")
+    if len(payload) * 3 // 4 > max_bytes:
+        raise MediaError(f"image larger than {max_bytes} bytes (--max-image-bytes)", status=413)
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise MediaError("image data URL is not valid base64") from None
+
+
+async def _load_one(source: str | bytes, cfg: GatewayConfig, fetcher: MediaFetcher | None) -> bytes:
+    if isinstance(source, bytes):
+        data = source
+    elif source.startswith("data:"):
+        data = decode_data_url(source, cfg.max_image_bytes)
+    elif source[:8].lower().startswith(("http://", "https://")):
+        if fetcher is None:
+            raise MediaError("http(s) image URLs cannot be fetched: this gateway has no media fetcher")
+        data = await fetcher.fetch(source)
+    else:
+        check_url(source, [])  # raises the scheme (or URL) error
+        raise MediaError(f"unsupported image URL {_short(source)!r}")
+    if len(data) > cfg.max_image_bytes:
+        raise MediaError(f"image larger than {cfg.max_image_bytes} bytes (--max-image-bytes)", status=413)
+    check_image(data, cfg.max_image_pixels)
+    return data
+
+
+async def load_images(sources: list[str | bytes], cfg: GatewayConfig, fetcher: MediaFetcher | None) -> list[bytes]:
+    """Checked image bytes for ``sources`` (data: or http(s) URLs, or raw bytes from the gRPC API), in
+    order; URLs are fetched concurrently. The first MediaError cancels the other fetches and is raised."""
+    tasks = [asyncio.ensure_future(_load_one(s, cfg, fetcher)) for s in sources]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        # Wait for the cancelled fetches to close their connections, and collect every other
+        # error so none is logged as "never retrieved".
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise

@@ -1,0 +1,226 @@
+"""The gateway's view of its encoder and LM instances: addresses (static or
+from DNS), one gRPC channel each, in-flight load, and health.
+
+``InstancePool`` is owned by the ``Orchestrator`` (one per role) and runs one
+background task that, every ``health_interval_s``, re-resolves host names
+(every ``dns_refresh_s``) and checks each instance with ``grpc.health.v1``
+(readiness of the role's service). A failed check, or a request that found the
+instance unreachable, ejects it; the next passing check re-admits it. Routing
+reads ``healthy()`` and each instance's ``outstanding`` count; the
+orchestrator holds ``track()`` around every call so the count stays exact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import socket
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import Counter, Gauge
+
+from services.common.grpc_server import GRPC_OPTIONS
+
+logger = logging.getLogger(__name__)
+
+OUTSTANDING = Gauge("epd_gateway_instance_outstanding", "Calls in flight per instance", ["role", "instance"])
+HEALTHY = Gauge("epd_gateway_instance_healthy", "1 while the instance is admitted, 0 while ejected",
+                ["role", "instance"])
+CALLS = Counter("epd_gateway_instance_calls_total", "Calls sent to each instance", ["role", "instance"])
+EJECTIONS = Counter("epd_gateway_instance_ejections_total", "Times an instance was ejected", ["role", "instance"])
+
+_RECONNECT = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+              ("grpc.max_reconnect_backoff_ms", 2000)]
+
+# The readiness name each role's server registers with grpc.health.v1.
+SERVICE_NAMES = {"encoder": "epd.encoder.v1.EncoderService", "lm": "epd.lm.v1.LMService"}
+
+
+@dataclass(eq=False)
+class Instance:
+    """One encoder or LM process, dialed at ``address`` (``ip:port``)."""
+
+    role: str
+    address: str
+    source: str
+    """The configured entry it came from (the address itself, or a host name)."""
+    stub: Any
+    channel: grpc.aio.Channel
+    healthy: bool = True
+    outstanding: int = 0
+    calls: int = 0
+    slow_checks: int = 0
+    reason: str = ""
+    """Why it was last ejected (for logs and errors)."""
+
+    @contextlib.contextmanager
+    def track(self) -> Iterator[None]:
+        """Counts one call in flight for load-aware routing."""
+        self.outstanding += 1
+        self.calls += 1
+        CALLS.labels(self.role, self.address).inc()
+        OUTSTANDING.labels(self.role, self.address).set(self.outstanding)
+        try:
+            yield
+        finally:
+            self.outstanding -= 1
+            OUTSTANDING.labels(self.role, self.address).set(self.outstanding)
+
+
+def split_host_port(entry: str) -> tuple[str, int]:
+    host, sep, port = entry.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise ValueError(f"instance address {entry!r} is not host:port")
+    return host.strip("[]"), int(port)
+
+
+def is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def join_host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+async def resolve(host: str, port: int) -> list[str]:
+    """Every TCP address a host name resolves to, as ``ip:port`` strings."""
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return sorted({join_host_port(info[4][0], port) for info in infos})
+
+
+@dataclass
+class InstancePool:
+    """The instances of one role. ``entries`` are the configured ``host:port``
+    strings; IP literals are one instance each, host names one per address."""
+
+    role: str
+    entries: list[str]
+    stub_cls: Callable[[grpc.aio.Channel], Any]
+    health_interval_s: float = 1.0
+    dns_refresh_s: float = 10.0
+    resolver: Callable[[str, int], Any] = resolve
+    instances: dict[str, Instance] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._task: asyncio.Task | None = None
+        self._resolved_at = 0.0
+        for entry in self.entries:
+            host, _ = split_host_port(entry)
+            if is_ip(host):
+                self._add(entry, entry)
+
+    def _add(self, address: str, source: str) -> None:
+        if address in self.instances:
+            return
+        # Short reconnect backoff: a restarted instance is re-admitted within seconds,
+        # not after grpc's default backoff of up to two minutes.
+        channel = grpc.aio.insecure_channel(address, options=[*GRPC_OPTIONS, *_RECONNECT])
+        self.instances[address] = Instance(self.role, address, source, self.stub_cls(channel), channel)
+        HEALTHY.labels(self.role, address).set(1)
+
+    def _remove(self, address: str) -> None:
+        inst = self.instances.pop(address)
+        HEALTHY.remove(self.role, address)
+        logger.info("%s %s removed (no longer in DNS for %s)", self.role, address, inst.source)
+        # Calls in flight keep their channel; close it once they are done.
+        asyncio.get_running_loop().create_task(self._close_when_idle(inst))
+
+    @staticmethod
+    async def _close_when_idle(inst: Instance) -> None:
+        while inst.outstanding:
+            await asyncio.sleep(1)
+        await inst.channel.close()
+
+    async def refresh_dns(self) -> None:
+        """Re-resolves the host-name entries; an entry that does not resolve
+        keeps its previous instances (or, never resolved, is dialed by name)."""
+        self._resolved_at = time.monotonic()
+        for entry in self.entries:
+            host, port = split_host_port(entry)
+            if is_ip(host):
+                continue
+            try:
+                addresses = set(await self.resolver(host, port))
+            except OSError as e:
+                logger.warning("%s %s: DNS lookup failed (%s); keeping the current instances", self.role, entry, e)
+                if not any(i.source == entry for i in self.instances.values()):
+                    self._add(entry, entry)
+                continue
+            current = {a for a, i in self.instances.items() if i.source == entry}
+            for address in sorted(addresses - current):
+                logger.info("%s %s: new instance %s", self.role, entry, address)
+                self._add(address, entry)
+            for address in sorted(current - addresses):
+                self._remove(address)
+
+    def healthy(self, exclude: set[str] | frozenset[str] = frozenset()) -> list[Instance]:
+        return [i for i in self.instances.values() if i.healthy and i.address not in exclude]
+
+    def eject(self, inst: Instance, reason: str) -> None:
+        if inst.healthy:
+            logger.warning("%s %s ejected: %s", self.role, inst.address, reason)
+            EJECTIONS.labels(self.role, inst.address).inc()
+        inst.healthy, inst.reason = False, reason
+        HEALTHY.labels(self.role, inst.address).set(0)
+
+    def _admit(self, inst: Instance) -> None:
+        if not inst.healthy:
+            logger.info("%s %s re-admitted (health check passed)", self.role, inst.address)
+        inst.healthy, inst.reason = True, ""
+        HEALTHY.labels(self.role, inst.address).set(1)
+
+    async def check(self, inst: Instance) -> None:
+        """One readiness check; ejects or re-admits the instance."""
+        req = health_pb2.HealthCheckRequest(service=SERVICE_NAMES.get(self.role, ""))
+        try:
+            resp = await health_pb2_grpc.HealthStub(inst.channel).Check(
+                req, timeout=max(1.0, self.health_interval_s))
+        except grpc.aio.AioRpcError as e:
+            # Unreachable: out now. Slow: out after a second slow check in a row, so
+            # one busy moment on a loaded host does not eject a working instance.
+            inst.slow_checks = inst.slow_checks + 1 if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else 2
+            if inst.slow_checks >= 2:
+                self.eject(inst, f"health check failed: {e.code().name}")
+            return
+        inst.slow_checks = 0
+        if resp.status == health_pb2.HealthCheckResponse.SERVING:
+            self._admit(inst)
+        else:
+            self.eject(inst, "health check: not serving")
+
+    async def check_all(self) -> None:
+        if time.monotonic() - self._resolved_at >= self.dns_refresh_s or not self.instances:
+            await self.refresh_dns()
+        await asyncio.gather(*(self.check(i) for i in list(self.instances.values())))
+
+    async def start(self) -> None:
+        """Resolves, checks once (so start-up sees the real state), then keeps
+        checking in the background."""
+        await self.check_all()
+        self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"epd-health-{self.role}")
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval_s)
+            try:
+                await self.check_all()
+            except Exception:  # noqa: BLE001 - the loop must outlive one bad round
+                logger.exception("%s health round failed", self.role)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await asyncio.gather(*(i.channel.close() for i in self.instances.values()), return_exceptions=True)

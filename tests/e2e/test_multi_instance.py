@@ -1,0 +1,111 @@
+"""Issue 5 must-show with 2 encoders and 2 LMs behind one gateway: repeated
+images go to the same encoder (cache affinity), LMs share the load, and an
+encoder killed mid-run costs retries, never a failed request or a hang; once
+restarted it is re-admitted and used again."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+
+import pytest
+
+from services.common.media import content_id
+from services.gateway.routing import pick_encoder
+from services.up import Deployment, grpc_serving
+from tests.e2e.conftest import REFERENCE_REQUESTS
+from tests.e2e.helpers import image_bytes, metric, post
+
+pytestmark = [pytest.mark.e2e]
+
+
+@pytest.fixture(scope="module")
+def multi(tiny_model):
+    dep = Deployment(model=tiny_model, quiet=True, n_encoders=2, n_lms=2,
+                     gateway_args=["--health-interval-s", "0.5"])
+    dep.start()
+    yield dep
+    dep.stop()
+
+
+def _health(dep) -> dict:
+    with urllib.request.urlopen(dep.url + "/health", timeout=5) as r:
+        return json.loads(r.read())
+
+
+def _encoder_calls(dep) -> list[float]:
+    return [metric(dep.gateway_metrics, "epd_gateway_instance_calls_total", role="encoder", instance=e.address)
+            for e in dep.encoders]
+
+
+def _affine(dep, name: str) -> int:
+    """Which encoder the gateway's routing maps this request's image to (same code as the gateway)."""
+    ident = content_id(image_bytes(REFERENCE_REQUESTS[name]))
+    fakes = [SimpleNamespace(address=e.address, outstanding=0) for e in dep.encoders]
+    return fakes.index(pick_encoder(ident, fakes, spill=4))
+
+
+def test_repeated_image_goes_to_the_same_encoder_and_lms_share_load(multi, reference):
+    lm_before = [metric(lm.metrics_port, "epd_lm_requests_total") for lm in multi.lms]
+    for name in ("multi0", "multi1"):
+        want = _affine(multi, name)
+        before = _encoder_calls(multi)
+        for _ in range(3):
+            status, body = post(multi.url + "/v1/chat/completions", REFERENCE_REQUESTS[name])
+            assert status == 200, body
+            assert body["choices"][0]["token_ids"] == reference[name]
+            assert body["epd"]["encoders"] == [multi.encoders[want].address]
+        after = _encoder_calls(multi)
+        assert [a - b for a, b in zip(after, before)] == [3 if i == want else 0 for i in range(2)], name
+    # Sequential requests find both LMs idle; ties rotate, so both LMs served some.
+    lm_after = [metric(lm.metrics_port, "epd_lm_requests_total") for lm in multi.lms]
+    assert all(a > b for a, b in zip(lm_after, lm_before)), (lm_before, lm_after)
+
+
+def test_kill_one_encoder_mid_run_every_request_succeeds_then_it_is_used_again(multi, reference):
+    victim = multi.encoders[0]
+    names = [f"multi{i}" for i in range(8)]
+    assert any(_affine(multi, n) == 0 for n in names), "some image maps to the victim"
+    retries = metric(multi.gateway_metrics, "epd_gateway_retries_total")
+    with ThreadPoolExecutor(len(names)) as pool:
+        futures = {n: pool.submit(post, multi.url + "/v1/chat/completions", REFERENCE_REQUESTS[n], 90)
+                   for n in names}
+        deadline = time.monotonic() + 30
+        while metric(multi.gateway_metrics, "epd_gateway_instance_outstanding", role="encoder",
+                     instance=victim.address) < 1:
+            assert time.monotonic() < deadline, "the victim never had an encode in flight"
+            time.sleep(0.02)
+        os.killpg(victim.proc.pid, signal.SIGKILL)  # service and engine, no cleanup
+        t0 = time.monotonic()
+        results = {n: f.result(timeout=120) for n, f in futures.items()}
+    assert time.monotonic() - t0 < 60  # no hang
+    for n, (status, body) in results.items():
+        assert status == 200, (n, body)
+        assert body["choices"][0]["token_ids"] == reference[n], n
+        assert victim.address not in body["epd"]["encoders"] or body["epd"]["retries"] == 0, (n, body["epd"])
+    assert metric(multi.gateway_metrics, "epd_gateway_retries_total") > retries, "in-flight requests were retried"
+
+    deadline = time.monotonic() + 10
+    while _health(multi)["encoders"][victim.address]:
+        assert time.monotonic() < deadline, "the dead encoder was never ejected"
+        time.sleep(0.2)
+    # While it is out, its images go to the other encoder.
+    name = next(n for n in names if _affine(multi, n) == 0)
+    status, body = post(multi.url + "/v1/chat/completions", REFERENCE_REQUESTS[name])
+    assert status == 200 and body["epd"]["encoders"] == [multi.encoders[1].address], body
+
+    victim.proc.wait()
+    victim.start(dict(os.environ))
+    deadline = time.monotonic() + 240
+    while not grpc_serving(victim.address) or not _health(multi)["encoders"][victim.address]:
+        assert victim.alive() and time.monotonic() < deadline, victim.log_tail()
+        time.sleep(0.5)
+    status, body = post(multi.url + "/v1/chat/completions", REFERENCE_REQUESTS[name])
+    assert status == 200, body
+    assert body["epd"]["encoders"] == [victim.address] and body["choices"][0]["token_ids"] == reference[name]
+    assert metric(victim.metrics_port, "epd_encoder_requests_total") == 1  # the restarted process served it

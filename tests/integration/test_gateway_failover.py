@@ -1,0 +1,813 @@
+"""The gateway's Orchestrator against fake encoder and LM gRPC servers
+(in-process grpc.aio on loopback): dispatch order, routing of items, and
+failover before the first token. No vLLM; each test runs in a few seconds."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import time
+from collections.abc import Awaitable, Callable
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import REGISTRY
+
+from epd.common.v1 import common_pb2
+from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
+from epd.lm.v1 import lm_pb2, lm_pb2_grpc
+from services.common.errors import BadInput, EncoderUnavailable, PeerUnavailable
+from services.common.grpc_server import GrpcServer
+from services.gateway import routing
+from services.gateway.config import GatewayConfig
+from services.gateway.instances import InstancePool
+from services.gateway.orchestrator import Media, Orchestrator, Timings
+
+pytestmark = pytest.mark.integration
+
+ENCODER_SERVICE = "epd.encoder.v1.EncoderService"
+LM_SERVICE = "epd.lm.v1.LMService"
+TEST_LIMIT_S = 15.0
+
+
+class World:
+    """What the fakes share: an ordered log of events, per-request "the LM
+    call arrived" events, and scripts that the next calls (to whichever
+    instance gets them) follow."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, str, str]] = []  # (who, what, request_id)
+        self.enc_script: list[str] = []
+        self.lm_script: list[str] = []
+        self._lm_arrived: dict[str, asyncio.Event] = {}
+        self.release = asyncio.Event()
+
+    def lm_arrived(self, rid: str) -> asyncio.Event:
+        return self._lm_arrived.setdefault(rid, asyncio.Event())
+
+    def at(self, what: str, rid: str) -> int:
+        """Position in the log of the first ``what`` event of request ``rid``."""
+        return next(n for n, (_, w, r) in enumerate(self.log) if (w, r) == (what, rid))
+
+
+class FakeEncoder(encoder_pb2_grpc.EncoderServiceServicer):
+    """Streams ItemMetadata per item (transfer_endpoint ``<name>:1``), waits
+    for the LM call of the same request (``wait_lm_s``), then ItemEncoded per
+    item. Scripted modes: unavailable, abort_unavailable, invalid, hang,
+    fail_after_metadata, fail_when_released (after metadata, once
+    ``world.release`` is set)."""
+
+    def __init__(self, name: str, world: World, wait_lm_s: float = 2.0) -> None:
+        self.name, self.world, self.wait_lm_s = name, world, wait_lm_s
+        self.endpoint = f"{name}:1"
+        self.requests: list[encoder_pb2.EncodeRequest] = []
+        self.cancelled: list[str] = []
+        self.mode = "ok"
+
+    async def Encode(self, request, context):
+        self.requests.append(request)
+        rid = request.request_id
+        mode = self.world.enc_script.pop(0) if self.world.enc_script else self.mode
+        self.world.log.append((self.name, "encode", rid))
+        if mode == "unavailable":
+            raise PeerUnavailable(f"{self.name} is going away")
+        if mode == "abort_unavailable":
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.name} overloaded")
+        if mode == "invalid":
+            raise BadInput("not an image")
+        if mode == "hang":
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                self.cancelled.append(rid)
+                raise
+        for i, item in enumerate(request.items):
+            yield encoder_pb2.EncodeEvent(metadata=encoder_pb2.ItemMetadata(
+                identifier=item.identifier, index=i, modality=item.modality, num_embeds=16, embed_width=64,
+                dtype=common_pb2.BFLOAT16, transfer_endpoint=self.endpoint, encoder_id=self.name))
+        self.world.log.append((self.name, "metadata", rid))
+        if mode == "fail_when_released":
+            await self.world.release.wait()
+            self.world.log.append((self.name, "failed", rid))
+            raise PeerUnavailable(f"{self.name} died after the LM pulled its items")
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.world.lm_arrived(rid).wait(), self.wait_lm_s)
+        if mode == "fail_after_metadata":
+            raise PeerUnavailable(f"{self.name} died mid-encode")
+        for i, item in enumerate(request.items):
+            yield encoder_pb2.EncodeEvent(encoded=encoder_pb2.ItemEncoded(identifier=item.identifier, index=i,
+                                                                          encode_ms=5.0))
+        self.world.log.append((self.name, "encoded", rid))
+
+
+class FakeLM(lm_pb2_grpc.LMServiceServicer):
+    """Records each request, streams tokens [1, 2], [3], then "stop". Scripted
+    modes: unavailable, encoder_unavailable, invalid, fail_after_first, block
+    (until cancelled), first_then_block."""
+
+    def __init__(self, name: str, world: World) -> None:
+        self.name, self.world = name, world
+        self.requests: list[lm_pb2.GenerateRequest] = []
+        self.cancelled: list[str] = []
+
+    async def Generate(self, request, context):
+        got = lm_pb2.GenerateRequest()
+        got.CopyFrom(request)
+        self.requests.append(got)
+        rid = request.request_id
+        self.world.log.append((self.name, "generate", rid))
+        self.world.lm_arrived(rid).set()
+        mode = self.world.lm_script.pop(0) if self.world.lm_script else "ok"
+        if mode == "unavailable":
+            raise PeerUnavailable(f"{self.name} is draining")
+        if mode == "encoder_unavailable":  # as the real LM: names the encoder of the item it could not get
+            raise EncoderUnavailable("the encoder freed the item before it was pulled",
+                                     [request.items[0].source.transfer_endpoint])
+        if mode == "encoder_unavailable_unnamed":  # the LM cannot tell which encoder failed
+            raise EncoderUnavailable("the encoder output could not be obtained")
+        if mode == "invalid":
+            raise BadInput("prompt too long")
+        if mode == "block":
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                self.cancelled.append(rid)
+                raise
+        yield lm_pb2.GenerateResponse(request_id=rid, token_ids=[1, 2], text="ab")
+        if mode == "fail_after_first":
+            raise PeerUnavailable(f"{self.name} crashed mid-stream")
+        if mode == "first_then_block":
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                self.cancelled.append(rid)
+                raise
+        yield lm_pb2.GenerateResponse(request_id=rid, token_ids=[3], text="c")
+        yield lm_pb2.GenerateResponse(request_id=rid, finish_reason="stop",
+                                      usage=lm_pb2.Usage(prompt_tokens=5, completion_tokens=3),
+                                      transferred_items=sum(1 for i in request.items if i.HasField("source")))
+
+    async def GetInfo(self, request, context):
+        return lm_pb2.LMInfo(model="fake-model")
+
+
+class Cluster:
+    """Two fake encoders and two fake LMs, each on its own GrpcServer."""
+
+    def __init__(self, n_encoders: int = 2, n_lms: int = 2, wait_lm_s: float = 2.0) -> None:
+        self.world = World()
+        self.encoders = [FakeEncoder(f"enc-{c}", self.world, wait_lm_s) for c in "AB"[:n_encoders]]
+        self.lms = [FakeLM(f"lm-{c}", self.world) for c in "XY"[:n_lms]]
+        self.servers: dict[str, GrpcServer] = {}  # address -> server
+        self.by_address: dict[str, FakeEncoder | FakeLM] = {}
+        self.orch: Orchestrator | None = None
+
+    async def serve(self, fake, port: int = 0) -> str:
+        server = GrpcServer("127.0.0.1", port)
+        if isinstance(fake, FakeEncoder):
+            server.add(encoder_pb2_grpc.add_EncoderServiceServicer_to_server, fake, ENCODER_SERVICE)
+        else:
+            server.add(lm_pb2_grpc.add_LMServiceServicer_to_server, fake, LM_SERVICE)
+        port = await server.start()
+        await server.set_serving(True)
+        address = f"127.0.0.1:{port}"
+        self.servers[address] = server
+        self.by_address[address] = fake
+        return address
+
+    async def start(self, **cfg) -> Orchestrator:
+        self.enc_addresses = [await self.serve(e) for e in self.encoders]
+        self.lm_addresses = [await self.serve(lm) for lm in self.lms]
+        defaults = dict(encoders=",".join(self.enc_addresses), lms=",".join(self.lm_addresses),
+                        health_interval_s=0.2, encode_timeout_s=1.0, request_timeout_s=10.0)
+        self.orch = Orchestrator(GatewayConfig(**{**defaults, **cfg}))
+        await self.orch.start()
+        return self.orch
+
+    async def stop_server(self, address: str) -> None:
+        await self.servers.pop(address).stop(grace=0)
+
+    async def close(self) -> None:
+        if self.orch is not None:
+            await self.orch.close()
+        await asyncio.gather(*(s.stop(grace=0) for s in self.servers.values()), return_exceptions=True)
+
+    def encoder_for(self, identifier: str) -> FakeEncoder:
+        """The fake encoder that rendezvous routing picks for ``identifier`` (all healthy, idle)."""
+        inst = routing.pick_encoder(identifier, list(self.orch.encoders.instances.values()), 1 << 30)
+        return self.by_address[inst.address]
+
+    def encode_calls(self) -> int:
+        return sum(len(e.requests) for e in self.encoders)
+
+    def lm_requests(self) -> list[lm_pb2.GenerateRequest]:
+        """Every Generate request, in arrival order."""
+        order = [(who, rid) for who, what, rid in self.world.log if what == "generate"]
+        seen: dict[str, int] = {}
+        out = []
+        for who, _ in order:
+            lm = next(lm for lm in self.lms if lm.name == who)
+            out.append(lm.requests[seen.get(who, 0)])
+            seen[who] = seen.get(who, 0) + 1
+        return out
+
+
+def run_cluster(body: Callable[[Cluster], Awaitable[None]], **cluster_kw) -> None:
+    async def main():
+        cluster = Cluster(**cluster_kw)
+        try:
+            await asyncio.wait_for(body(cluster), TEST_LIMIT_S)
+        finally:
+            await cluster.close()
+
+    asyncio.run(main())
+
+
+def request(rid: str, identifiers: list[str]) -> tuple[lm_pb2.GenerateRequest, list[Media]]:
+    req = lm_pb2.GenerateRequest(request_id=rid, prompt="describe",
+                                 items=[lm_pb2.MMItem(modality="image", identifier=i, data=b"x")
+                                        for i in identifiers])
+    return req, [Media(data=b"x", identifier=i) for i in identifiers]
+
+
+async def collect(orch: Orchestrator, req, media, timings: Timings | None = None) -> list[lm_pb2.GenerateResponse]:
+    timings = timings if timings is not None else Timings()
+    return [r async for r in orch.generate(req, media, timings)]
+
+
+def tokens(responses: list[lm_pb2.GenerateResponse]) -> list[int]:
+    return [t for r in responses for t in r.token_ids]
+
+
+def retries(role: str, code: str) -> float:
+    return REGISTRY.get_sample_value("epd_gateway_retries_total", {"role": role, "code": code}) or 0.0
+
+
+def fallbacks() -> float:
+    return REGISTRY.get_sample_value("epd_gateway_local_encode_fallback_total") or 0.0
+
+
+async def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> float:
+    t0 = time.monotonic()
+    while not predicate():
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"not within {timeout}s: {what}")
+        await asyncio.sleep(0.02)
+    return time.monotonic() - t0
+
+
+async def assert_idle(orch: Orchestrator) -> None:
+    """Every call the orchestrator made is accounted as finished (cancelled
+    encode tasks unwind a loop step after the request ends)."""
+    def busy():
+        return {i.address: i.outstanding for p in (orch.encoders, orch.lms) for i in p.instances.values()
+                if i.outstanding}
+
+    with contextlib.suppress(AssertionError):
+        await wait_until(lambda: not busy(), 1, "idle")
+    assert busy() == {}
+
+
+def ids(n: int, prefix: str = "") -> list[str]:
+    """``n`` content hashes (hex sha256), distinct per ``prefix``."""
+    return [hashlib.sha256(f"{prefix}{i}".encode()).hexdigest() for i in range(n)]
+
+
+# --- happy path and dispatch order --------------------------------------------------------------------------------
+
+
+def test_overlap_starts_the_lm_before_the_encoder_has_encoded():
+    async def body(c: Cluster):
+        orch = await c.start(dispatch="overlap")
+        ident = ids(1)[0]
+        req, media = request("r-overlap", [ident])
+        timings = Timings()
+        out = await collect(orch, req, media, timings)
+        assert tokens(out) == [1, 2, 3] and out[-1].finish_reason == "stop"
+        enc = c.encoder_for(ident)
+        want = encoder_pb2.MediaItem(modality="image", data=b"x", identifier=ident)
+        assert [list(r.items) for r in enc.requests] == [[want]]
+        (lm_req,) = c.lm_requests()
+        src = lm_req.items[0].source
+        assert (src.transfer_endpoint, src.encoder_id) == (enc.endpoint, enc.name)
+        assert (src.num_embeds, src.embed_width, src.dtype) == (16, 64, common_pb2.BFLOAT16)
+        w = c.world
+        assert w.at("metadata", "r-overlap") < w.at("generate", "r-overlap") < w.at("encoded", "r-overlap")
+        assert timings.encoders == [next(a for a, f in c.by_address.items() if f is enc)]
+        assert timings.lm in c.lm_addresses and timings.retries == 0 and timings.encode_ms == 5.0
+        await assert_idle(orch)
+
+    run_cluster(body)
+
+
+def test_sequential_starts_the_lm_only_after_every_item_is_encoded():
+    async def body(c: Cluster):
+        orch = await c.start(dispatch="sequential")
+        ident = ids(1)[0]
+        req, media = request("r-seq", [ident])
+        out = await collect(orch, req, media)
+        assert tokens(out) == [1, 2, 3]
+        enc = c.encoder_for(ident)
+        (lm_req,) = c.lm_requests()
+        assert lm_req.items[0].source.transfer_endpoint == enc.endpoint
+        assert c.world.at("encoded", "r-seq") < c.world.at("generate", "r-seq")
+
+    run_cluster(body, wait_lm_s=0.3)  # the encoder waits a little for an LM call that must not come yet
+
+
+def test_a_text_only_request_goes_straight_to_an_lm():
+    async def body(c: Cluster):
+        orch = await c.start()
+        out = await collect(orch, lm_pb2.GenerateRequest(request_id="r-text", prompt="hi"), [])
+        assert tokens(out) == [1, 2, 3]
+        assert c.encode_calls() == 0 and len(c.lm_requests()) == 1
+
+    run_cluster(body)
+
+
+def test_items_with_different_hashes_go_to_their_own_encoders():
+    async def body(c: Cluster):
+        orch = await c.start()
+        candidates = ids(64)
+        first = candidates[0]
+        second = next(i for i in candidates if c.encoder_for(i) is not c.encoder_for(first))
+        req, media = request("r-two", [first, second])
+        out = await collect(orch, req, media)
+        assert tokens(out) == [1, 2, 3]
+        for ident in (first, second):
+            enc = c.encoder_for(ident)
+            assert [[it.identifier for it in r.items] for r in enc.requests] == [[ident]]
+        (lm_req,) = c.lm_requests()
+        assert [it.identifier for it in lm_req.items] == [first, second]
+        assert [it.source.transfer_endpoint for it in lm_req.items] == [c.encoder_for(first).endpoint,
+                                                                         c.encoder_for(second).endpoint]
+
+    run_cluster(body)
+
+
+def test_repeated_items_stick_to_one_encoder():
+    async def body(c: Cluster):
+        orch = await c.start()
+        ident = ids(1, "f")[0]
+        for n in range(4):
+            req, media = request(f"r-rep{n}", [ident])
+            await collect(orch, req, media)
+        assert len(c.encoder_for(ident).requests) == 4 and c.encode_calls() == 4
+
+    run_cluster(body)
+
+
+# --- encoder failures ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["unavailable", "abort_unavailable"])
+def test_an_encoder_failing_before_metadata_is_replaced_by_the_other(mode):
+    async def body(c: Cluster):
+        orch = await c.start()
+        c.world.enc_script = [mode]
+        ident = ids(1, "1")[0]
+        before = retries("encoder", "UNAVAILABLE")
+        req, media = request("r-encfail", [ident])
+        timings = Timings()
+        out = await collect(orch, req, media, timings)
+        assert tokens(out) == [1, 2, 3]
+        failed = c.encoder_for(ident)
+        other = next(e for e in c.encoders if e is not failed)
+        assert len(failed.requests) == 1 and len(other.requests) == 1
+        (lm_req,) = c.lm_requests()  # the LM only ever saw the good attempt
+        assert lm_req.items[0].source.transfer_endpoint == other.endpoint
+        assert timings.retries == 1
+        assert retries("encoder", "UNAVAILABLE") - before == 1
+        assert orch.health()["encoders"] == dict.fromkeys(c.enc_addresses, True)  # still serving: not ejected
+
+    run_cluster(body)
+
+
+def test_a_hanging_encoder_is_replaced_after_encode_timeout():
+    async def body(c: Cluster):
+        orch = await c.start(encode_timeout_s=1.0)
+        c.world.enc_script = ["hang"]
+        ident = ids(1, "2")[0]
+        before = retries("encoder", "DEADLINE_EXCEEDED")
+        req, media = request("r-hang", [ident])
+        timings = Timings()
+        t0 = time.monotonic()
+        out = await collect(orch, req, media, timings)
+        elapsed = time.monotonic() - t0
+        assert tokens(out) == [1, 2, 3]
+        assert 1.0 <= elapsed < 3.0
+        hung = c.encoder_for(ident)
+        other = next(e for e in c.encoders if e is not hung)
+        (lm_req,) = c.lm_requests()
+        assert lm_req.items[0].source.transfer_endpoint == other.endpoint
+        assert timings.retries == 1 and retries("encoder", "DEADLINE_EXCEEDED") - before == 1
+        await assert_idle(orch)
+
+    run_cluster(body)
+
+
+def test_an_encoder_failing_after_metadata_cancels_the_waiting_lm_and_the_retry_succeeds():
+    async def body(c: Cluster):
+        orch = await c.start()
+        c.world.enc_script = ["fail_after_metadata"]
+        c.world.lm_script = ["block"]
+        ident = ids(1, "3")[0]
+        req, media = request("r-mid", [ident])
+        timings = Timings()
+        t0 = time.monotonic()
+        out = await collect(orch, req, media, timings)
+        assert time.monotonic() - t0 < 5  # not the LM's 30 s block
+        assert tokens(out) == [1, 2, 3]
+        first, second = c.lm_requests()
+        failed = c.encoder_for(ident)
+        other = next(e for e in c.encoders if e is not failed)
+        assert first.items[0].source.transfer_endpoint == failed.endpoint
+        assert second.items[0].source.transfer_endpoint == other.endpoint
+        await wait_until(lambda: sum(len(lm.cancelled) for lm in c.lms) == 1, 2, "the blocked LM call is cancelled")
+        assert [rid for lm in c.lms for rid in lm.cancelled] == ["r-mid"]
+        assert timings.retries == 1
+        await assert_idle(orch)
+
+    run_cluster(body)
+
+
+def test_an_lm_reporting_its_encoder_unavailable_re_encodes_on_the_other_encoder():
+    async def body(c: Cluster):
+        orch = await c.start()
+        c.world.lm_script = ["encoder_unavailable"]
+        ident = ids(1, "4")[0]
+        before_enc, before_lm = retries("encoder", "UNAVAILABLE"), retries("lm", "UNAVAILABLE")
+        req, media = request("r-pull", [ident])
+        timings = Timings()
+        out = await collect(orch, req, media, timings)
+        assert tokens(out) == [1, 2, 3]
+        first, second = c.lm_requests()
+        affine = c.encoder_for(ident)
+        other = next(e for e in c.encoders if e is not affine)
+        assert first.items[0].source.transfer_endpoint == affine.endpoint
+        assert second.items[0].source.transfer_endpoint == other.endpoint
+        assert len(affine.requests) == 1 and len(other.requests) == 1
+        assert retries("encoder", "UNAVAILABLE") - before_enc == 1  # blamed on the encoder ...
+        assert retries("lm", "UNAVAILABLE") == before_lm  # ... not the LM
+        assert timings.retries == 1
+
+    run_cluster(body)
+
+
+# --- LM failures --------------------------------------------------------------------------------------------------
+
+
+def test_an_lm_unavailable_before_the_first_token_is_retried_on_the_other_lm():
+    async def body(c: Cluster):
+        orch = await c.start()
+        c.world.lm_script = ["unavailable"]
+        before = retries("lm", "UNAVAILABLE")
+        req, media = request("r-lm", ids(1, "5"))
+        timings = Timings()
+        out = await collect(orch, req, media, timings)
+        assert tokens(out) == [1, 2, 3]
+        calls = [who for who, what, _ in c.world.log if what == "generate"]
+        assert len(calls) == 2 and calls[0] != calls[1]
+        lm_names = {lm.name: a for a, lm in c.by_address.items() if isinstance(lm, FakeLM)}
+        assert timings.lm == lm_names[calls[1]]
+        assert timings.retries == 1 and retries("lm", "UNAVAILABLE") - before == 1
+
+    run_cluster(body)
+
+
+def test_the_retry_carries_a_fresh_request_id_and_the_caller_keeps_its_own():
+    async def body(c: Cluster):
+        orch = await c.start()
+        c.world.lm_script = ["unavailable"]
+        req, media = request("base-id", ids(1, "6"))
+        await collect(orch, req, media)
+        assert [r.request_id for r in c.lm_requests()] == ["base-id", "base-id-retry1"]
+        assert [r.request_id for e in c.encoders for r in e.requests] == ["base-id", "base-id-retry1"]
+        assert req.request_id == "base-id"
+
+    run_cluster(body)
+
+
+def test_the_caller_keeps_its_request_id_when_every_attempt_fails():
+    async def body(c: Cluster):
+        orch = await c.start(max_attempts=3)
+        c.world.lm_script = ["unavailable"] * 3
+        req, media = request("base-id", [])
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await collect(orch, req, media)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        # Each LM is tried once; with both excluded the third attempt finds no LM.
+        assert [r.request_id for r in c.lm_requests()] == ["base-id", "base-id-retry1"]
+        assert sorted(len(lm.requests) for lm in c.lms) == [1, 1]
+        assert "no healthy LM" in e.value.details()
+        assert req.request_id == "base-id"
+
+    run_cluster(body)
+
+
+def test_an_lm_failing_after_the_first_token_ends_the_stream_without_retry():
+    async def body(c: Cluster):
+        orch = await c.start()
+        c.world.lm_script = ["fail_after_first"]
+        req, media = request("r-late", ids(1, "7"))
+        timings = Timings()
+        seen: list[int] = []
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            async for resp in orch.generate(req, media, timings):
+                seen.extend(resp.token_ids)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert seen == [1, 2]
+        assert len(c.lm_requests()) == 1 and c.encode_calls() == 1 and timings.retries == 0
+        await assert_idle(orch)
+
+    run_cluster(body)
+
+
+# --- errors that are never retried --------------------------------------------------------------------------------
+
+
+def test_invalid_argument_from_the_encoder_is_raised_at_once():
+    async def body(c: Cluster):
+        orch = await c.start()
+        c.world.enc_script = ["invalid"]
+        req, media = request("r-bad", ids(1, "8"))
+        timings = Timings()
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await collect(orch, req, media, timings)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not an image" in e.value.details()
+        assert c.encode_calls() == 1 and c.lm_requests() == [] and timings.retries == 0
+
+    run_cluster(body)
+
+
+def test_invalid_argument_from_the_lm_is_raised_at_once():
+    async def body(c: Cluster):
+        orch = await c.start()
+        c.world.lm_script = ["invalid"]
+        req, media = request("r-bad", ids(1, "9"))
+        timings = Timings()
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await collect(orch, req, media, timings)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt too long" in e.value.details()
+        assert c.encode_calls() == 1 and len(c.lm_requests()) == 1 and timings.retries == 0
+
+    run_cluster(body)
+
+
+def test_max_attempts_one_never_retries():
+    async def body(c: Cluster):
+        orch = await c.start(max_attempts=1)
+        c.world.enc_script = ["unavailable"]
+        before = retries("encoder", "UNAVAILABLE")
+        req, media = request("r-once", ids(1, "a"))
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await collect(orch, req, media)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert c.encode_calls() == 1 and c.lm_requests() == []
+        assert retries("encoder", "UNAVAILABLE") == before
+
+    run_cluster(body)
+
+
+# --- health: ejection, re-admission, local fallback ---------------------------------------------------------------
+
+
+def test_with_every_encoder_down_the_lm_encodes_locally():
+    async def body(c: Cluster):
+        orch = await c.start()
+        for a in c.enc_addresses:
+            await c.stop_server(a)
+        await wait_until(lambda: not any(orch.health()["encoders"].values()), 3, "both encoders ejected")
+        before = fallbacks()
+        req, media = request("r-local", ids(2, "b"))
+        out = await collect(orch, req, media)
+        assert tokens(out) == [1, 2, 3]
+        (lm_req,) = c.lm_requests()
+        assert len(lm_req.items) == 2 and not any(it.HasField("source") for it in lm_req.items)
+        assert [it.data for it in lm_req.items] == [b"x", b"x"]
+        assert c.encode_calls() == 0 and fallbacks() - before == 1
+
+    run_cluster(body)
+
+
+def test_with_every_encoder_down_and_no_local_fallback_the_request_is_unavailable():
+    async def body(c: Cluster):
+        orch = await c.start(local_encode_fallback=False)
+        for a in c.enc_addresses:
+            await c.stop_server(a)
+        await wait_until(lambda: not any(orch.health()["encoders"].values()), 3, "both encoders ejected")
+        before = fallbacks()
+        req, media = request("r-nolocal", ids(1, "c"))
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await collect(orch, req, media)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert c.lm_requests() == [] and fallbacks() == before
+
+    run_cluster(body)
+
+
+def test_an_lm_is_ejected_when_it_stops_and_re_admitted_when_it_returns():
+    async def body(c: Cluster):
+        orch = await c.start()
+        addr = c.lm_addresses[0]
+        assert orch.health()["lms"] == dict.fromkeys(c.lm_addresses, True)
+        await c.stop_server(addr)
+        await wait_until(lambda: orch.health()["lms"][addr] is False, 2, "the stopped LM is ejected")
+        assert orch.health()["lms"][c.lm_addresses[1]] is True
+        # While it is out, requests go to the other LM only.
+        for n in range(3):
+            await collect(orch, *request(f"r-ej{n}", []))
+        assert [lm.name for lm in c.lms if lm.requests] == [c.lms[1].name]
+        port = int(addr.rsplit(":", 1)[1])
+        assert await c.serve(c.lms[0], port) == addr
+        await wait_until(lambda: orch.health()["lms"][addr] is True, 5, "the restarted LM is re-admitted")
+        for n in range(4):
+            await collect(orch, *request(f"r-back{n}", []))
+        assert len(c.lms[0].requests) >= 1  # back in rotation
+
+    run_cluster(body)
+
+
+def test_an_lm_that_stops_serving_is_ejected_without_going_away():
+    async def body(c: Cluster):
+        orch = await c.start()
+        addr = c.lm_addresses[1]
+        await c.servers[addr].set_serving(False)
+        await wait_until(lambda: orch.health()["lms"][addr] is False, 2, "NOT_SERVING ejects")
+        await c.servers[addr].set_serving(True)
+        await wait_until(lambda: orch.health()["lms"][addr] is True, 2, "SERVING re-admits")
+
+    run_cluster(body)
+
+
+def test_every_lm_ejected_by_a_health_blip_is_still_tried():
+    async def body(c: Cluster):
+        orch = await c.start()
+        for a in c.lm_addresses:
+            await c.servers[a].set_serving(False)  # health says no; Generate still works
+        await wait_until(lambda: not any(orch.health()["lms"].values()), 2, "both LMs ejected")
+        out = await collect(orch, *request("r-blip", ids(1, "d")))
+        assert tokens(out) == [1, 2, 3] and len(c.lm_requests()) == 1
+
+    run_cluster(body)
+
+
+class SlowHealth(health_pb2_grpc.HealthServicer):
+    """Answers SERVING, or nothing at all while ``hang`` is set."""
+
+    def __init__(self) -> None:
+        self.hang = False
+
+    async def Check(self, request, context):
+        if self.hang:
+            await asyncio.sleep(30)
+        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+
+
+def test_one_slow_health_check_is_forgiven_and_two_in_a_row_eject():
+    async def main():
+        server = grpc.aio.server()
+        fake = SlowHealth()
+        health_pb2_grpc.add_HealthServicer_to_server(fake, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        pool = InstancePool("lm", [f"127.0.0.1:{port}"], lm_pb2_grpc.LMServiceStub, health_interval_s=0.2)
+        try:
+            (inst,) = pool.instances.values()
+            await pool.check(inst)
+            assert inst.healthy
+            fake.hang = True
+            await pool.check(inst)  # times out after 1 s: one busy moment
+            assert inst.healthy
+            fake.hang = False
+            await pool.check(inst)  # a good answer resets the count
+            fake.hang = True
+            await pool.check(inst)
+            assert inst.healthy
+            await pool.check(inst)  # second slow check in a row
+            assert not inst.healthy and "DEADLINE_EXCEEDED" in inst.reason
+            fake.hang = False
+            await pool.check(inst)
+            assert inst.healthy and inst.reason == ""
+        finally:
+            await pool.close()
+            await server.stop(0)
+
+    asyncio.run(asyncio.wait_for(main(), TEST_LIMIT_S))
+
+
+def test_a_hanging_encoder_among_two_gives_its_items_to_the_other():
+    async def body(c: Cluster):
+        orch = await c.start(encode_timeout_s=1.0)
+        candidates = ids(64, "e")
+        first = candidates[0]
+        second = next(i for i in candidates if c.encoder_for(i) is not c.encoder_for(first))
+        hung, survivor = c.encoder_for(first), c.encoder_for(second)
+        hung.mode = "hang"
+        req, media = request("r-split", [first, second])
+        timings = Timings()
+        out = await collect(orch, req, media, timings)
+        assert tokens(out) == [1, 2, 3]
+        assert [[it.identifier for it in r.items] for r in hung.requests] == [[first]]
+        assert [[it.identifier for it in r.items] for r in survivor.requests] == [[second], [first, second]]
+        (lm_req,) = c.lm_requests()  # overlap waits for every encoder's metadata: the LM saw only the retry
+        assert [it.source.transfer_endpoint for it in lm_req.items] == [survivor.endpoint] * 2
+        assert timings.retries == 1
+        await wait_until(lambda: hung.cancelled == ["r-split"], 2, "the hung Encode is cancelled")
+        await assert_idle(orch)
+
+    run_cluster(body)
+
+
+def test_a_caller_cancelling_mid_encode_cancels_the_encode_and_keeps_its_request_id():
+    async def body(c: Cluster):
+        orch = await c.start(encode_timeout_s=5.0)
+        c.world.enc_script = ["hang"]
+        req, media = request("r-gone", ids(1, "f0"))
+        task = asyncio.create_task(collect(orch, req, media))
+        await wait_until(lambda: any(e.requests for e in c.encoders), 2, "the Encode call arrives")
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await wait_until(lambda: [rid for e in c.encoders for rid in e.cancelled] == ["r-gone"], 2,
+                         "the encoder sees the cancellation")
+        assert c.lm_requests() == [] and req.request_id == "r-gone"
+        await assert_idle(orch)
+
+    run_cluster(body)
+
+
+# --- regressions: blame, final local failures, the caller's own cancellation --------------------------------
+
+
+def test_an_encoder_fault_on_a_request_spread_over_both_encoders_is_re_encoded_not_failed():
+    async def body(c: Cluster):
+        orch = await c.start(local_encode_fallback=False)
+        candidates = ids(64)
+        first = candidates[0]
+        second = next(i for i in candidates if c.encoder_for(i) is not c.encoder_for(first))
+        c.world.lm_script = ["encoder_unavailable"]
+        req, media = request("r-both", [first, second])
+        out = await collect(orch, req, media)
+        assert tokens(out) == [1, 2, 3]
+        assert all(it.HasField("source") for it in c.lm_requests()[-1].items)
+
+    run_cluster(body)
+
+
+def test_no_healthy_encoder_without_local_fallback_is_not_counted_as_retries():
+    async def body(c: Cluster):
+        orch = await c.start(local_encode_fallback=False, max_attempts=3)
+        for a in c.enc_addresses:
+            await c.stop_server(a)
+        await wait_until(lambda: not any(orch.health()["encoders"].values()), 3, "both encoders ejected")
+        before = retries("encoder", "UNAVAILABLE")
+        timings = Timings()
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await collect(orch, *request("r-none", ids(1, "f1")), timings)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert timings.retries == 0 and retries("encoder", "UNAVAILABLE") == before
+
+    run_cluster(body)
+
+
+def test_a_caller_cancelling_after_an_encoder_failure_sees_a_cancellation():
+    async def body(c: Cluster):
+        orch = await c.start()
+        ident = ids(1, "f2")[0]
+        c.world.enc_script = ["fail_when_released"]
+        c.world.lm_script = ["first_then_block"]  # the LM already has the embedding; tokens flow
+        req, media = request("r-cx", [ident])
+        got: list[lm_pb2.GenerateResponse] = []
+
+        async def consume():
+            async for r in orch.generate(req, media, Timings()):
+                got.append(r)
+
+        task = asyncio.create_task(consume())
+        await wait_until(lambda: got, 2, "the first token")
+        c.world.release.set()  # the encoder dies now; the LM does not care
+        enc = next(i for i in orch.encoders.instances.values() if c.by_address[i.address] is c.encoder_for(ident))
+        await wait_until(lambda: enc.outstanding == 0, 2, "the gateway saw the encoder fail")
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        assert task.cancelled(), task.exception()
+
+    run_cluster(body)
+
+
+def test_an_encoder_fault_the_lm_cannot_attribute_re_encodes_without_excluding_healthy_encoders():
+    async def body(c: Cluster):
+        orch = await c.start(local_encode_fallback=False)
+        c.world.lm_script = ["encoder_unavailable_unnamed"]
+        ident = ids(1, "f3")[0]
+        req, media = request("r-unnamed", [ident])
+        timings = Timings()
+        out = await collect(orch, req, media, timings)
+        assert tokens(out) == [1, 2, 3] and timings.retries == 1
+        assert all(it.HasField("source") for it in c.lm_requests()[-1].items)
+
+    run_cluster(body)

@@ -1,0 +1,177 @@
+"""Image URL rules without a network: the SSRF guard's address checks, URL validation, the
+resolver filter, the header check (decompression bombs) and the gRPC API's conversion."""
+
+import asyncio
+import ipaddress
+import socket
+
+import grpc
+import pytest
+from helpers import image_bytes
+
+from epd.gateway.v1 import gateway_pb2
+from services.common.errors import BadInput, MediaError
+from services.common.images import bomb_png
+from services.common.media import check_image
+from services.gateway.config import GatewayConfig
+from services.gateway.fetch import (GuardResolver, HostRefused, MediaFetcher, address_refusal, check_url,
+                                    decode_data_url, load_images)
+from services.gateway.servicer import GatewayServicer
+
+pytestmark = pytest.mark.unit
+
+CFG = GatewayConfig(lms="x:1")
+NETS = GatewayConfig(lms="x:1", fetch_allow_networks="127.0.0.0/8, 10.1.0.0/16").allowed_networks
+ip = ipaddress.ip_address
+
+
+@pytest.mark.parametrize("addr, reason", [
+    ("127.0.0.1", "loopback"), ("::1", "loopback"), ("10.0.0.1", "private"), ("192.168.1.5", "private"),
+    ("172.16.0.1", "private"), ("169.254.169.254", "link-local"), ("fe80::1", "link-local"),
+    ("0.0.0.0", "unspecified"), ("::", "unspecified"), ("224.0.0.1", "multicast"), ("ff02::1", "multicast"),
+    ("100.64.0.1", "non-global"), ("fd00::1", "private"), ("240.0.0.1", "private"),
+    ("::ffff:127.0.0.1", "loopback"), ("::ffff:169.254.169.254", "link-local"), ("2002:0a00:0001::", "private"),
+    ("8.8.8.8", None), ("2606:4700:4700::1111", None), ("::ffff:8.8.8.8", None),
+], ids=str)
+def test_address_refusal_by_default(addr, reason):
+    assert address_refusal(ip(addr), []) == reason
+
+
+def test_allow_list_admits_only_its_networks_including_ipv4_mapped_forms():
+    assert address_refusal(ip("127.0.0.1"), NETS) is None
+    assert address_refusal(ip("::ffff:127.0.0.1"), NETS) is None
+    assert address_refusal(ip("10.1.2.3"), NETS) is None
+    assert address_refusal(ip("10.0.0.1"), NETS) == "private"
+    assert address_refusal(ip("::1"), NETS) == "loopback"
+
+
+@pytest.mark.parametrize("url, needle", [
+    ("http://127.0.0.1/x.png", "host 127.0.0.1 is a loopback address; refused (SSRF guard"),
+    ("http://10.0.0.1/x.png", "host 10.0.0.1 is a private address"),
+    ("http://169.254.169.254/latest/meta-data/", "host 169.254.169.254 is a link-local address"),
+    ("http://[::1]:8080/x.png", "host ::1 is a loopback address"),
+    ("http://[::ffff:10.0.0.1]/x.png", "is a private address"),
+    ("http://2130706433/x.png", "not a canonical IP address"),
+    ("http://127.1/x.png", "not a canonical IP address"),
+    ("http://0x7f.0.0.1/x.png", "not a canonical IP address"),
+    ("file:///etc/passwd", "scheme 'file' is not allowed"),
+    ("ftp://example.com/a.png", "scheme 'ftp' is not allowed"),
+    ("gopher://example.com/", "scheme 'gopher' is not allowed"),
+    ("http:///x.png", "has no host"),
+], ids=str)
+def test_check_url_refuses_without_a_network(url, needle):
+    with pytest.raises(MediaError, match=None) as e:
+        check_url(url, [])
+    assert needle in str(e.value) and e.value.status == 400
+
+
+def test_check_url_passes_names_through_and_literals_in_the_allow_list():
+    assert check_url("https://example.com/cat.png", []).host == "example.com"  # the resolver checks names
+    assert check_url("http://127.0.0.1:9/x.png", NETS).port == 9
+    with pytest.raises(MediaError, match="10.0.0.1 is a private address"):
+        check_url("http://10.0.0.1/x.png", NETS)
+
+
+class _FakeResolver:
+    def __init__(self, *addrs):
+        self.addrs = addrs
+
+    async def resolve(self, host, port=0, family=socket.AF_INET):
+        return [{"hostname": host, "host": a, "port": port, "family": socket.AF_INET6 if ":" in a else socket.AF_INET,
+                 "proto": 0, "flags": 0} for a in self.addrs]
+
+    async def close(self):
+        pass
+
+
+def _resolve(allowed, *addrs):
+    async def go():
+        r = GuardResolver(allowed)
+        r._inner = _FakeResolver(*addrs)
+        return await r.resolve("img.example", 80)
+    return asyncio.run(go())
+
+
+def test_resolver_drops_non_public_addresses_and_keeps_public_ones():
+    assert [r["host"] for r in _resolve([], "10.0.0.7", "93.184.216.34", "::1")] == ["93.184.216.34"]
+
+
+def test_resolver_refuses_a_name_with_only_non_public_addresses():
+    with pytest.raises(HostRefused) as e:
+        _resolve([], "127.0.0.1", "169.254.169.254")
+    msg = str(e.value)
+    assert "img.example" in msg and "127.0.0.1 is loopback" in msg and "169.254.169.254 is link-local" in msg
+    assert "SSRF guard" in msg
+
+
+def test_resolver_keeps_allowed_networks():
+    assert [r["host"] for r in _resolve(NETS, "127.0.0.1", "10.0.0.1")] == ["127.0.0.1"]
+
+
+def test_check_image_reads_the_header_and_refuses_bombs_and_unknown_formats():
+    assert check_image(image_bytes("PNG", size=(8, 6)), 100) == ("PNG", 8, 6)
+    assert check_image(image_bytes("JPEG", size=(8, 6)), 100)[0] == "JPEG"
+    with pytest.raises(MediaError, match=r"8x6 = 48 pixels, more than the 47 allowed"):
+        check_image(image_bytes("PNG", size=(8, 6)), 47)
+    with pytest.raises(MediaError, match="decompression.bomb"):
+        check_image(bomb_png(10000), CFG.max_image_pixels)  # 100 M pixels: over our 64 M
+    with pytest.raises(MediaError, match="decompression.bomb"):
+        check_image(bomb_png(), CFG.max_image_pixels)  # 400 M: PIL's own guard fires first
+    with pytest.raises(MediaError, match="not a recognised image"):
+        check_image(b"%!PS-Adobe-3.0 EPSF-3.0\n", CFG.max_image_pixels)  # EPS would run Ghostscript
+    with pytest.raises(MediaError, match="empty"):
+        check_image(b"", 100)
+
+
+def test_bomb_png_is_small_and_claims_its_size():
+    data = bomb_png(10000)
+    assert len(data) < 100_000
+    assert check_image(data, 10**9) == ("PNG", 10000, 10000)
+
+
+def test_data_url_over_the_limit_is_413():
+    with pytest.raises(MediaError) as e:
+        decode_data_url("data:image/png;base64," + "A" * 4000, 1000)
+    assert e.value.status == 413 and isinstance(e.value, BadInput)
+
+
+def test_load_images_without_a_fetcher_refuses_http_and_raw_bytes_are_checked():
+    png = image_bytes("PNG")
+    assert asyncio.run(load_images([png], CFG, None)) == [png]
+    with pytest.raises(MediaError, match="no media fetcher"):
+        asyncio.run(load_images(["http://example.com/a.png"], CFG, None))
+    with pytest.raises(MediaError, match="more than the"):
+        asyncio.run(load_images([bomb_png(10000)], CFG, None))
+
+
+def test_fetcher_refuses_guarded_urls_before_opening_a_session():
+    async def go(url):
+        f = MediaFetcher(CFG)
+        try:
+            with pytest.raises(MediaError) as e:
+                await f.fetch(url)
+            assert f._session is None  # refused before any client (so before any connection)
+            return str(e.value)
+        finally:
+            await f.close()
+    assert "10.0.0.1 is a private address" in asyncio.run(go("http://10.0.0.1/a.png"))
+    assert "scheme 'file'" in asyncio.run(go("file:///etc/passwd"))
+
+
+def _grpc_request(*images: gateway_pb2.ImagePart) -> gateway_pb2.ChatCompletionRequest:
+    parts = [gateway_pb2.GatewayContentPart(image=i) for i in images]
+    parts.append(gateway_pb2.GatewayContentPart(text="hi"))
+    return gateway_pb2.ChatCompletionRequest(messages=[gateway_pb2.GatewayMessage(role="user", content=parts)])
+
+
+def test_grpc_convert_loads_bytes_and_refuses_guarded_urls_as_bad_input():
+    svc = GatewayServicer(CFG, orch=None, fetcher=MediaFetcher(CFG))
+    png = image_bytes("PNG")
+    req, media = asyncio.run(svc._convert(_grpc_request(gateway_pb2.ImagePart(data=png))))
+    assert [m.data for m in media] == [png] and req.items[0].data == png
+    assert [p.WhichOneof("part") for p in req.chat.messages[0].content] == ["item_index", "text"]
+    with pytest.raises(BadInput) as e:
+        asyncio.run(svc._convert(_grpc_request(gateway_pb2.ImagePart(url="http://169.254.169.254/"))))
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "link-local" in str(e.value)
+    with pytest.raises(BadInput, match="decompression.bomb"):
+        asyncio.run(svc._convert(_grpc_request(gateway_pb2.ImagePart(data=bomb_png(10000)))))
