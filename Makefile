@@ -10,7 +10,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.epd-installed-$(EXTRA)
 PYTEST_ARGS ?=
 
-.PHONY: install protos model demo up test test-all test-unit bench-transfer bench-serving clean
+.PHONY: install protos model demo up test test-all test-unit bench-transfer bench-serving bench-gateway clean
 
 install: $(STAMP) protos
 
@@ -55,6 +55,10 @@ bench-transfer: install
 bench-serving: install
 	$(PY) -m pip install -q "matplotlib>=3.8"
 	$(PY) bench/serving.py --quick --rates 0.5,1.5 --json bench/results/serving-cpu.json --plot bench/results/serving-cpu.png
+
+bench-gateway: install
+	$(PY) -m pip install -q "matplotlib>=3.8"
+	$(PY) bench/gateway.py --quick --json bench/results/gateway-cpu.json --plot bench/results/gateway-cpu.png
 
 clean:
 	rm -rf $(VENV) epd build *.egg-info .pytest_cache

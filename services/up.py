@@ -41,12 +41,18 @@ class Service:
     address: str = ""
     """host:port of its API (set by Deployment)."""
     metrics_port: int = 0
+    command: list[str] = field(default_factory=list)
+    """The whole command line; empty: ``python -m services.cli`` with ``args``."""
 
-    def start(self, env: dict[str, str]) -> None:
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "services.cli", *self.args], stdout=log,
-                                     stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        log.close()
+    @property
+    def argv(self) -> list[str]:
+        return self.command or [sys.executable, "-m", "services.cli", *self.args]
+
+    def start(self, env: dict[str, str] | None = None) -> "Service":
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env or dict(os.environ),
+                                         start_new_session=True)
+        return self
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

@@ -188,6 +188,7 @@ class Orchestrator:
     async def _attempt(self, req, media, timings: Timings, deadline: float, excluded: dict[str, set[str]]):
         for item in req.items:
             item.ClearField("source")
+        timings.encoders = []
         groups: list[_EncodeGroup] = []
         try:
             if media and self.encoders is not None:
@@ -245,7 +246,7 @@ class Orchestrator:
         timings.encoders = [g.inst.address for g in groups]
         waits = [g.task for g in groups] if self.cfg.dispatch == "sequential" else [g.metadata for g in groups]
         await asyncio.gather(*waits)
-        timings.metadata_ms = timings.metadata_ms or timings.since_start_ms()
+        timings.metadata_ms = timings.since_start_ms()  # of the attempt that goes on
 
     async def _encode(self, g: _EncodeGroup, req, media, timings: Timings, enc_deadline: float) -> None:
         """One Encode stream: fills sources from the metadata, then drains the

@@ -1,0 +1,473 @@
+"""Gateway overhead benchmark: what the gateway adds over calling the LM directly.
+
+Text-only chat requests, closed loop at several concurrencies, all in one run.
+Per request, latency is send -> last message (gRPC: the stream has ended;
+REST: the last byte of the body). Paths, each measured at every concurrency:
+
+* ``direct``: grpc.aio client -> ``epd.lm.v1.LMService/Generate`` (the baseline);
+* ``rest``: aiohttp client (keep-alive pool) -> gateway ``POST /v1/chat/completions``;
+* ``rest-stream``: the same with ``stream: true``, timed to the last byte (``[DONE]``);
+* ``grpc``: grpc.aio client -> gateway ``epd.gateway.v1.GatewayService/ChatCompletion``.
+
+``added`` = path - direct, same concurrency, same run. Paths are interleaved:
+each concurrency runs ``--rounds`` rounds, each round every path (in a rotated
+order) for its share of the requests, so drift hits all paths alike.
+
+Answers are ``--max-tokens`` long (default 1 and 16): one token gives the
+fixed cost per request, more adds the relay of each LM message. Around every
+round the script reads each process's CPU time (schedstat), so each row also
+says how much CPU the client, the LM and the gateway spent per request.
+
+LM back-ends: by default ``bench/stub_lm.py``, the real LMService protocol
+with no engine (it streams its messages at once), so the number is the
+gateway's own cost; ``--real-lm`` puts the real LM service with the built-in
+tiny model behind it instead (its worker on one core), where vLLM's variance
+dominates. The services run as subprocesses in their own sessions and are
+always torn down (process groups killed).
+
+    python bench/gateway.py --quick --json bench/results/gateway-cpu.json --plot bench/results/gateway-cpu.png
+
+Target (issue 5): <= 1 ms p50 added on loopback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import aiohttp  # noqa: E402
+import grpc  # noqa: E402
+
+from epd.gateway.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: E402
+from epd.lm.v1 import lm_pb2, lm_pb2_grpc  # noqa: E402
+from services.up import Service, free_port, grpc_serving, http_ok  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PATHS = ("direct", "rest", "rest-stream", "grpc")
+PROMPT = ("Summarize in one sentence: the river runs past the stone bridge and the quiet market, "
+          "under a silver evening cloud, toward the harbor.")
+TARGET_US = 1000.0
+JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+def _wait(proc: Service, ready, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if not proc.alive() or time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+def start_lm(real: bool, logdir: str) -> tuple[Service, str]:
+    port = free_port()
+    if real:
+        from services.cli import default_model
+
+        core = max(os.sched_getaffinity(0))
+        argv = [sys.executable, "-m", "services.cli", "lm", "--port", str(port), "--metrics-port", "0",
+                "--cpu-cores", str(core), "--model", default_model()]
+        name, timeout = "lm", 600.0
+    else:
+        argv = [sys.executable, "bench/stub_lm.py", "--port", str(port)]
+        name, timeout = "stub-lm", 60.0
+    lm = Service(name, [], os.path.join(logdir, f"gateway-bench-{name}.log"), command=argv).start()
+    addr = f"127.0.0.1:{port}"
+    if not _wait(lm, lambda: grpc_serving(addr), timeout):
+        tail = lm.log_tail()
+        lm.stop()
+        raise RuntimeError(f"{name} did not become ready:\n{tail}")
+    return lm, addr
+
+
+def start_gateway(lm_addr: str, logdir: str) -> tuple[Service, int, int]:
+    port, gport = free_port(), free_port()
+    gw = Service("gateway", ["gateway", "--host", "127.0.0.1", "--port", str(port), "--grpc-port", str(gport),
+                             "--lms", lm_addr, "--encoders", ""], os.path.join(logdir, "gateway-bench-gateway.log"))
+    gw.start()
+    if not _wait(gw, lambda: http_ok(f"http://127.0.0.1:{port}/health"), 60.0):
+        tail = gw.log_tail()
+        gw.stop()
+        raise RuntimeError(f"gateway did not start:\n{tail}")
+    return gw, port, gport
+
+
+class CpuMeter:
+    """CPU time (ns, from /proc/*/task/*/schedstat) of this process and of each
+    service's session (the service, its threads, and on the real LM its vLLM
+    engine processes): ``snapshot()`` -> {"client": ns, name: ns, ...}."""
+
+    def __init__(self, procs: list[Service]) -> None:
+        self.sessions = {p.name: p.proc.pid for p in procs}
+
+    @staticmethod
+    def _task_ns(pid: int) -> int:
+        total = 0
+        try:
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                try:
+                    with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                        total += int(f.read().split()[0])
+                except (OSError, ValueError, IndexError):
+                    pass  # the thread ended
+        except OSError:
+            pass
+        return total
+
+    def snapshot(self) -> dict[str, int]:
+        out = {"client": self._task_ns(os.getpid()), **{name: 0 for name in self.sessions}}
+        by_sid = {sid: name for name, sid in self.sessions.items()}
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    sid = int(f.read().rsplit(")", 1)[1].split()[3])
+            except (OSError, ValueError, IndexError):
+                continue
+            if sid in by_sid:
+                out[by_sid[sid]] += self._task_ns(int(entry))
+        return out
+
+
+class Clients:
+    """One client per path, all on this process's event loop. Each call returns
+    the perf_counter time its last message (or byte) arrived, after checking
+    that the answer is whole; checks run after that time is taken."""
+
+    def __init__(self, lm_addr: str, port: int, gport: int, max_tokens: int) -> None:
+        self.max_tokens = max_tokens
+        # limit=0: as many keep-alive connections as there are concurrent requests.
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=300),
+                                             timeout=aiohttp.ClientTimeout(total=120))
+        self.lm_channel = grpc.aio.insecure_channel(lm_addr)
+        self.gw_channel = grpc.aio.insecure_channel(f"127.0.0.1:{gport}")
+        self.lm = lm_pb2_grpc.LMServiceStub(self.lm_channel)
+        self.gw = gateway_pb2_grpc.GatewayServiceStub(self.gw_channel)
+        self.url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        self.models_url = f"http://127.0.0.1:{port}/v1/models"
+        self.sampling = lm_pb2.SamplingOptions(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        self.chat = lm_pb2.ChatInput(messages=[
+            lm_pb2.ChatMessage(role="user", content=[lm_pb2.ContentPart(text=PROMPT)])])
+        self.fns = {"direct": self.direct, "rest": self.rest, "rest-stream": self.rest_stream, "grpc": self.grpc}
+
+    async def setup(self) -> str:
+        async with self.session.get(self.models_url) as r:
+            model = (await r.json())["data"][0]["id"]
+        body = {"model": model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": self.max_tokens,
+                "temperature": 0, "ignore_eos": True}
+        # Bodies serialized once: the client's JSON encoding is not the gateway's cost.
+        self.body = json.dumps(body).encode()
+        self.body_stream = json.dumps(dict(body, stream=True)).encode()
+        self.gw_req = gateway_pb2.ChatCompletionRequest(
+            model=model, sampling=self.sampling,
+            messages=[gateway_pb2.GatewayMessage(role="user", content=[gateway_pb2.GatewayContentPart(text=PROMPT)])])
+        return model
+
+    async def close(self) -> None:
+        await self.session.close()
+        await self.lm_channel.close()
+        await self.gw_channel.close()
+
+    def _check(self, n: int, finish: str) -> None:
+        if n != self.max_tokens or finish != "length":
+            raise RuntimeError(f"incomplete answer: {n} tokens, finish_reason {finish!r}")
+
+    async def direct(self) -> float:
+        # A fresh request id each time: vLLM refuses two live requests with the same id.
+        req = lm_pb2.GenerateRequest(request_id=uuid.uuid4().hex, chat=self.chat, sampling=self.sampling)
+        n, last = 0, None
+        async for resp in self.lm.Generate(req, timeout=120):
+            n += len(resp.token_ids)
+            last = resp
+        t = time.perf_counter()
+        self._check(n, last.finish_reason if last else "")
+        return t
+
+    async def grpc(self) -> float:
+        n, last = 0, None
+        async for chunk in self.gw.ChatCompletion(self.gw_req, timeout=120):
+            n += len(chunk.token_ids)
+            last = chunk
+        t = time.perf_counter()
+        self._check(n, last.finish_reason if last else "")
+        return t
+
+    async def rest(self) -> float:
+        async with self.session.post(self.url, data=self.body, headers=JSON_HEADERS) as r:
+            data = await r.read()
+            t = time.perf_counter()
+            status = r.status
+        if status != 200:
+            raise RuntimeError(f"HTTP {status}: {data[:200]!r}")
+        out = json.loads(data)
+        self._check(out["usage"]["completion_tokens"], out["choices"][0]["finish_reason"])
+        return t
+
+    async def rest_stream(self) -> float:
+        async with self.session.post(self.url, data=self.body_stream, headers=JSON_HEADERS) as r:
+            data = await r.read()  # to the end of the chunked body: time to last byte
+            t = time.perf_counter()
+            status = r.status
+        if status != 200 or not data.endswith(b"data: [DONE]\n\n") or b'"error"' in data:
+            raise RuntimeError(f"HTTP {status}: bad stream {data[-200:]!r}")
+        n = sum(len(json.loads(line[6:])["choices"][0].get("token_ids") or [])
+                for line in data.split(b"\n\n") if line.startswith(b"data: {") and b'"choices": [{' in line)
+        self._check(n, "length" if b'"finish_reason": "length"' in data else "")
+        return t
+
+
+async def closed_loop(fn, concurrency: int, n: int) -> tuple[list[float], float, list[str]]:
+    """``concurrency`` workers issue ``n`` requests back to back. Returns the
+    latencies (s), the wall time and the errors."""
+    lat: list[float] = []
+    errors: list[str] = []
+    left = n
+
+    async def worker() -> None:
+        nonlocal left
+        while left > 0:
+            left -= 1
+            t0 = time.perf_counter()
+            try:
+                lat.append(await fn() - t0)
+            except Exception as e:  # noqa: BLE001 - counted and reported, the run goes on
+                errors.append(f"{type(e).__name__}: {e}"[:300])
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return lat, time.perf_counter() - t0, errors
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
+
+
+async def measure(clients: Clients, paths: list[str], concurrencies: list[int], n: int, rounds: int,
+                  warmup: int, meter: CpuMeter) -> dict:
+    """{(path, concurrency): {"lat": [...], "wall": s, "errors": [...], "cpu_ns": {process: ns}}}"""
+    acc = {(p, c): {"lat": [], "wall": 0.0, "errors": [], "cpu_ns": {}} for p in paths for c in concurrencies}
+    for c in concurrencies:
+        for p in paths:  # warm-up at this concurrency: connections opened, code paths hot
+            _, _, errs = await closed_loop(clients.fns[p], c, max(warmup, c))
+            if errs:
+                raise RuntimeError(f"warm-up {p} at concurrency {c} failed: {errs[0]}")
+        # Every round keeps at least `c` requests, or the concurrency would not be reached.
+        r_c = max(1, min(rounds, n // c))
+        for r, k in enumerate([n // r_c + (1 if r < n % r_c else 0) for r in range(r_c)]):
+            for p in paths[r % len(paths):] + paths[:r % len(paths)]:
+                before = meter.snapshot()
+                lat, wall, errs = await closed_loop(clients.fns[p], c, k)
+                after = meter.snapshot()
+                a = acc[(p, c)]
+                for name, ns in after.items():
+                    a["cpu_ns"][name] = a["cpu_ns"].get(name, 0) + ns - before.get(name, 0)
+                a["lat"] += lat
+                a["wall"] += wall
+                a["errors"] += errs
+        print(f"  concurrency {c}: done ({r_c} rounds)", flush=True)
+    return acc
+
+
+def rows_from(acc: dict, paths: list[str], concurrencies: list[int], backend: str, max_tokens: int) -> list[dict]:
+    us = lambda x: round(x * 1e6, 1)  # noqa: E731
+    rows = []
+    for c in concurrencies:
+        base = acc.get(("direct", c))
+        for p in paths:
+            a = acc[(p, c)]
+            lat = a["lat"]
+            row = {"path": p, "concurrency": c, "max_tokens": max_tokens, "n": len(lat),
+                   "p50_us": us(statistics.median(lat)) if lat else None,
+                   "p99_us": us(pct(lat, 0.99)) if lat else None, "mean_us": us(statistics.mean(lat)) if lat else None,
+                   "rps": round(len(lat) / a["wall"], 1) if a["wall"] else None,
+                   "added_p50_us": None, "added_p99_us": None, "backend": backend, "errors": len(a["errors"])}
+            if base and base["lat"] and lat:
+                row["added_p50_us"] = round(row["p50_us"] - us(statistics.median(base["lat"])), 1)
+                row["added_p99_us"] = round(row["p99_us"] - us(pct(base["lat"], 0.99)), 1)
+            # CPU per request, by process: where the time goes (the gateway's own share is "gateway").
+            row["cpu_us_per_req"] = {name: round(ns / 1e3 / max(1, len(lat)), 1) for name, ns in a["cpu_ns"].items()}
+            if a["errors"]:
+                row["first_error"] = a["errors"][0]
+            rows.append(row)
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    hdr = (f"{'path':<12}{'tok':>4}{'conc':>5}{'n':>6}{'p50 us':>10}{'p99 us':>10}{'mean us':>10}{'req/s':>9}"
+           f"{'+p50 us':>10}{'+p99 us':>10}{'err':>5}   cpu us/req: client / lm / gateway")
+    print(hdr)
+    print("-" * len(hdr))
+    fmt = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
+    for r in rows:
+        print(f"{r['path']:<12}{r['max_tokens']:>4}{r['concurrency']:>5}{r['n']:>6}"
+              f"{fmt(r['p50_us']):>10}{fmt(r['p99_us']):>10}"
+              f"{fmt(r['mean_us']):>10}{fmt(r['rps']):>9}{fmt(r['added_p50_us']):>10}{fmt(r['added_p99_us']):>10}"
+              f"{r['errors']:>5}   {' / '.join(fmt(v) for v in r['cpu_us_per_req'].values())}")
+    print(f"tok = tokens per answer (LM messages per request); latency = send -> last message (REST: last byte);\n"
+          f"+p50/+p99 = path - direct at the same concurrency and tokens; target: +p50 <= {TARGET_US:.0f} us;\n"
+          f"cpu us/req: CPU time each process spent per request (schedstat), health checks included")
+
+
+def machine(command: list[str]) -> dict:
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    from google import protobuf
+
+    info = {"cpu": cpu, "cores": len(os.sched_getaffinity(0)), "python": platform.python_version(),
+            "grpcio": grpc.__version__, "aiohttp": aiohttp.__version__, "protobuf": protobuf.__version__,
+            "platform": platform.platform(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": shlex.join(command)}
+    try:  # the gateway's code is what is measured: say which
+        def git(*a: str) -> str:
+            return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout
+
+        info["git_commit"] = git("rev-parse", "HEAD").strip()
+        dirty = git("status", "--porcelain", "--", "services", "protos")
+        info["git_dirty"] = [line for line in dirty.splitlines() if line]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return info
+
+
+def plot(rows: list[dict], path: str, info: dict, backend: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.6))
+    paths = list(dict.fromkeys(r["path"] for r in rows))
+    tokens = sorted({r["max_tokens"] for r in rows})
+    color = {p: f"C{i}" for i, p in enumerate(PATHS)}
+    # One line style per token count: the most tokens solid, fewer dashed.
+    style = {k: ("-o", "--s", ":^", "-.v")[min(3, len(tokens) - 1 - i)] for i, k in enumerate(tokens)}
+    for k in tokens:
+        for p in paths:
+            rs = sorted((r for r in rows if r["path"] == p and r["max_tokens"] == k and r["p50_us"] is not None),
+                        key=lambda r: r["concurrency"])
+            xs, label = [r["concurrency"] for r in rs], f"{p}, {k} tok"
+            axes[0].plot(xs, [r["p50_us"] / 1e3 for r in rs], style[k], color=color[p], label=label, ms=4)
+            if p == "direct":
+                continue
+            axes[1].plot(xs, [r["added_p50_us"] / 1e3 for r in rs], style[k], color=color[p], label=label, ms=4)
+            axes[2].plot(xs, [r["added_p99_us"] / 1e3 for r in rs], style[k], color=color[p], label=label, ms=4)
+    low = min([0.0] + [r[k] / 1e3 for r in rows for k in ("added_p50_us", "added_p99_us") if r[k] is not None])
+    axes[0].set_title("latency p50 (ms), send -> last message")
+    axes[0].set_yscale("log")
+    axes[1].set_title("added p50 (ms) = path - direct")
+    axes[2].set_title("added p99 (ms) = path - direct")
+    for ax in axes[1:]:
+        ax.axhline(TARGET_US / 1e3, color="red", ls=":", label="1 ms (p50 target)")
+        ax.axhline(0, color="grey", lw=0.8)
+        ax.set_yscale("symlog", linthresh=1.0)
+        ax.set_ylim(bottom=low - 0.1)
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency (closed loop)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"epd-serve gateway overhead, LM back-end: {backend}; {info['cpu']} ({info['cores']} cores), "
+                 f"loopback, {info['date'][:10]}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--real-lm", action="store_true", help="the real LM service on the tiny model instead of the stub")
+    ap.add_argument("--concurrency", default="1,4,16,64", help="comma-separated")
+    ap.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated, from {', '.join(PATHS)}")
+    ap.add_argument("--requests", type=int, default=0,
+                    help="requests per (path, concurrency, tokens) "
+                         "(default: 3000 stub, 256 real LM; --quick: 1000 / 128)")
+    ap.add_argument("--rounds", type=int, default=4, help="interleaved rounds per concurrency")
+    ap.add_argument("--warmup", type=int, default=0,
+                    help="warm-up requests per (path, concurrency), at least the concurrency "
+                         "(default: 50 stub, 8 real LM)")
+    ap.add_argument("--max-tokens", default="1,16",
+                    help="tokens per answer (= LM messages per request), comma-separated: 1 isolates the per-request "
+                         "cost, more adds the per-message relay")
+    ap.add_argument("--quick", action="store_true", help="fewer requests (about 2 minutes on 2 CPU cores)")
+    ap.add_argument("--json", help="write rows here")
+    ap.add_argument("--plot", help="write a PNG plot here")
+    args = ap.parse_args()
+
+    paths = [p for p in args.paths.split(",") if p]
+    if "direct" not in paths or any(p not in PATHS for p in paths):
+        ap.error(f"--paths must include direct and name only {', '.join(PATHS)}")
+    concurrencies = [int(c) for c in args.concurrency.split(",") if c]
+    n = args.requests or {(False, False): 3000, (False, True): 1000, (True, False): 256, (True, True): 128}[
+        (args.real_lm, args.quick)]
+    warmup = args.warmup or (8 if args.real_lm else 50)
+    backend = "real-lm" if args.real_lm else "stub"
+    logdir = os.path.join(ROOT, "bench", "results", "logs")
+    os.makedirs(logdir, exist_ok=True)
+    info = machine(["python", os.path.relpath(sys.argv[0], ROOT) if os.path.isabs(sys.argv[0]) else sys.argv[0],
+                    *sys.argv[1:]])
+
+    token_counts = [int(k) for k in args.max_tokens.split(",") if k]
+    # SIGTERM unwinds like Ctrl-C, so the finally below still stops the services.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    procs: list[Service] = []
+    rows: list[dict] = []
+    try:
+        lm, lm_addr = start_lm(args.real_lm, logdir)
+        procs.append(lm)
+        gw, port, gport = start_gateway(lm_addr, logdir)
+        procs.append(gw)
+        print(f"{backend} at {lm_addr}, gateway http :{port} grpc :{gport}; {n} requests per (path, concurrency), "
+              f"{args.rounds} rounds", flush=True)
+
+        meter = CpuMeter(procs)
+
+        async def run(max_tokens: int) -> dict:
+            clients = Clients(lm_addr, port, gport, max_tokens)
+            try:
+                await clients.setup()
+                return await measure(clients, paths, concurrencies, n, args.rounds, warmup, meter)
+            finally:
+                await clients.close()
+
+        t0 = time.monotonic()
+        for k in token_counts:
+            print(f" {k} token(s) per answer", flush=True)
+            rows += rows_from(asyncio.run(run(k)), paths, concurrencies, backend, k)
+        info["measure_s"] = round(time.monotonic() - t0, 1)
+    finally:
+        for p in reversed(procs):
+            p.stop()
+    print_table(rows)
+    setup = {"backend": backend, "max_tokens": token_counts, "requests": n, "rounds": args.rounds,
+             "warmup": warmup, "prompt": PROMPT, "concurrency": concurrencies,
+             "services": {p.name: shlex.join([os.path.basename(p.argv[0]), *p.argv[1:]]) for p in procs},
+             "target_added_p50_us": TARGET_US}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": info, "setup": setup, "rows": rows}, f, indent=1)
+    if args.plot:
+        plot(rows, args.plot, info, backend)
+    return 1 if any(r["errors"] for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
