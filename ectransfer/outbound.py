@@ -94,6 +94,12 @@ class OutboundStore:
             with self._lock:
                 self._putting.discard(identifier)
 
+    def released_lately(self, identifier: str) -> bool:
+        """The item was freed (acked, cancelled, expired) and no new copy has
+        been reserved since: a consumer asking now is probably too late."""
+        with self._lock:
+            return identifier in self._released and identifier not in self._items
+
     def expect(self, identifier: str) -> None:
         """A new copy of the item is on its way (the producer reserved a slot for
         it): Cancels from now on are for this copy."""

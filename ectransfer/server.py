@@ -34,6 +34,7 @@ class TransferServicer(encoder_pb2_grpc.TransferServiceServicer):
         producer_id: str,
         transports: dict[int, ProducerTransport],
         item_wait_s: float = 60.0,
+        released_grace_s: float = 2.0,
         stats_fn=None,
     ) -> None:
         self.stats_fn = stats_fn or store.snapshot
@@ -42,6 +43,7 @@ class TransferServicer(encoder_pb2_grpc.TransferServiceServicer):
         self.producer_id = producer_id
         self.transports = transports
         self.item_wait_s = item_wait_s
+        self.released_grace_s = released_grace_s
 
     async def Stats(self, request, context):
         values = {k: float(v) for k, v in self.stats_fn().items() if isinstance(v, (int, float))}
@@ -87,7 +89,9 @@ class TransferServicer(encoder_pb2_grpc.TransferServiceServicer):
                 kind = msg.WhichOneof("msg")
                 if kind == "reserve":
                     r = msg.reserve
-                    if r.identifier not in tasks:
+                    # A Reserve for an item being served is a duplicate; one whose last
+                    # serve has ended (sent, or answered with an error) is a new ask.
+                    if r.identifier not in tasks or tasks[r.identifier].done():
                         tasks[r.identifier] = asyncio.create_task(self._serve_item(r, transport, out))
                 elif kind in ("ack", "cancel"):
                     ident = getattr(msg, kind).identifier
@@ -111,6 +115,11 @@ class TransferServicer(encoder_pb2_grpc.TransferServiceServicer):
     async def _serve_item(self, reserve: encoder_pb2.Reserve, transport: ProducerTransport, out: asyncio.Queue) -> None:
         ident = reserve.identifier
         item = await self._wait_for(ident)
+        if item is _GONE:
+            await out.put(_error(ident, encoder_pb2.ItemError.NOT_FOUND,
+                                 f"item {ident} was freed after another consumer's ack and no new copy is being "
+                                 f"encoded here; ask the encoder again"))
+            return
         if item is None:
             failed = self.store.failure(ident)
             await out.put(_error(ident, encoder_pb2.ItemError.INTERNAL, f"item {ident}: {failed}") if failed else
@@ -147,12 +156,27 @@ class TransferServicer(encoder_pb2_grpc.TransferServiceServicer):
             loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(item))
 
         self.store.on_ready(ident, ready)
+        deadline = loop.time() + self.item_wait_s
         try:
-            return await asyncio.wait_for(fut, self.item_wait_s)
-        except asyncio.TimeoutError:
+            while (remaining := deadline - loop.time()) > 0:
+                # An item freed lately with no new copy reserved (a second LM asking
+                # just after the first one's ack) gets a short grace, not the full
+                # wait: the encode that would re-publish it is normally reserved
+                # within milliseconds, and otherwise the consumer should fail fast
+                # so the gateway can re-encode.
+                gone = self.store.released_lately(ident)
+                try:
+                    return await asyncio.wait_for(asyncio.shield(fut), min(remaining, self.released_grace_s)
+                                                  if gone else remaining)
+                except asyncio.TimeoutError:
+                    if gone and self.store.released_lately(ident):
+                        return _GONE
             return None
         finally:
             self.store.forget_waiter(ident, ready)
+
+
+_GONE = object()  # _wait_for: freed lately, no new copy coming
 
 
 def _names(kinds) -> str:

@@ -165,3 +165,32 @@ def test_selection_without_the_producers_dev_shm_falls_back_to_chunks(producer):
 def test_a_forced_transport_that_cannot_work_fails_the_handshake_clearly(producer):
     out = _probe(producer.endpoint, "shm", isolated=True)
     assert out.startswith("ERROR") and "forced" in out and "cannot map" in out, out
+
+
+def test_a_second_consumer_just_after_the_first_ack_fails_fast_then_a_new_copy_is_served(producer):
+    """Two LMs, one image: the first acks (the encoder frees the item); the
+    second asks right after. With no new copy reserved it gets NOT_FOUND within
+    the short grace, not after the full wait; once the encoder reserves and
+    publishes a new copy, asking again works."""
+    first, second = Consumer(), Consumer()
+    try:
+        t = torch.randn(8, 128).to(torch.bfloat16)
+        producer.store.put("twice", t)
+        transfer, got = first.get(producer.endpoint, "twice", t.numel() * 2)
+        assert transfer.state is TransferState.LANDED and same_bits(got, t)
+        deadline = time.monotonic() + 5
+        while producer.store.contains("twice") and time.monotonic() < deadline:
+            time.sleep(0.01)  # the ack travels asynchronously
+        t0 = time.monotonic()
+        transfer, _ = second.get(producer.endpoint, "twice", t.numel() * 2)
+        assert transfer.state is TransferState.FAILED and "no new copy" in transfer.error
+        assert time.monotonic() - t0 < producer.servicer.released_grace_s + 2 < producer.servicer.item_wait_s
+
+        producer.store.expect("twice")  # a new Encode reserved a slot for it
+        late, fetch, slot = second.start(producer.endpoint, "twice", t.numel() * 2)
+        producer.store.put("twice", t)
+        assert second.wait(late) is TransferState.LANDED
+        assert same_bits(tensors.from_bytes(second.staging.view(slot), fetch.shape, fetch.dtype), t)
+    finally:
+        first.close()
+        second.close()
