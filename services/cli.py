@@ -42,7 +42,8 @@ def _engine_cfg(ns):
     return cfg
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``epd`` argument parser (one flag per config field); parsing runs nothing."""
     from services.common.engine import EngineConfig
     from services.encoder.config import EncoderServiceConfig
     from services.gateway.config import GatewayConfig
@@ -71,7 +72,15 @@ def main(argv: list[str] | None = None) -> int:
     u.add_argument("--host", default="127.0.0.1")
     u.add_argument("--vllm-args", default="{}", help="extra vLLM engine arguments for both engines (JSON)")
 
-    ns = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from services.encoder.config import EncoderServiceConfig
+    from services.gateway.config import GatewayConfig
+    from services.lm.config import LMServiceConfig
+
+    ns = build_parser().parse_args(argv)
     _logging(ns.log_level)
     if ns.cmd == "tiny-model":
         from services.tiny_model import build_tiny_model
