@@ -54,7 +54,13 @@ bench-transfer: install
 
 bench-serving: install
 	$(PY) -m pip install -q "matplotlib>=3.8"
-	$(PY) bench/serving.py --quick --rates 0.5,1.5 --json bench/results/serving-cpu.json --plot bench/results/serving-cpu.png
+	$(PY) bench/serving.py --cost-ratio --variants bench,bench-light --json bench/results/serving-cpu-cost.json
+	$(PY) bench/serving.py --quick --systems colocated,colocated-dp2,epd,vllm-ec --rates 0.5,1.5 \
+		--image-fractions 0.1 --json bench/results/serving-cpu-light.json --plot bench/results/serving-cpu-light.png
+	$(PY) bench/serving.py --quick --systems colocated,epd --rates 1.5 --image-fractions 0,0.1,0.5,1 \
+		--json bench/results/serving-cpu-sweep.json --plot bench/results/serving-cpu-sweep.png
+	$(PY) bench/serving.py --quick --variant bench --systems colocated,colocated-dp2,epd,vllm-ec --rates 0.5,1.5 \
+		--image-fractions 0.1 --json bench/results/serving-cpu-bench.json --plot bench/results/serving-cpu-bench.png
 
 bench-gateway: install
 	$(PY) -m pip install -q "matplotlib>=3.8"

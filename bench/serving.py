@@ -1,19 +1,35 @@
-"""Serving benchmark: the seed's mixed workload, colocated vLLM vs epd-serve.
+"""Serving benchmark: the seed's mixed workload on four systems with the same cores.
 
-Workload: Poisson arrivals at a fixed rate; every ``--image-every``-th request
-carries a large image, the rest are text. Every request streams, and the client
-measures TTFT, TPOT (mean inter-token time after the first token) and ITL per
-request. Systems, on the same cores (``--cores``, default: all of this machine):
+Workload: Poisson arrivals at a fixed rate; a fraction of the requests
+(``--image-fractions``, default 0.1: every 10th) carries a large image, the
+rest are text. Every request streams, and the client measures TTFT, TPOT (mean
+inter-token time after the first token) and ITL per request. Systems, on the
+same cores (``--cores``, default: all of this machine):
 
 * ``colocated``: one vLLM engine (our LM service without encoders: it encodes
   images itself, as plain vLLM does) on all cores, behind the gateway;
-* ``epd``: encoder on half the cores, LM on the other half (1E1PD), same gateway.
+* ``colocated-dp2``: two such LM services, each on half the cores, behind the
+  same gateway (``--lms a,b``; it routes to the least-outstanding LM): data
+  parallel on equal cores;
+* ``epd``: our encoder on half the cores, our LM on the other half (1E1PD),
+  same gateway;
+* ``vllm-ec``: vLLM's own encoder disaggregation, ``ECExampleConnector``
+  (files): an ``ec_producer`` vLLM OpenAI server on half the cores, an
+  ``ec_consumer`` one on the other half, and ``bench/ec_proxy.py`` in front,
+  which drives them sequentially as upstream's example proxy does. Same engine
+  settings as our services (``services.common.engine.EngineConfig`` defaults).
 
-Both use the ``bench`` variant of the built-in model (a larger vision tower, so
-one image costs a realistic number of decode steps) unless ``--model`` says
-otherwise. The same script runs a real model on a GPU host (``--model``).
+For the gateway systems the benchmark reads the gateway's
+``epd_gateway_stage_seconds`` histograms before and after each run and reports
+the mean of every stage. ``--cost-ratio`` instead measures what one image costs
+in decode steps (sequential requests, no load) for each ``--variants`` model.
 
-    python bench/serving.py --quick --json bench/results/serving-cpu.json --plot bench/results/serving-cpu.png
+The models are the ``bench-light`` variant of the built-in model (its image
+costs about as many decode steps as a 7B VLM's image on a GPU) unless
+``--variant`` or ``--model`` says otherwise.
+
+    python bench/serving.py --quick --rates 0.5,1.5 --json bench/results/serving-cpu-light.json --plot ...
+    python bench/serving.py --cost-ratio --variants bench,bench-light --json bench/results/serving-cpu-cost.json
 """
 
 from __future__ import annotations
@@ -23,37 +39,51 @@ import asyncio
 import json
 import os
 import random
+import re
+import shutil
 import statistics
 import sys
+import tempfile
 import time
+import urllib.request
+from dataclasses import dataclass
+from fractions import Fraction
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import aiohttp  # noqa: E402
 
+from ectransfer.shm import cleanup_orphans  # noqa: E402
+from services.common.engine import EngineConfig  # noqa: E402
 from services.common.images import data_url, make_image  # noqa: E402
 from services.up import Service, free_port, grpc_serving, http_ok  # noqa: E402
 
 WORDS = ("the river light stone cloud north window garden silver market evening paper quiet "
          "engine summer letter mountain bridge winter forest harbor lantern orchard").split()
+SYSTEMS = ("colocated", "colocated-dp2", "epd", "vllm-ec")
+STAGES = ("queue", "metadata", "encode", "transfer", "lm_queue", "ttft", "tpot", "total")
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
-def workload(n: int, rate: float, image_every: int, prompt_words: int, image_size, seed: int = 0):
+def workload(n: int, rate: float, image_fraction: Fraction, prompt_words: int, image_size, seed: int = 0):
+    """Request i carries an image when floor((i+1)*f) > floor(i*f): evenly spread, and for f = 1/k
+    exactly every k-th request (the seed's "every 10th" at f = 0.1)."""
     rng = random.Random(seed)
     t, reqs = 0.0, []
     for i in range(n):
         t += rng.expovariate(rate)
         text = "Summarize: " + " ".join(rng.choice(WORDS) for _ in range(prompt_words))
         content: list | str = text
-        if image_every and i % image_every == image_every - 1:
-            content = [{"type": "image_url", "image_url": {"url": data_url(make_image(seed * 100_000 + i, image_size))}},
-                       {"type": "text", "text": text}]
+        if int((i + 1) * image_fraction) > int(i * image_fraction):
+            url = data_url(make_image(seed * 100_000 + i, image_size))
+            content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": text}]
         reqs.append((t, {"messages": [{"role": "user", "content": content}], "stream": True}))
     return reqs
 
 
 async def one(session, url: str, body: dict, max_tokens: int, t_send: float) -> dict:
-    body = dict(body, max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    # return_token_ids: vLLM's own server (vllm-ec) then puts token_ids in every chunk, as the gateway does.
+    body = dict(body, max_tokens=max_tokens, temperature=0, ignore_eos=True, return_token_ids=True)
     arrivals, n = [], 0
     async with session.post(url, json=body) as resp:
         status = resp.status
@@ -82,7 +112,7 @@ async def one(session, url: str, body: dict, max_tokens: int, t_send: float) -> 
 
 async def drive(url: str, reqs, max_tokens: int) -> tuple[list[dict], float]:
     timeout = aiohttp.ClientTimeout(total=600)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
         t0 = time.perf_counter()
 
         async def at(offset, body):
@@ -93,52 +123,185 @@ async def drive(url: str, reqs, max_tokens: int) -> tuple[list[dict], float]:
         return results, time.perf_counter() - t0
 
 
+# ----------------------------------------------------------------------------- systems
+
+
+@dataclass(eq=False)
+class Command(Service):
+    """A process that is not an ``epd`` service (a vLLM OpenAI server, the proxy): ``args`` is its
+    whole argv. Started in its own session, stopped like a service (SIGTERM, then the group)."""
+
+    extra_env: dict | None = None
+
+    def start(self, env: dict[str, str]) -> None:
+        import subprocess
+
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT,
+                                     env={**env, **(self.extra_env or {})}, start_new_session=True)
+        log.close()
+
+
+def _fmt(cores: list[int]) -> str:
+    return ",".join(map(str, cores))
+
+
+def _halves(cores: list[int]) -> tuple[list[int], list[int]]:
+    half = max(1, len(cores) // 2)
+    return cores[:half], cores[half:] or cores
+
+
+def vllm_server_argv(model: str, port: int, vllm_args: dict, ec: dict) -> list[str]:
+    """``python -m vllm.entrypoints.openai.api_server`` with the engine settings our services use
+    (``EngineConfig`` defaults, plus ``--vllm-args``): the comparison differs only in the system."""
+    cfg = EngineConfig(model=model)
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+            "--host", "127.0.0.1", "--port", str(port), "--dtype", cfg.dtype,
+            "--max-num-seqs", str(cfg.max_num_seqs), "--seed", str(cfg.seed),
+            "--limit-mm-per-prompt", json.dumps({"image": cfg.max_images_per_prompt}),
+            "--kv-cache-memory-bytes", str(cfg.kv_cache_bytes), "--disable-uvicorn-access-log",
+            "--ec-transfer-config", json.dumps(ec)]
+    if cfg.enforce_eager:
+        argv.append("--enforce-eager")
+    if cfg.max_model_len:
+        argv += ["--max-model-len", str(cfg.max_model_len)]
+    for k, v in vllm_args.items():
+        flag = "--" + k.replace("_", "-")
+        if v is True:
+            argv.append(flag)
+        elif v is False:
+            argv.append("--no-" + k.replace("_", "-"))
+        else:
+            argv += [flag, v if isinstance(v, str) else json.dumps(v)]
+    return argv
+
+
+# What services/common/engine.py sets before vLLM is imported, for the vLLM servers of ``vllm-ec``.
+VLLM_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+            "VLLM_DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+
+
 class System:
-    """Starts one system's services as subprocesses on the given cores."""
+    """One system's processes on the given cores; ``start()`` waits until it answers, ``stop()``
+    stops every process group it started (also after a failed start)."""
 
     def __init__(self, name: str, model: str, cores: list[int], logdir: str, vllm_args: str) -> None:
-        self.name = name
-        fmt = lambda cs: ",".join(map(str, cs))  # noqa: E731
-        common = ["--model", model, "--vllm-args", vllm_args]
-        self.lm_addr = f"127.0.0.1:{free_port()}"
+        if name not in SYSTEMS:
+            raise ValueError(f"unknown system {name!r}; choose from {', '.join(SYSTEMS)}")
+        self.name, self.model = name, model
         self.port = free_port()
-        self.services: list[Service] = []
-        encoders = ""
-        if name == "epd":
-            half = max(1, len(cores) // 2)
-            enc_addr = f"127.0.0.1:{free_port()}"
-            self.services.append(Service("encoder", ["encoder", "--port", enc_addr.split(":")[1],
-                                                     "--cpu-cores", fmt(cores[:half]), *common],
-                                         os.path.join(logdir, f"{name}-encoder.log")))
-            lm_cores, encoders = cores[half:] or cores, enc_addr
-        else:
-            lm_cores = cores
-        self.lm_metrics = free_port()
-        self.services.append(Service("lm", ["lm", "--port", self.lm_addr.split(":")[1], "--cpu-cores", fmt(lm_cores),
-                                            "--metrics-port", str(self.lm_metrics), *common],
-                                     os.path.join(logdir, f"{name}-lm.log")))
-        self.gateway = Service("gateway", ["gateway", "--port", str(self.port), "--lms", self.lm_addr,
-                                           "--encoders", encoders], os.path.join(logdir, f"{name}-gateway.log"))
-        self.encoder_addr = encoders
+        self.engines: list[tuple[Service, object]] = []  # (process, readiness check)
+        self.tmpdir = ""
+        log = lambda role: os.path.join(logdir, f"{name}-{role}.log")  # noqa: E731
+        common = ["--model", model, "--vllm-args", vllm_args]
 
-    def start(self) -> "System":
-        env = dict(os.environ)
-        for s in self.services:
-            s.start(env)
-        deadline = time.monotonic() + 600
-        addrs = [self.lm_addr] + ([self.encoder_addr] if self.encoder_addr else [])
-        while not all(grpc_serving(a) for a in addrs):
-            if time.monotonic() > deadline or not all(s.alive() for s in self.services):
-                raise RuntimeError(f"{self.name} did not start:\n" + "\n".join(s.log_tail() for s in self.services))
-            time.sleep(0.5)
-        self.gateway.start(env)
-        while not http_ok(f"http://127.0.0.1:{self.port}/health"):
-            time.sleep(0.2)
+        def epd_service(role: str, tag: str, cs: list[int]) -> str:
+            port = free_port()
+            svc = Service(role, [role, "--port", str(port), "--cpu-cores", _fmt(cs), "--metrics-port",
+                                 str(free_port()), *common], log(tag))
+            addr = f"127.0.0.1:{port}"
+            self.engines.append((svc, (lambda a: lambda: grpc_serving(a))(addr)))
+            return addr
+
+        a, b = _halves(cores)
+        if name == "vllm-ec":
+            self.tmpdir = tempfile.mkdtemp(prefix="vllm-ec-")
+            urls = []
+            for role, cs in (("producer", a), ("consumer", b)):
+                port = free_port()
+                ec = {"ec_connector": "ECExampleConnector", "ec_role": f"ec_{role}",
+                      "ec_connector_extra_config": {"shared_storage_path": self.tmpdir}}
+                svc = Command(role, vllm_server_argv(model, port, json.loads(vllm_args), ec), log(role),
+                              extra_env={**VLLM_ENV, "VLLM_CPU_OMP_THREADS_BIND": _fmt(cs)})
+                url = f"http://127.0.0.1:{port}"
+                self.engines.append((svc, (lambda u: lambda: http_ok(u + "/health"))(url)))
+                urls.append(url)
+            self.front = Command("proxy", [sys.executable, os.path.join(BENCH_DIR, "ec_proxy.py"), "--port",
+                                           str(self.port), "--producer", urls[0], "--consumer", urls[1],
+                                           "--model", model], log("proxy"))
+            return
+        if name == "colocated":
+            lms, encoders = [epd_service("lm", "lm", cores)], []
+        elif name == "colocated-dp2":
+            lms, encoders = [epd_service("lm", "lm0", a), epd_service("lm", "lm1", b)], []
+        else:  # epd
+            encoders, lms = [epd_service("encoder", "encoder", a)], [epd_service("lm", "lm", b)]
+        self.front = Service("gateway", ["gateway", "--port", str(self.port), "--lms", ",".join(lms),
+                                         "--encoders", ",".join(encoders)], log("gateway"))
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1/chat/completions"
+
+    def start(self, timeout: float = 600.0) -> "System":
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        procs = [s for s, _ in self.engines] + [self.front]
+        try:
+            for svc, _ in self.engines:
+                svc.start(env)
+            deadline = time.monotonic() + timeout
+            while not all(ready() for _, ready in self.engines):
+                if time.monotonic() > deadline or not all(s.alive() for s, _ in self.engines):
+                    raise RuntimeError(f"{self.name} did not start:\n" + "\n".join(s.log_tail() for s in procs))
+                time.sleep(0.5)
+            self.front.start(env)
+            while not http_ok(f"http://127.0.0.1:{self.port}/health"):
+                if time.monotonic() > deadline or not self.front.alive():
+                    raise RuntimeError(f"{self.name}: {self.front.name} did not start:\n{self.front.log_tail()}")
+                time.sleep(0.2)
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def stop(self) -> None:
-        for s in [self.gateway, *reversed(self.services)]:
+        for s in [self.front, *reversed([s for s, _ in self.engines])]:
             s.stop()
+        cleanup_orphans()
+        if self.tmpdir:
+            shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+    def stage_totals(self) -> dict:
+        """Cumulative per-stage (sum seconds, count): the gateway's histograms, or for ``vllm-ec`` the
+        proxy's producer round trips (its "encode" stage)."""
+        base = f"http://127.0.0.1:{self.port}"
+        if self.name == "vllm-ec":
+            with urllib.request.urlopen(base + "/stats", timeout=5) as r:
+                s = json.load(r)
+            return {"encode": (s["encode_s_sum"], s["encode_count"])}
+        with urllib.request.urlopen(base + "/metrics", timeout=5) as r:
+            text = r.read().decode()
+        out: dict[str, list[float]] = {}
+        for m in re.finditer(r'^epd_gateway_stage_seconds_(sum|count)\{stage="(\w+)"\} (\S+)$', text, re.M):
+            out.setdefault(m.group(2), [0.0, 0.0])[m.group(1) == "count"] = float(m.group(3))
+        return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def start_system(name: str, model: str, cores: list[int], logdir: str, vllm_args: str, tries: int = 3) -> System:
+    """Start a system, with fresh ports on a failed try: a port that ``free_port`` found free can be
+    taken by another process before the service binds it."""
+    for i in range(tries):
+        try:
+            return System(name, model, cores, logdir, vllm_args).start()
+        except RuntimeError as e:
+            if i == tries - 1:
+                raise
+            print(f"{name}: start failed, retrying with new ports ({str(e).splitlines()[0]})", flush=True)
+    raise AssertionError
+
+
+def stage_means(before: dict, after: dict) -> dict:
+    """Mean ms per stage over one run (only stages that saw requests)."""
+    out = {}
+    for stage in STAGES:
+        s0, c0 = before.get(stage, (0.0, 0.0))
+        s1, c1 = after.get(stage, (0.0, 0.0))
+        if c1 > c0:
+            out[stage] = {"mean_ms": round((s1 - s0) / (c1 - c0) * 1e3, 1), "count": int(c1 - c0)}
+    return out
+
+
+# ----------------------------------------------------------------------------- results
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -146,42 +309,55 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
 
 
-def summarize(system: str, rate: float, results: list[dict], duration: float) -> dict:
+def summarize(system: str, rate: float, fraction: Fraction, results: list[dict], duration: float,
+              stages: dict) -> dict:
     ok = [r for r in results if r["ok"]]
     text = [r for r in ok if not r["image"]]
     image = [r for r in ok if r["image"]]
     ms = lambda x: round(x * 1e3, 1)  # noqa: E731
 
-    def stats(rs, key):
-        vals = [r[key] for r in rs]
-        return {"mean": ms(statistics.mean(vals)) if vals else None, "median": ms(statistics.median(vals)) if vals else None,
-                "p99": ms(pct(vals, 0.99)) if vals else None}
+    def dist(vals):
+        if not vals:
+            return {"mean": None, "median": None, "p99": None}
+        return {"mean": ms(statistics.mean(vals)), "median": ms(statistics.median(vals)), "p99": ms(pct(vals, 0.99))}
 
+    stats = lambda rs, key: dist([r[key] for r in rs])  # noqa: E731
     itls = [x for r in ok for x in r["itls"]]
     return {
-        "system": system, "rate": rate, "requests": len(results), "failed": len(results) - len(ok),
+        "system": system, "rate": rate, "image_fraction": float(fraction), "requests": len(results),
+        "image_requests": sum(r["image"] for r in results), "failed": len(results) - len(ok),
         "duration_s": round(duration, 2), "req_per_s": round(len(ok) / duration, 3),
         "out_tok_per_s": round(sum(r["tokens"] for r in ok) / duration, 1),
         "ttft_ms": stats(ok, "ttft"), "tpot_ms": stats(ok, "tpot"),
-        "itl_ms": {"mean": ms(statistics.mean(itls)) if itls else None, "median": ms(statistics.median(itls)) if itls else None,
-                   "p99": ms(pct(itls, 0.99)) if itls else None},
+        "itl_ms": dist(itls),
         "text_tpot_ms": stats(text, "tpot"), "text_ttft_ms": stats(text, "ttft"),
-        "image_ttft_ms": stats(image, "ttft"),
-        "raw": {"text_tpot": [r["tpot"] for r in text], "ttft": [r["ttft"] for r in ok]},
+        "image_ttft_ms": stats(image, "ttft"), "image_tpot_ms": stats(image, "tpot"),
+        "stages_ms": stages,
+        "raw": {"text_tpot": [r["tpot"] for r in text], "tpot": [r["tpot"] for r in ok],
+                "ttft": [r["ttft"] for r in ok], "text_ttft": [r["ttft"] for r in text],
+                "image_ttft": [r["ttft"] for r in image]},
     }
 
 
 def print_table(rows: list[dict]) -> None:
-    hdr = (f"{'system':<10}{'rate':>5}{'req/s':>7}{'tok/s':>8}{'TTFT p50':>10}{'TTFT p99':>10}"
-           f"{'TPOT p50':>10}{'TPOT p99':>10}{'textTPOT50':>11}{'textTPOT99':>11}{'imgTTFT50':>10}{'fail':>5}")
+    s = lambda v: "-" if v is None else str(v)  # noqa: E731
+    hdr = (f"{'system':<14}{'rate':>5}{'img%':>5}{'req/s':>7}{'tok/s':>7}{'TTFT50':>8}{'TTFT99':>8}"
+           f"{'TPOT50':>8}{'TPOT99':>8}{'txtTPOT50':>10}{'txtTPOT99':>10}{'txtTTFT50':>10}{'imgTTFT50':>10}"
+           f"{'fail':>5}")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
-        print(f"{r['system']:<10}{r['rate']:>5}{r['req_per_s']:>7}{r['out_tok_per_s']:>8}"
-              f"{r['ttft_ms']['median']:>10}{r['ttft_ms']['p99']:>10}{r['tpot_ms']['median']:>10}{r['tpot_ms']['p99']:>10}"
-              f"{r['text_tpot_ms']['median']:>11}{r['text_tpot_ms']['p99']:>11}{str(r['image_ttft_ms']['median']):>10}"
-              f"{r['failed']:>5}")
-    print("times in ms; TPOT = mean inter-token time after the first token; text* = text-only requests")
+        print(f"{r['system']:<14}{r['rate']:>5}{round(r['image_fraction'] * 100):>5}{r['req_per_s']:>7}"
+              f"{r['out_tok_per_s']:>7}{s(r['ttft_ms']['median']):>8}{s(r['ttft_ms']['p99']):>8}"
+              f"{s(r['tpot_ms']['median']):>8}{s(r['tpot_ms']['p99']):>8}{s(r['text_tpot_ms']['median']):>10}"
+              f"{s(r['text_tpot_ms']['p99']):>10}{s(r['text_ttft_ms']['median']):>10}"
+              f"{s(r['image_ttft_ms']['median']):>10}{r['failed']:>5}")
+    print("times in ms; TPOT = mean inter-token time after the first token; txt*/img* = text-only/image requests")
+    print("\nmean per stage (ms; gateway histograms; vllm-ec: the proxy's producer round trip as encode)")
+    print(f"{'system':<14}{'rate':>5}{'img%':>5}" + "".join(f"{st:>10}" for st in STAGES))
+    for r in rows:
+        print(f"{r['system']:<14}{r['rate']:>5}{round(r['image_fraction'] * 100):>5}" +
+              "".join(f"{s(r['stages_ms'].get(st, {}).get('mean_ms')):>10}" for st in STAGES))
 
 
 def plot(rows: list[dict], path: str, title: str) -> None:
@@ -190,71 +366,160 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
-    labels = [f"{r['system']}\n{r['rate']} req/s" for r in rows]
-    axes[0].boxplot([[x * 1e3 for x in r["raw"]["ttft"]] for r in rows], tick_labels=labels, showfliers=True)
-    axes[0].set_title("TTFT, all requests (ms)")
+    fig, axes = plt.subplots(1, 3, figsize=(max(14, 1.6 * len(rows) + 4), 5))
+    labels = [f"{r['system']}\n{r['rate']}/s {round(r['image_fraction'] * 100)}%img" for r in rows]
+    panels = (("ttft", "TTFT, all requests (ms, log)"), ("tpot", "TPOT, all requests (ms)"),
+              ("text_tpot", "TPOT, text-only requests (ms)"))
+    for ax, (key, name) in zip(axes, panels):
+        ax.boxplot([[x * 1e3 for x in r["raw"][key]] or [float("nan")] for r in rows], tick_labels=labels)
+        ax.set_title(name)
     axes[0].set_yscale("log")
-    axes[1].boxplot([[x * 1e3 for x in r["raw"]["text_tpot"]] for r in rows], tick_labels=labels, showfliers=True)
-    axes[1].set_title("TPOT, text-only requests (ms)")
     for ax in axes:
         ax.grid(True, alpha=0.3)
+        ax.tick_params(axis="x", labelsize=7, rotation=60)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
+# ----------------------------------------------------------------------------- cost ratio
+
+
+async def _sequential(url: str, bodies: list[dict], max_tokens: int) -> list[dict]:
+    """Non-streaming requests one at a time; the gateway's ``epd.timings`` of each."""
+    out = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+        for body in bodies:
+            body = dict(body, stream=False, max_tokens=max_tokens, temperature=0, ignore_eos=True)
+            async with session.post(url, json=body) as r:
+                data = await r.json()
+                if r.status != 200:
+                    raise RuntimeError(f"request failed: {r.status} {data}")
+                out.append(data["epd"]["timings"])
+    return out
+
+
+def cost_ratio(variant: str, model: str, cores: list[int], logdir: str, vllm_args: str, size, words: int,
+               max_tokens: int, k: int = 12) -> dict:
+    """What one image costs in decode steps, with no load: on ``epd`` (encoder and LM on one core
+    each) the encoder's encode_ms (image decode + preprocessing + vision tower) over the LM's TPOT of
+    a text request; on ``colocated`` (all cores) the extra TTFT of an image request over a text one
+    (encode + prefill of its image tokens), over TPOT. Image and text requests alternate, so a drift
+    in the machine's speed hits both alike; medians of ``k`` each."""
+    out = {"variant": variant, "model": model, "pairs": k}
+    imgs = [b for _, b in workload(k + 2, 1.0, Fraction(1), words, size, seed=7)]
+    texts = [b for _, b in workload(k + 2, 1.0, Fraction(0), words, size, seed=8)]
+    med = lambda xs: round(statistics.median(xs), 2)  # noqa: E731
+    for name in ("epd", "colocated"):
+        system = start_system(name, model, cores, logdir, vllm_args)
+        try:
+            asyncio.run(_sequential(system.url, [imgs[0], texts[0], imgs[1], texts[1]], 8))  # warm-up
+            both = asyncio.run(_sequential(system.url, [b for pair in zip(imgs[2:], texts[2:]) for b in pair],
+                                           max_tokens))
+        finally:
+            system.stop()
+        ti, tt = both[0::2], both[1::2]
+        tpot = med([t["tpot_ms"] for t in tt])
+        raw = {"image": ti, "text": tt}
+        if name == "epd":
+            enc = med([t["encode_ms"] for t in ti])
+            out["epd"] = {"encode_ms": enc, "text_tpot_ms": tpot, "steps_per_image": round(enc / tpot, 1),
+                          "image_ttft_ms": med([t["ttft_ms"] for t in ti]),
+                          "text_ttft_ms": med([t["ttft_ms"] for t in tt]), "raw": raw}
+        else:
+            extra = med([t["ttft_ms"] for t in ti]) - med([t["ttft_ms"] for t in tt])
+            out["colocated"] = {"image_ttft_ms": med([t["ttft_ms"] for t in ti]),
+                                "text_ttft_ms": med([t["ttft_ms"] for t in tt]), "text_tpot_ms": tpot,
+                                "image_extra_ttft_ms": round(extra, 1), "steps_per_image": round(extra / tpot, 1),
+                                "raw": raw}
+        print(f"{variant} {name}: " + str({k2: v for k2, v in out[name].items() if k2 != "raw"}), flush=True)
+    return out
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def parse_cores(spec: str) -> list[int]:
+    if not spec:
+        return sorted(os.sched_getaffinity(0))
+    a, _, b = spec.partition("-")
+    return list(range(int(a), int(b or a) + 1))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="", help="model dir or name (default: the built-in bench variant)")
-    ap.add_argument("--systems", default="colocated,epd")
-    ap.add_argument("--rates", default="1,2", help="requests per second, comma-separated")
-    ap.add_argument("--requests", type=int, default=80, help="requests per rate")
+    ap.add_argument("--model", default="", help="model dir or name (default: the built-in --variant)")
+    ap.add_argument("--variant", default="bench-light", help="built-in model variant when --model is not given")
+    ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, from {', '.join(SYSTEMS)}")
+    ap.add_argument("--rates", default="0.5,1.5", help="requests per second, comma-separated")
+    ap.add_argument("--image-fractions", default="",
+                    help="fractions of requests that carry an image, comma-separated, e.g. 0,0.1,0.5,1 "
+                         "(every rate runs every fraction; default: 1/--image-every)")
     ap.add_argument("--image-every", type=int, default=10, help="every n-th request carries an image (0: none)")
+    ap.add_argument("--requests", type=int, default=80, help="requests per run")
     ap.add_argument("--image-size", default="768x512")
     ap.add_argument("--prompt-words", type=int, default=60)
     ap.add_argument("--max-tokens", type=int, default=48)
-    ap.add_argument("--cores", default="", help="cores both systems use, e.g. 0-7 (default: all)")
+    ap.add_argument("--cores", default="", help="cores every system uses, e.g. 0-7 (default: all)")
     ap.add_argument("--vllm-args", default="{}")
-    ap.add_argument("--quick", action="store_true", help="40 requests per rate")
+    ap.add_argument("--quick", action="store_true", help="40 requests per run")
+    ap.add_argument("--cost-ratio", action="store_true",
+                    help="measure encode time per image vs decode step for each --variants model, then exit")
+    ap.add_argument("--variants", default="bench,bench-light", help="variants for --cost-ratio")
     ap.add_argument("--json")
     ap.add_argument("--plot")
     args = ap.parse_args()
 
     from services.cli import default_model
 
-    model = args.model or default_model("bench")
-    cores = sorted(os.sched_getaffinity(0))
-    if args.cores:
-        a, _, b = args.cores.partition("-")
-        cores = list(range(int(a), int(b or a) + 1))
-    n = 40 if args.quick else args.requests
+    cores = parse_cores(args.cores)
     w, h = map(int, args.image_size.split("x"))
-    logdir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "logs")
+    logdir = os.path.join(BENCH_DIR, "results", "logs")
     os.makedirs(logdir, exist_ok=True)
+    info = {"cores": cores, "image_size": args.image_size, "max_tokens": args.max_tokens,
+            "prompt_words": args.prompt_words, "vllm_args": json.loads(args.vllm_args),
+            "command": " ".join(["python", *sys.argv]),
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+    if args.cost_ratio:
+        res = [cost_ratio(v, default_model(v), cores, logdir, args.vllm_args, (w, h), args.prompt_words,
+                          args.max_tokens) for v in args.variants.split(",")]
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"setup": info, "variants": res}, f, indent=1)
+        return 0
+
+    model = args.model or default_model(args.variant)
+    if args.image_fractions:
+        fractions = [Fraction(x).limit_denominator(1000) for x in args.image_fractions.split(",")]
+    else:
+        fractions = [Fraction(1, args.image_every) if args.image_every else Fraction(0)]
+    n = 40 if args.quick else args.requests
     rows = []
     for name in args.systems.split(","):
-        system = System(name, model, cores, logdir, args.vllm_args).start()
+        system = start_system(name, model, cores, logdir, args.vllm_args)
         try:
-            url = f"http://127.0.0.1:{system.port}/v1/chat/completions"
-            asyncio.run(drive(url, workload(4, 10.0, 2, args.prompt_words, (w, h), seed=99), 8))  # warm-up
+            asyncio.run(drive(system.url, workload(4, 10.0, Fraction(1, 2), args.prompt_words, (w, h), seed=99), 8))
             for rate in [float(r) for r in args.rates.split(",")]:
-                reqs = workload(n, rate, args.image_every, args.prompt_words, (w, h), seed=int(rate * 1000))
-                results, duration = asyncio.run(drive(url, reqs, args.max_tokens))
-                rows.append(summarize(name, rate, results, duration))
-                print(f"{name} @ {rate} req/s done", flush=True)
+                for frac in fractions:
+                    reqs = workload(n, rate, frac, args.prompt_words, (w, h), seed=int(rate * 1000))
+                    before = system.stage_totals()
+                    results, duration = asyncio.run(drive(system.url, reqs, args.max_tokens))
+                    time.sleep(0.5)  # the gateway observes a request just after its last byte
+                    stages = stage_means(before, system.stage_totals())
+                    rows.append(summarize(name, rate, frac, results, duration, stages))
+                    print(f"{name} @ {rate} req/s, {float(frac):.0%} images: done "
+                          f"({rows[-1]['failed']} failed, {duration:.0f} s)", flush=True)
         finally:
             system.stop()
     print_table(rows)
-    info = {"model": model, "cores": cores, "requests_per_rate": n, "image_every": args.image_every,
-            "image_size": args.image_size, "max_tokens": args.max_tokens, "prompt_words": args.prompt_words,
-            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    info.update(model=model, requests_per_run=n, image_fractions=[float(f) for f in fractions])
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"setup": info, "rows": rows}, f, indent=1)
     if args.plot:
-        plot(rows, args.plot, f"{os.path.basename(model)} on cores {cores}; every {args.image_every}th request "
-                              f"has a {args.image_size} image")
+        plot(rows, args.plot, f"{os.path.basename(model)} on cores {cores}; {args.image_size} images; "
+                              f"{n} requests per run, {args.max_tokens} output tokens")
     return 0
 
 

@@ -23,6 +23,10 @@ Variants:
               -> 64 tokens per tile), Llama 4x256; ~77 MB.  Images are resized
               to longest edge 768 and split into 384 px tiles plus a global
               tile (a square or 3:2 image -> 2x2 tiles + global = 320 tokens).
+``bench-light`` like ``bench`` (same LM, tiling and 320 image tokens) but a
+              4x256 vision tower, about 9x less vision compute: one image costs
+              about as many decode steps as a 7B VLM's image on a GPU does
+              (``bench`` is ~8x too heavy for that; see docs/benchmarks.md).
 
 Idefics3 always rescales the longest edge to ``size["longest_edge"]`` (also
 upscaling), so the tile count depends on the aspect ratio, not on resolution.
@@ -107,6 +111,9 @@ VARIANTS: dict[str, dict] = {
         size=768, max_image_size=384,
     ),
 }
+# ``bench`` with a 4x256 vision tower: same LM, tiling and 320 image tokens.
+VARIANTS["bench-light"] = dict(VARIANTS["bench"], vision=dict(
+    VARIANTS["bench"]["vision"], hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4))
 
 
 def _image_seq_len(spec: dict) -> int:

@@ -1,0 +1,101 @@
+"""A tiny proxy in front of vLLM's own encoder disaggregation (the ``vllm-ec``
+system of ``bench/serving.py``), driven the way upstream's example proxy
+(vLLM ``examples/online_serving/disaggregated_encoder/disagg_epd_proxy.py``)
+drives it: sequentially.
+
+For a chat request that carries an image, the proxy first POSTs the request to
+the producer (an ``ec_producer`` vLLM OpenAI server: it encodes, writes the
+encoder output to ``ECExampleConnector``'s shared directory, and answers one
+token), waits for that answer, then sends the original request to the consumer
+(an ``ec_consumer`` server, which finds the file by the image's hash and skips
+its own vision encoder) and streams its answer back. Text requests go straight
+to the consumer. ``GET /stats`` returns the producer round trips it timed.
+
+    python bench/ec_proxy.py --port P --producer http://127.0.0.1:A --consumer http://127.0.0.1:B --model M
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+
+import aiohttp
+from aiohttp import web
+
+
+def has_media(body: dict) -> bool:
+    return any(isinstance(m.get("content"), list) and
+               any(p.get("type") in ("image_url", "audio_url", "input_audio") for p in m["content"])
+               for m in body.get("messages", []))
+
+
+class Proxy:
+    def __init__(self, producer: str, consumer: str, model: str) -> None:
+        self.producer, self.consumer, self.model = producer, consumer, model
+        self.session: aiohttp.ClientSession | None = None
+        self.encode_s: list[float] = []
+        self.failed = 0
+
+    async def start(self, app: web.Application) -> None:
+        # No total limit: the client owns the deadline (as in upstream's proxy).
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None),
+                                             connector=aiohttp.TCPConnector(limit=0))
+
+    async def stop(self, app: web.Application) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        body["model"] = self.model
+        if has_media(body):
+            enc = copy.deepcopy(body)
+            enc.update(max_tokens=1, stream=False)
+            enc.pop("stream_options", None)
+            enc.pop("max_completion_tokens", None)
+            t0 = time.perf_counter()
+            async with self.session.post(f"{self.producer}/v1/chat/completions", json=enc) as r:
+                text = await r.text()
+                if r.status != 200:
+                    self.failed += 1
+                    return web.Response(status=r.status, text=text, content_type="application/json")
+            self.encode_s.append(time.perf_counter() - t0)
+        async with self.session.post(f"{self.consumer}/v1/chat/completions", json=body) as r:
+            if r.status != 200 or not body.get("stream"):
+                return web.Response(status=r.status, body=await r.read(), content_type="application/json")
+            out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await out.prepare(request)
+            async for chunk in r.content.iter_any():
+                await out.write(chunk)
+            await out.write_eof()
+            return out
+
+    async def stats(self, request: web.Request) -> web.Response:
+        return web.json_response({"encode_s_sum": sum(self.encode_s), "encode_count": len(self.encode_s),
+                                  "failed": self.failed})
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--producer", required=True, help="base URL of the ec_producer vLLM server")
+    ap.add_argument("--consumer", required=True, help="base URL of the ec_consumer vLLM server")
+    ap.add_argument("--model", required=True, help="model name both servers serve")
+    args = ap.parse_args()
+    proxy = Proxy(args.producer.rstrip("/"), args.consumer.rstrip("/"), args.model)
+    app = web.Application(client_max_size=64 << 20)
+    app.on_startup.append(proxy.start)
+    app.on_cleanup.append(proxy.stop)
+    app.router.add_post("/v1/chat/completions", proxy.chat)
+    app.router.add_get("/stats", proxy.stats)
+    app.router.add_get("/health", proxy.health)
+    web.run_app(app, host=args.host, port=args.port, print=None)
+
+
+if __name__ == "__main__":
+    main()
