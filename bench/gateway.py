@@ -34,10 +34,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import json
 import os
-import platform
 import shlex
 import signal
 import statistics
@@ -54,6 +52,7 @@ import grpc  # noqa: E402
 from epd.gateway.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: E402
 from epd.lm.v1 import lm_pb2, lm_pb2_grpc  # noqa: E402
 from services.up import Service, free_port, grpc_serving, http_ok  # noqa: E402
+from machine import machine_info  # noqa: E402  (bench/machine.py)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PATHS = ("direct", "rest", "rest-stream", "grpc")
@@ -186,25 +185,23 @@ class Clients:
         if n != self.max_tokens or finish != "length":
             raise RuntimeError(f"incomplete answer: {n} tokens, finish_reason {finish!r}")
 
-    async def direct(self) -> float:
-        # A fresh request id each time: vLLM refuses two live requests with the same id.
-        req = lm_pb2.GenerateRequest(request_id=uuid.uuid4().hex, chat=self.chat, sampling=self.sampling)
+    async def _drain(self, stream) -> float:
+        """Reads a gRPC token stream to its end; returns when the last message arrived."""
         n, last = 0, None
-        async for resp in self.lm.Generate(req, timeout=120):
-            n += len(resp.token_ids)
-            last = resp
+        async for msg in stream:
+            n += len(msg.token_ids)
+            last = msg
         t = time.perf_counter()
         self._check(n, last.finish_reason if last else "")
         return t
 
+    async def direct(self) -> float:
+        # A fresh request id each time: vLLM refuses two live requests with the same id.
+        req = lm_pb2.GenerateRequest(request_id=uuid.uuid4().hex, chat=self.chat, sampling=self.sampling)
+        return await self._drain(self.lm.Generate(req, timeout=120))
+
     async def grpc(self) -> float:
-        n, last = 0, None
-        async for chunk in self.gw.ChatCompletion(self.gw_req, timeout=120):
-            n += len(chunk.token_ids)
-            last = chunk
-        t = time.perf_counter()
-        self._check(n, last.finish_reason if last else "")
-        return t
+        return await self._drain(self.gw.ChatCompletion(self.gw_req, timeout=120))
 
     async def rest(self) -> float:
         async with self.session.post(self.url, data=self.body, headers=JSON_HEADERS) as r:
@@ -324,19 +321,10 @@ def print_table(rows: list[dict]) -> None:
 
 
 def machine(command: list[str]) -> dict:
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
     from google import protobuf
 
-    info = {"cpu": cpu, "cores": len(os.sched_getaffinity(0)), "python": platform.python_version(),
-            "grpcio": grpc.__version__, "aiohttp": aiohttp.__version__, "protobuf": protobuf.__version__,
-            "platform": platform.platform(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": shlex.join(command)}
+    info = {**machine_info(), "grpcio": grpc.__version__, "aiohttp": aiohttp.__version__,
+            "protobuf": protobuf.__version__, "command": shlex.join(command)}
     try:  # the gateway's code is what is measured: say which
         def git(*a: str) -> str:
             return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout

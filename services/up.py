@@ -151,8 +151,9 @@ class Deployment:
                                os.path.join(self.log_dir, "gateway.log"))
         self.services = [*self.encoders, *self.lms, self.gateway]
         # The first instance of each role under the names the single-instance callers use.
-        first = self.encoders[0] if self.encoders else self._service("encoder", 0, 1, [])
-        self.encoder, self.encoder_addr, self.encoder_metrics = first, first.address, first.metrics_port
+        first = self.encoders[0] if self.encoders else None  # colocated: no encoder at all
+        self.encoder = first
+        self.encoder_addr, self.encoder_metrics = (first.address, first.metrics_port) if first else ("", 0)
         self.lm, self.lm_addr, self.lm_metrics = self.lms[0], self.lms[0].address, self.lms[0].metrics_port
 
     def _service(self, role: str, i: int, n: int, args: list[str]) -> Service:

@@ -114,6 +114,7 @@ class InstancePool:
 
     def __post_init__(self) -> None:
         self._task: asyncio.Task | None = None
+        self._closing: set[asyncio.Task] = set()  # channels of removed instances, closed when idle
         self._resolved_at = 0.0
         for entry in self.entries:
             host, _ = split_host_port(entry)
@@ -133,14 +134,19 @@ class InstancePool:
         inst = self.instances.pop(address)
         HEALTHY.remove(self.role, address)
         logger.info("%s %s removed (no longer in DNS for %s)", self.role, address, inst.source)
-        # Calls in flight keep their channel; close it once they are done.
-        asyncio.get_running_loop().create_task(self._close_when_idle(inst))
+        # Calls in flight keep their channel; close it once they are done. The pool
+        # holds the task (the loop keeps only weak references) and close() ends it.
+        task = asyncio.get_running_loop().create_task(self._close_when_idle(inst))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     @staticmethod
     async def _close_when_idle(inst: Instance) -> None:
-        while inst.outstanding:
-            await asyncio.sleep(1)
-        await inst.channel.close()
+        try:
+            while inst.outstanding:
+                await asyncio.sleep(1)
+        finally:
+            await inst.channel.close()
 
     async def refresh_dns(self) -> None:
         """Re-resolves the host-name entries; an entry that does not resolve
@@ -223,4 +229,7 @@ class InstancePool:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        await asyncio.gather(*(i.channel.close() for i in self.instances.values()), return_exceptions=True)
+        for task in list(self._closing):
+            task.cancel()
+        await asyncio.gather(*self._closing, *(i.channel.close() for i in self.instances.values()),
+                             return_exceptions=True)

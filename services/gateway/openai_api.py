@@ -116,7 +116,7 @@ async def load_media(req: lm_pb2.GenerateRequest, sources: list[str | bytes], cf
     return media
 
 
-def parse_chat(body: Any, cfg: GatewayConfig) -> tuple[lm_pb2.GenerateRequest, list[str]]:
+def parse_chat(body: Any, cfg: GatewayConfig, request_id: str = "") -> tuple[lm_pb2.GenerateRequest, list[str]]:
     """Validates a chat body and builds the LM request without any I/O (``OpenAIRoutes.chat``).
     Image parts become ``item_index`` placeholders; their URLs are returned in order for
     ``load_media``, which adds the items themselves. Raises ApiError."""
@@ -125,7 +125,7 @@ def parse_chat(body: Any, cfg: GatewayConfig) -> tuple[lm_pb2.GenerateRequest, l
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' is required and must be a non-empty list", param="messages")
-    req = lm_pb2.GenerateRequest(request_id=f"chatcmpl-{uuid.uuid4().hex}", sampling=_sampling(body))
+    req = lm_pb2.GenerateRequest(request_id=request_id or f"chatcmpl-{uuid.uuid4().hex}", sampling=_sampling(body))
     urls: list[str] = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
@@ -155,7 +155,7 @@ def parse_chat(body: Any, cfg: GatewayConfig) -> tuple[lm_pb2.GenerateRequest, l
     return req, urls
 
 
-def parse_completion(body: Any) -> lm_pb2.GenerateRequest:
+def parse_completion(body: Any, request_id: str = "") -> lm_pb2.GenerateRequest:
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
     prompt = body.get("prompt")
@@ -163,7 +163,8 @@ def parse_completion(body: Any) -> lm_pb2.GenerateRequest:
         prompt = prompt[0]
     if not isinstance(prompt, str):
         raise ApiError(400, "'prompt' is required and must be a string", param="prompt")
-    return lm_pb2.GenerateRequest(request_id=f"cmpl-{uuid.uuid4().hex}", prompt=prompt, sampling=_sampling(body))
+    return lm_pb2.GenerateRequest(request_id=request_id or f"cmpl-{uuid.uuid4().hex}", prompt=prompt,
+                                  sampling=_sampling(body))
 
 
 class OpenAIRoutes:
@@ -205,10 +206,8 @@ class OpenAIRoutes:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         try:
             body = await self._json(request)
-            req, urls = parse_chat(body, self.cfg)
+            req, urls = parse_chat(body, self.cfg, request.get(REQUEST_ID_KEY, ""))
             self._check_model(body)
-            if request.get(REQUEST_ID_KEY):
-                req.request_id = request[REQUEST_ID_KEY]  # for the log line of a refused image
             media = await load_media(req, urls, self.cfg, self.fetcher)
         except (ApiError, MediaError) as e:
             err = e if isinstance(e, ApiError) else media_api_error(e)
@@ -219,7 +218,7 @@ class OpenAIRoutes:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         try:
             body = await self._json(request)
-            req = parse_completion(body)
+            req = parse_completion(body, request.get(REQUEST_ID_KEY, ""))
             self._check_model(body)
         except ApiError as e:
             metrics.REQUESTS.labels("completions", str(e.status)).inc()
@@ -228,8 +227,6 @@ class OpenAIRoutes:
 
     async def _run(self, request, req, media, body, chat: bool) -> web.StreamResponse:
         timings = Timings(start=request.get(ARRIVAL_KEY) or time.perf_counter())
-        if request.get(REQUEST_ID_KEY):
-            req.request_id = request[REQUEST_ID_KEY]
         stream = bool(body.get("stream"))
         created = int(time.time())
         gen = self.orch.generate(req, media, timings)

@@ -528,30 +528,20 @@ def test_an_lm_failing_after_the_first_token_ends_the_stream_without_retry():
 # --- errors that are never retried --------------------------------------------------------------------------------
 
 
-def test_invalid_argument_from_the_encoder_is_raised_at_once():
+@pytest.mark.parametrize("side, script, message, lm_calls", [
+    ("encoder", "enc_script", "not an image", 0),
+    ("lm", "lm_script", "prompt too long", 1),
+])
+def test_invalid_argument_is_raised_at_once(side, script, message, lm_calls):
     async def body(c: Cluster):
         orch = await c.start()
-        c.world.enc_script = ["invalid"]
-        req, media = request("r-bad", ids(1, "8"))
+        setattr(c.world, script, ["invalid"])
+        req, media = request(f"r-bad-{side}", ids(1, "8" if side == "encoder" else "9"))
         timings = Timings()
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await collect(orch, req, media, timings)
-        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not an image" in e.value.details()
-        assert c.encode_calls() == 1 and c.lm_requests() == [] and timings.retries == 0
-
-    run_cluster(body)
-
-
-def test_invalid_argument_from_the_lm_is_raised_at_once():
-    async def body(c: Cluster):
-        orch = await c.start()
-        c.world.lm_script = ["invalid"]
-        req, media = request("r-bad", ids(1, "9"))
-        timings = Timings()
-        with pytest.raises(grpc.aio.AioRpcError) as e:
-            await collect(orch, req, media, timings)
-        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt too long" in e.value.details()
-        assert c.encode_calls() == 1 and len(c.lm_requests()) == 1 and timings.retries == 0
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in e.value.details()
+        assert c.encode_calls() == 1 and len(c.lm_requests()) == lm_calls and timings.retries == 0
 
     run_cluster(body)
 

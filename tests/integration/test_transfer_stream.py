@@ -184,7 +184,7 @@ def test_a_second_consumer_just_after_the_first_ack_fails_fast_then_a_new_copy_i
         t0 = time.monotonic()
         transfer, _ = second.get(producer.endpoint, "twice", t.numel() * 2)
         assert transfer.state is TransferState.FAILED and "no new copy" in transfer.error
-        assert time.monotonic() - t0 < producer.servicer.released_grace_s + 2 < producer.servicer.item_wait_s
+        assert time.monotonic() - t0 < producer.servicer.item_wait_s  # answered, not left to the full wait
 
         producer.store.expect("twice")  # a new Encode reserved a slot for it
         late, fetch, slot = second.start(producer.endpoint, "twice", t.numel() * 2)
