@@ -48,6 +48,15 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
 
         t0 = time.perf_counter()
         status = "error"
+        recorded = False
+
+        def record(outcome: str) -> None:
+            nonlocal recorded
+            if not recorded:
+                recorded = True
+                ENCODE_REQUESTS.labels(outcome).inc()
+                ENCODE_SECONDS.observe(time.perf_counter() - t0)
+
         rid = request.request_id or uuid.uuid4().hex
         try:
             if not request.items:
@@ -88,10 +97,13 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             runs = (final.ec_transfer_params or {}).get("encoder_runs", 0)
             ENCODER_RUNS.inc(runs)
             encode_ms = (time.perf_counter() - t0) * 1e3
+            # Counted before the last events go out: a caller that has every
+            # ItemEncoded may close the stream before this generator resumes.
+            status = "ok"
+            record(status)
             for index, feat in enumerate(features):
                 yield encoder_pb2.EncodeEvent(encoded=encoder_pb2.ItemEncoded(
                     identifier=feat.identifier, index=index, encode_ms=encode_ms))
-            status = "ok"
             logger.info("request %s: encoded %d item(s) in %.1f ms (%d vision run(s))",
                         rid, len(features), encode_ms, runs)
         except TimeoutError:
@@ -101,8 +113,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             await self.engine.abort(rid)
             raise
         finally:
-            ENCODE_REQUESTS.labels(status).inc()
-            ENCODE_SECONDS.observe(time.perf_counter() - t0)
+            record(status)
 
 
 def dtype_enum(name: str) -> int:
