@@ -63,6 +63,9 @@ class Landed(Receiver):
 
 class ProducerTransport(ABC):
     kind: ClassVar[int]
+    in_place: ClassVar[bool] = False
+    """The consumer reads the producer's memory itself (shm, CUDA IPC): the
+    server holds the slot from the header until the consumer's Ack/Cancel."""
 
     def offer(self) -> encoder_pb2.TransportOffer:
         return encoder_pb2.TransportOffer(transport=self.kind)
@@ -82,6 +85,16 @@ class ProducerTransport(ABC):
 
 class ConsumerTransport(ABC):
     kind: ClassVar[int]
+    in_place: ClassVar[bool] = False
+    """``locate`` can hand out where the item lies instead of copying it."""
+
+    def locate(self, desc: common_pb2.TensorDescriptor) -> None:
+        """In-place transports: validate ``desc`` (the range lies inside memory
+        this process can map) without copying; raises ProtocolError. The reader
+        copies it later and acks after (``TransferClient.ack``)."""
+        from ectransfer.protocol import ProtocolError
+
+        raise ProtocolError("this transport cannot be read in place")
 
     def probe(self, offer: encoder_pb2.TransportOffer) -> bytes:
         """The proof that this consumer can use ``offer`` (raises ProtocolError if not)."""

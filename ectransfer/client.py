@@ -51,6 +51,15 @@ class Fetch:
     shape: tuple[int, ...] | None = None
     dtype: torch.dtype | None = None
     receiver: Receiver | None = None
+    in_place: bool = False
+    """Asked for: with an in-place transport (shm, CUDA IPC), LANDED means the
+    bytes are readable where ``source`` says, held by the producer until the
+    caller's ``TransferClient.ack``; ``dest`` is not written."""
+    source: common_pb2.TensorDescriptor | None = None
+    """Set when the item landed in place: the producer's segment/handle and offset."""
+    loading: bool = False
+    """Set by the caller once a reader copies from ``source``: the item is then
+    not failed if the stream closes (the producer's memory outlives the stream)."""
 
 
 class _Peer:
@@ -60,6 +69,8 @@ class _Peer:
         self.ctrl: asyncio.Queue = asyncio.Queue()  # handshake messages
         self.out: asyncio.Queue = asyncio.Queue()   # item messages, sent only after Select
         self.items: dict[str, Fetch] = {}
+        self.located: dict[str, Fetch] = {}  # landed in place, not acked yet
+        self.mapped: set[tuple[str, str]] = set()  # (kind, segment or pool id) read in place
         self.channel = grpc.aio.insecure_channel(endpoint, options=TRANSFER_GRPC_OPTIONS)
         self.task = asyncio.create_task(self._run())
 
@@ -127,6 +138,14 @@ class _Peer:
         fetch.dtype = tensors.dtype_from_proto(desc.dtype)
         if tensors.nbytes_of(fetch.shape, fetch.dtype) != desc.nbytes:
             raise ProtocolError(f"descriptor shape {list(desc.shape)} does not match {desc.nbytes} bytes")
+        if fetch.in_place and self.transport.in_place:
+            self.transport.locate(desc)
+            fetch.source = desc
+            self.mapped.add(source_key(desc))
+            self.items.pop(fetch.transfer.identifier, None)
+            self.located[fetch.transfer.identifier] = fetch
+            fetch.transfer.advance(TransferState.LANDED)  # the caller acks after reading
+            return
         fetch.transfer.advance(TransferState.RECEIVING)
         fetch.receiver = self.transport.receiver(desc, fetch.dest)
         if fetch.receiver.complete:
@@ -141,6 +160,16 @@ class _Peer:
     def _finish(self, fetch: Fetch, error: str) -> None:
         self.items.pop(fetch.transfer.identifier, None)
         fetch.transfer.fail(error)
+
+
+_KINDS = {"shm": common_pb2.SHM, "cuda_ipc": common_pb2.CUDA_IPC}
+
+
+def source_key(desc: common_pb2.TensorDescriptor) -> tuple[str, str]:
+    """("shm", segment) or ("cuda_ipc", pool id) of an in-place descriptor."""
+    if desc.WhichOneof("payload") == "shm":
+        return "shm", desc.shm.segment
+    return "cuda_ipc", desc.cuda_ipc.pool_id
 
 
 async def negotiate(call, send, compat: common_pb2.CompatInfo, transports: list[ConsumerTransport]) -> Choice:
@@ -175,6 +204,8 @@ class TransferClient:
         self.by_kind = {t.kind: t for t in transports}
         self.timeout_s = timeout_s
         self._peers: dict[str, _Peer] = {}
+        self._unmapped: list[tuple[str, str]] = []
+        self._unmapped_lock = threading.Lock()  # client thread appends, scheduler thread takes
         self._loop = new_event_loop()
         self._thread = threading.Thread(target=self._run, name="epd-transfer-client", daemon=True)
         self._thread.start()
@@ -197,13 +228,28 @@ class TransferClient:
 
     # -- called from vLLM's scheduler thread --------------------------------
 
-    def fetch(self, transfer: ItemTransfer, endpoint: str, dest: torch.Tensor, request_id: str) -> Fetch:
-        fetch = Fetch(transfer, endpoint, dest, deadline=time.monotonic() + self.timeout_s)
+    def fetch(self, transfer: ItemTransfer, endpoint: str, dest: torch.Tensor, request_id: str,
+              in_place: bool = False) -> Fetch:
+        """Asks ``endpoint`` for the item. Bytes land in ``dest`` (acked at
+        once), or with ``in_place`` and a transport that can (shm, CUDA IPC)
+        stay where the producer holds them until ``ack``."""
+        fetch = Fetch(transfer, endpoint, dest, deadline=time.monotonic() + self.timeout_s, in_place=in_place)
         self._loop.call_soon_threadsafe(self._start_fetch, fetch, request_id)
         return fetch
 
+    def ack(self, endpoint: str, identifier: str) -> None:
+        """The caller has copied an in-place item: the producer may free it."""
+        self._loop.call_soon_threadsafe(self._send, endpoint, "ack", identifier)
+
     def cancel(self, endpoint: str, identifier: str) -> None:
         self._loop.call_soon_threadsafe(self._send, endpoint, "cancel", identifier)
+
+    def take_unmapped(self) -> list[tuple[str, str]]:
+        """(kind, name) of producer memory read in place whose stream has
+        closed since the last call: readers in other processes unmap these."""
+        with self._unmapped_lock:
+            out, self._unmapped = self._unmapped, []
+        return out
 
     def close(self) -> None:
         if not self._thread.is_alive():
@@ -235,6 +281,7 @@ class TransferClient:
         if peer is None:
             peer = self._peers[endpoint] = _Peer(self, endpoint)
         peer.items.pop(identifier, None)
+        peer.located.pop(identifier, None)
         msg = encoder_pb2.TransferClientMsg(**{kind: getattr(encoder_pb2, kind.capitalize())(identifier=identifier)})
         peer.out.put_nowait(msg)
 
@@ -243,5 +290,21 @@ class TransferClient:
             del self._peers[peer.endpoint]
         for fetch in list(peer.items.values()):
             peer._finish(fetch, error)
+        # Landed in place but nobody reads it yet: the producer no longer holds
+        # it for us (its lease runs again), so the bytes may be reused; fail it.
+        # One already being read is left alone: a dead producer's memory stays
+        # mapped, and a live one keeps it for the lease.
+        for fetch in list(peer.located.values()):
+            if not fetch.loading and fetch.transfer.state is TransferState.LANDED:
+                fetch.transfer.fail(error)
+        peer.located.clear()
+        # Mappings of the producer's memory: dropped here, and by the readers
+        # (``take_unmapped``), so a restarted producer's old pool is not pinned.
+        for kind, name in peer.mapped:
+            forget = getattr(self.by_kind.get(_KINDS[kind]), "forget", None)
+            if forget is not None:
+                forget(name)
+        with self._unmapped_lock:
+            self._unmapped.extend(peer.mapped)
         if peer.items or error != "stream closed":
             logger.warning("transfer stream to %s closed: %s", peer.endpoint, error)

@@ -21,6 +21,7 @@ cupy is imported lazily; importing ``ectransfer`` never loads CUDA libraries.
 from __future__ import annotations
 
 import secrets
+import threading
 import uuid
 
 import torch
@@ -59,6 +60,7 @@ class CudaPool(Pool):
         self.pool_id = uuid.uuid4().hex
         self.device_uuid = _device_uuid(self.device)
         super().__init__(capacity, alignment)
+        register_local(self)
 
     def _make_buffer(self, capacity: int) -> torch.Tensor:
         cp = _cupy()
@@ -70,12 +72,14 @@ class CudaPool(Pool):
                                      offset=offset, pool_nbytes=self.capacity)
 
     def close(self) -> None:
+        _LOCAL.pop(self.pool_id, None)
         super().close()
         self._mem = None
 
 
 class CudaIpcProducer(ProducerTransport):
     kind = common_pb2.CUDA_IPC
+    in_place = True
     NONCE_NBYTES = 16
 
     def __init__(self, pool: CudaPool) -> None:
@@ -98,67 +102,125 @@ class CudaIpcProducer(ProducerTransport):
 
 
 class _Mapped:
-    def __init__(self, ptr: int, nbytes: int, device: int) -> None:
+    def __init__(self, ptr: int, nbytes: int, device: int, opened: bool = True) -> None:
         cp = _cupy()
         self.ptr = ptr
+        self.opened = opened  # False: our own process's pool, nothing to close
         mem = cp.cuda.UnownedMemory(ptr, nbytes, owner=None, device_id=device)
         arr = cp.ndarray((nbytes,), dtype=cp.uint8, memptr=cp.cuda.MemoryPointer(mem, 0))
         self.buffer = torch.as_tensor(arr, device=f"cuda:{device}")
 
 
-class CudaIpcConsumer(ConsumerTransport):
-    kind = common_pb2.CUDA_IPC
+# Process-wide, so the transfer client's probe and the connector's worker half
+# share one mapping per pool when they live in one process (vLLM's
+# single-process executor): cudaIpcOpenMemHandle is expensive, and a handle
+# may be opened only once per process.
+_MAPPED: dict[str, _Mapped] = {}
+_LOCAL: dict[str, CudaPool] = {}  # pools this process exported: never opened here
+_LOCK = threading.Lock()
+_OPENED = [0]
 
-    def __init__(self, device: int | None = None) -> None:
-        self.device = device
-        self._mapped: dict[str, _Mapped] = {}
-        self.open_count = 0  # handles opened (once per pool): tests assert it
 
-    def _dev(self) -> int:
-        return torch.cuda.current_device() if self.device is None else self.device
+def register_local(pool: CudaPool) -> None:
+    """Marks ``pool`` as this process's: a reader here uses it directly."""
+    _LOCAL[pool.pool_id] = pool
 
-    def _map(self, ref: common_pb2.CudaIpcRef) -> _Mapped:
-        m = self._mapped.get(ref.pool_id)
+
+def open_count() -> int:
+    """Handles this process opened (once per foreign pool): tests assert it."""
+    return _OPENED[0]
+
+
+def mapping(ref: common_pb2.CudaIpcRef, device: int | None = None) -> torch.Tensor:
+    """The whole pool ``ref`` points into, as a flat uint8 CUDA tensor, opened
+    once per process on ``device`` (default: the current one), so no context is
+    created on the producer's device (peer access instead)."""
+    local = _LOCAL.get(ref.pool_id)
+    if local is not None:
+        return local.buffer
+    with _LOCK:
+        m = _MAPPED.get(ref.pool_id)
         if m is None:
             cp = _cupy()
-            dev = self._dev()
+            dev = torch.cuda.current_device() if device is None else device
             try:
-                with cp.cuda.Device(dev):  # our device: no context on the producer's GPU
+                with cp.cuda.Device(dev):
                     ptr = cp.cuda.runtime.ipcOpenMemHandle(ref.handle, cp.cuda.runtime.cudaIpcMemLazyEnablePeerAccess)
             except Exception as e:  # noqa: BLE001 - another namespace, no peer access, no driver
                 raise ProtocolError(f"cannot open CUDA IPC handle of pool {ref.pool_id}: {e}") from None
-            m = self._mapped[ref.pool_id] = _Mapped(ptr, ref.pool_nbytes, dev)
-            self.open_count += 1
-        return m
+            m = _MAPPED[ref.pool_id] = _Mapped(ptr, ref.pool_nbytes, dev)
+            _OPENED[0] += 1
+    return m.buffer
+
+
+def check_range(ref: common_pb2.CudaIpcRef, nbytes: int) -> None:
+    if ref.offset < 0 or ref.offset + nbytes > ref.pool_nbytes:
+        raise ProtocolError(f"CUDA IPC range {ref.offset}+{nbytes} exceeds pool {ref.pool_id} ({ref.pool_nbytes})")
+
+
+def copy_out(ref: common_pb2.CudaIpcRef, nbytes: int, dest: torch.Tensor) -> None:
+    """Copies ``nbytes`` at ``ref`` into ``dest`` (flat uint8, any device) on
+    the current stream and waits for the copy: once this returns the producer
+    may reuse the range (the caller acks after)."""
+    check_range(ref, nbytes)
+    if not nbytes:
+        return
+    src = mapping(ref)[ref.offset : ref.offset + nbytes]
+    dest.copy_(src, non_blocking=True)  # D2D (or D2H when dest is host memory)
+    done = torch.cuda.Event()
+    done.record()
+    done.synchronize()  # stream-ordered: the ack comes after the copy
+
+
+def forget(pool_id: str) -> None:
+    """Closes the mapping of a pool whose producer went away."""
+    with _LOCK:
+        m = _MAPPED.pop(pool_id, None)
+    if m is not None and m.opened:
+        try:
+            _cupy().cuda.runtime.ipcCloseMemHandle(m.ptr)
+        except Exception:  # noqa: BLE001 - the producer may be gone already
+            pass
+
+
+class CudaIpcConsumer(ConsumerTransport):
+    kind = common_pb2.CUDA_IPC
+    in_place = True
+
+    def __init__(self, device: int | None = None) -> None:
+        self.device = device
+        self._pools: set[str] = set()
+
+    @property
+    def open_count(self) -> int:
+        return open_count()
 
     def probe(self, offer: encoder_pb2.TransportOffer) -> bytes:
         if not torch.cuda.is_available():
             raise ProtocolError("no CUDA device in this process")
         ref = offer.cuda_probe
-        m = self._map(ref)
-        return m.buffer[ref.offset : ref.offset + offer.cuda_probe_nbytes].cpu().numpy().tobytes()
+        buf = mapping(ref, self.device)
+        self._pools.add(ref.pool_id)
+        return buf[ref.offset : ref.offset + offer.cuda_probe_nbytes].cpu().numpy().tobytes()
 
-    def receiver(self, desc: common_pb2.TensorDescriptor, dest: torch.Tensor) -> Receiver:
+    def locate(self, desc: common_pb2.TensorDescriptor) -> torch.Tensor:
         if desc.WhichOneof("payload") != "cuda_ipc":
             raise ProtocolError(f"expected a CUDA IPC payload, got {desc.WhichOneof('payload')}")
-        ref = desc.cuda_ipc
+        check_range(desc.cuda_ipc, desc.nbytes)
+        self._pools.add(desc.cuda_ipc.pool_id)
+        return mapping(desc.cuda_ipc, self.device)
+
+    def receiver(self, desc: common_pb2.TensorDescriptor, dest: torch.Tensor) -> Receiver:
+        self.locate(desc)
         if dest.numel() != desc.nbytes:
             raise ProtocolError(f"destination has {dest.numel()} bytes, tensor needs {desc.nbytes}")
-        if ref.offset + desc.nbytes > ref.pool_nbytes:
-            raise ProtocolError(f"CUDA IPC range {ref.offset}+{desc.nbytes} exceeds pool {ref.pool_id}")
-        if desc.nbytes:
-            src = self._map(ref).buffer[ref.offset : ref.offset + desc.nbytes]
-            dest.copy_(src, non_blocking=True)  # D2D (or D2H when dest is host staging)
-            done = torch.cuda.Event()
-            done.record()
-            done.synchronize()  # landed == copied: the ack after this is stream-ordered
+        copy_out(desc.cuda_ipc, desc.nbytes, dest)
         return Landed()
 
+    def forget(self, pool_id: str) -> None:
+        self._pools.discard(pool_id)
+        forget(pool_id)
+
     def close(self) -> None:
-        cp = _cupy() if self._mapped else None
-        for m in self._mapped.values():
-            try:
-                cp.cuda.runtime.ipcCloseMemHandle(m.ptr)
-            except Exception:  # noqa: BLE001 - the producer may be gone already
-                pass
-        self._mapped.clear()
+        for pool_id in list(self._pools):
+            self.forget(pool_id)

@@ -36,6 +36,8 @@ class GrpcChunkProducer(ProducerTransport):
     def payload(self, identifier: str, data: torch.Tensor) -> Iterator[encoder_pb2.TransferServerMsg]:
         # One copy per chunk into the protobuf bytes field; the pool's memory
         # stays owned by the producer until the consumer acks.
+        if data.device.type != "cpu":  # a CUDA outbound pool: one device-to-host copy per item
+            data = data.cpu()
         mv = memoryview(data.numpy())
         for off in range(0, len(mv), self.chunk_nbytes):
             yield encoder_pb2.TransferServerMsg(

@@ -5,7 +5,11 @@ It ``adopt``s each slot it reserved once the worker reports the encoder output
 written into it (``put`` copies a tensor in itself: tests, benchmarks); the
 transfer server reads slots while streaming, and each slot is freed by exactly
 one of: the consumer's Ack, its Cancel, or the lease expiring (``ttl_s``
-without an Ack, e.g. the consumer died). ``put`` on a full pool blocks up to
+without an Ack, e.g. the consumer died). A slot someone still reads (a chunk
+stream in progress, or a consumer that reads shm / CUDA IPC memory in place and
+has not acked yet: ``begin_send``/``end_send``) is never expired, and a release
+meanwhile (another consumer's Ack) takes the item out of the store at once but
+frees the slot only when the last reader ends. ``put`` on a full pool blocks up to
 ``put_timeout_s``, then drops the item with a log line; a consumer asking for
 it then gets ``NOT_FOUND``/``TIMED_OUT``. ``mark_failed`` answers waiters of
 an item that will never arrive.
@@ -34,7 +38,8 @@ class OutboundItem:
     shape: tuple[int, ...]
     dtype: torch.dtype
     created: float = field(default_factory=time.monotonic)
-    sending: int = 0  # streams currently reading the slot; a lease never frees it meanwhile
+    sending: int = 0  # streams reading the slot, or consumers reading it in place; a lease never frees it meanwhile
+    released: bool = False  # out of the store; the slot is freed when ``sending`` drops to 0
 
 
 @dataclass
@@ -124,6 +129,10 @@ class OutboundStore:
             else:
                 old = self._items.get(identifier)
                 self._items[identifier] = item
+            if old is not None:
+                old.released = True
+                if old.sending:
+                    old = None  # its last reader frees it
         if old is not None:
             self.pool.free(old.slot)
         for cb in waiters:
@@ -175,9 +184,17 @@ class OutboundStore:
                 item.sending += 1
             return item
 
-    def end_send(self, item: OutboundItem) -> None:
+    def end_send(self, item: OutboundItem, restart_lease: bool = False) -> None:
+        """One reader is done with ``item``'s slot. The last reader of a released
+        item frees its slot. ``restart_lease``: an in-place reader went away
+        without an ack (its stream closed): the lease counts from now."""
         with self._lock:
             item.sending -= 1
+            free = item.released and item.sending == 0
+            if restart_lease:
+                item.created = time.monotonic()
+        if free:
+            self.pool.free(item.slot)
 
     def view(self, item: OutboundItem) -> torch.Tensor:
         return self.pool.view(item.slot)
@@ -196,7 +213,10 @@ class OutboundStore:
             _remember(self._released, identifier)
             counter = _RELEASE_COUNTERS[reason]
             setattr(self.stats, counter, getattr(self.stats, counter) + 1)
-        self.pool.free(item.slot)
+            item.released = True
+            busy = item.sending > 0  # another consumer still reads it: its end_send frees it
+        if not busy:
+            self.pool.free(item.slot)
         return True
 
     def expire(self, now: float | None = None) -> list[str]:

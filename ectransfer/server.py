@@ -83,6 +83,9 @@ class TransferServicer(encoder_pb2_grpc.TransferServiceServicer):
         logger.info("consumer %s uses %s", hello.consumer_id, _names([transport.kind]))
         yield encoder_pb2.TransferServerMsg(selected=encoder_pb2.Selected(transport=transport.kind))
         tasks: dict[str, asyncio.Task] = {}
+        # In-place transports (shm, CUDA IPC): the consumer reads the slot itself
+        # after the header, so this stream holds it until its Ack or Cancel.
+        pinned: dict[str, OutboundItem] = {}
 
         async def read() -> None:
             async for msg in request_iterator:
@@ -92,13 +95,16 @@ class TransferServicer(encoder_pb2_grpc.TransferServiceServicer):
                     # A Reserve for an item being served is a duplicate; one whose last
                     # serve has ended (sent, or answered with an error) is a new ask.
                     if r.identifier not in tasks or tasks[r.identifier].done():
-                        tasks[r.identifier] = asyncio.create_task(self._serve_item(r, transport, out))
+                        tasks[r.identifier] = asyncio.create_task(self._serve_item(r, transport, out, pinned))
                 elif kind in ("ack", "cancel"):
                     ident = getattr(msg, kind).identifier
                     task = tasks.pop(ident, None)
                     if task is not None and not task.done():
                         task.cancel()
                     self.store.release(ident, kind)
+                    held = pinned.pop(ident, None)
+                    if held is not None:
+                        self.store.end_send(held)  # frees the slot if nobody else reads it
                 else:
                     logger.warning("consumer %s sent an unexpected %s", hello.consumer_id, kind)
             await out.put(None)  # client half-closed: finish the stream
@@ -111,8 +117,12 @@ class TransferServicer(encoder_pb2_grpc.TransferServiceServicer):
             reader.cancel()
             for t in tasks.values():
                 t.cancel()
+            for held in pinned.values():  # the consumer went away without acking
+                self.store.end_send(held, restart_lease=True)
+            pinned.clear()
 
-    async def _serve_item(self, reserve: encoder_pb2.Reserve, transport: ProducerTransport, out: asyncio.Queue) -> None:
+    async def _serve_item(self, reserve: encoder_pb2.Reserve, transport: ProducerTransport, out: asyncio.Queue,
+                          pinned: dict[str, OutboundItem]) -> None:
         ident = reserve.identifier
         item = await self._wait_for(ident)
         if item is _GONE:
@@ -141,12 +151,17 @@ class TransferServicer(encoder_pb2_grpc.TransferServiceServicer):
                 shape=list(item.shape), dtype=tensors.dtype_to_proto(item.dtype), nbytes=nbytes
             )
             transport.describe(data, desc)
+            if transport.in_place:
+                previous = pinned.pop(ident, None)
+                pinned[ident] = item  # held for the consumer's in-place read, until Ack/Cancel
+                item = previous  # an earlier pin of this item on this stream is dropped below
             await out.put(encoder_pb2.TransferServerMsg(header=encoder_pb2.ItemHeader(identifier=ident, tensor=desc)))
             for msg in transport.payload(ident, data):
                 await out.put(msg)
                 await asyncio.sleep(0)  # let other items interleave
         finally:
-            self.store.end_send(item)
+            if item is not None:
+                self.store.end_send(item)
 
     async def _wait_for(self, ident: str) -> OutboundItem | None:
         loop = asyncio.get_running_loop()

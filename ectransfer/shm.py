@@ -181,6 +181,13 @@ class Mappings:
             seg = self._segments[(name, writable)] = ShmSegment.attach(name, readonly=not writable)
         return seg
 
+    def drop(self, name: str) -> None:
+        """Unmaps ``name`` (both modes) if mapped: a segment whose producer is gone."""
+        for key in [(name, False), (name, True)]:
+            seg = self._segments.pop(key, None)
+            if seg is not None:
+                seg.close()
+
     def close(self) -> None:
         for seg in self._segments.values():
             seg.close()
@@ -194,6 +201,7 @@ class ShmProducer(ProducerTransport):
     maps the very same memory by reading the nonce back (capability, not hostname)."""
 
     kind = common_pb2.SHM
+    in_place = True
     NONCE_NBYTES = 16
 
     def __init__(self, pool: ShmPool) -> None:
@@ -220,6 +228,7 @@ class ShmConsumer(ConsumerTransport):
     """Copies an item out of the producer's segment into ``dest`` at once."""
 
     kind = common_pb2.SHM
+    in_place = True
 
     def __init__(self) -> None:
         self.mappings = Mappings()
@@ -234,7 +243,7 @@ class ShmConsumer(ConsumerTransport):
             raise ProtocolError(f"probe range outside segment {p.segment!r}")
         return seg.buffer[p.offset : p.offset + p.nbytes].numpy().tobytes()
 
-    def receiver(self, desc: common_pb2.TensorDescriptor, dest: torch.Tensor) -> Receiver:
+    def locate(self, desc: common_pb2.TensorDescriptor) -> ShmSegment:
         if desc.WhichOneof("payload") != "shm":
             raise ProtocolError(f"expected a shared-memory payload, got {desc.WhichOneof('payload')}")
         ref = desc.shm
@@ -242,13 +251,21 @@ class ShmConsumer(ConsumerTransport):
             seg = self.mappings.get(ref.segment)
         except (OSError, ValueError) as e:
             raise ProtocolError(f"cannot map shared-memory segment {ref.segment!r}: {e}") from None
-        if dest.numel() != desc.nbytes:
-            raise ProtocolError(f"destination has {dest.numel()} bytes, tensor needs {desc.nbytes}")
         if ref.offset + desc.nbytes > seg.nbytes:
             raise ProtocolError(f"shm range {ref.offset}+{desc.nbytes} exceeds segment {ref.segment} ({seg.nbytes})")
+        return seg
+
+    def receiver(self, desc: common_pb2.TensorDescriptor, dest: torch.Tensor) -> Receiver:
+        seg = self.locate(desc)
+        if dest.numel() != desc.nbytes:
+            raise ProtocolError(f"destination has {dest.numel()} bytes, tensor needs {desc.nbytes}")
         if desc.nbytes:
-            dest.copy_(seg.buffer[ref.offset : ref.offset + desc.nbytes])
+            dest.copy_(seg.buffer[desc.shm.offset : desc.shm.offset + desc.nbytes])
         return Landed()
+
+    def forget(self, segment: str) -> None:
+        """Unmaps a segment of a producer that went away."""
+        self.mappings.drop(segment)
 
     def close(self) -> None:
         self.mappings.close()

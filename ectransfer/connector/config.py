@@ -32,6 +32,10 @@ class ConnectorConfig:
     """Producer: how long a Reserve waits for an item that is not encoded yet."""
     transfer_timeout_s: float = 30.0
     """Consumer: an item with no data within this time fails its requests."""
+    read_in_place: bool = True
+    """Consumer: with shm or CUDA IPC, vLLM's worker copies each item straight
+    from the encoder's memory into its encoder cache (one copy, no staging) and
+    the ack follows the load; False lands it in staging first (two copies)."""
     model_name: str = ""
     """Name used in the compatibility hash (default: vLLM's model path)."""
 

@@ -10,18 +10,24 @@ queues the load; the worker's report frees the staging slot.
 Ownership: a staging slot is allocated here and freed here, exactly once, when
 the worker injected it, the transfer failed, or no request needs it any more.
 
-Worker half: copies staged bytes into vLLM's encoder cache on the worker's
-device, with the producer's dtype and shape.
+Worker half: copies each item into vLLM's encoder cache on the worker's
+device, with the producer's dtype and shape: straight from the encoder's
+memory when the transport reads in place (shm: one memcpy or H2D copy; CUDA
+IPC: one device-to-device copy), else from the staging the gRPC chunks landed
+in. In-place items stay held by the encoder until the worker's report reaches
+the scheduler half, which then acks them.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from ectransfer import factory, tensors
 from ectransfer.client import Fetch, TransferClient
 from ectransfer.connector.common import compat_for, worker_device
@@ -40,7 +46,7 @@ _INJECTED_MEMORY = 4096  # identifiers remembered as already in vLLM's encoder c
 class _Inbound:
     transfer: ItemTransfer
     endpoint: str
-    slot: Slot
+    slot: Slot | None  # inbound staging; None once the item landed in place (no staging needed)
     fetch: Fetch
     requests: set[str] = field(default_factory=set)
     queued: bool = False
@@ -155,7 +161,8 @@ class ConsumerScheduler:
             slots.append(slot)
         for (_, feat, src), slot, n in zip(missing, slots, sizes):
             transfer = ItemTransfer(feat.identifier, n)
-            fetch = self.client.fetch(transfer, src["endpoint"], self.staging.view(slot), request.request_id)
+            fetch = self.client.fetch(transfer, src["endpoint"], self.staging.view(slot), request.request_id,
+                                      in_place=self.cfg.read_in_place)
             self._items[feat.identifier] = _Inbound(transfer, src["endpoint"], slot, fetch)
         return True
 
@@ -185,10 +192,15 @@ class ConsumerScheduler:
 
     def _drop(self, item: _Inbound) -> None:
         if self._items.pop(item.transfer.identifier, None) is not None:
-            self.staging.free(item.slot)
+            self._free_staging(item)
             manager = self._cache_manager()
             if manager is not None and item.transfer.state is not TransferState.DONE:
                 manager.depreallocate(item.transfer.identifier)  # never injected: give the room back
+
+    def _free_staging(self, item: _Inbound) -> None:
+        if item.slot is not None:
+            self.staging.free(item.slot)
+            item.slot = None
 
     def has_cache_item(self, identifier: str) -> bool:
         item = self._items.get(identifier)
@@ -200,8 +212,21 @@ class ConsumerScheduler:
             return
         fetch = item.fetch
         item.queued = True
-        self._to_load.append(LoadSpec(item.transfer.identifier, fetch.shape, tensors.dtype_name(fetch.dtype),
-                                      self.staging.name, item.slot.offset, item.slot.nbytes))
+        dtype = tensors.dtype_name(fetch.dtype)
+        src = fetch.source
+        if src is None:  # bytes in our staging
+            spec = LoadSpec(item.transfer.identifier, fetch.shape, dtype, self.staging.name, item.slot.offset,
+                            item.slot.nbytes)
+        else:  # in place: the worker copies from the encoder's memory, we ack after
+            fetch.loading = True
+            self._free_staging(item)
+            if src.WhichOneof("payload") == "shm":
+                spec = LoadSpec(item.transfer.identifier, fetch.shape, dtype, src.shm.segment, src.shm.offset,
+                                src.nbytes)
+            else:
+                spec = LoadSpec(item.transfer.identifier, fetch.shape, dtype, "", src.cuda_ipc.offset, src.nbytes,
+                                cuda_ref=src.cuda_ipc.SerializeToString())
+        self._to_load.append(spec)
         self._stats[request.request_id].transferred_items += 1
         # Settled for this request: once injected, vLLM's cache holds it, and a later
         # ensure_cache_available must not mistake that for a hit and Cancel an item
@@ -212,7 +237,7 @@ class ConsumerScheduler:
     def build_meta(self, scheduler_output) -> EPDConnectorMetadata:
         for req_id, inputs in scheduler_output.scheduled_encoder_inputs.items():
             self._stats[req_id].local_encoder_runs += len(inputs)
-        meta = EPDConnectorMetadata(loads=self._to_load)
+        meta = EPDConnectorMetadata(loads=self._to_load, unmap=self.client.take_unmapped())
         self._to_load = []
         return meta
 
@@ -223,7 +248,10 @@ class ConsumerScheduler:
         for ident in meta.loaded:
             item = self._items.get(ident)
             if item is not None:
-                item.transfer.advance(TransferState.DONE)
+                if item.fetch.source is not None:  # read in place: now the encoder may free it
+                    self.client.ack(item.endpoint, ident)
+                if item.transfer.state is TransferState.LANDED:
+                    item.transfer.advance(TransferState.DONE)
                 self._drop(item)
             self._injected[ident] = None
             self._injected.move_to_end(ident)
@@ -237,7 +265,7 @@ class ConsumerScheduler:
             "role": "consumer",
             "pool_capacity_bytes": pool["capacity_bytes"],
             "pool_used_bytes": pool["used_bytes"],
-            "reserved_bytes": sum(i.slot.nbytes for i in pending),
+            "reserved_bytes": sum(i.slot.nbytes for i in pending if i.slot is not None),
             "pending_reservations": len(self._items),
             "cancels": self._counts["cancels"],
             "failed": self._counts["failed"],
@@ -253,7 +281,10 @@ class ConsumerScheduler:
         for item in list(self._items.values()):
             item.requests.discard(rid)
             if not item.requests and not item.queued:
-                if not item.transfer.state.terminal and item.transfer.state is not TransferState.LANDED:
+                state = item.transfer.state
+                # Landed in staging: acked already. Landed in place: the encoder
+                # still holds it for us, so it is cancelled like one in flight.
+                if not state.terminal and (state is not TransferState.LANDED or item.fetch.source is not None):
                     self.client.cancel(item.endpoint, item.transfer.identifier)
                     item.transfer.advance(TransferState.CANCELLED)
                 self._drop(item)
@@ -276,7 +307,9 @@ class ConsumerScheduler:
 
 class ConsumerWorker:
     def __init__(self, vllm_config, cfg: ConnectorConfig) -> None:
-        self.mappings = Mappings()  # the scheduler half's staging, mapped once
+        # The scheduler half's staging and the encoders' outbound segments, each
+        # mapped once; an encoder's is unmapped when its stream closes.
+        self.mappings = Mappings()
         self._loaded: list[str] = []
 
     def load(self, encoder_cache, meta: EPDConnectorMetadata) -> None:
@@ -285,11 +318,26 @@ class ConsumerWorker:
             if spec.identifier in encoder_cache:
                 self._loaded.append(spec.identifier)
                 continue
-            raw = self.mappings.get(spec.segment).buffer[spec.offset : spec.offset + spec.nbytes]
-            t = tensors.from_bytes(raw, spec.shape, tensors.dtype_from_name(spec.dtype))
-            # A copy: the staging slot is freed as soon as the scheduler hears back.
-            encoder_cache[spec.identifier] = t.to(device, copy=True)
+            dtype = tensors.dtype_from_name(spec.dtype)
+            if spec.cuda_ref:
+                # One device-to-device copy out of the encoder's CUDA pool,
+                # finished before the scheduler half acks (it frees the range).
+                from ectransfer import cuda_ipc
+                from epd.common.v1 import common_pb2
+
+                raw = torch.empty(spec.nbytes, dtype=torch.uint8, device=device)
+                cuda_ipc.copy_out(common_pb2.CudaIpcRef.FromString(spec.cuda_ref), spec.nbytes, raw)
+                encoder_cache[spec.identifier] = tensors.from_bytes(raw, spec.shape, dtype)
+            else:
+                raw = self.mappings.get(spec.segment).buffer[spec.offset : spec.offset + spec.nbytes]
+                # A copy (one memcpy / H2D): the slot is freed once the scheduler hears back.
+                encoder_cache[spec.identifier] = tensors.from_bytes(raw, spec.shape, dtype).to(device, copy=True)
             self._loaded.append(spec.identifier)
+        for kind, name in meta.unmap:
+            if kind == "shm":
+                self.mappings.drop(name)
+            elif "ectransfer.cuda_ipc" in sys.modules:
+                sys.modules["ectransfer.cuda_ipc"].forget(name)
 
     def shutdown(self) -> None:
         self.mappings.close()

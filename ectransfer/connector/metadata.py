@@ -12,8 +12,13 @@ from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorMetadata, 
 
 @dataclass
 class LoadSpec:
-    """Consumer: copy ``nbytes`` at ``offset`` of shared-memory ``segment`` (the
-    scheduler half's inbound staging) into vLLM's encoder cache."""
+    """Consumer: copy ``nbytes`` at ``offset`` of shared-memory ``segment`` into
+    vLLM's encoder cache. The segment is the encoder's outbound pool when the
+    item is read in place (shm transport; the encoder holds it until the
+    scheduler half acks after the load), else the scheduler half's inbound
+    staging (gRPC chunks). With ``cuda_ref`` (a serialized
+    ``epd.common.v1.CudaIpcRef``) the source is the encoder's CUDA pool
+    instead: one device-to-device copy."""
 
     identifier: str
     shape: tuple[int, ...]
@@ -21,12 +26,14 @@ class LoadSpec:
     segment: str
     offset: int
     nbytes: int
+    cuda_ref: bytes = b""
 
 
 @dataclass
 class SaveSpec:
     """Producer: copy encoder output ``identifier`` into ``nbytes`` at ``offset``
-    of shared-memory ``segment`` (a slot the scheduler half reserved)."""
+    of shared-memory ``segment`` (a slot the scheduler half reserved), or of
+    the CUDA pool ``cuda_ref`` names (a serialized ``CudaIpcRef``)."""
 
     identifier: str
     segment: str
@@ -34,6 +41,7 @@ class SaveSpec:
     nbytes: int
     shape: tuple[int, ...]
     dtype: str
+    cuda_ref: bytes = b""
 
 
 @dataclass
@@ -44,6 +52,9 @@ class EPDConnectorMetadata(ECConnectorMetadata):
     """Producer: slots reserved this step, one per item to save."""
     notify: str = ""
     """Producer: unix datagram address the worker reports saves to."""
+    unmap: list[tuple[str, str]] = field(default_factory=list)
+    """Consumer: ("shm", segment) / ("cuda_ipc", pool id) of encoders whose
+    stream closed: unmap after this step's loads."""
 
 
 @dataclass

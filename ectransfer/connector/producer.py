@@ -1,8 +1,9 @@
 """Producer halves (encoder engine, ``ec_role=ec_producer``).
 
 Scheduler half (EngineCore process, not pinned to the worker's cores): owns the
-outbound pool (a shared-memory segment), the outbound store and the Transfer
-server thread. Two-stage allocation on this side too:
+outbound pool (a shared-memory segment; with the ``cuda_ipc`` transport one
+exported device allocation on the engine's GPU instead), the outbound store
+and the Transfer server thread. Two-stage allocation on this side too:
 
 1. ``ensure_cache_available`` reserves a slot for every item of a request that
    the store does not hold yet, all or nothing; when the pool is full the
@@ -19,9 +20,10 @@ server thread. Two-stage allocation on this side too:
 A reservation is freed by the store (Ack, Cancel, lease) once finalized, by the
 worker's failure report, or here when its request ends before dispatch.
 
-Worker half (vLLM's worker process): maps the segment once and copies each
-fresh (``save_caches``) or already-cached (``start_save_caches``) encoder
-output into its slot. It never allocates.
+Worker half (vLLM's worker process): maps the segment (or opens the CUDA
+pool's handle; in the scheduler's own process it uses the pool directly) once
+and copies each fresh (``save_caches``) or already-cached
+(``start_save_caches``) encoder output into its slot. It never allocates.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 
 from ectransfer import factory, tensors
 from ectransfer.connector.common import compat_for
@@ -62,13 +65,26 @@ class ProducerScheduler:
         self.dtype = mc.dtype
         self.widths = dict(vllm_config.ec_transfer_config.mm_encoder_output_widths)
         self.default_width = mc.get_hidden_size()
-        if "cuda_ipc" in cfg.transports:
-            raise ValueError("the cuda_ipc transport is not wired into the encoder connector yet "
-                             "(its GPU pool must live in the worker); use shm and/or grpc")
-        self.pool = ShmPool(cfg.outbound_pool_bytes, role="outbound")
+        names = list(cfg.transports)
+        self.cuda_pool = None
+        if "cuda_ipc" in names:
+            # The outbound pool is one device allocation on this engine's GPU,
+            # exported once; the worker writes encoder outputs into it (same
+            # process under vLLM's single-process executor, else through the
+            # handle). gRPC chunks still serve remote LMs (one D2H per item);
+            # shm cannot describe GPU memory, so it is not offered.
+            from ectransfer.cuda_ipc import CudaPool
+
+            if "shm" in names:
+                logger.warning("transports %s: shm is not offered when the outbound pool is on the GPU "
+                               "(cuda_ipc); same-host LMs without CUDA IPC fall back to grpc", names)
+                names.remove("shm")
+            self.pool = self.cuda_pool = CudaPool(cfg.outbound_pool_bytes)
+        else:
+            self.pool = ShmPool(cfg.outbound_pool_bytes, role="outbound")
         self.store = OutboundStore(self.pool, ttl_s=cfg.lease_s)
         transports = {}
-        for name in cfg.transports:
+        for name in names:
             kwargs = {"chunk_nbytes": cfg.chunk_nbytes} if name == "grpc" else {"pool": self.pool}
             t = factory.make_producer(name, **kwargs)
             transports[t.kind] = t
@@ -141,8 +157,13 @@ class ProducerScheduler:
             for ident, res in self._reserved.items():
                 if not res.dispatched:
                     res.dispatched = True
-                    meta.saves.append(SaveSpec(ident, self.pool.name, res.slot.offset, res.slot.nbytes,
-                                               res.shape, tensors.dtype_name(self.dtype)))
+                    if self.cuda_pool is not None:
+                        meta.saves.append(SaveSpec(ident, "", res.slot.offset, res.slot.nbytes, res.shape,
+                                                   tensors.dtype_name(self.dtype),
+                                                   cuda_ref=self.cuda_pool.ref(res.slot.offset).SerializeToString()))
+                    else:
+                        meta.saves.append(SaveSpec(ident, self.pool.name, res.slot.offset, res.slot.nbytes,
+                                                   res.shape, tensors.dtype_name(self.dtype)))
         return meta
 
     def _on_report(self, data: bytes) -> None:
@@ -238,7 +259,20 @@ class ProducerWorker:
             if tuple(out.shape) != tuple(spec.shape) or tensors.dtype_name(out.dtype) != spec.dtype:
                 raise ValueError(f"encoder output is {list(out.shape)} {out.dtype}, "
                                  f"slot was sized for {list(spec.shape)} {spec.dtype}")
-            if self.writes and spec.nbytes:
+            if self.writes and spec.nbytes and spec.cuda_ref:
+                from ectransfer import cuda_ipc
+                from epd.common.v1 import common_pb2
+
+                # One device-to-device copy into the exported pool; waited for
+                # before the report, so the slot is complete when it is served.
+                ref = common_pb2.CudaIpcRef.FromString(spec.cuda_ref)
+                cuda_ipc.check_range(ref, spec.nbytes)
+                dst = cuda_ipc.mapping(ref)[ref.offset: ref.offset + spec.nbytes]
+                dst.copy_(tensors.as_bytes(out.detach(), keep_device=True), non_blocking=True)
+                done = torch.cuda.Event()
+                done.record()
+                done.synchronize()
+            elif self.writes and spec.nbytes:
                 dst = self.mappings.get(spec.segment, writable=True).buffer[spec.offset: spec.offset + spec.nbytes]
                 # On GPU this is the device-to-host sync the contract asks for
                 # (save_caches runs right after the encoder kernel is enqueued).

@@ -33,15 +33,18 @@ def test_two_processes_one_gpu_100_random_tensors_bit_identical_pool_mapped_once
     from ectransfer.cuda_ipc import CudaIpcConsumer
     from epd.common.v1 import common_pb2
 
+    from ectransfer import cuda_ipc
+
     proc, items = _start("--raw", 100)
     consumer = CudaIpcConsumer()
+    opened = cuda_ipc.open_count()
     try:
         for item in items:
             desc = common_pb2.TensorDescriptor.FromString(bytes.fromhex(item["desc"]))
             dest = torch.empty(desc.nbytes, dtype=torch.uint8, device="cuda")
             assert consumer.receiver(desc, dest).complete
             assert hashlib.sha256(dest.cpu().numpy().tobytes()).hexdigest() == item["sha256"], item["id"]
-        assert consumer.open_count == 1
+        assert cuda_ipc.open_count() - opened == 1
     finally:
         consumer.close()
         proc.stdin.close()
@@ -56,8 +59,11 @@ def test_cuda_ipc_through_the_transfer_protocol_is_chosen_and_exact():
     from ectransfer.protocol import TransferState
     from tests.gpu.ipc_producer import random_tensors
 
+    from ectransfer import cuda_ipc
+
     proc, lines = _start("--serve", 20)
     consumer = Consumer(transports=("cuda_ipc",), staging_bytes=256 << 20, device="cuda")
+    opened = cuda_ipc.open_count()
     try:
         for ident, t in random_tensors(20):
             nbytes = t.numel() * t.element_size()
@@ -66,9 +72,88 @@ def test_cuda_ipc_through_the_transfer_protocol_is_chosen_and_exact():
             got = consumer.staging.view(slot).cpu()
             assert torch.equal(got, tensors.as_bytes(t)), ident
             consumer.staging.free(slot)
-        (t,) = [c for c in consumer.client.transports]
-        assert t.open_count == 1
+        assert cuda_ipc.open_count() - opened == 1  # probe and 20 items: one open
     finally:
         consumer.close()
         proc.stdin.close()
         proc.wait(timeout=30)
+
+
+def test_in_place_read_from_another_process_is_one_device_copy_and_exact():
+    """What the LM's worker does with an in-place CUDA IPC item: locate (the
+    client), then ``copy_out`` straight into a tensor on its device, then ack."""
+    import torch
+
+    from ectransfer import cuda_ipc, tensors
+    from ectransfer.loopback import Consumer
+    from ectransfer.protocol import ItemTransfer, TransferState
+    from tests.gpu.ipc_producer import random_tensors
+
+    proc, lines = _start("--serve", 10)
+    consumer = Consumer(transports=("cuda_ipc",), staging_bytes=256 << 20, device="cuda")
+    try:
+        for ident, t in random_tensors(10):
+            nbytes = t.numel() * t.element_size()
+            transfer = ItemTransfer(ident, nbytes)
+            slot = consumer.staging.alloc(nbytes)  # sizes the Reserve; not written when read in place
+            fetch = consumer.client.fetch(transfer, lines[0]["endpoint"], consumer.staging.view(slot), "r",
+                                          in_place=True)
+            assert consumer.wait(transfer) is TransferState.LANDED, transfer.error
+            assert fetch.source is not None and fetch.source.WhichOneof("payload") == "cuda_ipc"
+            dest = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+            cuda_ipc.copy_out(fetch.source.cuda_ipc, nbytes, dest)
+            consumer.client.ack(lines[0]["endpoint"], ident)
+            consumer.staging.free(slot)
+            assert torch.equal(dest.cpu(), tensors.as_bytes(t)), ident
+    finally:
+        consumer.close()
+        proc.stdin.close()
+        proc.wait(timeout=30)
+
+
+def test_connector_halves_with_cuda_ipc_save_serve_and_load_exactly():
+    """Both connector halves wired to CUDA IPC (needs vLLM as well as CUDA):
+    the encoder's worker writes into the exported pool, the LM's worker copies
+    device to device into its encoder cache, the ack frees the pool."""
+    pytest.importorskip("vllm")
+    import time
+    from types import SimpleNamespace
+
+    import torch
+
+    from ectransfer.connector.config import ConnectorConfig
+    from ectransfer.connector.consumer import ConsumerScheduler, ConsumerWorker
+    from ectransfer.connector.producer import ProducerScheduler, ProducerWorker
+    from tests.integration.connector_fakes import embedding, request, steps_until, vllm_config
+
+    cfg = ConnectorConfig(outbound_pool_bytes=1 << 20, transports=["cuda_ipc", "grpc"], model_name="test-model")
+    ps, pw = ProducerScheduler(vllm_config("enc-1"), cfg), ProducerWorker(vllm_config("enc-1"), cfg)
+    sched = ConsumerScheduler(vllm_config("lm-1"), ConnectorConfig(transports=["cuda_ipc"], model_name="test-model"))
+    worker = ConsumerWorker(vllm_config("lm-1"), sched.cfg)
+    try:
+        r = request("e1", [("c1", 16)])
+        assert ps.ensure_cache_available(r, 0)
+        meta = ps.build_meta(SimpleNamespace(scheduled_encoder_inputs={"e1": [0]}))
+        assert meta.saves[0].cuda_ref
+        out = {"c1": embedding(16, 31).cuda()}
+        pw.begin_step(out, meta)
+        pw.save(out, "c1")
+        assert steps_until(lambda: ps.store.contains("c1"))
+        req = request("l1", [("c1", 16)], f"127.0.0.1:{ps.server.bound_port}")
+        assert steps_until(lambda: sched.ensure_cache_available(req, 0))
+        sched.update_state_after_alloc(req, 0)
+        load = sched.build_meta(SimpleNamespace(scheduled_encoder_inputs={}))
+        assert load.loads[0].cuda_ref
+        cache: dict = {}
+        worker.load(cache, load)
+        sched.update_connector_output(SimpleNamespace(ec_connector_worker_meta=worker.build_worker_meta()))
+        assert cache["c1"].is_cuda and torch.equal(cache["c1"].view(torch.int16), out["c1"].view(torch.int16))
+        deadline = time.monotonic() + 5
+        while ps.store.contains("c1") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not ps.store.contains("c1")  # acked after the load
+    finally:
+        worker.shutdown()
+        sched.shutdown()
+        pw.shutdown()
+        ps.shutdown()

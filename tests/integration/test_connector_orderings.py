@@ -34,8 +34,9 @@ def consumer():
     """Makes consumer scheduler halves; shuts each down after the test."""
     made: list[ConsumerScheduler] = []
 
-    def make(staging_bytes: int = 1 << 20, timeout_s: float = 10.0) -> ConsumerScheduler:
-        cfg = ConnectorConfig(staging_bytes=staging_bytes, transfer_timeout_s=timeout_s, model_name="test-model")
+    def make(staging_bytes: int = 1 << 20, timeout_s: float = 10.0, **kw) -> ConsumerScheduler:
+        cfg = ConnectorConfig(staging_bytes=staging_bytes, transfer_timeout_s=timeout_s, model_name="test-model",
+                              **kw)
         made.append(ConsumerScheduler(vllm_config("lm-1"), cfg))
         return made[-1]
 
@@ -44,13 +45,18 @@ def consumer():
         sched.shutdown()
 
 
-def inject(sched: ConsumerScheduler, req) -> dict:
-    """What vLLM does once ensure_cache_available says yes: allocate, load, report."""
-    cache: dict = {}
+def schedule(sched: ConsumerScheduler, req):
+    """vLLM's scheduler once ensure_cache_available says yes: allocate, queue the loads."""
     for i, feat in enumerate(req.mm_features):
         if sched.has_cache_item(feat.identifier):
             sched.update_state_after_alloc(req, i)
-    meta = sched.build_meta(SimpleNamespace(scheduled_encoder_inputs={}))
+    return sched.build_meta(SimpleNamespace(scheduled_encoder_inputs={}))
+
+
+def inject(sched: ConsumerScheduler, req, meta=None) -> dict:
+    """What vLLM does once ensure_cache_available says yes: allocate, load, report."""
+    cache: dict = {}
+    meta = schedule(sched, req) if meta is None else meta
     worker = ConsumerWorker(vllm_config("lm-1"), sched.cfg)
     worker.load(cache, meta)
     sched.update_connector_output(SimpleNamespace(ec_connector_worker_meta=worker.build_worker_meta()))
@@ -220,3 +226,61 @@ def test_prealloc_fetches_reserve_vllm_cache_room_first_and_return_it_on_failure
     finally:
         sched.shutdown()
         p.close()
+
+
+def test_in_place_the_worker_reads_the_encoders_segment_and_the_ack_follows_the_load(producer, consumer):
+    sched = consumer()
+    t = embedding(16, 21)
+    producer.store.put("i1", t)
+    req = request("r1", [("i1", 16)], producer.endpoint)
+    assert steps_until(lambda: sched.ensure_cache_available(req, 0))
+    meta = schedule(sched, req)
+    (spec,) = meta.loads
+    assert spec.segment == producer.pool.name  # the encoder's memory, no staging copy
+    assert used(sched) == 0
+    time.sleep(0.1)
+    assert producer.store.contains("i1") and producer.store.stats.acks == 0  # held for the read
+    cache = inject(sched, req, meta)
+    assert torch.equal(cache["i1"].view(torch.int16), t.view(torch.int16))
+    assert steps_until(lambda: producer.store.stats.acks == 1 and not producer.store.contains("i1"))
+
+
+def test_in_place_off_lands_in_staging_and_acks_at_once(producer, consumer):
+    sched = consumer(read_in_place=False)
+    t = embedding(16, 22)
+    producer.store.put("i2", t)
+    req = request("r1", [("i2", 16)], producer.endpoint)
+    assert steps_until(lambda: sched.ensure_cache_available(req, 0))
+    assert steps_until(lambda: producer.store.stats.acks == 1)  # before any load
+    meta = schedule(sched, req)
+    assert meta.loads[0].segment == sched.staging.name
+    assert torch.equal(inject(sched, req, meta)["i2"].view(torch.int16), t.view(torch.int16))
+
+
+def test_in_place_a_request_that_ends_before_its_load_cancels_the_hold(producer, consumer):
+    sched = consumer()
+    producer.store.put("i3", embedding(16, 23))
+    req = request("r1", [("i3", 16)], producer.endpoint)
+    assert steps_until(lambda: sched.ensure_cache_available(req, 0))
+    sched.request_finished(req)  # aborted after landing, before vLLM scheduled it
+    assert steps_until(lambda: producer.store.stats.cancels == 1 and not producer.store.contains("i3"))
+    assert producer.pool.stats()["allocations"] == 1  # only the shm nonce
+
+
+def test_in_place_an_encoder_that_goes_away_before_the_load_fails_the_request_and_unmaps():
+    from tests.integration.connector_fakes import vllm_config as fake_config
+
+    p = Producer(pool_bytes=1 << 20)
+    sched = ConsumerScheduler(fake_config("lm-1"), ConnectorConfig(model_name="test-model"))
+    try:
+        p.store.put("i4", embedding(16, 24))
+        req = request("r1", [("i4", 16)], p.endpoint)
+        assert steps_until(lambda: sched.ensure_cache_available(req, 0))
+        segment = p.pool.name
+        p.close()  # the stream closes: the encoder no longer holds i4 for us
+        assert steps_until(lambda: (sched.ensure_cache_available(req, 0), sched.take_unavailable())[1] == {"r1"})
+        assert not sched.has_cache_item("i4")
+        assert ("shm", segment) in sched.build_meta(SimpleNamespace(scheduled_encoder_inputs={})).unmap
+        assert "error" in sched.request_finished(req)
+    finally:
+        sched.shutdown()

@@ -194,3 +194,57 @@ def test_a_second_consumer_just_after_the_first_ack_fails_fast_then_a_new_copy_i
     finally:
         first.close()
         second.close()
+
+
+def test_in_place_two_consumers_read_one_item_and_the_first_ack_does_not_free_it_under_the_second(producer):
+    from ectransfer.protocol import ItemTransfer
+    from ectransfer.shm import Mappings
+
+    a, b = Consumer(transports=("shm",)), Consumer(transports=("shm",))
+    maps = Mappings()
+    t = torch.randn(64, 128).to(torch.bfloat16)
+    nbytes = t.numel() * 2
+    producer.store.put("x", t)
+    try:
+        fetches = []
+        for c in (a, b):
+            transfer = ItemTransfer("x", nbytes)
+            fetches.append(c.client.fetch(transfer, producer.endpoint, c.staging.view(c.staging.alloc(nbytes)), "r",
+                                          in_place=True))
+            assert c.wait(transfer) is TransferState.LANDED
+        src = fetches[1].source
+        assert src.WhichOneof("payload") == "shm" and src.shm.segment == producer.pool.name
+        a.client.ack(producer.endpoint, "x")
+        deadline = time.monotonic() + 5
+        while producer.store.contains("x") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not producer.store.contains("x")  # released for new readers...
+        producer.store.put("y", torch.zeros(64, 128, dtype=torch.bfloat16))  # ...and the pool reused
+        raw = maps.get(src.shm.segment).buffer[src.shm.offset: src.shm.offset + nbytes]
+        assert same_bits(tensors.from_bytes(raw.clone(), (64, 128), torch.bfloat16), t)  # b's bytes intact
+        used = producer.pool.stats()["used_bytes"]
+        b.client.ack(producer.endpoint, "x")
+        deadline = time.monotonic() + 5
+        while producer.pool.stats()["used_bytes"] == used and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert producer.pool.stats()["used_bytes"] == used - nbytes  # the last reader's ack freed it
+    finally:
+        maps.close()
+        a.close()
+        b.close()
+
+
+def test_in_place_asked_of_the_chunk_transport_lands_in_the_destination(producer):
+    from ectransfer.protocol import ItemTransfer
+
+    c = Consumer(transports=("grpc",))
+    t = torch.randn(8, 128).to(torch.bfloat16)
+    producer.store.put("z", t)
+    try:
+        slot = c.staging.alloc(t.numel() * 2)
+        transfer = ItemTransfer("z", t.numel() * 2)
+        fetch = c.client.fetch(transfer, producer.endpoint, c.staging.view(slot), "r", in_place=True)
+        assert c.wait(transfer) is TransferState.LANDED and fetch.source is None
+        assert same_bits(tensors.from_bytes(c.staging.view(slot), fetch.shape, fetch.dtype), t)
+    finally:
+        c.close()

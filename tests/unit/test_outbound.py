@@ -1,5 +1,6 @@
 """The encoder's outbound store: slots in, acks/cancels/leases free them."""
 
+import time
 import pytest
 import torch
 from helpers import assert_bit_identical
@@ -185,3 +186,40 @@ def test_failed_item_forgets_its_cancel():
     store.mark_failed("c", "encoder error")
     store.put("c", torch.ones(4))  # a later encode of the same image is kept
     assert store.contains("c")
+
+
+def test_a_release_while_another_consumer_reads_frees_the_slot_after_the_last_reader():
+    pool = Pool(1 << 16)
+    store = OutboundStore(pool)
+    store.put("a", torch.arange(64, dtype=torch.float32))
+    used = pool.stats()["used_bytes"]
+    reader = store.begin_send("a")  # consumer B reads the slot (chunks, or in place)
+    assert store.release("a", "ack")  # consumer A's ack
+    assert not store.contains("a") and store.begin_send("a") is None  # gone for new readers
+    assert pool.stats()["used_bytes"] == used  # but B's bytes stay put
+    store.end_send(reader)
+    assert pool.stats()["used_bytes"] == 0
+
+
+def test_a_new_copy_replacing_one_being_read_waits_for_the_reader():
+    pool = Pool(1 << 16)
+    store = OutboundStore(pool)
+    store.put("a", torch.zeros(64))
+    reader = store.begin_send("a")
+    slot = pool.alloc(256)
+    pool.view(slot).fill_(7)
+    store.adopt("a", slot, (64,), torch.float32)
+    assert pool.view(reader.slot).eq(0).all()  # the old copy is intact for its reader
+    store.end_send(reader)
+    assert pool.stats()["used_bytes"] == slot.nbytes
+
+
+def test_an_in_place_reader_that_goes_away_restarts_the_lease():
+    store = OutboundStore(Pool(1 << 16), ttl_s=10)
+    store.put("a", torch.zeros(4))
+    item = store.begin_send("a")
+    store.expire(now=time.monotonic() + 100)
+    assert store.contains("a")  # held: never expired
+    store.end_send(item, restart_lease=True)
+    assert store.expire(now=time.monotonic() + 5) == []
+    assert store.expire(now=time.monotonic() + 11) == ["a"]
