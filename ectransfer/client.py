@@ -94,6 +94,7 @@ class _Peer:
             if choice.fell_back:
                 logger.warning("transfer from %s uses %s (%s)", self.endpoint, choice.name, "; ".join(choice.skipped))
             self.transport = choice.transport
+            self.client._chosen[self.endpoint] = choice.name
             while (msg := await call.read()) is not grpc.aio.EOF:
                 self._on_message(msg)
         except grpc.aio.AioRpcError as e:
@@ -172,15 +173,20 @@ def source_key(desc: common_pb2.TensorDescriptor) -> tuple[str, str]:
     return "cuda_ipc", desc.cuda_ipc.pool_id
 
 
-async def negotiate(call, send, compat: common_pb2.CompatInfo, transports: list[ConsumerTransport]) -> Choice:
+async def negotiate(call, send, compat: common_pb2.CompatInfo, transports: list[ConsumerTransport],
+                    select=None) -> Choice:
     """Consumer side of the handshake on an open Transfer ``call`` whose request
     stream already yielded Hello; ``send`` enqueues a client message. Raises
-    CompatError or ProtocolError with a message meant for people."""
+    CompatError or ProtocolError with a message meant for people. ``select``:
+    a predicate on the Choice; when false the handshake stops before Select
+    (a check that cannot prove the transport itself)."""
     first = await call.read()
     if first is grpc.aio.EOF or first.WhichOneof("msg") != "hello":
         raise ProtocolError("producer did not answer Hello")
     check_compat(compat, first.hello.compat)
     choice = choose(list(first.hello.offers), transports)
+    if select is not None and not select(choice):
+        return choice
     send(encoder_pb2.TransferClientMsg(select=encoder_pb2.Select(transport=choice.transport.kind, proof=choice.proof)))
     second = await call.read()
     if second is grpc.aio.EOF or second.WhichOneof("msg") != "selected":
@@ -205,6 +211,7 @@ class TransferClient:
         self.timeout_s = timeout_s
         self._peers: dict[str, _Peer] = {}
         self._unmapped: list[tuple[str, str]] = []
+        self._chosen: dict[str, str] = {}  # endpoint -> transport name, last negotiated
         self._unmapped_lock = threading.Lock()  # client thread appends, scheduler thread takes
         self._loop = new_event_loop()
         self._thread = threading.Thread(target=self._run, name="epd-transfer-client", daemon=True)
@@ -243,6 +250,10 @@ class TransferClient:
 
     def cancel(self, endpoint: str, identifier: str) -> None:
         self._loop.call_soon_threadsafe(self._send, endpoint, "cancel", identifier)
+
+    def transport_of(self, endpoint: str) -> str:
+        """The transport last negotiated with ``endpoint`` ("" if none yet)."""
+        return self._chosen.get(endpoint, "")
 
     def take_unmapped(self) -> list[tuple[str, str]]:
         """(kind, name) of producer memory read in place whose stream has

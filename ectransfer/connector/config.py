@@ -24,8 +24,9 @@ class ConnectorConfig:
     """Consumer: bytes of inbound staging (transfers wait when it is full)."""
     chunk_nbytes: int = 4 << 20
     """GRPC_CHUNKS chunk size."""
-    transports: list[str] = field(default_factory=lambda: ["shm", "grpc"])
-    """Transports this end may use, best first."""
+    transports: list[str] = field(default_factory=lambda: ["auto"])
+    """Transports this end may use, best first; ``auto`` expands to what this
+    process can use (``factory.resolve``)."""
     lease_s: float = 60.0
     """Producer: an outbound item nobody acked within this time is freed."""
     item_wait_s: float = 60.0
@@ -41,7 +42,8 @@ class ConnectorConfig:
 
     def __post_init__(self) -> None:
         for name in self.transports:
-            factory.transport_enum(name)  # ValueError listing the allowed names
+            if name != factory.AUTO:
+                factory.transport_enum(name)  # ValueError listing the allowed names
         for name in ("outbound_pool_bytes", "staging_bytes", "chunk_nbytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

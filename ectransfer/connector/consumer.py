@@ -69,7 +69,7 @@ class ConsumerScheduler:
         self.client = TransferClient(
             compat_for(vllm_config, cfg.model_name),
             consumer_id=engine_id,
-            transports=[factory.make_consumer(n) for n in cfg.transports],
+            transports=[factory.make_consumer(n) for n in factory.resolve(cfg.transports, "consumer")],
             timeout_s=cfg.transfer_timeout_s,
         )
         self.engine_id = engine_id
@@ -298,6 +298,9 @@ class ConsumerScheduler:
         if stats is not None and request.mm_features:
             out.update(local_encoder_runs=stats.local_encoder_runs, transferred_items=stats.transferred_items,
                        transfer_ms=stats.transfer_ms)
+            if stats.transferred_items:  # what the engine negotiated with each encoder
+                endpoints = {s["endpoint"] for s in ((request.ec_transfer_params or {}).get("items") or {}).values()}
+                out["transports"] = {e: self.client.transport_of(e) for e in sorted(endpoints)}
         return out or None
 
     def shutdown(self) -> None:

@@ -65,7 +65,7 @@ class ProducerScheduler:
         self.dtype = mc.dtype
         self.widths = dict(vllm_config.ec_transfer_config.mm_encoder_output_widths)
         self.default_width = mc.get_hidden_size()
-        names = list(cfg.transports)
+        names = factory.resolve(cfg.transports, "producer")
         self.cuda_pool = None
         if "cuda_ipc" in names:
             # The outbound pool is one device allocation on this engine's GPU,

@@ -21,8 +21,9 @@ class EncoderServiceConfig:
     """Prometheus /metrics HTTP port (0: disabled)."""
     outbound_pool_mib: float = 256.0
     """Outbound pool size: encoder outputs held until an LM acks them."""
-    transports: str = "shm,grpc"
-    """Transports offered to LMs (comma-separated; allowed: shm, grpc)."""
+    transports: str = "auto"
+    """Transports offered to LMs (comma-separated; allowed: auto, cuda_ipc, shm, grpc). ``auto``:
+    cuda_ipc,grpc where the engine has CUDA and cupy (the outbound pool is then on the GPU), else shm,grpc."""
     lease_s: float = 60.0
     """An outbound item nobody acked within this time is freed."""
     encode_timeout_s: float = 60.0

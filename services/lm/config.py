@@ -15,9 +15,10 @@ class LMServiceConfig:
     """Prometheus /metrics HTTP port (0: disabled)."""
     staging_mib: float = 256.0
     """Inbound staging for encoder outputs (transfers wait when it is full)."""
-    transports: str = "shm,grpc"
-    """Transports this LM may use, best first (comma-separated; allowed: shm, grpc). The first
-    one whose probe succeeds is used; a single name forces it (the handshake fails if it cannot work)."""
+    transports: str = "auto"
+    """Transports this LM may use, best first (comma-separated; allowed: auto, cuda_ipc, shm, grpc).
+    ``auto``: cuda_ipc,shm,grpc where the engine has CUDA and cupy, else shm,grpc. The first one
+    whose probe succeeds is used; a single name forces it (the handshake fails if it cannot work)."""
     transfer_timeout_s: float = 30.0
     """An item with no data from its encoder within this time fails its request."""
     handshake_timeout_s: float = 5.0

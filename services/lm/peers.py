@@ -24,6 +24,25 @@ PEER_TRANSPORT = Gauge("epd_lm_peer_transport", "Transport chosen per encoder (1
 logger = logging.getLogger(__name__)
 
 
+class OfferedCudaIpc(ConsumerTransport):
+    """CUDA IPC as the LM *service* process sees it: usable when offered and
+    this host has CUDA and cupy. It never opens the handle (no CUDA context in
+    the service process), so the handshake stops before Select; the engine's
+    connector proves it for real."""
+
+    kind = common_pb2.CUDA_IPC
+
+    def probe(self, offer: encoder_pb2.TransportOffer) -> bytes:
+        from ectransfer.factory import cuda_ipc_usable
+
+        if not cuda_ipc_usable():
+            raise ProtocolError("no CUDA device or no cupy in this process")
+        return b""
+
+    def receiver(self, desc, dest):
+        raise ProtocolError("the LM service never receives items itself")
+
+
 class PeerChecker:
     def __init__(self, compat: common_pb2.CompatInfo, consumer_id: str, transports: list[ConsumerTransport],
                  timeout_s: float):
@@ -63,7 +82,8 @@ class PeerChecker:
         async with grpc.aio.insecure_channel(endpoint) as ch:
             call = encoder_pb2_grpc.TransferServiceStub(ch).Transfer(requests(), timeout=self.timeout_s)
             try:
-                choice = await negotiate(call, out.put_nowait, self.compat, self.transports)
+                choice = await negotiate(call, out.put_nowait, self.compat, self.transports,
+                                         select=lambda c: not isinstance(c.transport, OfferedCudaIpc))
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
                     raise Incompatible(e.details()) from None

@@ -13,7 +13,7 @@ from epd.lm.v1 import lm_pb2, lm_pb2_grpc
 from services.common.engine import EngineConfig, build_async_engine
 from services.common.grpc_server import GrpcServer
 from services.lm.config import LMServiceConfig
-from services.lm.peers import PeerChecker
+from services.lm.peers import OfferedCudaIpc, PeerChecker
 from services.lm.servicer import LMServicer
 
 logger = logging.getLogger(__name__)
@@ -43,7 +43,11 @@ async def serve(cfg: LMServiceConfig, engine_cfg: EngineConfig, stop: asyncio.Ev
     server = None
     try:
         compat = compat_for(engine.vllm_config, engine_cfg.model)
-        transports = [factory.make_consumer(t) for t in cfg.transports.split(",") if t]
+        # The service process checks compatibility and reachability; it never
+        # opens a CUDA IPC handle itself (that would put a CUDA context in it):
+        # the engine's connector negotiates for real and reports per request.
+        names = factory.resolve([t for t in cfg.transports.split(",") if t], "consumer")
+        transports = [factory.make_consumer(t) if t != "cuda_ipc" else OfferedCudaIpc() for t in names]
         peers = PeerChecker(compat, engine.vllm_config.ec_transfer_config.engine_id, transports,
                             cfg.handshake_timeout_s)
         info = lm_pb2.LMInfo(model=engine_cfg.model, compat=compat)

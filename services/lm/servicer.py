@@ -158,7 +158,8 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
                                        lm_queue_ms=_queue_ms(final, ec.get("transfer_ms", 0.0))),
                 local_encoder_runs=ec.get("local_encoder_runs", 0),
                 transferred_items=ec.get("transferred_items", 0),
-                transports=[self.peers.transport.get(s["endpoint"], "") for s in sources.values()]
+                transports=[(ec.get("transports") or {}).get(s["endpoint"]) or self.peers.transport.get(s["endpoint"], "")
+                            for s in sources.values()]
                 if ec.get("transferred_items") else [],
             )
             status = "ok"

@@ -105,3 +105,34 @@ def test_a_real_service_config_round_trips():
     add_dataclass_args(parser, GatewayConfig)
     cfg = from_args(GatewayConfig, parser.parse_args(["--lms", "h1:1,h2:2", "--max-images", "3"]))
     assert cfg.lm_list == ["h1:1", "h2:2"] and cfg.max_images == 3
+
+
+def test_auto_is_the_default_and_expands_to_what_this_process_can_use(monkeypatch):
+    from ectransfer import factory
+
+    assert ConnectorConfig().transports == ["auto"]
+    monkeypatch.setattr(factory, "cuda_ipc_usable", lambda: False)
+    assert factory.resolve(["auto"], "producer") == ["shm", "grpc"]
+    assert factory.resolve(["auto"], "consumer") == ["shm", "grpc"]
+    monkeypatch.setattr(factory, "cuda_ipc_usable", lambda: True)
+    # The encoder's pool moves to the GPU, which shm cannot describe.
+    assert factory.resolve(["auto"], "producer") == ["cuda_ipc", "grpc"]
+    assert factory.resolve(["auto"], "consumer") == ["cuda_ipc", "shm", "grpc"]
+    assert factory.resolve(["grpc", "auto"], "consumer") == ["grpc", "cuda_ipc", "shm"]  # explicit order kept
+    assert factory.resolve(["shm"], "producer") == ["shm"]  # a single name forces it
+    with pytest.raises(ValueError, match="resolve"):
+        factory.transport_enum("auto")
+
+
+def test_cuda_ipc_on_a_machine_without_it_fails_the_encoder_connector_with_the_reason():
+    import torch
+
+    from ectransfer.connector.producer import ProducerScheduler
+    from ectransfer.protocol import ProtocolError
+    from tests.integration.connector_fakes import vllm_config
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    cfg = ConnectorConfig(transports=["cuda_ipc", "grpc"], outbound_pool_bytes=1 << 20)
+    with pytest.raises(ProtocolError, match="CUDA IPC needs cupy|no CUDA"):
+        ProducerScheduler(vllm_config("enc-1"), cfg)
