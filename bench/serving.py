@@ -30,6 +30,12 @@ costs about as many decode steps as a 7B VLM's image on a GPU) unless
 
     python bench/serving.py --quick --rates 0.5,1.5 --json bench/results/serving-cpu-light.json --plot ...
     python bench/serving.py --cost-ratio --variants bench,bench-light --json bench/results/serving-cpu-cost.json
+    python bench/serving.py --device cuda --model /models/Qwen2.5-VL-3B-Instruct \
+        --vllm-args '{"enforce_eager": false, "max_num_seqs": 64}' --rates 2,8 --json bench/results/serving-h100.json
+
+With ``--device cuda`` the systems share one GPU instead of splitting cores: each engine gets a
+slice of its memory (``GPU_SHARES``; colocated 0.85, two replicas 0.42 each, encoder 0.2 + LM
+0.65), vLLM sizes each KV cache from its slice, and the engines start one after another.
 """
 
 from __future__ import annotations
@@ -151,16 +157,32 @@ def _halves(cores: list[int]) -> tuple[list[int], list[int]]:
     return cores[:half], cores[half:] or cores
 
 
-def vllm_server_argv(model: str, port: int, vllm_args: dict, ec: dict) -> list[str]:
+# --device cuda: every engine of a system shares one GPU, so each gets a slice of its memory
+# (vLLM's gpu_memory_utilization) instead of cores; an encoder-only engine holds weights and its
+# encoder cache but no KV cache. Each system's slices sum to 0.85.
+GPU_SHARES = {"colocated": {"lm": 0.85}, "colocated-dp2": {"lm0": 0.42, "lm1": 0.42},
+              "epd": {"encoder": 0.2, "lm": 0.65}, "vllm-ec": {"producer": 0.2, "consumer": 0.65}}
+
+
+def engine_args_for(name: str, tag: str, device: str, vllm_args: dict) -> dict:
+    """``--vllm-args`` of one engine: on cuda its memory slice (the caller's own values win)."""
+    if device != "cuda":
+        return dict(vllm_args)
+    return {"gpu_memory_utilization": GPU_SHARES[name][tag], **vllm_args}
+
+
+def vllm_server_argv(model: str, port: int, vllm_args: dict, ec: dict, device: str = "cpu") -> list[str]:
     """``python -m vllm.entrypoints.openai.api_server`` with the engine settings our services use
-    (``EngineConfig`` defaults, plus ``--vllm-args``): the comparison differs only in the system."""
+    (``EngineConfig`` defaults, plus ``--vllm-args``): the comparison differs only in the system.
+    On cuda the KV cache is sized by vLLM from the engine's memory slice, as for our services."""
     cfg = EngineConfig(model=model)
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
             "--host", "127.0.0.1", "--port", str(port), "--dtype", cfg.dtype,
             "--max-num-seqs", str(cfg.max_num_seqs), "--seed", str(cfg.seed),
             "--limit-mm-per-prompt", json.dumps({"image": cfg.max_images_per_prompt}),
-            "--kv-cache-memory-bytes", str(cfg.kv_cache_bytes), "--disable-uvicorn-access-log",
-            "--ec-transfer-config", json.dumps(ec)]
+            "--disable-uvicorn-access-log", "--ec-transfer-config", json.dumps(ec)]
+    if device != "cuda":
+        argv += ["--kv-cache-memory-bytes", str(cfg.kv_cache_bytes)]
     if cfg.enforce_eager:
         argv.append("--enforce-eager")
     if cfg.max_model_len:
@@ -185,20 +207,26 @@ class System:
     """One system's processes on the given cores; ``start()`` waits until it answers, ``stop()``
     stops every process group it started (also after a failed start)."""
 
-    def __init__(self, name: str, model: str, cores: list[int], logdir: str, vllm_args: str) -> None:
+    def __init__(self, name: str, model: str, cores: list[int], logdir: str, vllm_args: str,
+                 device: str = "cpu") -> None:
         if name not in SYSTEMS:
             raise ValueError(f"unknown system {name!r}; choose from {', '.join(SYSTEMS)}")
-        self.name, self.model = name, model
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda, got {device!r}")
+        self.name, self.model, self.device = name, model, device
         self.port = free_port()
         self.engines: list[tuple[Service, object]] = []  # (process, readiness check)
         self.tmpdir = ""
         log = lambda role: os.path.join(logdir, f"{name}-{role}.log")  # noqa: E731
-        common = ["--model", model, "--vllm-args", vllm_args]
+        base_args = json.loads(vllm_args)
 
         def epd_service(role: str, tag: str, cs: list[int]) -> str:
             port = free_port()
-            svc = Service(role, [role, "--port", str(port), "--cpu-cores", _fmt(cs), "--metrics-port",
-                                 str(free_port()), *common], log(tag))
+            # CPU: disjoint cores per engine. cuda: one GPU, a memory slice per engine, KV sized by vLLM.
+            placement = (["--cpu-cores", _fmt(cs)] if device == "cpu" else ["--kv-cache-bytes", "0"])
+            svc = Service(role, [role, "--port", str(port), *placement, "--metrics-port", str(free_port()),
+                                 "--model", model, "--vllm-args",
+                                 json.dumps(engine_args_for(name, tag, device, base_args))], log(tag))
             addr = f"127.0.0.1:{port}"
             self.engines.append((svc, (lambda a: lambda: grpc_serving(a))(addr)))
             return addr
@@ -211,8 +239,9 @@ class System:
                 port = free_port()
                 ec = {"ec_connector": "ECExampleConnector", "ec_role": f"ec_{role}",
                       "ec_connector_extra_config": {"shared_storage_path": self.tmpdir}}
-                svc = Command(role, vllm_server_argv(model, port, json.loads(vllm_args), ec), log(role),
-                              extra_env={**VLLM_ENV, "VLLM_CPU_OMP_THREADS_BIND": _fmt(cs)})
+                env = {**VLLM_ENV, **({"VLLM_CPU_OMP_THREADS_BIND": _fmt(cs)} if device == "cpu" else {})}
+                svc = Command(role, vllm_server_argv(model, port, engine_args_for(name, role, device, base_args),
+                                                     ec, device), log(role), extra_env=env)
                 url = f"http://127.0.0.1:{port}"
                 self.engines.append((svc, (lambda u: lambda: http_ok(u + "/health"))(url)))
                 urls.append(url)
@@ -236,14 +265,18 @@ class System:
     def start(self, timeout: float = 600.0) -> "System":
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         procs = [s for s, _ in self.engines] + [self.front]
+        # On one GPU the engines start one after another: vLLM sizes its KV cache from the
+        # memory it sees free, which an engine still loading next to it would distort.
+        waves = [[e] for e in self.engines] if self.device == "cuda" else [self.engines]
         try:
-            for svc, _ in self.engines:
-                svc.start(env)
             deadline = time.monotonic() + timeout
-            while not all(ready() for _, ready in self.engines):
-                if time.monotonic() > deadline or not all(s.alive() for s, _ in self.engines):
-                    raise RuntimeError(f"{self.name} did not start:\n" + "\n".join(s.log_tail() for s in procs))
-                time.sleep(0.5)
+            for wave in waves:
+                for svc, _ in wave:
+                    svc.start(env)
+                while not all(ready() for _, ready in wave):
+                    if time.monotonic() > deadline or not all(s.alive() for s, _ in wave):
+                        raise RuntimeError(f"{self.name} did not start:\n" + "\n".join(s.log_tail() for s in procs))
+                    time.sleep(0.5)
             self.front.start(env)
             while not http_ok(f"http://127.0.0.1:{self.port}/health"):
                 if time.monotonic() > deadline or not self.front.alive():
@@ -277,12 +310,13 @@ class System:
         return {k: (v[0], v[1]) for k, v in out.items()}
 
 
-def start_system(name: str, model: str, cores: list[int], logdir: str, vllm_args: str, tries: int = 3) -> System:
+def start_system(name: str, model: str, cores: list[int], logdir: str, vllm_args: str, tries: int = 3,
+                 device: str = "cpu") -> System:
     """Start a system, with fresh ports on a failed try: a port that ``free_port`` found free can be
     taken by another process before the service binds it."""
     for i in range(tries):
         try:
-            return System(name, model, cores, logdir, vllm_args).start()
+            return System(name, model, cores, logdir, vllm_args, device).start()
         except RuntimeError as e:
             if i == tries - 1:
                 raise
@@ -400,7 +434,7 @@ async def _sequential(url: str, bodies: list[dict], max_tokens: int) -> list[dic
 
 
 def cost_ratio(variant: str, model: str, cores: list[int], logdir: str, vllm_args: str, size, words: int,
-               max_tokens: int, k: int = 12) -> dict:
+               max_tokens: int, k: int = 12, device: str = "cpu") -> dict:
     """What one image costs in decode steps, with no load: on ``epd`` (encoder and LM on one core
     each) the encoder's encode_ms (image decode + preprocessing + vision tower) over the LM's TPOT of
     a text request; on ``colocated`` (all cores) the extra TTFT of an image request over a text one
@@ -411,7 +445,7 @@ def cost_ratio(variant: str, model: str, cores: list[int], logdir: str, vllm_arg
     texts = [b for _, b in workload(k + 2, 1.0, Fraction(0), words, size, seed=8)]
     med = lambda xs: round(statistics.median(xs), 2)  # noqa: E731
     for name in ("epd", "colocated"):
-        system = start_system(name, model, cores, logdir, vllm_args)
+        system = start_system(name, model, cores, logdir, vllm_args, device=device)
         try:
             asyncio.run(_sequential(system.url, [imgs[0], texts[0], imgs[1], texts[1]], 8))  # warm-up
             both = asyncio.run(_sequential(system.url, [b for pair in zip(imgs[2:], texts[2:]) for b in pair],
@@ -461,6 +495,9 @@ def main() -> int:
     ap.add_argument("--prompt-words", type=int, default=60)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--cores", default="", help="cores every system uses, e.g. 0-7 (default: all)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="cpu: engines split --cores; cuda: every engine of a system shares one GPU, each with a "
+                         "slice of its memory (GPU_SHARES), started one after another")
     ap.add_argument("--vllm-args", default="{}")
     ap.add_argument("--quick", action="store_true", help="40 requests per run")
     ap.add_argument("--cost-ratio", action="store_true",
@@ -476,14 +513,14 @@ def main() -> int:
     w, h = map(int, args.image_size.split("x"))
     logdir = os.path.join(BENCH_DIR, "results", "logs")
     os.makedirs(logdir, exist_ok=True)
-    info = {"cores": cores, "image_size": args.image_size, "max_tokens": args.max_tokens,
+    info = {"device": args.device, "cores": cores, "image_size": args.image_size, "max_tokens": args.max_tokens,
             "prompt_words": args.prompt_words, "vllm_args": json.loads(args.vllm_args),
             "command": " ".join(["python", *sys.argv]),
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
     if args.cost_ratio:
         res = [cost_ratio(v, default_model(v), cores, logdir, args.vllm_args, (w, h), args.prompt_words,
-                          args.max_tokens) for v in args.variants.split(",")]
+                          args.max_tokens, device=args.device) for v in args.variants.split(",")]
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"setup": info, "variants": res}, f, indent=1)
@@ -497,7 +534,7 @@ def main() -> int:
     n = 40 if args.quick else args.requests
     rows = []
     for name in args.systems.split(","):
-        system = start_system(name, model, cores, logdir, args.vllm_args)
+        system = start_system(name, model, cores, logdir, args.vllm_args, device=args.device)
         try:
             asyncio.run(drive(system.url, workload(4, 10.0, Fraction(1, 2), args.prompt_words, (w, h), seed=99), 8))
             for rate in [float(r) for r in args.rates.split(",")]:

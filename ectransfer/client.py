@@ -17,7 +17,7 @@ import asyncio
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import torch
@@ -58,8 +58,13 @@ class Fetch:
     source: common_pb2.TensorDescriptor | None = None
     """Set when the item landed in place: the producer's segment/handle and offset."""
     loading: bool = False
-    """Set by the caller once a reader copies from ``source``: the item is then
-    not failed if the stream closes (the producer's memory outlives the stream)."""
+    """Set by the caller, under ``lock``, once it takes a landed item (queues a
+    load from ``source``, or drops it): the client then leaves it alone."""
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    landed_at: float = 0.0
+    stream_lost: str | None = None
+    """Landed in place, not taken yet, and its stream closed (the producer no
+    longer holds it for us): the caller fails it (on its own thread)."""
 
 
 class _Peer:
@@ -128,6 +133,8 @@ class _Peer:
                 self._finish(fetch, error=f"encoder at {self.endpoint}: {body.message}")
         except ProtocolError as e:
             self._finish(fetch, error=f"encoder at {self.endpoint}: {e}")
+            # The producer may hold the slot for us (in place): let it go.
+            self.out.put_nowait(encoder_pb2.TransferClientMsg(cancel=encoder_pb2.Cancel(identifier=body.identifier)))
 
     def _on_header(self, fetch: Fetch, header: encoder_pb2.ItemHeader) -> None:
         desc = header.tensor
@@ -142,6 +149,7 @@ class _Peer:
         if fetch.in_place and self.transport.in_place:
             self.transport.locate(desc)
             fetch.source = desc
+            fetch.landed_at = time.monotonic()
             self.mapped.add(source_key(desc))
             self.items.pop(fetch.transfer.identifier, None)
             self.located[fetch.transfer.identifier] = fetch
@@ -152,6 +160,23 @@ class _Peer:
         if fetch.receiver.complete:
             self._landed(fetch)
 
+    def _demote(self, fetch: Fetch) -> None:
+        """An in-place item nobody took within ``hold_s`` (its request waits for
+        KV space, or for an item of another encoder): copy it into its staging
+        destination and ack, so the producer's pool does not stay pinned by a
+        queue (two encoders' pools could otherwise hold each other up)."""
+        with fetch.lock:
+            if fetch.loading or fetch.source is None:
+                return
+            self.located.pop(fetch.transfer.identifier, None)
+            try:
+                self.transport.receiver(fetch.source, fetch.dest)
+            except ProtocolError as e:
+                fetch.stream_lost = f"encoder at {self.endpoint}: {e}"
+                return
+            fetch.source = None
+        self.out.put_nowait(encoder_pb2.TransferClientMsg(ack=encoder_pb2.Ack(identifier=fetch.transfer.identifier)))
+
     def _landed(self, fetch: Fetch) -> None:
         # The bytes now sit in our staging: the producer's copy is no longer needed.
         self.out.put_nowait(encoder_pb2.TransferClientMsg(ack=encoder_pb2.Ack(identifier=fetch.transfer.identifier)))
@@ -161,9 +186,6 @@ class _Peer:
     def _finish(self, fetch: Fetch, error: str) -> None:
         self.items.pop(fetch.transfer.identifier, None)
         fetch.transfer.fail(error)
-
-
-_KINDS = {"shm": common_pb2.SHM, "cuda_ipc": common_pb2.CUDA_IPC}
 
 
 def source_key(desc: common_pb2.TensorDescriptor) -> tuple[str, str]:
@@ -203,8 +225,10 @@ class TransferClient:
         consumer_id: str,
         transports: list[ConsumerTransport],
         timeout_s: float = 30.0,
+        hold_s: float = 2.0,
     ) -> None:
         self.compat = compat
+        self.hold_s = hold_s
         self.consumer_id = consumer_id
         self.transports = transports
         self.by_kind = {t.kind: t for t in transports}
@@ -227,6 +251,9 @@ class TransferClient:
             await asyncio.sleep(0.25)
             now = time.monotonic()
             for peer in list(self._peers.values()):
+                for fetch in list(peer.located.values()):
+                    if now - fetch.landed_at > self.hold_s:
+                        peer._demote(fetch)
                 for fetch in list(peer.items.values()):
                     if now > fetch.deadline:
                         peer._finish(fetch, f"encoder at {peer.endpoint}: no data within {self.timeout_s}s")
@@ -301,20 +328,21 @@ class TransferClient:
             del self._peers[peer.endpoint]
         for fetch in list(peer.items.values()):
             peer._finish(fetch, error)
-        # Landed in place but nobody reads it yet: the producer no longer holds
-        # it for us (its lease runs again), so the bytes may be reused; fail it.
-        # One already being read is left alone: a dead producer's memory stays
-        # mapped, and a live one keeps it for the lease.
+        # Landed in place, not taken yet: the producer no longer holds it for us
+        # (it keeps a released copy a lease longer, but may reuse a live one's
+        # slot once another consumer acks), so the caller fails it.
         for fetch in list(peer.located.values()):
-            if not fetch.loading and fetch.transfer.state is TransferState.LANDED:
-                fetch.transfer.fail(error)
+            with fetch.lock:
+                if not fetch.loading:
+                    fetch.stream_lost = error  # the caller fails it on its thread
         peer.located.clear()
-        # Mappings of the producer's memory: dropped here, and by the readers
-        # (``take_unmapped``), so a restarted producer's old pool is not pinned.
+        # This thread's shm mappings of the producer go now; readers elsewhere
+        # (vLLM's worker, and CUDA mappings, shared process-wide) unmap after
+        # their next loads (``take_unmapped``), so a restarted producer's old
+        # pool is not kept alive.
         for kind, name in peer.mapped:
-            forget = getattr(self.by_kind.get(_KINDS[kind]), "forget", None)
-            if forget is not None:
-                forget(name)
+            if kind == "shm" and common_pb2.SHM in self.by_kind:
+                self.by_kind[common_pb2.SHM].forget(name)
         with self._unmapped_lock:
             self._unmapped.extend(peer.mapped)
         if peer.items or error != "stream closed":

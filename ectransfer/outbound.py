@@ -73,6 +73,9 @@ class OutboundStore:
         # is stale -- it was meant for the copy already freed -- and must not drop
         # the next publication of the same item, which another consumer may need.
         self._released: dict[str, None] = {}
+        # Released copies whose in-place reader's stream closed: it may still be
+        # copying (its worker runs a step behind), so they are freed a lease later.
+        self._zombies: list[OutboundItem] = []
         self._lock = threading.Lock()
 
     def put(self, identifier: str, tensor: torch.Tensor) -> bool:
@@ -187,23 +190,31 @@ class OutboundStore:
     def end_send(self, item: OutboundItem, restart_lease: bool = False) -> None:
         """One reader is done with ``item``'s slot. The last reader of a released
         item frees its slot. ``restart_lease``: an in-place reader went away
-        without an ack (its stream closed): the lease counts from now."""
+        without an ack (its stream closed) and may still be copying: the lease
+        counts from now, and a released item is kept for a lease, not freed."""
         with self._lock:
             item.sending -= 1
             free = item.released and item.sending == 0
             if restart_lease:
                 item.created = time.monotonic()
+                if free:
+                    self._zombies.append(item)
+                    free = False
         if free:
             self.pool.free(item.slot)
 
     def view(self, item: OutboundItem) -> torch.Tensor:
         return self.pool.view(item.slot)
 
-    def release(self, identifier: str, reason: str) -> bool:
-        """Frees the item's slot (reason: "ack", "cancel" or "expired")."""
+    def release(self, identifier: str, reason: str, held: OutboundItem | None = None) -> bool:
+        """Frees the item's slot (reason: "ack", "cancel" or "expired").
+        ``held``: the copy the caller read (an in-place reader's Ack); only that
+        copy is released, never a newer one published under the same id."""
         if reason not in _RELEASE_COUNTERS:
             raise ValueError(f"unknown release reason {reason!r}; allowed: {sorted(_RELEASE_COUNTERS)}")
         with self._lock:
+            if held is not None and self._items.get(identifier) is not held:
+                return False  # that copy is gone already (another consumer's ack, a lease)
             item = self._items.pop(identifier, None)
             if item is None:
                 if reason == "cancel" and identifier not in self._released:
@@ -220,10 +231,17 @@ class OutboundStore:
         return True
 
     def expire(self, now: float | None = None) -> list[str]:
-        """Frees items older than the lease that nobody is sending right now."""
+        """Frees items older than the lease that nobody is sending right now,
+        and released copies whose in-place reader went away a lease ago."""
         now = time.monotonic() if now is None else now
         with self._lock:
             stale = [i.identifier for i in self._items.values() if i.sending == 0 and now - i.created > self.ttl_s]
+            done, kept = [], []
+            for z in self._zombies:
+                (done if z.sending == 0 and now - z.created > self.ttl_s else kept).append(z)
+            self._zombies = kept
+        for z in done:
+            self.pool.free(z.slot)
         for ident in stale:
             if self.release(ident, "expired"):
                 logger.warning("outbound item %s expired after %.1fs without an ack", ident, self.ttl_s)

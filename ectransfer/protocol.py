@@ -85,6 +85,18 @@ class ItemTransfer:
             self.state = new
             self._changed.notify_all()
 
+    def try_advance(self, new: TransferState, error: str | None = None) -> bool:
+        """``advance`` if legal from the current state, atomically; False if
+        another thread moved the item first (e.g. the client failed it)."""
+        with self._changed:
+            if new not in _ALLOWED[self.state]:
+                return False
+            if error is not None:
+                self.error = error
+            self.state = new
+            self._changed.notify_all()
+            return True
+
     def wait_for(self, states: set[TransferState], timeout: float | None = None) -> bool:
         """Blocks until the state is one of ``states`` (tests and benchmarks;
         vLLM's scheduler polls ``state`` instead)."""

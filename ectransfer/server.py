@@ -101,8 +101,10 @@ class TransferServicer(encoder_pb2_grpc.TransferServiceServicer):
                     task = tasks.pop(ident, None)
                     if task is not None and not task.done():
                         task.cancel()
-                    self.store.release(ident, kind)
                     held = pinned.pop(ident, None)
+                    # An in-place reader's Ack/Cancel is for the copy it read, not a
+                    # newer one published under the same id since.
+                    self.store.release(ident, kind, held)
                     if held is not None:
                         self.store.end_send(held)  # frees the slot if nobody else reads it
                 else:

@@ -60,7 +60,7 @@ class EPDConnector(ECConnectorBase):
 
     def start_load_caches(self, encoder_cache, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
-        if self.is_consumer and isinstance(meta, EPDConnectorMetadata) and meta.loads:
+        if self.is_consumer and isinstance(meta, EPDConnectorMetadata) and (meta.loads or meta.unmap):
             self._half.load(encoder_cache, meta)
 
     def build_connector_worker_meta(self):

@@ -35,8 +35,12 @@ class ConnectorConfig:
     """Consumer: an item with no data within this time fails its requests."""
     read_in_place: bool = True
     """Consumer: with shm or CUDA IPC, vLLM's worker copies each item straight
-    from the encoder's memory into its encoder cache (one copy, no staging) and
+    from the encoder's memory into its encoder cache (one copy; staging is reserved, not written) and
     the ack follows the load; False lands it in staging first (two copies)."""
+    in_place_hold_s: float = 2.0
+    """Consumer: an item landed in place that vLLM has not scheduled within this
+    time (its request waits for KV space or another item) is copied to staging
+    and acked, so it does not keep the encoder's pool pinned."""
     model_name: str = ""
     """Name used in the compatibility hash (default: vLLM's model path)."""
 

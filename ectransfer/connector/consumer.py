@@ -71,6 +71,7 @@ class ConsumerScheduler:
             consumer_id=engine_id,
             transports=[factory.make_consumer(n) for n in factory.resolve(cfg.transports, "consumer")],
             timeout_s=cfg.transfer_timeout_s,
+            hold_s=cfg.in_place_hold_s,
         )
         self.engine_id = engine_id
         self._manager = None  # EPDEncoderCacheManager, when configured (created after us)
@@ -80,6 +81,7 @@ class ConsumerScheduler:
         self._errors: dict[str, str] = {}  # request -> why its encoder outputs cannot be had
         self._failed_endpoints: dict[str, set[str]] = defaultdict(set)  # request -> encoders that failed it
         self._to_load: list[LoadSpec] = []
+        self._unmap_next: list[tuple[str, str]] = []
         self._unavailable: set[str] = set()
         self._stats: dict[str, _RequestStats] = defaultdict(_RequestStats)
         self._counts = {"cancels": 0, "failed": 0, "reuse_hits": 0}
@@ -118,6 +120,9 @@ class ConsumerScheduler:
         for _, feat, _ in needed:
             item = self._items[feat.identifier]
             item.requests.add(rid)
+            lost = item.fetch.stream_lost
+            if lost and not item.queued:  # landed in place, then its stream closed: fail it here
+                item.transfer.try_advance(TransferState.FAILED, lost)
             state = item.transfer.state
             if state is TransferState.FAILED:
                 self._fail(item)
@@ -213,12 +218,13 @@ class ConsumerScheduler:
         fetch = item.fetch
         item.queued = True
         dtype = tensors.dtype_name(fetch.dtype)
-        src = fetch.source
+        with fetch.lock:  # from now on the client neither demotes nor fails it
+            fetch.loading = True
+            src = fetch.source
         if src is None:  # bytes in our staging
             spec = LoadSpec(item.transfer.identifier, fetch.shape, dtype, self.staging.name, item.slot.offset,
                             item.slot.nbytes)
         else:  # in place: the worker copies from the encoder's memory, we ack after
-            fetch.loading = True
             self._free_staging(item)
             if src.WhichOneof("payload") == "shm":
                 spec = LoadSpec(item.transfer.identifier, fetch.shape, dtype, src.shm.segment, src.shm.offset,
@@ -237,7 +243,14 @@ class ConsumerScheduler:
     def build_meta(self, scheduler_output) -> EPDConnectorMetadata:
         for req_id, inputs in scheduler_output.scheduled_encoder_inputs.items():
             self._stats[req_id].local_encoder_runs += len(inputs)
+        # CUDA mappings are process-wide: this process's copy (the client's probe,
+        # maybe a worker here) is closed a step after the worker was told.
+        if self._unmap_next and "ectransfer.cuda_ipc" in sys.modules:
+            for kind, name in self._unmap_next:
+                if kind == "cuda_ipc":
+                    sys.modules["ectransfer.cuda_ipc"].forget(name)
         meta = EPDConnectorMetadata(loads=self._to_load, unmap=self.client.take_unmapped())
+        self._unmap_next = meta.unmap
         self._to_load = []
         return meta
 
@@ -250,8 +263,7 @@ class ConsumerScheduler:
             if item is not None:
                 if item.fetch.source is not None:  # read in place: now the encoder may free it
                     self.client.ack(item.endpoint, ident)
-                if item.transfer.state is TransferState.LANDED:
-                    item.transfer.advance(TransferState.DONE)
+                item.transfer.try_advance(TransferState.DONE)
                 self._drop(item)
             self._injected[ident] = None
             self._injected.move_to_end(ident)
@@ -281,12 +293,14 @@ class ConsumerScheduler:
         for item in list(self._items.values()):
             item.requests.discard(rid)
             if not item.requests and not item.queued:
+                with item.fetch.lock:  # taken: the client neither demotes nor fails it now
+                    item.fetch.loading = True
                 state = item.transfer.state
                 # Landed in staging: acked already. Landed in place: the encoder
                 # still holds it for us, so it is cancelled like one in flight.
                 if not state.terminal and (state is not TransferState.LANDED or item.fetch.source is not None):
                     self.client.cancel(item.endpoint, item.transfer.identifier)
-                    item.transfer.advance(TransferState.CANCELLED)
+                    item.transfer.try_advance(TransferState.CANCELLED)
                 self._drop(item)
         self._skipped.pop(rid, None)
         error = self._errors.pop(rid, None)

@@ -94,8 +94,9 @@ class ProducerScheduler:
         self.server = TransferServerThread(servicer, cfg.transfer_host, cfg.transfer_port)
         port = self.server.start()
         endpoint = f"{cfg.advertise_host or cfg.transfer_host}:{port}"
-        logger.info("EPD transfer server on %s, outbound pool %s (%d MiB)", endpoint, self.pool.name,
-                    cfg.outbound_pool_bytes >> 20)
+        logger.info("EPD transfer server on %s, outbound pool %s (%d MiB, transports %s)", endpoint,
+                    self.pool.pool_id if self.cuda_pool is not None else self.pool.name,
+                    cfg.outbound_pool_bytes >> 20, ",".join(names))
         if cfg.endpoint_file:
             tmp = cfg.endpoint_file + ".tmp"
             with open(tmp, "w") as f:

@@ -284,3 +284,17 @@ def test_in_place_an_encoder_that_goes_away_before_the_load_fails_the_request_an
         assert "error" in sched.request_finished(req)
     finally:
         sched.shutdown()
+
+
+def test_in_place_an_item_vllm_does_not_take_in_time_moves_to_staging_and_frees_the_encoder(producer, consumer):
+    sched = consumer(in_place_hold_s=0.3)
+    t = embedding(16, 25)
+    producer.store.put("i5", t)
+    req = request("r1", [("i5", 16)], producer.endpoint)
+    assert steps_until(lambda: sched.ensure_cache_available(req, 0))
+    # vLLM keeps the request waiting (no KV space): the encoder's pool must not stay pinned.
+    assert steps_until(lambda: producer.store.stats.acks == 1 and not producer.store.contains("i5"))
+    meta = schedule(sched, req)
+    assert meta.loads[0].segment == sched.staging.name  # loaded from staging now
+    assert torch.equal(inject(sched, req, meta)["i5"].view(torch.int16), t.view(torch.int16))
+    assert used(sched) == 0

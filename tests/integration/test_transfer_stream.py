@@ -248,3 +248,21 @@ def test_in_place_asked_of_the_chunk_transport_lands_in_the_destination(producer
         assert same_bits(tensors.from_bytes(c.staging.view(slot), fetch.shape, fetch.dtype), t)
     finally:
         c.close()
+
+
+def test_in_place_a_header_the_consumer_refuses_releases_the_producers_hold(producer):
+    from ectransfer.protocol import ItemTransfer
+
+    c = Consumer(transports=("shm",))
+    producer.store.put("short", torch.zeros(8, 8, dtype=torch.bfloat16))  # 128 bytes
+    try:
+        slot = c.staging.alloc(256)  # the consumer expected 256
+        transfer = ItemTransfer("short", 256)
+        c.client.fetch(transfer, producer.endpoint, c.staging.view(slot), "r", in_place=True)
+        assert c.wait(transfer) is TransferState.FAILED and "expected 256" in transfer.error
+        deadline = time.monotonic() + 5
+        while producer.store.contains("short") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not producer.store.contains("short") and producer.store.stats.cancels == 1
+    finally:
+        c.close()

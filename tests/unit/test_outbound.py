@@ -223,3 +223,29 @@ def test_an_in_place_reader_that_goes_away_restarts_the_lease():
     store.end_send(item, restart_lease=True)
     assert store.expire(now=time.monotonic() + 5) == []
     assert store.expire(now=time.monotonic() + 11) == ["a"]
+
+
+def test_a_released_copy_whose_in_place_reader_went_away_is_kept_for_a_lease():
+    pool = Pool(1 << 16)
+    store = OutboundStore(pool, ttl_s=10)
+    store.put("a", torch.zeros(64))
+    reader = store.begin_send("a")  # an LM reads it in place; its stream then closes
+    store.release("a", "ack")  # another LM's ack
+    store.end_send(reader, restart_lease=True)  # its worker may still be copying
+    assert pool.stats()["used_bytes"] > 0
+    store.expire(now=time.monotonic() + 5)
+    assert pool.stats()["used_bytes"] > 0
+    store.expire(now=time.monotonic() + 11)
+    assert pool.stats()["used_bytes"] == 0
+
+
+def test_a_late_ack_for_a_copy_already_freed_does_not_free_the_newer_copy():
+    pool = Pool(1 << 16)
+    store = OutboundStore(pool)
+    store.put("a", torch.zeros(64))
+    old = store.begin_send("a")
+    store.release("a", "ack")  # another LM's ack frees copy 1 (after our read ends)
+    store.put("a", torch.ones(64))  # copy 2, for a third LM
+    assert not store.release("a", "ack", held=old)  # our late ack names copy 1
+    assert store.contains("a")
+    store.end_send(old)

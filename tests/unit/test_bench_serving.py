@@ -1,0 +1,59 @@
+"""bench/serving.py builds each system's processes for the device it runs on:
+disjoint cores on CPU, one GPU shared by memory slices on cuda (not run here:
+no GPU; this checks what it would start)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def serving():
+    spec = importlib.util.spec_from_file_location("bench_serving", os.path.join(ROOT, "bench", "serving.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_serving"] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    yield mod
+    sys.modules.pop("bench_serving", None)
+
+
+def _flag(args: list[str], name: str):
+    return args[args.index(name) + 1] if name in args else None
+
+
+@pytest.mark.parametrize("name", ["colocated", "colocated-dp2", "epd", "vllm-ec"])
+def test_cuda_systems_share_one_gpu_by_memory_slices_not_cores(serving, tmp_path, name):
+    system = serving.System(name, "/models/m", [0, 1, 2, 3], str(tmp_path), json.dumps({"max_num_seqs": 64}),
+                            device="cuda")
+    shares = []
+    for svc, _ in system.engines:
+        if name == "vllm-ec":
+            assert "--kv-cache-memory-bytes" not in svc.args  # vLLM sizes KV from the slice
+            assert "VLLM_CPU_OMP_THREADS_BIND" not in svc.extra_env
+            shares.append(float(_flag(svc.args, "--gpu-memory-utilization")))
+            assert _flag(svc.args, "--max-num-seqs") is not None
+        else:
+            assert "--cpu-cores" not in svc.args and _flag(svc.args, "--kv-cache-bytes") == "0"
+            engine = json.loads(_flag(svc.args, "--vllm-args"))
+            assert engine["max_num_seqs"] == 64  # the caller's arguments are kept
+            shares.append(engine["gpu_memory_utilization"])
+    assert 0 < sum(shares) <= 0.9 and len(shares) == len(system.engines)
+
+
+def test_cpu_systems_split_cores_and_keep_the_fixed_kv_cache(serving, tmp_path):
+    system = serving.System("epd", "/models/m", [0, 1, 2, 3], str(tmp_path), "{}")
+    cores = [_flag(svc.args, "--cpu-cores") for svc, _ in system.engines]
+    assert cores == ["0,1", "2,3"]
+    assert all("gpu_memory_utilization" not in _flag(svc.args, "--vllm-args") for svc, _ in system.engines)
+
+
+def test_an_unknown_device_is_refused(serving, tmp_path):
+    with pytest.raises(ValueError, match="cpu or cuda"):
+        serving.System("epd", "/models/m", [0], str(tmp_path), "{}", device="tpu")
