@@ -1,9 +1,13 @@
 """Transfer benchmark: encoder output from producer to consumer, per transport.
 
-Drives the real Transfer protocol (grpc.aio on loopback, the shared-memory
-pool, the client that lands bytes in consumer staging) through
-``ectransfer.loopback`` and times each item from the consumer's Reserve to the
-last byte landing. Baselines measured in the same run on the same tensors:
+Drives the real Transfer protocol (grpc.aio on loopback, the same-host control
+lane, the shared-memory pool, the client that lands bytes in consumer staging)
+through ``ectransfer.loopback``, with the producer in its own process (as an
+encoder is), and times each item from the consumer's Reserve to the last byte
+landing in the consumer's staging (the state change on its transfer thread).
+The copy into staging is the one copy an in-place read makes into vLLM's
+encoder cache, so shm bandwidth here is what the LM's worker sees. Baselines
+measured in the same run on the same tensors:
 
 * ``memcpy``: one ``copy_`` of the same bytes (the floor for any CPU transport);
 * ``d2d``: one device-to-device copy (GPU only, the floor for CUDA IPC);
@@ -54,41 +58,132 @@ def iters_for(nbytes: int, quick: bool) -> int:
     return max(5 if quick else 10, min(200 if quick else 500, budget // max(nbytes, 1)))
 
 
-def time_transport(name: str, shape, iters: int, producer: Producer, consumer: Consumer,
+class ProducerPeer:
+    """The producer side in its own process (``--producer-peer``), as in
+    serving: an encoder's Transfer server never shares a GIL with the LM's
+    client. It publishes items the way the encoder connector does -- the slot
+    is written first, then adopted into the store on the server's loop thread
+    (where the worker's report arrives) -- and answers each ``put`` with the
+    ``time.perf_counter()`` of that adoption (CLOCK_MONOTONIC: comparable
+    across processes on one host)."""
+
+    def __init__(self, transports: str, pool_bytes: int, chunk_nbytes: int, lane: bool = True) -> None:
+        import subprocess
+
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--producer-peer", "--transports", transports,
+             "--pool-bytes", str(pool_bytes), "--chunk-nbytes", str(chunk_nbytes)] + ([] if lane else ["--no-lane"]),
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+        self.endpoint = self._reply()
+
+    def _reply(self) -> str:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("the producer process died")
+        return line.strip()
+
+    def put(self, ident: str, shape, dtype: str = "bfloat16") -> None:
+        """Publishes at once; ``adopted_at()`` reads the time it was adopted."""
+        self.proc.stdin.write(f"put {ident} {shape[0]} {shape[1]} {dtype}\n")
+
+    def adopted_at(self) -> float:
+        return float(self._reply())
+
+    def wait_released(self, ident: str) -> None:
+        self.proc.stdin.write(f"released {ident}\n")
+        self._reply()
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.close()
+            self.proc.wait(timeout=10)
+        except Exception:  # noqa: BLE001 - best effort
+            self.proc.kill()
+
+
+def serve_producer(args) -> int:
+    """``--producer-peer``: a loopback Producer driven over stdin/stdout."""
+    import threading
+
+    torch.set_num_threads(1)
+    transports = tuple(t for t in args.transports.split(",") if t)
+    producer = Producer(pool_bytes=args.pool_bytes, chunk_nbytes=args.chunk_nbytes, transports=transports,
+                        lane=not args.no_lane)
+    device = producer.pool.buffer.device
+    loop = producer.server._loop
+    sources: dict = {}
+    print(producer.endpoint, flush=True)
+    try:
+        for line in sys.stdin:
+            cmd, *rest = line.split()
+            if cmd == "quit":
+                break
+            if cmd == "released":
+                deadline = time.monotonic() + 10
+                while producer.store.contains(rest[0]) and time.monotonic() < deadline:
+                    time.sleep(0.0002)
+                print("ok", flush=True)
+                continue
+            ident, rows, width, dtype = rest[0], int(rest[1]), int(rest[2]), getattr(torch, rest[3])
+            src = sources.get((rows, width, dtype))
+            if src is None:
+                src = sources[(rows, width, dtype)] = torch.randn(rows, width, device=device).to(dtype)
+            data = src.reshape(-1).view(torch.uint8)
+            slot = producer.pool.alloc(data.numel(), timeout=30)  # the worker's write into its slot
+            producer.pool.view(slot).copy_(data)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            done = threading.Event()
+            stamp = []
+
+            def adopt(ident=ident, slot=slot, shape=(rows, width), dtype=dtype):
+                producer.store.adopt(ident, slot, shape, dtype)  # the report, on the server's loop
+                stamp.append(time.perf_counter())
+                done.set()
+
+            loop.call_soon_threadsafe(adopt)
+            done.wait()
+            print(f"{stamp[0]:.9f}", flush=True)
+    finally:
+        producer.close()
+    return 0
+
+
+def time_transport(name: str, shape, iters: int, producer: ProducerPeer, consumer: Consumer,
                    reserve_first: bool = False) -> list[float]:
-    """Per-item latency through the real protocol. Default: the item is ready
-    first, timed from the Reserve to landed (a full round trip).
-    ``reserve_first``: the Reserve waits at the producer first (as in serving:
-    the LM asks while the encoder runs), timed from ready to landed."""
-    t = torch.randn(shape).to(torch.bfloat16)
-    nbytes = t.numel() * 2
+    """Per-item latency through the real protocol, producer in its own process.
+
+    Default: the item is published first, timed from the consumer's fetch (the
+    Reserve) to LANDED -- every byte in the consumer's staging, as recorded by
+    the consumer's transfer thread (vLLM's scheduler polls that state each
+    step; no wake-up of another thread is added). ``reserve_first``: the
+    Reserve waits at the producer first (as in serving: the LM asks while the
+    encoder runs), timed from the producer adopting the item to LANDED: the
+    per-item control overhead."""
+    nbytes = shape[0] * shape[1] * 2
     lat = []
     for i in range(iters + 2):  # two warm-up items
-        ident = f"{name}-{shape}-{reserve_first}-{i}"
+        ident = f"{name}-{shape[0]}x{shape[1]}-{'push' if reserve_first else 'rtt'}-{i}"
         if reserve_first:
             transfer, _, slot = consumer.start(producer.endpoint, ident, nbytes)
             time.sleep(0.002)  # the Reserve reaches the producer and waits there
-            t0 = time.perf_counter()
-            producer.store.put(ident, t)
+            producer.put(ident, shape)
+            t0 = producer.adopted_at()
         else:
-            producer.store.put(ident, t)
+            producer.put(ident, shape)
+            producer.adopted_at()
             t0 = time.perf_counter()
             transfer, _, slot = consumer.start(producer.endpoint, ident, nbytes)
         state = consumer.wait(transfer, timeout=120)
-        dt = time.perf_counter() - t0
+        dt = transfer.changed_at - t0
         consumer.staging.free(slot)
         if state is not TransferState.LANDED:
             raise RuntimeError(f"{name} {shape}: {transfer.error}")
         if i >= 2:
             lat.append(dt)
-        _wait_released(producer, ident)
+        producer.wait_released(ident)
     return lat
-
-
-def _wait_released(producer: Producer, ident: str) -> None:
-    deadline = time.monotonic() + 10
-    while producer.store.contains(ident) and time.monotonic() < deadline:
-        time.sleep(0.0002)
 
 
 def time_memcpy(shape, iters: int) -> list[float]:
@@ -166,17 +261,28 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="fewer sizes and iterations (< 2 minutes on CPU)")
     ap.add_argument("--json", help="write rows here")
     ap.add_argument("--plot", help="write a PNG plot here")
-    ap.add_argument("--transports", default="shm,grpc", help="comma-separated (shm, grpc)")
+    ap.add_argument("--transports", default="shm,grpc", help="comma-separated (cuda_ipc, shm, grpc)")
     ap.add_argument("--model", default="", help="model dir for the ECExampleConnector baseline (default: tiny)")
     ap.add_argument("--no-ec-example", action="store_true", help="skip vLLM's ECExampleConnector baseline")
+    ap.add_argument("--no-lane", action="store_true",
+                    help="keep item messages on the gRPC stream (no same-host control lane), for comparison")
+    ap.add_argument("--producer-peer", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--pool-bytes", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--chunk-nbytes", type=int, default=4 << 20, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.producer_peer:
+        return serve_producer(args)
     # One thread per copy on both sides, so the baseline is one memcpy and the
     # numbers do not depend on OpenMP threads waking up.
     torch.set_num_threads(1)
 
     shapes = SHAPES_QUICK if args.quick else SHAPES_FULL
     max_bytes = max(r * w for r, w in shapes) * 2
-    producer = Producer(pool_bytes=2 * max_bytes + (16 << 20), chunk_nbytes=4 << 20)
+    names = [t for t in args.transports.split(",") if t]
+    pool_bytes = 2 * max_bytes + (16 << 20)
+    # One producer process for the host transports, one for CUDA IPC (its pool is on the GPU).
+    peers: dict[str, ProducerPeer] = {}
+    host = ",".join(n for n in names if n != "cuda_ipc")
     ec = None
     if not args.no_ec_example:
         from services.cli import default_model
@@ -195,8 +301,13 @@ def main() -> int:
             if ec is not None:
                 ec_lat = ec.time(shape, max(3, iters // 4))
                 rows.append(_row("ec_example", nbytes, shape, ec_lat, baseline_name, base[shape]))
-        for name in [t for t in args.transports.split(",") if t]:
-            consumer = Consumer(transports=(name,), staging_bytes=max_bytes + (16 << 20), timeout_s=120)
+        for name in names:
+            group = "cuda_ipc" if name == "cuda_ipc" else host
+            if group not in peers:
+                peers[group] = ProducerPeer(group, pool_bytes, 4 << 20, lane=not args.no_lane)
+            producer = peers[group]
+            consumer = Consumer(transports=(name,), staging_bytes=max_bytes + (16 << 20), timeout_s=120,
+                                device="cuda" if name == "cuda_ipc" else "cpu")
             try:
                 n_ctl = 200 if args.quick else 1000
                 ctl_bytes = CONTROL_SHAPE[0] * CONTROL_SHAPE[1] * 2
@@ -213,14 +324,17 @@ def main() -> int:
             finally:
                 consumer.close()
     finally:
-        producer.close()
+        for peer in peers.values():
+            peer.close()
     ec_by_size = {r["nbytes"]: r["gbps"] for r in rows if r["transport"] == "ec_example"}
     for r in rows:
         if r["transport"] not in ("memcpy", "d2d", "ec_example") and r["kind"] == "bandwidth":
             r["ec_example_gbps"] = ec_by_size.get(r["nbytes"])
             r["vs_ec_example"] = round(r["gbps"] / r["ec_example_gbps"], 1) if r["ec_example_gbps"] else None
     _print(rows)
-    result = {"machine": machine(), "quick": args.quick, "rows": rows}
+    result = {"machine": machine(), "quick": args.quick, "lane": not args.no_lane,
+              "method": "producer in its own process; latency = consumer fetch (or producer adoption, "
+                        "control_push) -> LANDED recorded on the consumer's transfer thread", "rows": rows}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
@@ -252,7 +366,8 @@ def _print(rows: list[dict]) -> None:
         ve = f"{r['vs_ec_example']:.0f}x" if r.get("vs_ec_example") else ""
         print(f"{r['transport']:<11}{size:>10}{r['gbps']:>9.2f}{r['p50_us']:>11.1f}{r['p99_us']:>11.1f}{vb:>9}{ve:>9}")
     print("*  256-byte item, item ready before the Reserve: a full Reserve -> header round trip")
-    print("** 256-byte item, Reserve outstanding (as in serving): item ready -> landed = per-item control overhead")
+    print("** 256-byte item, Reserve outstanding (as in serving): item adopted by the producer -> landed "
+          "= per-item control overhead")
 
 
 def _plot(rows: list[dict], path: str, info: dict) -> None:

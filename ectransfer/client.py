@@ -33,7 +33,7 @@ from ectransfer.protocol import (
     new_event_loop,
 )
 from ectransfer.selection import Choice, choose
-from ectransfer import tensors
+from ectransfer import lane, tensors
 from epd.common.v1 import common_pb2
 from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
 
@@ -76,8 +76,18 @@ class _Peer:
         self.items: dict[str, Fetch] = {}
         self.located: dict[str, Fetch] = {}  # landed in place, not acked yet
         self.mapped: set[tuple[str, str]] = set()  # (kind, segment or pool id) read in place
+        self.mode: asyncio.Future = asyncio.get_running_loop().create_future()  # "grpc" or "lane"
+        self.writer: asyncio.StreamWriter | None = None  # the control lane, once it carries the items
         self.channel = grpc.aio.insecure_channel(endpoint, options=TRANSFER_GRPC_OPTIONS)
         self.task = asyncio.create_task(self._run())
+
+    def send(self, msg: encoder_pb2.TransferClientMsg) -> None:
+        """An item message (Reserve, Ack, Cancel) to the producer, on the lane
+        once it is up, else on the gRPC stream (queued until the handshake)."""
+        if self.writer is not None:
+            self.writer.write(lane.frame(msg))
+        else:
+            self.out.put_nowait(msg)
 
     async def _requests(self):
         yield encoder_pb2.TransferClientMsg(
@@ -88,6 +98,8 @@ class _Peer:
             )
         )
         yield await self.ctrl.get()  # Select
+        if await self.mode == "lane":
+            return  # the items travel on the lane; this stream has done its part
         while (msg := await self.out.get()) is not None:
             yield msg
 
@@ -100,8 +112,16 @@ class _Peer:
                 logger.warning("transfer from %s uses %s (%s)", self.endpoint, choice.name, "; ".join(choice.skipped))
             self.transport = choice.transport
             self.client._chosen[self.endpoint] = choice.name
-            while (msg := await call.read()) is not grpc.aio.EOF:
-                self._on_message(msg)
+            reader = await self._open_lane(choice) if self.client.lane else None
+            if reader is None:
+                self.mode.set_result("grpc")
+                while (msg := await call.read()) is not grpc.aio.EOF:
+                    self._on_message(msg)
+            else:
+                self.mode.set_result("lane")
+                while (msg := await lane.read_frame(reader, encoder_pb2.TransferServerMsg)) is not None:
+                    self._on_message(msg)
+                error = f"encoder at {self.endpoint}: the control lane closed"
         except grpc.aio.AioRpcError as e:
             error = f"encoder at {self.endpoint}: {e.code().name}: {e.details()}"
         except (CompatError, ProtocolError) as e:
@@ -111,9 +131,38 @@ class _Peer:
         except Exception as e:  # noqa: BLE001 - any failure fails the items, never the engine
             logger.exception("transfer stream to %s failed", self.endpoint)
             error = f"encoder at {self.endpoint}: {e!r}"
+        except (ConnectionError, OSError) as e:  # the lane broke
+            error = f"encoder at {self.endpoint}: control lane: {e}"
         finally:
+            if not self.mode.done():
+                self.mode.set_result("grpc")
+            if self.writer is not None:
+                self.writer.close()
             self.client._peer_closed(self, error)
             await self.channel.close()
+
+    async def _open_lane(self, choice: Choice) -> asyncio.StreamReader | None:
+        """Moves the item messages to the producer's control lane when the
+        chosen transport is in place and the producer offers one; None (and the
+        gRPC stream carries on) when it cannot be reached from here."""
+        address = choice.offer.control_socket if choice.offer is not None else ""
+        if not (choice.transport.in_place and address):
+            return None
+        try:
+            reader, writer = await lane.connect(address)
+            writer.write(lane.frame(encoder_pb2.TransferClientMsg(
+                select=encoder_pb2.Select(transport=choice.transport.kind, proof=choice.proof))))
+            reply = await asyncio.wait_for(lane.read_frame(reader, encoder_pb2.TransferServerMsg), 5.0)
+            if reply is None or reply.WhichOneof("msg") != "selected":
+                raise ConnectionError("the producer refused the lane")
+        except (OSError, ConnectionError, asyncio.TimeoutError) as e:
+            logger.warning("transfer from %s: control lane unavailable (%s); items use the gRPC stream",
+                           self.endpoint, e or type(e).__name__)
+            return None
+        while not self.out.empty():  # what was queued during the handshake, in order
+            writer.write(lane.frame(self.out.get_nowait()))
+        self.writer = writer
+        return reader
 
     def _on_message(self, msg: encoder_pb2.TransferServerMsg) -> None:
         kind = msg.WhichOneof("msg")
@@ -134,7 +183,7 @@ class _Peer:
         except ProtocolError as e:
             self._finish(fetch, error=f"encoder at {self.endpoint}: {e}")
             # The producer may hold the slot for us (in place): let it go.
-            self.out.put_nowait(encoder_pb2.TransferClientMsg(cancel=encoder_pb2.Cancel(identifier=body.identifier)))
+            self.send(encoder_pb2.TransferClientMsg(cancel=encoder_pb2.Cancel(identifier=body.identifier)))
 
     def _on_header(self, fetch: Fetch, header: encoder_pb2.ItemHeader) -> None:
         desc = header.tensor
@@ -175,11 +224,11 @@ class _Peer:
                 fetch.stream_lost = f"encoder at {self.endpoint}: {e}"
                 return
             fetch.source = None
-        self.out.put_nowait(encoder_pb2.TransferClientMsg(ack=encoder_pb2.Ack(identifier=fetch.transfer.identifier)))
+        self.send(encoder_pb2.TransferClientMsg(ack=encoder_pb2.Ack(identifier=fetch.transfer.identifier)))
 
     def _landed(self, fetch: Fetch) -> None:
         # The bytes now sit in our staging: the producer's copy is no longer needed.
-        self.out.put_nowait(encoder_pb2.TransferClientMsg(ack=encoder_pb2.Ack(identifier=fetch.transfer.identifier)))
+        self.send(encoder_pb2.TransferClientMsg(ack=encoder_pb2.Ack(identifier=fetch.transfer.identifier)))
         self.items.pop(fetch.transfer.identifier, None)
         fetch.transfer.advance(TransferState.LANDED)
 
@@ -226,8 +275,10 @@ class TransferClient:
         transports: list[ConsumerTransport],
         timeout_s: float = 30.0,
         hold_s: float = 2.0,
+        lane: bool = True,
     ) -> None:
         self.compat = compat
+        self.lane = lane
         self.hold_s = hold_s
         self.consumer_id = consumer_id
         self.transports = transports
@@ -257,7 +308,7 @@ class TransferClient:
                 for fetch in list(peer.items.values()):
                     if now > fetch.deadline:
                         peer._finish(fetch, f"encoder at {peer.endpoint}: no data within {self.timeout_s}s")
-                        peer.out.put_nowait(encoder_pb2.TransferClientMsg(
+                        peer.send(encoder_pb2.TransferClientMsg(
                             cancel=encoder_pb2.Cancel(identifier=fetch.transfer.identifier)))
 
     # -- called from vLLM's scheduler thread --------------------------------
@@ -311,7 +362,7 @@ class TransferClient:
         if peer is None:
             peer = self._peers[fetch.endpoint] = _Peer(self, fetch.endpoint)
         peer.items[fetch.transfer.identifier] = fetch
-        peer.out.put_nowait(encoder_pb2.TransferClientMsg(reserve=encoder_pb2.Reserve(
+        peer.send(encoder_pb2.TransferClientMsg(reserve=encoder_pb2.Reserve(
             identifier=fetch.transfer.identifier, request_id=request_id, max_nbytes=fetch.dest.numel())))
 
     def _send(self, endpoint: str, kind: str, identifier: str) -> None:
@@ -321,7 +372,7 @@ class TransferClient:
         peer.items.pop(identifier, None)
         peer.located.pop(identifier, None)
         msg = encoder_pb2.TransferClientMsg(**{kind: getattr(encoder_pb2, kind.capitalize())(identifier=identifier)})
-        peer.out.put_nowait(msg)
+        peer.send(msg)
 
     def _peer_closed(self, peer: _Peer, error: str) -> None:
         if self._peers.get(peer.endpoint) is peer:

@@ -27,7 +27,7 @@ def compat(width: int = 128, model: str = "test-model"):
 class Producer:
     def __init__(self, pool_bytes: int = 64 << 20, item_wait_s: float = 10.0, ttl_s: float = 60.0,
                  transports=("shm", "grpc"), chunk_nbytes: int = 1 << 20, compat_info=None,
-                 host: str = "127.0.0.1") -> None:
+                 host: str = "127.0.0.1", lane: bool = True) -> None:
         if "cuda_ipc" in transports:
             from ectransfer.cuda_ipc import CudaPool
 
@@ -39,7 +39,8 @@ class Producer:
         for name in transports:
             t = factory.make_producer(name, **({"chunk_nbytes": chunk_nbytes} if name == "grpc" else {"pool": self.pool}))
             ts[t.kind] = t
-        self.servicer = TransferServicer(self.store, compat_info or compat(), "producer-1", ts, item_wait_s=item_wait_s)
+        self.servicer = TransferServicer(self.store, compat_info or compat(), "producer-1", ts, item_wait_s=item_wait_s,
+                                         lane=lane)
         self.server = TransferServerThread(self.servicer, host, 0, sweep_s=0.05)
         self.endpoint = f"{host}:{self.server.start()}"
 

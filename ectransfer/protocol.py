@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 
 from epd.common.v1 import common_pb2
@@ -74,6 +75,8 @@ class ItemTransfer:
     max_nbytes: int
     state: TransferState = TransferState.RESERVED
     error: str | None = None
+    changed_at: float = 0.0
+    """``time.perf_counter()`` of the last transition (benchmarks read it)."""
     _changed: threading.Condition = field(default_factory=threading.Condition, repr=False, compare=False)
 
     def advance(self, new: TransferState, error: str | None = None) -> None:
@@ -83,6 +86,7 @@ class ItemTransfer:
             if error is not None:
                 self.error = error
             self.state = new
+            self.changed_at = time.perf_counter()
             self._changed.notify_all()
 
     def try_advance(self, new: TransferState, error: str | None = None) -> bool:
@@ -94,6 +98,7 @@ class ItemTransfer:
             if error is not None:
                 self.error = error
             self.state = new
+            self.changed_at = time.perf_counter()
             self._changed.notify_all()
             return True
 

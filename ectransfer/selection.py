@@ -23,6 +23,7 @@ class Choice:
     transport: ConsumerTransport
     proof: bytes
     skipped: list[str] = field(default_factory=list)  # why better transports were not used
+    offer: encoder_pb2.TransportOffer | None = None  # the producer's offer that was chosen
 
     @property
     def name(self) -> str:
@@ -43,7 +44,7 @@ def choose(offers: list[encoder_pb2.TransportOffer], preference: list[ConsumerTr
             skipped.append(f"{name}: not offered by the encoder")
             continue
         try:
-            return Choice(t, t.probe(offer), skipped)
+            return Choice(t, t.probe(offer), skipped, offer)
         except ProtocolError as e:
             skipped.append(f"{name}: {e}")
     forced = " (forced)" if len(preference) == 1 else ""

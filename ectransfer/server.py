@@ -19,7 +19,7 @@ import grpc
 from ectransfer.base import ProducerTransport
 from ectransfer.outbound import OutboundItem, OutboundStore
 from ectransfer.protocol import TRANSFER_GRPC_OPTIONS, CompatError, check_compat, new_event_loop
-from ectransfer import tensors
+from ectransfer import lane, tensors
 from epd.common.v1 import common_pb2
 from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
 
@@ -36,6 +36,7 @@ class TransferServicer(encoder_pb2_grpc.TransferServiceServicer):
         item_wait_s: float = 60.0,
         released_grace_s: float = 2.0,
         stats_fn=None,
+        lane: bool = True,
     ) -> None:
         self.stats_fn = stats_fn or store.snapshot
         self.store = store
@@ -44,13 +45,16 @@ class TransferServicer(encoder_pb2_grpc.TransferServiceServicer):
         self.transports = transports
         self.item_wait_s = item_wait_s
         self.released_grace_s = released_grace_s
+        self.lane = lane and any(t.in_place for t in transports.values())
+        """Offer the same-host control lane with in-place transports (``ectransfer.lane``)."""
+        self.lane_address = ""  # set by TransferServerThread once the lane listens
+        self.lane_writers: set[asyncio.StreamWriter] = set()  # open lane connections (closed on stop)
 
     async def Stats(self, request, context):
         values = {k: float(v) for k, v in self.stats_fn().items() if isinstance(v, (int, float))}
         return encoder_pb2.StatsReply(values=values)
 
     async def Transfer(self, request_iterator, context):
-        out: asyncio.Queue = asyncio.Queue()
         first = await anext(aiter(request_iterator), None)
         if first is None or first.WhichOneof("msg") != "hello":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first Transfer message must be Hello")
@@ -61,6 +65,9 @@ class TransferServicer(encoder_pb2_grpc.TransferServiceServicer):
             logger.warning("refusing consumer %s: %s", hello.consumer_id, e)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         offers = [self.transports[k].offer() for k in hello.transports if k in self.transports]
+        for offer in offers:
+            if self.lane_address and self.transports[offer.transport].in_place:
+                offer.control_socket = self.lane_address
         if not offers:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -82,46 +89,46 @@ class TransferServicer(encoder_pb2_grpc.TransferServiceServicer):
                                 "without a valid proof")
         logger.info("consumer %s uses %s", hello.consumer_id, _names([transport.kind]))
         yield encoder_pb2.TransferServerMsg(selected=encoder_pb2.Selected(transport=transport.kind))
-        tasks: dict[str, asyncio.Task] = {}
-        # In-place transports (shm, CUDA IPC): the consumer reads the slot itself
-        # after the header, so this stream holds it until its Ack or Cancel.
-        pinned: dict[str, OutboundItem] = {}
-
-        async def read() -> None:
-            async for msg in request_iterator:
-                kind = msg.WhichOneof("msg")
-                if kind == "reserve":
-                    r = msg.reserve
-                    # A Reserve for an item being served is a duplicate; one whose last
-                    # serve has ended (sent, or answered with an error) is a new ask.
-                    if r.identifier not in tasks or tasks[r.identifier].done():
-                        tasks[r.identifier] = asyncio.create_task(self._serve_item(r, transport, out, pinned))
-                elif kind in ("ack", "cancel"):
-                    ident = getattr(msg, kind).identifier
-                    task = tasks.pop(ident, None)
-                    if task is not None and not task.done():
-                        task.cancel()
-                    held = pinned.pop(ident, None)
-                    # An in-place reader's Ack/Cancel is for the copy it read, not a
-                    # newer one published under the same id since.
-                    self.store.release(ident, kind, held)
-                    if held is not None:
-                        self.store.end_send(held)  # frees the slot if nobody else reads it
-                else:
-                    logger.warning("consumer %s sent an unexpected %s", hello.consumer_id, kind)
-            await out.put(None)  # client half-closed: finish the stream
-
-        reader = asyncio.create_task(read())
+        out: asyncio.Queue = asyncio.Queue()
+        session = _Session(self, transport, hello.consumer_id, out)
+        reader = asyncio.create_task(session.read(request_iterator))
         try:
             while (msg := await out.get()) is not None:
                 yield msg
         finally:
             reader.cancel()
-            for t in tasks.values():
-                t.cancel()
-            for held in pinned.values():  # the consumer went away without acking
-                self.store.end_send(held, restart_lease=True)
-            pinned.clear()
+            session.close()
+
+    async def serve_lane(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One control-lane connection (``ectransfer.lane``): Select with a valid
+        proof for an in-place transport, then the same session as a stream."""
+        session = None
+        self.lane_writers.add(writer)
+        try:
+            first = await lane.read_frame(reader, encoder_pb2.TransferClientMsg)
+            if first is None or first.WhichOneof("msg") != "select":
+                return
+            transport = self.transports.get(first.select.transport)
+            if transport is None or not transport.in_place or not transport.verify(first.select.proof):
+                logger.warning("refusing a control-lane connection without a valid proof")
+                return
+            writer.write(lane.frame(encoder_pb2.TransferServerMsg(
+                selected=encoder_pb2.Selected(transport=transport.kind))))
+            done = asyncio.Event()
+            session = _Session(self, transport, "lane", lane.FrameOut(writer, done))
+
+            async def frames():
+                while (msg := await lane.read_frame(reader, encoder_pb2.TransferClientMsg)) is not None:
+                    yield msg
+
+            await session.read(frames())
+        except (ConnectionError, OSError) as e:
+            logger.debug("control lane closed: %s", e)
+        finally:
+            if session is not None:
+                session.close()
+            self.lane_writers.discard(writer)
+            writer.close()
 
     async def _serve_item(self, reserve: encoder_pb2.Reserve, transport: ProducerTransport, out: asyncio.Queue,
                           pinned: dict[str, OutboundItem]) -> None:
@@ -168,11 +175,18 @@ class TransferServicer(encoder_pb2_grpc.TransferServiceServicer):
     async def _wait_for(self, ident: str) -> OutboundItem | None:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
+        on_loop = threading.get_ident()
 
         def ready(item: OutboundItem) -> None:
-            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(item))
+            if threading.get_ident() == on_loop:  # already in the store: no wake-up needed
+                fut.done() or fut.set_result(item)
+            else:
+                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(item))
 
         self.store.on_ready(ident, ready)
+        if fut.done():
+            self.store.forget_waiter(ident, ready)
+            return fut.result()
         deadline = loop.time() + self.item_wait_s
         try:
             while (remaining := deadline - loop.time()) > 0:
@@ -182,18 +196,79 @@ class TransferServicer(encoder_pb2_grpc.TransferServiceServicer):
                 # within milliseconds, and otherwise the consumer should fail fast
                 # so the gateway can re-encode.
                 gone = self.store.released_lately(ident)
+                # A timer instead of wait_for(shield(...)): no extra tasks per item.
+                timer = loop.call_later(min(remaining, self.released_grace_s) if gone else remaining,
+                                        lambda: fut.done() or fut.set_result(_TIMEOUT))
                 try:
-                    return await asyncio.wait_for(asyncio.shield(fut), min(remaining, self.released_grace_s)
-                                                  if gone else remaining)
-                except asyncio.TimeoutError:
-                    if gone and self.store.released_lately(ident):
-                        return _GONE
+                    item = await fut
+                finally:
+                    timer.cancel()
+                if item is not _TIMEOUT:
+                    return item
+                fut = loop.create_future()
+                self.store.forget_waiter(ident, ready)
+                self.store.on_ready(ident, ready)
+                if fut.done():
+                    return fut.result()
+                if gone and self.store.released_lately(ident):
+                    return _GONE
             return None
         finally:
             self.store.forget_waiter(ident, ready)
 
 
+_TIMEOUT = object()  # _wait_for: a timer fired
 _GONE = object()  # _wait_for: freed lately, no new copy coming
+
+
+class _Session:
+    """The item half of one consumer's Transfer stream (gRPC or control lane):
+    Reserve starts a serve task, Ack/Cancel release. ``out.put`` carries the
+    producer's messages (``None`` ends the stream). In-place transports (shm,
+    CUDA IPC): the consumer reads the slot itself after the header, so the
+    session holds (``pinned``) it until that consumer's Ack or Cancel, and
+    ``close`` drops what is still held (the lease restarts)."""
+
+    def __init__(self, servicer: TransferServicer, transport: ProducerTransport, consumer_id: str, out) -> None:
+        self.servicer = servicer
+        self.store = servicer.store
+        self.transport = transport
+        self.consumer_id = consumer_id
+        self.out = out
+        self.tasks: dict[str, asyncio.Task] = {}
+        self.pinned: dict[str, OutboundItem] = {}
+
+    async def read(self, messages) -> None:
+        async for msg in messages:
+            kind = msg.WhichOneof("msg")
+            if kind == "reserve":
+                r = msg.reserve
+                # A Reserve for an item being served is a duplicate; one whose last
+                # serve has ended (sent, or answered with an error) is a new ask.
+                if r.identifier not in self.tasks or self.tasks[r.identifier].done():
+                    self.tasks[r.identifier] = asyncio.create_task(
+                        self.servicer._serve_item(r, self.transport, self.out, self.pinned))
+            elif kind in ("ack", "cancel"):
+                ident = getattr(msg, kind).identifier
+                task = self.tasks.pop(ident, None)
+                if task is not None and not task.done():
+                    task.cancel()
+                held = self.pinned.pop(ident, None)
+                # An in-place reader's Ack/Cancel is for the copy it read, not a
+                # newer one published under the same id since.
+                self.store.release(ident, kind, held)
+                if held is not None:
+                    self.store.end_send(held)  # frees the slot if nobody else reads it
+            else:
+                logger.warning("consumer %s sent an unexpected %s", self.consumer_id, kind)
+        await self.out.put(None)  # the consumer half-closed: finish the stream
+
+    def close(self) -> None:
+        for t in self.tasks.values():
+            t.cancel()
+        for held in self.pinned.values():  # the consumer went away without acking
+            self.store.end_send(held, restart_lease=True)
+        self.pinned.clear()
 
 
 def _names(kinds) -> str:
@@ -225,6 +300,7 @@ class TransferServerThread:
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._server: grpc.aio.Server | None = None
+        self._lane: asyncio.AbstractServer | None = None
 
     def start(self) -> int:
         self._thread.start()
@@ -252,6 +328,11 @@ class TransferServerThread:
         if not self.bound_port:
             raise OSError(f"cannot bind {self.host}:{self.port}")
         await self._server.start()
+        self._lane = None
+        if self.servicer.lane:
+            address = lane.new_address()
+            self._lane = await lane.listen(address, self.servicer.serve_lane)
+            self.servicer.lane_address = address
         self._sweeper = asyncio.create_task(self._sweep())
 
     async def _sweep(self) -> None:
@@ -283,6 +364,10 @@ class TransferServerThread:
 
         async def _stop() -> None:
             self._sweeper.cancel()
+            if self._lane is not None:
+                self._lane.close()
+                for w in list(self.servicer.lane_writers):  # like a dying process: consumers see EOF
+                    w.close()
             if self._server is not None:
                 await self._server.stop(grace)
 

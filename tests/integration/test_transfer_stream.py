@@ -266,3 +266,65 @@ def test_in_place_a_header_the_consumer_refuses_releases_the_producers_hold(prod
         assert not producer.store.contains("short") and producer.store.stats.cancels == 1
     finally:
         c.close()
+
+
+def _peer(consumer, endpoint):
+    import asyncio
+
+    async def get():
+        return consumer.client._peers.get(endpoint)
+
+    return asyncio.run_coroutine_threadsafe(get(), consumer.client._loop).result(5)
+
+
+def test_lane_in_place_items_move_to_the_control_lane_and_stay_exact(producer):
+    consumer = Consumer(transports=("shm",))
+    try:
+        t = torch.randn(32, 128).to(torch.bfloat16)
+        producer.store.put("l1", t)
+        transfer, got = consumer.get(producer.endpoint, "l1", t.numel() * 2)
+        assert transfer.state is TransferState.LANDED and same_bits(got, t)
+        peer = _peer(consumer, producer.endpoint)
+        assert peer.writer is not None and peer.mode.result() == "lane"
+        deadline = time.monotonic() + 5
+        while producer.store.contains("l1") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not producer.store.contains("l1") and producer.store.stats.acks == 1  # the Ack went on the lane
+    finally:
+        consumer.close()
+
+
+def test_lane_not_offered_or_not_used_keeps_items_on_the_grpc_stream():
+    from ectransfer.loopback import Producer as P
+
+    p = P(lane=False)
+    consumers = [Consumer(transports=("shm",)), Consumer(transports=("grpc",))]
+    try:
+        for i, consumer in enumerate(consumers):
+            t = torch.randn(8, 128).to(torch.bfloat16)
+            p.store.put(f"g{i}", t)
+            transfer, got = consumer.get(p.endpoint, f"g{i}", t.numel() * 2)
+            assert transfer.state is TransferState.LANDED and same_bits(got, t)
+            assert _peer(consumer, p.endpoint).mode.result() == "grpc"
+    finally:
+        for consumer in consumers:
+            consumer.close()
+        p.close()
+
+
+def test_lane_a_connection_without_the_nonce_is_refused(producer):
+    import socket
+
+    from ectransfer import lane
+    from epd.common.v1 import common_pb2
+    from epd.encoder.v1 import encoder_pb2
+
+    address = producer.servicer.lane_address
+    assert address
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(5)
+        s.connect("\0" + address)
+        s.sendall(lane.frame(encoder_pb2.TransferClientMsg(
+            select=encoder_pb2.Select(transport=common_pb2.SHM, proof=b"guess"))))
+        s.sendall(lane.frame(encoder_pb2.TransferClientMsg(reserve=encoder_pb2.Reserve(identifier="x", max_nbytes=8))))
+        assert s.recv(64) == b""  # closed, nothing served

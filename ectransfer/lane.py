@@ -1,0 +1,99 @@
+"""The same-host control lane: Transfer item messages over a unix socket.
+
+gRPC costs a few hundred microseconds per message here (grpcio's completion
+queue thread, HTTP/2 framing, two loop wake-ups); a unix stream socket between
+the same two asyncio loops costs tens. For in-place transports (shm, CUDA IPC)
+the bytes never travel on the stream anyway, so once the gRPC handshake has
+chosen one, the consumer may move the rest of the stream -- Reserve, Ack,
+Cancel one way, ItemHeader and ItemError the other -- to the producer's lane.
+
+Wire format: each frame is a 4-byte little-endian length and a serialized
+``TransferClientMsg`` (consumer to producer) or ``TransferServerMsg``. The
+first client frame is ``Select`` with the same proof as on the gRPC stream
+(the nonce read through the shared segment or handle: only a process that can
+map the producer's memory may use the lane); the producer answers
+``Selected`` or closes the connection. Closing the connection ends the
+session exactly like ending the gRPC stream: the producer drops the holds of
+its in-place items (their lease restarts) and the consumer fails what was in
+flight.
+
+The socket lives in the abstract namespace (no file, gone with the process);
+it is reachable from the producer's network namespace only, so a consumer in
+another one falls back to the gRPC stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import uuid
+
+MAX_FRAME = 1 << 20  # control messages only: headers, errors, acks
+
+
+def new_address() -> str:
+    """A fresh abstract-socket name (without the leading NUL)."""
+    return f"epd-lane-{uuid.uuid4().hex}"
+
+
+def frame(msg) -> bytes:
+    data = msg.SerializeToString()
+    return len(data).to_bytes(4, "little") + data
+
+
+async def read_frame(reader: asyncio.StreamReader, cls):
+    """The next message, or None at a clean end of the connection."""
+    try:
+        head = await reader.readexactly(4)
+    except asyncio.IncompleteReadError as e:
+        if e.partial:
+            raise ConnectionError("lane closed inside a frame header") from None
+        return None
+    n = int.from_bytes(head, "little")
+    if n > MAX_FRAME:
+        raise ConnectionError(f"lane frame of {n} bytes exceeds {MAX_FRAME}")
+    try:
+        return cls.FromString(await reader.readexactly(n))
+    except asyncio.IncompleteReadError:
+        raise ConnectionError("lane closed inside a frame") from None
+
+
+async def listen(address: str, handler) -> asyncio.AbstractServer:
+    """Serves ``handler(reader, writer)`` on abstract socket ``address``."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind("\0" + address)
+    sock.listen(64)
+    sock.setblocking(False)
+    return await asyncio.start_unix_server(handler, sock=sock)
+
+
+async def connect(address: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        # A unix connect completes at once (or fails: no such socket, another
+        # network namespace); uvloop's async connect refuses abstract names.
+        sock.settimeout(2.0)
+        sock.connect("\0" + address)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return await asyncio.open_unix_connection(sock=sock)
+
+
+class FrameOut:
+    """The producer's item messages onto a lane: ``await put(msg)`` writes a
+    frame (waiting only when the socket's buffer is large); ``put(None)``
+    ends the session."""
+
+    def __init__(self, writer: asyncio.StreamWriter, done: asyncio.Event) -> None:
+        self.writer = writer
+        self.done = done
+
+    async def put(self, msg) -> None:
+        if msg is None:
+            self.done.set()
+            return
+        self.writer.write(frame(msg))
+        if self.writer.transport.get_write_buffer_size() > (1 << 20):
+            await self.writer.drain()
