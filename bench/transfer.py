@@ -82,11 +82,17 @@ class ProducerPeer:
             raise RuntimeError("the producer process died")
         return line.strip()
 
-    def put(self, ident: str, shape, dtype: str = "bfloat16") -> None:
-        """Publishes at once; ``adopted_at()`` reads the time it was adopted."""
-        self.proc.stdin.write(f"put {ident} {shape[0]} {shape[1]} {dtype}\n")
+    def put(self, ident: str, shape, dtype: str = "bfloat16", wait: bool = True) -> None:
+        """Publishes; with ``wait``, returns once the item is adopted. Without,
+        it returns at once and the producer stays silent until ``adopted_at()``
+        asks (a reply in flight would wake this process while it lands the item)."""
+        self.proc.stdin.write(f"put {ident} {shape[0]} {shape[1]} {dtype} {int(wait)}\n")
+        if wait:
+            self._reply()
 
     def adopted_at(self) -> float:
+        """``perf_counter`` of the last put's adoption, on the producer."""
+        self.proc.stdin.write("stamp\n")
         return float(self._reply())
 
     def wait_released(self, ident: str) -> None:
@@ -113,19 +119,24 @@ def serve_producer(args) -> int:
     device = producer.pool.buffer.device
     loop = producer.server._loop
     sources: dict = {}
+    last: list = [threading.Event(), [0.0]]  # the last put's (adopted, [perf_counter at adoption])
     print(producer.endpoint, flush=True)
     try:
         for line in sys.stdin:
             cmd, *rest = line.split()
             if cmd == "quit":
                 break
+            if cmd == "stamp":
+                last[0].wait()  # waited for only now: no wake-up of this thread while the item travels
+                print(f"{last[1][0]:.9f}", flush=True)
+                continue
             if cmd == "released":
                 deadline = time.monotonic() + 10
                 while producer.store.contains(rest[0]) and time.monotonic() < deadline:
                     time.sleep(0.0002)
                 print("ok", flush=True)
                 continue
-            ident, rows, width, dtype = rest[0], int(rest[1]), int(rest[2]), getattr(torch, rest[3])
+            ident, rows, width, dtype, wait = rest[0], int(rest[1]), int(rest[2]), getattr(torch, rest[3]), rest[4] == "1"
             src = sources.get((rows, width, dtype))
             if src is None:
                 src = sources[(rows, width, dtype)] = torch.randn(rows, width, device=device).to(dtype)
@@ -143,8 +154,10 @@ def serve_producer(args) -> int:
                 done.set()
 
             loop.call_soon_threadsafe(adopt)
-            done.wait()
-            print(f"{stamp[0]:.9f}", flush=True)
+            last[:] = [done, stamp]
+            if wait:
+                done.wait()
+                print("ok", flush=True)
     finally:
         producer.close()
     return 0
@@ -168,14 +181,14 @@ def time_transport(name: str, shape, iters: int, producer: ProducerPeer, consume
         if reserve_first:
             transfer, _, slot = consumer.start(producer.endpoint, ident, nbytes)
             time.sleep(0.002)  # the Reserve reaches the producer and waits there
-            producer.put(ident, shape)
-            t0 = producer.adopted_at()
+            producer.put(ident, shape, wait=False)
         else:
             producer.put(ident, shape)
-            producer.adopted_at()
             t0 = time.perf_counter()
             transfer, _, slot = consumer.start(producer.endpoint, ident, nbytes)
         state = consumer.wait(transfer, timeout=120)
+        if reserve_first:
+            t0 = producer.adopted_at()
         dt = transfer.changed_at - t0
         consumer.staging.free(slot)
         if state is not TransferState.LANDED:

@@ -33,9 +33,9 @@ from ectransfer.protocol import (
     new_event_loop,
 )
 from ectransfer.selection import Choice, choose
-from ectransfer import lane, tensors
+from ectransfer import chunkwire, lane, tensors
 from epd.common.v1 import common_pb2
-from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
+from epd.encoder.v1 import encoder_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ class _Peer:
     async def _run(self) -> None:
         error = "stream closed"
         try:
-            call = encoder_pb2_grpc.TransferServiceStub(self.channel).Transfer(self._requests())
+            call = chunkwire.transfer_call(self.channel)(self._requests())
             choice = await negotiate(call, self.ctrl.put_nowait, self.client.compat, self.client.transports)
             if choice.fell_back:
                 logger.warning("transfer from %s uses %s (%s)", self.endpoint, choice.name, "; ".join(choice.skipped))
@@ -119,6 +119,7 @@ class _Peer:
                     self._on_message(msg)
             else:
                 self.mode.set_result("lane")
+                await self.channel.close()  # the stream has done its part
                 while (msg := await lane.read_frame(reader, encoder_pb2.TransferServerMsg)) is not None:
                     self._on_message(msg)
                 error = f"encoder at {self.endpoint}: the control lane closed"

@@ -1,6 +1,7 @@
 """GRPC_CHUNKS: the transport that works anywhere.
 
 The producer streams the slot's bytes in ``Chunk`` messages of ``chunk_nbytes``
+(encoded and decoded by hand, ``ectransfer.chunkwire``, to save two copies)
 (a few MiB: grpcio moves 1+ GB/s with 4 MiB chunks but only 0.2-0.5 GB/s as one
 large message). The consumer writes each chunk straight into a destination
 buffer it owns (inbound staging); nothing is reassembled in Python lists.
@@ -12,6 +13,7 @@ from collections.abc import Iterator
 
 import torch
 
+from ectransfer import chunkwire
 from ectransfer.base import ConsumerTransport, ProducerTransport, Receiver
 from ectransfer.protocol import ProtocolError
 from epd.common.v1 import common_pb2
@@ -33,16 +35,15 @@ class GrpcChunkProducer(ProducerTransport):
         desc.chunks.chunk_nbytes = self.chunk_nbytes
         desc.chunks.num_chunks = (n + self.chunk_nbytes - 1) // self.chunk_nbytes
 
-    def payload(self, identifier: str, data: torch.Tensor) -> Iterator[encoder_pb2.TransferServerMsg]:
-        # One copy per chunk into the protobuf bytes field; the pool's memory
-        # stays owned by the producer until the consumer acks.
+    def payload(self, identifier: str, data: torch.Tensor) -> Iterator[bytes]:
+        # Each chunk is serialized here, by hand (``chunkwire``): one copy out of
+        # the slot, straight into the wire bytes, while the slot is held; the
+        # pool's memory stays owned by the producer until the consumer acks.
         if data.device.type != "cpu":  # a CUDA outbound pool: one device-to-host copy per item
             data = data.cpu()
         mv = memoryview(data.numpy())
         for off in range(0, len(mv), self.chunk_nbytes):
-            yield encoder_pb2.TransferServerMsg(
-                chunk=encoder_pb2.Chunk(identifier=identifier, offset=off, data=mv[off : off + self.chunk_nbytes].tobytes())
-            )
+            yield chunkwire.serialize(chunkwire.RawChunk(identifier, off, mv[off : off + self.chunk_nbytes]))
 
 
 class ChunkReceiver(Receiver):

@@ -19,7 +19,7 @@ import grpc
 from ectransfer.base import ProducerTransport
 from ectransfer.outbound import OutboundItem, OutboundStore
 from ectransfer.protocol import TRANSFER_GRPC_OPTIONS, CompatError, check_compat, new_event_loop
-from ectransfer import lane, tensors
+from ectransfer import chunkwire, lane, tensors
 from epd.common.v1 import common_pb2
 from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
 
@@ -323,7 +323,7 @@ class TransferServerThread:
 
     async def _start(self) -> None:
         self._server = grpc.aio.server(options=TRANSFER_GRPC_OPTIONS)
-        encoder_pb2_grpc.add_TransferServiceServicer_to_server(self.servicer, self._server)
+        chunkwire.add_transfer_service(self.servicer, self._server)
         self.bound_port = self._server.add_insecure_port(f"{self.host}:{self.port}")
         if not self.bound_port:
             raise OSError(f"cannot bind {self.host}:{self.port}")

@@ -54,7 +54,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def nbytes_of(shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> int:
-    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return math.prod(shape) * dtype.itemsize  # no tensor allocation: it is on the per-item control path
 
 
 def as_bytes(t: torch.Tensor, keep_device: bool = False) -> torch.Tensor:

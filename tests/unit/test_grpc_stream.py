@@ -4,7 +4,7 @@ import pytest
 import torch
 from helpers import assert_bit_identical, descriptor, random_bits, rebuild, special_values
 
-from ectransfer import tensors
+from ectransfer import chunkwire, tensors
 from ectransfer.grpc_stream import GrpcChunkConsumer, GrpcChunkProducer
 from ectransfer.protocol import ProtocolError
 from epd.encoder.v1 import encoder_pb2
@@ -22,7 +22,8 @@ def send(t: torch.Tensor, chunk_nbytes: int) -> torch.Tensor:
     desc = descriptor(t)
     producer = GrpcChunkProducer(chunk_nbytes)
     producer.describe(data, desc)
-    msgs = list(producer.payload("item-1", data))
+    # The wire bytes the producer sends, read back the way the consumer does.
+    msgs = [chunkwire.deserialize(raw) for raw in producer.payload("item-1", data)]
     assert desc.WhichOneof("payload") == "chunks"
     assert desc.chunks.chunk_nbytes == chunk_nbytes
     assert len(msgs) == desc.chunks.num_chunks == -(-desc.nbytes // chunk_nbytes)
@@ -74,7 +75,7 @@ def _setup(nbytes: int = 3000, chunk_nbytes: int = 1000):
     t = torch.arange(nbytes, dtype=torch.uint8)
     desc = descriptor(t)
     GrpcChunkProducer(chunk_nbytes).describe(t, desc)
-    msgs = [m.chunk for m in GrpcChunkProducer(chunk_nbytes).payload("x", t)]
+    msgs = [chunkwire.deserialize(raw).chunk for raw in GrpcChunkProducer(chunk_nbytes).payload("x", t)]
     return desc, msgs, torch.empty(nbytes, dtype=torch.uint8)
 
 

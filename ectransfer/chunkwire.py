@@ -1,0 +1,176 @@
+"""Chunk messages on the gRPC stream without two of their copies.
+
+A ``Chunk`` built the usual way costs the producer two copies of its data
+(``bytes(...)`` into the message, then ``SerializeToString``) and the consumer
+one more (``FromString`` copies the bytes field out of the received buffer)
+before the one copy into staging. Here the producer yields a ``RawChunk``
+that the Transfer method's response serializer encodes by hand -- the wire
+bytes of ``TransferServerMsg{chunk: Chunk{identifier, offset, data}}``, with
+the data joined in by one copy -- and the consumer's response deserializer
+parses a chunk by hand into a ``ChunkView`` whose ``data`` is a zero-copy
+``memoryview`` of the received buffer. Every other message goes through
+protobuf as usual, and the bytes on the wire are exactly protobuf's, so
+either end may be a plain protobuf peer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from epd.encoder.v1 import encoder_pb2
+
+_MSG = encoder_pb2.TransferServerMsg
+_CHUNK_FIELD = _MSG.DESCRIPTOR.fields_by_name["chunk"].number
+_ID = encoder_pb2.Chunk.DESCRIPTOR.fields_by_name["identifier"].number
+_OFFSET = encoder_pb2.Chunk.DESCRIPTOR.fields_by_name["offset"].number
+_DATA = encoder_pb2.Chunk.DESCRIPTOR.fields_by_name["data"].number
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        if pos >= len(buf):
+            raise ValueError("truncated varint")
+        b = buf[pos]
+        pos += 1
+        result |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return result, pos
+        shift += 7
+        if shift > 63:
+            raise ValueError("varint too long")
+
+
+@dataclass
+class RawChunk:
+    """A chunk the producer sends: ``data`` is a view of its pool slot (read
+    while serializing, so the slot must stay held until then: it is, until
+    the consumer's Ack)."""
+
+    identifier: str
+    offset: int
+    data: memoryview
+
+
+@dataclass
+class ChunkView:
+    """A received chunk: ``data`` views the received buffer (no copy)."""
+
+    identifier: str
+    offset: int
+    data: memoryview
+
+
+class ChunkMsg:
+    """Duck-types the ``TransferServerMsg`` the client reads (``WhichOneof``, ``chunk``)."""
+
+    __slots__ = ("chunk",)
+
+    def __init__(self, chunk: ChunkView) -> None:
+        self.chunk = chunk
+
+    def WhichOneof(self, name: str) -> str:  # noqa: N802 - protobuf's name
+        return "chunk"
+
+
+def serialize(msg) -> bytes:
+    """The wire bytes of a RawChunk (one copy of its data), or of a message."""
+    if not isinstance(msg, RawChunk):
+        return msg.SerializeToString()
+    ident = msg.identifier.encode()
+    inner = bytearray()
+    if ident:
+        inner += _varint(_ID << 3 | 2) + _varint(len(ident)) + ident
+    if msg.offset:
+        inner += _varint(_OFFSET << 3) + _varint(msg.offset)
+    n = len(msg.data)
+    if n:
+        inner += _varint(_DATA << 3 | 2) + _varint(n)
+    head = _varint(_CHUNK_FIELD << 3 | 2) + _varint(len(inner) + n) + bytes(inner)
+    return b"".join((head, msg.data)) if n else head
+
+
+def deserialize(raw: bytes):
+    """Response deserializer of the Transfer method (consumer): a ChunkMsg for
+    a chunk, else the protobuf message."""
+    buf = memoryview(raw)
+    try:
+        tag, pos = _read_varint(buf, 0)
+        if tag != (_CHUNK_FIELD << 3 | 2):
+            return _MSG.FromString(raw)
+        length, pos = _read_varint(buf, pos)
+        end = pos + length
+        if end != len(buf):
+            return _MSG.FromString(raw)  # more than one field: leave it to protobuf
+        ident, offset, data = "", 0, buf[0:0]
+        while pos < end:
+            key, pos = _read_varint(buf, pos)
+            field, wire = key >> 3, key & 7
+            if wire == 0:
+                value, pos = _read_varint(buf, pos)
+                if field == _OFFSET:
+                    offset = value
+            elif wire == 2:
+                n, pos = _read_varint(buf, pos)
+                if pos + n > end:
+                    raise ValueError("truncated field")
+                if field == _ID:
+                    ident = bytes(buf[pos:pos + n]).decode()
+                elif field == _DATA:
+                    data = buf[pos:pos + n]
+                pos += n
+            elif wire == 1:
+                pos += 8
+            elif wire == 5:
+                pos += 4
+            else:
+                raise ValueError(f"wire type {wire}")
+        if pos != end:
+            raise ValueError("truncated chunk")
+        return ChunkMsg(ChunkView(ident, offset, data))
+    except ValueError:
+        return _MSG.FromString(raw)  # protobuf raises its own DecodeError for real garbage
+
+
+def response_serializer(msg) -> bytes:
+    """Response serializer of the Transfer method (producer): chunks arrive
+    already serialized (``GrpcChunkProducer.payload``), messages do not."""
+    return msg if isinstance(msg, bytes) else msg.SerializeToString()
+
+
+TRANSFER_METHOD = "/epd.encoder.v1.TransferService/Transfer"
+
+
+def add_transfer_service(servicer, server) -> None:
+    """``add_TransferServiceServicer_to_server`` with the Transfer method's
+    response serializer swapped for ``response_serializer``."""
+    import grpc
+
+    handlers = {
+        "Transfer": grpc.stream_stream_rpc_method_handler(
+            servicer.Transfer, request_deserializer=encoder_pb2.TransferClientMsg.FromString,
+            response_serializer=response_serializer),
+        "Stats": grpc.unary_unary_rpc_method_handler(
+            servicer.Stats, request_deserializer=encoder_pb2.StatsRequest.FromString,
+            response_serializer=encoder_pb2.StatsReply.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("epd.encoder.v1.TransferService",
+                                                                          handlers),))
+
+
+def transfer_call(channel):
+    """The Transfer method on ``channel`` with ``deserialize`` for responses."""
+    return channel.stream_stream(TRANSFER_METHOD, request_serializer=encoder_pb2.TransferClientMsg.SerializeToString,
+                                 response_deserializer=deserialize)
