@@ -27,6 +27,8 @@ _DATA = encoder_pb2.Chunk.DESCRIPTOR.fields_by_name["data"].number
 
 
 def _varint(n: int) -> bytes:
+    if n < 0:
+        raise ValueError(f"varint of a negative number ({n})")
     out = bytearray()
     while True:
         b = n & 0x7F

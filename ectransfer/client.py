@@ -85,7 +85,8 @@ class _Peer:
         """An item message (Reserve, Ack, Cancel) to the producer, on the lane
         once it is up, else on the gRPC stream (queued until the handshake)."""
         if self.writer is not None:
-            self.writer.write(lane.frame(msg))
+            if not self.writer.is_closing():  # closing: the session ends and fails its items anyway
+                self.writer.write(lane.frame(msg))
         else:
             self.out.put_nowait(msg)
 
@@ -129,11 +130,11 @@ class _Peer:
             error = f"encoder at {self.endpoint}: {e}"
         except asyncio.CancelledError:
             error = "transfer client shutting down"
+        except (ConnectionError, OSError) as e:  # the lane broke
+            error = f"encoder at {self.endpoint}: control lane: {e}"
         except Exception as e:  # noqa: BLE001 - any failure fails the items, never the engine
             logger.exception("transfer stream to %s failed", self.endpoint)
             error = f"encoder at {self.endpoint}: {e!r}"
-        except (ConnectionError, OSError) as e:  # the lane broke
-            error = f"encoder at {self.endpoint}: control lane: {e}"
         finally:
             if not self.mode.done():
                 self.mode.set_result("grpc")
@@ -149,6 +150,7 @@ class _Peer:
         address = choice.offer.control_socket if choice.offer is not None else ""
         if not (choice.transport.in_place and address):
             return None
+        writer = None
         try:
             reader, writer = await lane.connect(address)
             writer.write(lane.frame(encoder_pb2.TransferClientMsg(
@@ -156,10 +158,16 @@ class _Peer:
             reply = await asyncio.wait_for(lane.read_frame(reader, encoder_pb2.TransferServerMsg), 5.0)
             if reply is None or reply.WhichOneof("msg") != "selected":
                 raise ConnectionError("the producer refused the lane")
-        except (OSError, ConnectionError, asyncio.TimeoutError) as e:
+        except Exception as e:  # noqa: BLE001 - unreachable, refused, garbage: the gRPC stream carries on
+            if writer is not None:
+                writer.close()
             logger.warning("transfer from %s: control lane unavailable (%s); items use the gRPC stream",
                            self.endpoint, e or type(e).__name__)
             return None
+        except BaseException:  # cancelled (client shutting down)
+            if writer is not None:
+                writer.close()
+            raise
         while not self.out.empty():  # what was queued during the handshake, in order
             writer.write(lane.frame(self.out.get_nowait()))
         self.writer = writer
@@ -303,14 +311,20 @@ class TransferClient:
             await asyncio.sleep(0.25)
             now = time.monotonic()
             for peer in list(self._peers.values()):
-                for fetch in list(peer.located.values()):
-                    if now - fetch.landed_at > self.hold_s:
-                        peer._demote(fetch)
-                for fetch in list(peer.items.values()):
-                    if now > fetch.deadline:
-                        peer._finish(fetch, f"encoder at {peer.endpoint}: no data within {self.timeout_s}s")
-                        peer.send(encoder_pb2.TransferClientMsg(
-                            cancel=encoder_pb2.Cancel(identifier=fetch.transfer.identifier)))
+                try:
+                    self._watch(peer, now)
+                except Exception:  # noqa: BLE001 - one peer's trouble must not stop the watchdog
+                    logger.exception("transfer watchdog: peer %s", peer.endpoint)
+
+    def _watch(self, peer: "_Peer", now: float) -> None:
+        """Demotes in-place items held too long; fails items with no data in time."""
+        for fetch in list(peer.located.values()):
+            if now - fetch.landed_at > self.hold_s:
+                peer._demote(fetch)
+        for fetch in list(peer.items.values()):
+            if now > fetch.deadline:
+                peer._finish(fetch, f"encoder at {peer.endpoint}: no data within {self.timeout_s}s")
+                peer.send(encoder_pb2.TransferClientMsg(cancel=encoder_pb2.Cancel(identifier=fetch.transfer.identifier)))
 
     # -- called from vLLM's scheduler thread --------------------------------
 

@@ -29,6 +29,8 @@ import socket
 import uuid
 
 MAX_FRAME = 1 << 20  # control messages only: headers, errors, acks
+MAX_FIRST_FRAME = 4096  # the Select that opens a connection (before its proof is checked)
+FIRST_FRAME_S = 5.0  # how long a new connection may take to prove itself
 
 
 def new_address() -> str:
@@ -41,8 +43,9 @@ def frame(msg) -> bytes:
     return len(data).to_bytes(4, "little") + data
 
 
-async def read_frame(reader: asyncio.StreamReader, cls):
-    """The next message, or None at a clean end of the connection."""
+async def read_frame(reader: asyncio.StreamReader, cls, max_nbytes: int = MAX_FRAME):
+    """The next message, or None at a clean end of the connection. Raises
+    ConnectionError for a torn or oversized frame or one that does not parse."""
     try:
         head = await reader.readexactly(4)
     except asyncio.IncompleteReadError as e:
@@ -50,35 +53,43 @@ async def read_frame(reader: asyncio.StreamReader, cls):
             raise ConnectionError("lane closed inside a frame header") from None
         return None
     n = int.from_bytes(head, "little")
-    if n > MAX_FRAME:
-        raise ConnectionError(f"lane frame of {n} bytes exceeds {MAX_FRAME}")
+    if n > max_nbytes:
+        raise ConnectionError(f"lane frame of {n} bytes exceeds {max_nbytes}")
     try:
-        return cls.FromString(await reader.readexactly(n))
+        data = await reader.readexactly(n)
     except asyncio.IncompleteReadError:
         raise ConnectionError("lane closed inside a frame") from None
+    try:
+        return cls.FromString(data)
+    except Exception as e:  # noqa: BLE001 - protobuf's DecodeError: a broken peer
+        raise ConnectionError(f"unparseable lane frame: {e}") from None
 
 
 async def listen(address: str, handler) -> asyncio.AbstractServer:
     """Serves ``handler(reader, writer)`` on abstract socket ``address``."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.bind("\0" + address)
-    sock.listen(64)
-    sock.setblocking(False)
-    return await asyncio.start_unix_server(handler, sock=sock)
+    try:
+        sock.bind("\0" + address)
+        sock.listen(64)
+        sock.setblocking(False)
+        return await asyncio.start_unix_server(handler, sock=sock)
+    except BaseException:
+        sock.close()
+        raise
 
 
 async def connect(address: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        # A unix connect completes at once (or fails: no such socket, another
-        # network namespace); uvloop's async connect refuses abstract names.
+        # Blocking, in a worker thread: uvloop's async connect refuses abstract
+        # names, and a full listen backlog must not stall the caller's loop.
         sock.settimeout(2.0)
-        sock.connect("\0" + address)
+        await asyncio.to_thread(sock.connect, "\0" + address)
         sock.setblocking(False)
+        return await asyncio.open_unix_connection(sock=sock)
     except BaseException:
         sock.close()
         raise
-    return await asyncio.open_unix_connection(sock=sock)
 
 
 class FrameOut:
@@ -93,6 +104,8 @@ class FrameOut:
     async def put(self, msg) -> None:
         if msg is None:
             self.done.set()
+            return
+        if self.writer.is_closing():  # the consumer went away: its session is closing
             return
         self.writer.write(frame(msg))
         if self.writer.transport.get_write_buffer_size() > (1 << 20):

@@ -40,6 +40,8 @@ class OutboundItem:
     created: float = field(default_factory=time.monotonic)
     sending: int = 0  # streams reading the slot, or consumers reading it in place; a lease never frees it meanwhile
     released: bool = False  # out of the store; the slot is freed when ``sending`` drops to 0
+    cancel_at: float = 0.0  # freed as cancelled then, unless served first (a late Cancel, see adopt)
+    served: bool = False  # a consumer has read it (or is reading it)
 
 
 @dataclass
@@ -76,6 +78,11 @@ class OutboundStore:
         # Released copies whose in-place reader's stream closed: it may still be
         # copying (its worker runs a step behind), so they are freed a lease later.
         self._zombies: list[OutboundItem] = []
+        # Cancels that found the item freed lately: maybe stale (meant for the
+        # freed copy), maybe for the next copy still being encoded. The next copy
+        # is kept only ``stale_cancel_grace_s`` for a consumer to ask for it.
+        self._late_cancels: dict[str, None] = {}
+        self.stale_cancel_grace_s = 3.0
         self._lock = threading.Lock()
 
     def put(self, identifier: str, tensor: torch.Tensor) -> bool:
@@ -130,6 +137,13 @@ class OutboundStore:
                 self.stats.cancels += 1
                 old, item = item, None
             else:
+                late = identifier in self._late_cancels
+                self._late_cancels.pop(identifier, None)
+                if late and not waiters:
+                    # A consumer said "not needed" after the previous copy went and
+                    # before this one was reserved: unless someone asks for it soon,
+                    # this copy is for nobody (a lease would hold it a minute).
+                    item.cancel_at = time.monotonic() + self.stale_cancel_grace_s
                 old = self._items.get(identifier)
                 self._items[identifier] = item
             if old is not None:
@@ -185,6 +199,7 @@ class OutboundStore:
             item = self._items.get(identifier)
             if item is not None:
                 item.sending += 1
+                item.served = True
             return item
 
     def end_send(self, item: OutboundItem, restart_lease: bool = False) -> None:
@@ -220,6 +235,8 @@ class OutboundStore:
                 if reason == "cancel" and identifier not in self._released:
                     # Not encoded yet: free it when it arrives.
                     _remember(self._cancelled, identifier)
+                elif reason == "cancel":
+                    _remember(self._late_cancels, identifier)
                 return False
             _remember(self._released, identifier)
             counter = _RELEASE_COUNTERS[reason]
@@ -236,12 +253,17 @@ class OutboundStore:
         now = time.monotonic() if now is None else now
         with self._lock:
             stale = [i.identifier for i in self._items.values() if i.sending == 0 and now - i.created > self.ttl_s]
+            unwanted = [i.identifier for i in self._items.values()
+                        if i.cancel_at and i.sending == 0 and not i.served and now > i.cancel_at]
             done, kept = [], []
             for z in self._zombies:
                 (done if z.sending == 0 and now - z.created > self.ttl_s else kept).append(z)
             self._zombies = kept
         for z in done:
             self.pool.free(z.slot)
+        for ident in unwanted:
+            if ident not in stale and self.release(ident, "cancel"):
+                logger.info("outbound item %s freed: cancelled by a consumer and asked for by none", ident)
         for ident in stale:
             if self.release(ident, "expired"):
                 logger.warning("outbound item %s expired after %.1fs without an ack", ident, self.ttl_s)

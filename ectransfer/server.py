@@ -49,6 +49,7 @@ class TransferServicer(encoder_pb2_grpc.TransferServiceServicer):
         """Offer the same-host control lane with in-place transports (``ectransfer.lane``)."""
         self.lane_address = ""  # set by TransferServerThread once the lane listens
         self.lane_writers: set[asyncio.StreamWriter] = set()  # open lane connections (closed on stop)
+        self.lane_tasks: set[asyncio.Task] = set()  # their handlers (awaited on stop: pins released)
 
     async def Stats(self, request, context):
         values = {k: float(v) for k, v in self.stats_fn().items() if isinstance(v, (int, float))}
@@ -104,8 +105,10 @@ class TransferServicer(encoder_pb2_grpc.TransferServiceServicer):
         proof for an in-place transport, then the same session as a stream."""
         session = None
         self.lane_writers.add(writer)
+        self.lane_tasks.add(asyncio.current_task())
         try:
-            first = await lane.read_frame(reader, encoder_pb2.TransferClientMsg)
+            first = await asyncio.wait_for(
+                lane.read_frame(reader, encoder_pb2.TransferClientMsg, lane.MAX_FIRST_FRAME), lane.FIRST_FRAME_S)
             if first is None or first.WhichOneof("msg") != "select":
                 return
             transport = self.transports.get(first.select.transport)
@@ -122,12 +125,15 @@ class TransferServicer(encoder_pb2_grpc.TransferServiceServicer):
                     yield msg
 
             await session.read(frames())
-        except (ConnectionError, OSError) as e:
+        except (ConnectionError, OSError, asyncio.TimeoutError) as e:
             logger.debug("control lane closed: %s", e)
+        except Exception:  # noqa: BLE001 - one broken connection must not touch the others
+            logger.exception("control lane failed")
         finally:
             if session is not None:
                 session.close()
             self.lane_writers.discard(writer)
+            self.lane_tasks.discard(asyncio.current_task())
             writer.close()
 
     async def _serve_item(self, reserve: encoder_pb2.Reserve, transport: ProducerTransport, out: asyncio.Queue,
@@ -331,8 +337,12 @@ class TransferServerThread:
         self._lane = None
         if self.servicer.lane:
             address = lane.new_address()
-            self._lane = await lane.listen(address, self.servicer.serve_lane)
-            self.servicer.lane_address = address
+            try:
+                self._lane = await lane.listen(address, self.servicer.serve_lane)
+                self.servicer.lane_address = address
+            except OSError as e:  # best effort: consumers keep the gRPC stream
+                logger.warning("no same-host control lane (%s); items travel on the gRPC stream", e)
+                self.servicer.lane = False
         self._sweeper = asyncio.create_task(self._sweep())
 
     async def _sweep(self) -> None:
@@ -368,6 +378,9 @@ class TransferServerThread:
                 self._lane.close()
                 for w in list(self.servicer.lane_writers):  # like a dying process: consumers see EOF
                     w.close()
+                tasks = list(self.servicer.lane_tasks)
+                if tasks:  # their sessions release what they held
+                    await asyncio.wait(tasks, timeout=grace)
             if self._server is not None:
                 await self._server.stop(grace)
 

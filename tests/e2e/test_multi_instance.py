@@ -72,6 +72,10 @@ def test_kill_one_encoder_mid_run_every_request_succeeds_then_it_is_used_again(m
     names = [f"multi{i}" for i in range(8)]
     assert any(_affine(multi, n) == 0 for n in names), "some image maps to the victim"
     retries = metric(multi.gateway_metrics, "epd_gateway_retries_total")
+    # Frozen first, so the encodes routed to it are surely in flight when it dies (a tiny
+    # model's encode, or a reused one, can otherwise finish between two polls). It is
+    # killed long before the gateway's health checks would find it slow.
+    os.killpg(victim.proc.pid, signal.SIGSTOP)
     with ThreadPoolExecutor(len(names)) as pool:
         futures = {n: pool.submit(post, multi.url + "/v1/chat/completions", REFERENCE_REQUESTS[n], 90)
                    for n in names}

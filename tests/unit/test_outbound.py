@@ -249,3 +249,29 @@ def test_a_late_ack_for_a_copy_already_freed_does_not_free_the_newer_copy():
     assert not store.release("a", "ack", held=old)  # our late ack names copy 1
     assert store.contains("a")
     store.end_send(old)
+
+
+def test_a_cancel_between_two_copies_frees_the_next_copy_soon_unless_someone_reads_it():
+    pool = Pool(1 << 16)
+    store = OutboundStore(pool, ttl_s=60)
+    store.put("a", torch.zeros(4))
+    store.release("a", "ack")  # copy 1 done
+    store.release("a", "cancel")  # "not needed": stale for copy 1, or meant for copy 2?
+    store.put("a", torch.zeros(4))  # copy 2 arrives with nobody waiting
+    assert store.contains("a")  # a consumer may still ask for it...
+    store.expire(now=time.monotonic() + 1)
+    assert store.contains("a")
+    store.expire(now=time.monotonic() + store.stale_cancel_grace_s + 1)
+    assert not store.contains("a") and store.stats.cancels == 1  # ...nobody did: freed, not leased a minute
+
+
+def test_a_copy_read_after_a_late_cancel_is_kept_for_its_reader():
+    store = OutboundStore(Pool(1 << 16), ttl_s=60)
+    store.put("a", torch.zeros(4))
+    store.release("a", "ack")
+    store.release("a", "cancel")
+    store.put("a", torch.zeros(4))
+    item = store.begin_send("a")  # another LM asks for it
+    store.end_send(item)
+    store.expire(now=time.monotonic() + store.stale_cancel_grace_s + 1)
+    assert store.contains("a")  # its Ack frees it, not the late cancel
