@@ -80,9 +80,11 @@ class OutboundStore:
         self._zombies: list[OutboundItem] = []
         # Cancels that found the item freed lately: maybe stale (meant for the
         # freed copy), maybe for the next copy still being encoded. The next copy
-        # is kept only ``stale_cancel_grace_s`` for a consumer to ask for it.
+        # is kept only ``stale_cancel_grace_s`` (0.5 s) for a consumer to ask for it:
+        # an LM normally asks before the encode ends; a late one gets NOT_FOUND and
+        # the gateway re-encodes, while a full pool of unwanted copies stalls every encode.
         self._late_cancels: dict[str, None] = {}
-        self.stale_cancel_grace_s = 3.0
+        self.stale_cancel_grace_s = 0.5
         self._lock = threading.Lock()
 
     def put(self, identifier: str, tensor: torch.Tensor) -> bool:

@@ -295,7 +295,7 @@ class TransferServerThread:
     loop and frees outbound items nobody acked within the store's TTL.
     """
 
-    def __init__(self, servicer: TransferServicer, host: str, port: int, sweep_s: float = 1.0) -> None:
+    def __init__(self, servicer: TransferServicer, host: str, port: int, sweep_s: float = 0.25) -> None:
         self.servicer = servicer
         self.host = host
         self.port = port

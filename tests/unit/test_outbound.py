@@ -259,7 +259,7 @@ def test_a_cancel_between_two_copies_frees_the_next_copy_soon_unless_someone_rea
     store.release("a", "cancel")  # "not needed": stale for copy 1, or meant for copy 2?
     store.put("a", torch.zeros(4))  # copy 2 arrives with nobody waiting
     assert store.contains("a")  # a consumer may still ask for it...
-    store.expire(now=time.monotonic() + 1)
+    store.expire(now=time.monotonic() + store.stale_cancel_grace_s / 2)
     assert store.contains("a")
     store.expire(now=time.monotonic() + store.stale_cancel_grace_s + 1)
     assert not store.contains("a") and store.stats.cancels == 1  # ...nobody did: freed, not leased a minute
