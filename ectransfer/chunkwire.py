@@ -3,12 +3,12 @@
 A ``Chunk`` built the usual way costs the producer two copies of its data
 (``bytes(...)`` into the message, then ``SerializeToString``) and the consumer
 one more (``FromString`` copies the bytes field out of the received buffer)
-before the one copy into staging. Here the producer yields a ``RawChunk``
-that the Transfer method's response serializer encodes by hand -- the wire
-bytes of ``TransferServerMsg{chunk: Chunk{identifier, offset, data}}``, with
-the data joined in by one copy -- and the consumer's response deserializer
-parses a chunk by hand into a ``ChunkView`` whose ``data`` is a zero-copy
-``memoryview`` of the received buffer. Every other message goes through
+before the one copy into staging. Here the producer encodes a chunk by hand
+(``encode_chunk``: the wire bytes of ``TransferServerMsg{chunk: Chunk{identifier,
+offset, data}}``, with the data joined in by one copy) and yields those bytes,
+which the Transfer method's response serializer passes through; the
+consumer's response deserializer parses a chunk by hand into a ``ChunkView``
+whose ``data`` is a zero-copy ``memoryview`` of the received buffer. Every other message goes through
 protobuf as usual, and the bytes on the wire are exactly protobuf's, so
 either end may be a plain protobuf peer.
 """
@@ -56,17 +56,6 @@ def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
 
 
 @dataclass
-class RawChunk:
-    """A chunk the producer sends: ``data`` is a view of its pool slot (read
-    while serializing, so the slot must stay held until then: it is, until
-    the consumer's Ack)."""
-
-    identifier: str
-    offset: int
-    data: memoryview
-
-
-@dataclass
 class ChunkView:
     """A received chunk: ``data`` views the received buffer (no copy)."""
 
@@ -87,21 +76,20 @@ class ChunkMsg:
         return "chunk"
 
 
-def serialize(msg) -> bytes:
-    """The wire bytes of a RawChunk (one copy of its data), or of a message."""
-    if not isinstance(msg, RawChunk):
-        return msg.SerializeToString()
-    ident = msg.identifier.encode()
+def encode_chunk(identifier: str, offset: int, data: memoryview) -> bytes:
+    """The wire bytes of one chunk, with one copy of ``data`` (a view of the
+    producer's slot, which it holds while encoding)."""
+    ident = identifier.encode()
     inner = bytearray()
     if ident:
         inner += _varint(_ID << 3 | 2) + _varint(len(ident)) + ident
-    if msg.offset:
-        inner += _varint(_OFFSET << 3) + _varint(msg.offset)
-    n = len(msg.data)
+    if offset:
+        inner += _varint(_OFFSET << 3) + _varint(offset)
+    n = len(data)
     if n:
         inner += _varint(_DATA << 3 | 2) + _varint(n)
     head = _varint(_CHUNK_FIELD << 3 | 2) + _varint(len(inner) + n) + bytes(inner)
-    return b"".join((head, msg.data)) if n else head
+    return b"".join((head, data)) if n else head
 
 
 def deserialize(raw: bytes):

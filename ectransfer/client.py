@@ -61,7 +61,6 @@ class Fetch:
     """Set by the caller, under ``lock``, once it takes a landed item (queues a
     load from ``source``, or drops it): the client then leaves it alone."""
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-    landed_at: float = 0.0
     stream_lost: str | None = None
     """Landed in place, not taken yet, and its stream closed (the producer no
     longer holds it for us): the caller fails it (on its own thread)."""
@@ -207,7 +206,6 @@ class _Peer:
         if fetch.in_place and self.transport.in_place:
             self.transport.locate(desc)
             fetch.source = desc
-            fetch.landed_at = time.monotonic()
             self.mapped.add(source_key(desc))
             self.items.pop(fetch.transfer.identifier, None)
             self.located[fetch.transfer.identifier] = fetch
@@ -318,8 +316,9 @@ class TransferClient:
 
     def _watch(self, peer: "_Peer", now: float) -> None:
         """Demotes in-place items held too long; fails items with no data in time."""
+        landed_before = time.perf_counter() - self.hold_s  # a located item's last transition is LANDED
         for fetch in list(peer.located.values()):
-            if now - fetch.landed_at > self.hold_s:
+            if fetch.transfer.changed_at < landed_before:
                 peer._demote(fetch)
         for fetch in list(peer.items.values()):
             if now > fetch.deadline:

@@ -102,10 +102,9 @@ class CudaIpcProducer(ProducerTransport):
 
 
 class _Mapped:
-    def __init__(self, ptr: int, nbytes: int, device: int, opened: bool = True) -> None:
+    def __init__(self, ptr: int, nbytes: int, device: int) -> None:
         cp = _cupy()
         self.ptr = ptr
-        self.opened = opened  # False: our own process's pool, nothing to close
         mem = cp.cuda.UnownedMemory(ptr, nbytes, owner=None, device_id=device)
         arr = cp.ndarray((nbytes,), dtype=cp.uint8, memptr=cp.cuda.MemoryPointer(mem, 0))
         self.buffer = torch.as_tensor(arr, device=f"cuda:{device}")
@@ -158,25 +157,35 @@ def check_range(ref: common_pb2.CudaIpcRef, nbytes: int) -> None:
         raise ProtocolError(f"CUDA IPC range {ref.offset}+{nbytes} exceeds pool {ref.pool_id} ({ref.pool_nbytes})")
 
 
+def _copy_and_wait(dst: torch.Tensor, src: torch.Tensor) -> None:
+    dst.copy_(src, non_blocking=True)  # D2D (or D2H / H2D with host memory on one side)
+    done = torch.cuda.Event()
+    done.record()
+    done.synchronize()  # the report or ack that follows is ordered after the copy
+
+
 def copy_out(ref: common_pb2.CudaIpcRef, nbytes: int, dest: torch.Tensor) -> None:
     """Copies ``nbytes`` at ``ref`` into ``dest`` (flat uint8, any device) on
     the current stream and waits for the copy: once this returns the producer
     may reuse the range (the caller acks after)."""
     check_range(ref, nbytes)
-    if not nbytes:
-        return
-    src = mapping(ref)[ref.offset : ref.offset + nbytes]
-    dest.copy_(src, non_blocking=True)  # D2D (or D2H when dest is host memory)
-    done = torch.cuda.Event()
-    done.record()
-    done.synchronize()  # stream-ordered: the ack comes after the copy
+    if nbytes:
+        _copy_and_wait(dest, mapping(ref)[ref.offset : ref.offset + nbytes])
+
+
+def copy_in(ref: common_pb2.CudaIpcRef, src: torch.Tensor) -> None:
+    """The producer's worker: writes ``src`` (flat uint8) at ``ref`` and waits,
+    so the slot is complete before it is reported (and then served)."""
+    check_range(ref, src.numel())
+    if src.numel():
+        _copy_and_wait(mapping(ref)[ref.offset : ref.offset + src.numel()], src)
 
 
 def forget(pool_id: str) -> None:
     """Closes the mapping of a pool whose producer went away."""
     with _LOCK:
         m = _MAPPED.pop(pool_id, None)
-    if m is not None and m.opened:
+    if m is not None:
         try:
             _cupy().cuda.runtime.ipcCloseMemHandle(m.ptr)
         except Exception:  # noqa: BLE001 - the producer may be gone already
@@ -190,10 +199,6 @@ class CudaIpcConsumer(ConsumerTransport):
     def __init__(self, device: int | None = None) -> None:
         self.device = device
         self._pools: set[str] = set()
-
-    @property
-    def open_count(self) -> int:
-        return open_count()
 
     def probe(self, offer: encoder_pb2.TransportOffer) -> bytes:
         if not torch.cuda.is_available():

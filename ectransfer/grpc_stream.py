@@ -43,7 +43,7 @@ class GrpcChunkProducer(ProducerTransport):
             data = data.cpu()
         mv = memoryview(data.numpy())
         for off in range(0, len(mv), self.chunk_nbytes):
-            yield chunkwire.serialize(chunkwire.RawChunk(identifier, off, mv[off : off + self.chunk_nbytes]))
+            yield chunkwire.encode_chunk(identifier, off, mv[off : off + self.chunk_nbytes])
 
 
 class ChunkReceiver(Receiver):

@@ -94,16 +94,14 @@ async def connect(address: str) -> tuple[asyncio.StreamReader, asyncio.StreamWri
 
 class FrameOut:
     """The producer's item messages onto a lane: ``await put(msg)`` writes a
-    frame (waiting only when the socket's buffer is large); ``put(None)``
-    ends the session."""
+    frame (waiting only when the socket's buffer is large). ``put(None)``, the
+    end of a session, writes nothing: the handler closes the connection."""
 
-    def __init__(self, writer: asyncio.StreamWriter, done: asyncio.Event) -> None:
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
         self.writer = writer
-        self.done = done
 
     async def put(self, msg) -> None:
         if msg is None:
-            self.done.set()
             return
         if self.writer.is_closing():  # the consumer went away: its session is closing
             return

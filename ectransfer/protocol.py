@@ -80,14 +80,8 @@ class ItemTransfer:
     _changed: threading.Condition = field(default_factory=threading.Condition, repr=False, compare=False)
 
     def advance(self, new: TransferState, error: str | None = None) -> None:
-        if new not in _ALLOWED[self.state]:
+        if not self.try_advance(new, error):
             raise ProtocolError(f"item {self.identifier}: illegal transition {self.state.value} -> {new.value}")
-        with self._changed:
-            if error is not None:
-                self.error = error
-            self.state = new
-            self.changed_at = time.perf_counter()
-            self._changed.notify_all()
 
     def try_advance(self, new: TransferState, error: str | None = None) -> bool:
         """``advance`` if legal from the current state, atomically; False if

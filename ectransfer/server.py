@@ -48,8 +48,7 @@ class TransferServicer(encoder_pb2_grpc.TransferServiceServicer):
         self.lane = lane and any(t.in_place for t in transports.values())
         """Offer the same-host control lane with in-place transports (``ectransfer.lane``)."""
         self.lane_address = ""  # set by TransferServerThread once the lane listens
-        self.lane_writers: set[asyncio.StreamWriter] = set()  # open lane connections (closed on stop)
-        self.lane_tasks: set[asyncio.Task] = set()  # their handlers (awaited on stop: pins released)
+        self.lane_tasks: set[asyncio.Task] = set()  # open lane connections' handlers (cancelled on stop)
 
     async def Stats(self, request, context):
         values = {k: float(v) for k, v in self.stats_fn().items() if isinstance(v, (int, float))}
@@ -104,7 +103,6 @@ class TransferServicer(encoder_pb2_grpc.TransferServiceServicer):
         """One control-lane connection (``ectransfer.lane``): Select with a valid
         proof for an in-place transport, then the same session as a stream."""
         session = None
-        self.lane_writers.add(writer)
         self.lane_tasks.add(asyncio.current_task())
         try:
             first = await asyncio.wait_for(
@@ -117,8 +115,7 @@ class TransferServicer(encoder_pb2_grpc.TransferServiceServicer):
                 return
             writer.write(lane.frame(encoder_pb2.TransferServerMsg(
                 selected=encoder_pb2.Selected(transport=transport.kind))))
-            done = asyncio.Event()
-            session = _Session(self, transport, "lane", lane.FrameOut(writer, done))
+            session = _Session(self, transport, "lane", lane.FrameOut(writer))
 
             async def frames():
                 while (msg := await lane.read_frame(reader, encoder_pb2.TransferClientMsg)) is not None:
@@ -131,10 +128,9 @@ class TransferServicer(encoder_pb2_grpc.TransferServiceServicer):
             logger.exception("control lane failed")
         finally:
             if session is not None:
-                session.close()
-            self.lane_writers.discard(writer)
+                session.close()  # what it held is released (the lease restarts)
             self.lane_tasks.discard(asyncio.current_task())
-            writer.close()
+            writer.close()  # the consumer sees EOF and fails what was in flight
 
     async def _serve_item(self, reserve: encoder_pb2.Reserve, transport: ProducerTransport, out: asyncio.Queue,
                           pinned: dict[str, OutboundItem]) -> None:
@@ -202,18 +198,8 @@ class TransferServicer(encoder_pb2_grpc.TransferServiceServicer):
                 # within milliseconds, and otherwise the consumer should fail fast
                 # so the gateway can re-encode.
                 gone = self.store.released_lately(ident)
-                # A timer instead of wait_for(shield(...)): no extra tasks per item.
-                timer = loop.call_later(min(remaining, self.released_grace_s) if gone else remaining,
-                                        lambda: fut.done() or fut.set_result(_TIMEOUT))
-                try:
-                    item = await fut
-                finally:
-                    timer.cancel()
-                if item is not _TIMEOUT:
-                    return item
-                fut = loop.create_future()
-                self.store.forget_waiter(ident, ready)
-                self.store.on_ready(ident, ready)
+                # asyncio.wait on the future itself: no task per item, nothing cancelled.
+                await asyncio.wait((fut,), timeout=min(remaining, self.released_grace_s) if gone else remaining)
                 if fut.done():
                     return fut.result()
                 if gone and self.store.released_lately(ident):
@@ -223,7 +209,6 @@ class TransferServicer(encoder_pb2_grpc.TransferServiceServicer):
             self.store.forget_waiter(ident, ready)
 
 
-_TIMEOUT = object()  # _wait_for: a timer fired
 _GONE = object()  # _wait_for: freed lately, no new copy coming
 
 
@@ -376,10 +361,10 @@ class TransferServerThread:
             self._sweeper.cancel()
             if self._lane is not None:
                 self._lane.close()
-                for w in list(self.servicer.lane_writers):  # like a dying process: consumers see EOF
-                    w.close()
                 tasks = list(self.servicer.lane_tasks)
-                if tasks:  # their sessions release what they held
+                for t in tasks:  # each handler's finally releases its session and closes its connection
+                    t.cancel()
+                if tasks:
                     await asyncio.wait(tasks, timeout=grace)
             if self._server is not None:
                 await self._server.stop(grace)

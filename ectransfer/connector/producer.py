@@ -37,8 +37,6 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from ectransfer import factory, tensors
 from ectransfer.connector.common import compat_for
 from ectransfer.connector.config import ConnectorConfig
@@ -158,13 +156,11 @@ class ProducerScheduler:
             for ident, res in self._reserved.items():
                 if not res.dispatched:
                     res.dispatched = True
-                    if self.cuda_pool is not None:
-                        meta.saves.append(SaveSpec(ident, "", res.slot.offset, res.slot.nbytes, res.shape,
-                                                   tensors.dtype_name(self.dtype),
-                                                   cuda_ref=self.cuda_pool.ref(res.slot.offset).SerializeToString()))
-                    else:
-                        meta.saves.append(SaveSpec(ident, self.pool.name, res.slot.offset, res.slot.nbytes,
-                                                   res.shape, tensors.dtype_name(self.dtype)))
+                    cuda = self.cuda_pool is not None
+                    meta.saves.append(SaveSpec(
+                        ident, "" if cuda else self.pool.name, res.slot.offset, res.slot.nbytes, res.shape,
+                        tensors.dtype_name(self.dtype),
+                        cuda_ref=self.cuda_pool.ref(res.slot.offset).SerializeToString() if cuda else b""))
         return meta
 
     def _on_report(self, data: bytes) -> None:
@@ -264,15 +260,9 @@ class ProducerWorker:
                 from ectransfer import cuda_ipc
                 from epd.common.v1 import common_pb2
 
-                # One device-to-device copy into the exported pool; waited for
-                # before the report, so the slot is complete when it is served.
-                ref = common_pb2.CudaIpcRef.FromString(spec.cuda_ref)
-                cuda_ipc.check_range(ref, spec.nbytes)
-                dst = cuda_ipc.mapping(ref)[ref.offset: ref.offset + spec.nbytes]
-                dst.copy_(tensors.as_bytes(out.detach(), keep_device=True), non_blocking=True)
-                done = torch.cuda.Event()
-                done.record()
-                done.synchronize()
+                # One device-to-device copy into the exported pool, waited for.
+                cuda_ipc.copy_in(common_pb2.CudaIpcRef.FromString(spec.cuda_ref),
+                                 tensors.as_bytes(out.detach(), keep_device=True))
             elif self.writes and spec.nbytes:
                 dst = self.mappings.get(spec.segment, writable=True).buffer[spec.offset: spec.offset + spec.nbytes]
                 # On GPU this is the device-to-host sync the contract asks for

@@ -14,7 +14,7 @@ from epd.encoder.v1 import encoder_pb2
 ])
 def test_chunks_round_trip_both_ways_through_protobuf(ident, offset, data):
     ref = encoder_pb2.TransferServerMsg(chunk=encoder_pb2.Chunk(identifier=ident, offset=offset, data=data))
-    raw = chunkwire.serialize(chunkwire.RawChunk(ident, offset, memoryview(data)))
+    raw = chunkwire.encode_chunk(ident, offset, memoryview(data))
     assert encoder_pb2.TransferServerMsg.FromString(raw) == ref
     got = chunkwire.deserialize(ref.SerializeToString())
     assert got.WhichOneof("msg") == "chunk"
@@ -23,7 +23,7 @@ def test_chunks_round_trip_both_ways_through_protobuf(ident, offset, data):
 
 def test_other_messages_go_through_protobuf():
     header = encoder_pb2.TransferServerMsg(header=encoder_pb2.ItemHeader(identifier="a"))
-    assert chunkwire.serialize(header) == header.SerializeToString()
+    assert chunkwire.response_serializer(header) == header.SerializeToString()
     assert chunkwire.deserialize(header.SerializeToString()) == header
 
 
