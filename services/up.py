@@ -9,6 +9,7 @@ removed at the end. The e2e tests and the demo use the same class.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -50,8 +51,8 @@ class Service:
 
     def start(self, env: dict[str, str] | None = None) -> "Service":
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env or dict(os.environ),
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True)  # env None: this process's environment
         return self
 
     def alive(self) -> bool:
@@ -150,19 +151,37 @@ class Deployment:
                                            "--lms", ",".join(lm.address for lm in self.lms), *self.gateway_args],
                                os.path.join(self.log_dir, "gateway.log"))
         self.services = [*self.encoders, *self.lms, self.gateway]
-        # The first instance of each role under the names the single-instance callers use.
-        first = self.encoders[0] if self.encoders else None  # colocated: no encoder at all
-        self.encoder = first
-        self.encoder_addr, self.encoder_metrics = (first.address, first.metrics_port) if first else ("", 0)
-        self.lm, self.lm_addr, self.lm_metrics = self.lms[0], self.lms[0].address, self.lms[0].metrics_port
+
+    # The first instance of each role under the names the single-instance callers use.
+    @property
+    def encoder(self) -> Service | None:
+        return self.encoders[0] if self.encoders else None  # colocated: no encoder at all
+
+    @property
+    def encoder_addr(self) -> str:
+        return self.encoder.address if self.encoder else ""
+
+    @property
+    def encoder_metrics(self) -> int:
+        return self.encoder.metrics_port if self.encoder else 0
+
+    @property
+    def lm(self) -> Service:
+        return self.lms[0]
+
+    @property
+    def lm_addr(self) -> str:
+        return self.lm.address
+
+    @property
+    def lm_metrics(self) -> int:
+        return self.lm.metrics_port
 
     def _service(self, role: str, i: int, n: int, args: list[str]) -> Service:
         h, port, metrics = self.host, free_port(self.host), free_port(self.host)
         name = role if n == 1 else f"{role}{i}"
-        svc = Service(name, [role, "--host", h, "--port", str(port), "--metrics-port", str(metrics), *args],
-                      os.path.join(self.log_dir, f"{name}.log"))
-        svc.address, svc.metrics_port = f"{h}:{port}", metrics
-        return svc
+        return Service(name, [role, "--host", h, "--port", str(port), "--metrics-port", str(metrics), *args],
+                       os.path.join(self.log_dir, f"{name}.log"), address=f"{h}:{port}", metrics_port=metrics)
 
     @property
     def gateway_metrics(self) -> int:
@@ -185,7 +204,7 @@ class Deployment:
             engines = {}
             for svc in [*self.encoders, *self.lms]:
                 svc.start(env)
-                engines[svc] = (lambda a: lambda: grpc_serving(a))(svc.address)
+                engines[svc] = functools.partial(grpc_serving, svc.address)
             self._wait(engines, t0, timeout)
             self.gateway.start(env)
             self._wait({self.gateway: lambda: http_ok(self.url + "/health")}, t0, timeout)

@@ -24,6 +24,8 @@ class EPDError(Exception):
     fault = ""
     """Which peer caused the error, sent as the ``epd-fault`` trailer when set,
     so the gateway knows which instance to replace on a retry."""
+    endpoints: tuple[str, ...] = ()
+    """The faulty peers' endpoints, one ``epd-fault-endpoint`` trailer each."""
 
 
 class BadInput(EPDError):
@@ -72,7 +74,7 @@ class Deadline(EPDError):
 async def _abort(context, e: BaseException, method: str):
     if isinstance(e, EPDError):
         trailers = [(FAULT_KEY, e.fault)] if e.fault else []
-        trailers += [(FAULT_ENDPOINT_KEY, ep) for ep in getattr(e, "endpoints", ())]
+        trailers += [(FAULT_ENDPOINT_KEY, ep) for ep in e.endpoints]
         await context.abort(e.code, str(e), tuple(trailers))
     logger.exception("internal error in %s", method)
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {e!r}")

@@ -83,7 +83,8 @@ async def serve(cfg: EncoderServiceConfig, engine_cfg: EngineConfig, stop: async
         servicer = EncoderServicer(engine, info, _placeholder(engine), mc.get_hidden_size(),
                                    dtype_enum(str(mc.dtype).removeprefix("torch.")), cfg.encode_timeout_s)
         server = GrpcServer(cfg.host, cfg.port)
-        server.add(encoder_pb2_grpc.add_EncoderServiceServicer_to_server, servicer, "epd.encoder.v1.EncoderService")
+        server.add(encoder_pb2_grpc.add_EncoderServiceServicer_to_server, servicer,
+                   encoder_pb2.DESCRIPTOR.services_by_name["EncoderService"].full_name)
         port = await server.start()
         if cfg.metrics_port:
             from prometheus_client import start_http_server

@@ -48,14 +48,10 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
 
         t0 = time.perf_counter()
         status = "error"
-        recorded = False
 
         def record(outcome: str) -> None:
-            nonlocal recorded
-            if not recorded:
-                recorded = True
-                ENCODE_REQUESTS.labels(outcome).inc()
-                ENCODE_SECONDS.observe(time.perf_counter() - t0)
+            ENCODE_REQUESTS.labels(outcome).inc()
+            ENCODE_SECONDS.observe(time.perf_counter() - t0)
 
         rid = request.request_id or uuid.uuid4().hex
         try:
@@ -113,7 +109,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             await self.engine.abort(rid)
             raise
         finally:
-            record(status)
+            if status != "ok":  # an ok one was counted before its last events
+                record(status)
 
 
 def dtype_enum(name: str) -> int:

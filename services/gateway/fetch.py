@@ -152,11 +152,11 @@ class MediaFetcher:
         self._session: aiohttp.ClientSession | None = None
 
     def _get_session(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
+        if self._session is None:
             connector = aiohttp.TCPConnector(resolver=GuardResolver(self.allowed), limit=64)
             self._session = aiohttp.ClientSession(
                 connector=connector, trust_env=False, cookie_jar=aiohttp.DummyCookieJar(),
-                auto_decompress=False, timeout=aiohttp.ClientTimeout(total=self.cfg.fetch_timeout_s),
+                auto_decompress=False,  # the one deadline is fetch()'s, over every hop and the body
                 headers={"User-Agent": "epd-serve-gateway", "Accept": "image/*", "Accept-Encoding": "identity"})
         return self._session
 
@@ -168,8 +168,8 @@ class MediaFetcher:
     async def fetch(self, url: str) -> bytes:
         """The body of ``url`` (after redirects), or MediaError. Called by ``load_images``."""
         try:
-            # One deadline over every hop and the body (ClientTimeout alone is per request).
-            # wait_for rather than asyncio.timeout: the project supports Python 3.10.
+            # One deadline over every hop and the body. wait_for rather than
+            # asyncio.timeout: the project supports Python 3.10.
             return await asyncio.wait_for(self._fetch(url), self.cfg.fetch_timeout_s)
         except asyncio.TimeoutError:
             raise MediaError(f"image URL {_short(url)} was not fetched within {self.cfg.fetch_timeout_s:g} s "
@@ -191,8 +191,6 @@ class MediaFetcher:
                     raise MediaError(str(e.os_error)) from None
                 raise MediaError(f"image URL {_short(url)} could not be fetched: {e}") from None
             except aiohttp.ClientError as e:
-                if isinstance(e, asyncio.TimeoutError):
-                    raise  # fetch() words it
                 raise MediaError(f"image URL {_short(url)} could not be fetched: {e!r}") from None
         raise MediaError(f"image URL {_short(url)} redirected more than {self.cfg.fetch_max_redirects} times "
                          "(--fetch-max-redirects); refused")

@@ -26,6 +26,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import Counter, Gauge
 
+from epd.encoder.v1 import encoder_pb2
+from epd.lm.v1 import lm_pb2
 from services.common.grpc_server import GRPC_OPTIONS
 
 logger = logging.getLogger(__name__)
@@ -39,8 +41,9 @@ EJECTIONS = Counter("epd_gateway_instance_ejections_total", "Times an instance w
 _RECONNECT = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
               ("grpc.max_reconnect_backoff_ms", 2000)]
 
-# The readiness name each role's server registers with grpc.health.v1.
-SERVICE_NAMES = {"encoder": "epd.encoder.v1.EncoderService", "lm": "epd.lm.v1.LMService"}
+# The readiness name each role's server registers with grpc.health.v1 (from the protos, as the servers do).
+SERVICE_NAMES = {"encoder": encoder_pb2.DESCRIPTOR.services_by_name["EncoderService"].full_name,
+                 "lm": lm_pb2.DESCRIPTOR.services_by_name["LMService"].full_name}
 
 
 @dataclass(eq=False)
@@ -55,23 +58,32 @@ class Instance:
     channel: grpc.aio.Channel
     healthy: bool = True
     outstanding: int = 0
-    calls: int = 0
     slow_checks: int = 0
     reason: str = ""
     """Why it was last ejected (for logs and errors)."""
+
+    def __post_init__(self) -> None:
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+        self._calls = CALLS.labels(self.role, self.address)  # the children, looked up once
+        self._outstanding = OUTSTANDING.labels(self.role, self.address)
 
     @contextlib.contextmanager
     def track(self) -> Iterator[None]:
         """Counts one call in flight for load-aware routing."""
         self.outstanding += 1
-        self.calls += 1
-        CALLS.labels(self.role, self.address).inc()
-        OUTSTANDING.labels(self.role, self.address).set(self.outstanding)
+        self._calls.inc()
+        self._outstanding.set(self.outstanding)
         try:
             yield
         finally:
             self.outstanding -= 1
-            OUTSTANDING.labels(self.role, self.address).set(self.outstanding)
+            self._outstanding.set(self.outstanding)
+
+    def forget_metrics(self) -> None:
+        """Drops this address's metric children (it left DNS: pod IPs come and go)."""
+        for metric in (OUTSTANDING, HEALTHY, CALLS, EJECTIONS):
+            with contextlib.suppress(KeyError):
+                metric.remove(self.role, self.address)
 
 
 def split_host_port(entry: str) -> tuple[str, int]:
@@ -115,6 +127,7 @@ class InstancePool:
     def __post_init__(self) -> None:
         self._task: asyncio.Task | None = None
         self._closing: set[asyncio.Task] = set()  # channels of removed instances, closed when idle
+        self._checks: set[asyncio.Task] = set()  # checks of instances a call just failed on
         self._resolved_at = 0.0
         for entry in self.entries:
             host, _ = split_host_port(entry)
@@ -132,7 +145,6 @@ class InstancePool:
 
     def _remove(self, address: str) -> None:
         inst = self.instances.pop(address)
-        HEALTHY.remove(self.role, address)
         logger.info("%s %s removed (no longer in DNS for %s)", self.role, address, inst.source)
         # Calls in flight keep their channel; close it once they are done. The pool
         # holds the task (the loop keeps only weak references) and close() ends it.
@@ -146,6 +158,7 @@ class InstancePool:
             while inst.outstanding:
                 await asyncio.sleep(1)
         finally:
+            inst.forget_metrics()
             await inst.channel.close()
 
     async def refresh_dns(self) -> None:
@@ -190,8 +203,7 @@ class InstancePool:
         """One readiness check; ejects or re-admits the instance."""
         req = health_pb2.HealthCheckRequest(service=SERVICE_NAMES.get(self.role, ""))
         try:
-            resp = await health_pb2_grpc.HealthStub(inst.channel).Check(
-                req, timeout=max(1.0, self.health_interval_s))
+            resp = await inst.health.Check(req, timeout=max(1.0, self.health_interval_s))
         except grpc.aio.AioRpcError as e:
             # Unreachable: out now. Slow: out after a second slow check in a row, so
             # one busy moment on a loaded host does not eject a working instance.
@@ -204,6 +216,15 @@ class InstancePool:
             self._admit(inst)
         else:
             self.eject(inst, "health check: not serving")
+
+    def recheck(self, insts: list[Instance]) -> None:
+        """Checks these now, in the background (a call on them just failed): a
+        dead one is ejected for every request without the failed request
+        waiting for the check. The pool holds the tasks; close() ends them."""
+        for inst in insts:
+            task = asyncio.get_running_loop().create_task(self.check(inst))
+            self._checks.add(task)
+            task.add_done_callback(self._checks.discard)
 
     async def check_all(self) -> None:
         if time.monotonic() - self._resolved_at >= self.dns_refresh_s or not self.instances:
@@ -229,7 +250,7 @@ class InstancePool:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        for task in list(self._closing):
+        for task in [*self._closing, *self._checks]:
             task.cancel()
-        await asyncio.gather(*self._closing, *(i.channel.close() for i in self.instances.values()),
+        await asyncio.gather(*self._closing, *self._checks, *(i.channel.close() for i in self.instances.values()),
                              return_exceptions=True)

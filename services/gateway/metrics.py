@@ -18,8 +18,7 @@ STAGE = Histogram("epd_gateway_stage_seconds",
 ITEMS = Counter("epd_gateway_items_total", "Media items by how they reached the LM "
                 "(a transport name, or LOCAL when the LM encoded them)", ["transport"])
 
-_MEDIA_STAGES = ("queue", "metadata", "encode", "transfer", "lm_queue", "ttft", "tpot", "total")
-_TEXT_STAGES = ("queue", "lm_queue", "ttft", "tpot", "total")
+_STAGES = ("queue", "metadata", "encode", "transfer", "lm_queue", "ttft", "tpot", "total")
 
 
 def observe(route: str, status: int, timings: Timings, media: int) -> None:
@@ -27,9 +26,9 @@ def observe(route: str, status: int, timings: Timings, media: int) -> None:
     REQUESTS.labels(route, str(status)).inc()
     if status != 200:
         return
-    for stage in _MEDIA_STAGES if media else _TEXT_STAGES:
+    for stage in _STAGES:
         value = getattr(timings, f"{stage}_ms")
-        if value:
+        if value:  # a stage the request did not go through (a text request's encode) stays 0
             STAGE.labels(stage).observe(value / 1e3)
     for transport in timings.transports:
         ITEMS.labels(transport or "UNKNOWN").inc()

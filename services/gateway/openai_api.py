@@ -56,8 +56,8 @@ def error_body(e: ApiError) -> dict[str, Any]:
     return {"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.status}}
 
 
-def error_response(e: ApiError) -> web.Response:
-    return web.json_response(error_body(e), status=e.status)
+def error_response(e: ApiError, headers: dict[str, str] | None = None) -> web.Response:
+    return web.json_response(error_body(e), status=e.status, headers=headers)
 
 
 def _sampling(body: dict[str, Any]) -> lm_pb2.SamplingOptions:
@@ -250,7 +250,7 @@ class OpenAIRoutes:
             except grpc.aio.AioRpcError as e:
                 err = from_grpc(e)
                 finished(route, err.status, req.request_id, timings, len(media), err.message)
-                return web.json_response(error_body(err), status=err.status, headers=headers)
+                return error_response(err, headers)
             finished(route, 200, req.request_id, timings, len(media))
             return web.json_response(self._full(req.request_id, created, "".join(text), ids, final, timings, chat),
                                      headers=headers)

@@ -169,18 +169,19 @@ class Orchestrator:
                     logger.warning("request %s: attempt %d failed at %s %s (%s: %s); retrying elsewhere",
                                    base_id, attempt, f.role, ",".join(i.address for i in f.blame),
                                    f.error.code().name, f.error.details())
-                    await self._recheck(f)
+                    self._recheck(f)
         finally:
             req.request_id = base_id  # callers log and answer with the id the client knows
             timings.total_ms = timings.since_start_ms()
 
-    async def _recheck(self, f: _Failure) -> None:
-        """An instance that failed a call is health-checked at once, so a dead
-        one is ejected for every request, not just excluded for this one."""
+    def _recheck(self, f: _Failure) -> None:
+        """An instance that failed a call is health-checked at once (in the
+        background: this request already excludes it), so a dead one is
+        ejected for every request, not just excluded for this one."""
         pool = self.encoders if f.role == "encoder" else self.lms
         if pool is not None and f.error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                                                     grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN):
-            await asyncio.gather(*(pool.check(i) for i in f.blame))
+            pool.recheck(f.blame)
 
     def _remaining(self, deadline: float) -> float:
         return max(0.001, deadline - time.monotonic())
@@ -190,12 +191,12 @@ class Orchestrator:
             item.ClearField("source")
         timings.encoders = []
         groups: list[_EncodeGroup] = []
+        # Queued until the first attempt dispatches (planning below does no I/O).
+        timings.queue_ms = timings.queue_ms or timings.since_start_ms()
         try:
             if media and self.encoders is not None:
                 groups = self._plan(media, excluded["encoder"], req.request_id)
                 if groups:
-                    if not timings.queue_ms:
-                        timings.queue_ms = timings.since_start_ms()
                     await self._start_encodes(req, media, groups, timings, deadline)
             # All ejected (a health blip on a busy host): try the ejected ones rather than fail outright.
             lm = self._lm_policy.pick(self.lms.healthy(excluded["lm"]) or [
@@ -204,8 +205,6 @@ class Orchestrator:
                 raise _Failure(rpc_error(grpc.StatusCode.UNAVAILABLE, "no healthy LM instance"), "lm", [],
                                retryable=False)
             timings.lm = lm.address
-            if not timings.queue_ms:
-                timings.queue_ms = timings.since_start_ms()
             async for resp in self._generate(lm, req, groups, timings, deadline):
                 yield resp
         finally:
@@ -293,16 +292,16 @@ class Orchestrator:
     async def _generate(self, lm: Instance, req, groups: list[_EncodeGroup], timings: Timings, deadline: float):
         first_at = last_at = 0.0
         n_tokens = 0
-        stopped_for_encoder = False
+        stopped: BaseException | None = None  # the encode failure that stopped this call
         with lm.track():
             call = lm.stub.Generate(req, timeout=self._remaining(deadline))
 
             def on_encode_done(task: asyncio.Task) -> None:
                 # An encode that fails after its metadata leaves the LM waiting for an
                 # embedding that will never come: stop it, unless tokens already flow.
-                nonlocal stopped_for_encoder
-                if not first_at and not task.cancelled() and task.exception() is not None:
-                    stopped_for_encoder = True
+                nonlocal stopped
+                if not first_at and stopped is None and not task.cancelled() and task.exception() is not None:
+                    stopped = task.exception()
                     call.cancel()
 
             for g in groups:
@@ -323,9 +322,8 @@ class Orchestrator:
             except asyncio.CancelledError:
                 # Only our own cancel (an encode failed) becomes a retryable failure;
                 # the caller's cancellation (client gone) stays a cancellation.
-                failed = next((f for g in groups if (f := g.failure()) is not None), None)
-                if stopped_for_encoder and failed is not None:
-                    raise failed from None
+                if isinstance(stopped, _Failure):
+                    raise stopped from None
                 raise
             except grpc.aio.AioRpcError as e:
                 trailers = list(e.trailing_metadata() or ())

@@ -30,8 +30,9 @@ def pick_encoder(key: str, candidates: Sequence[Instance], spill: int) -> Instan
     """The encoder for an item whose content hash is ``key``."""
     if not candidates:
         return None
-    affine = max(candidates, key=lambda i: _weight(key, i))
-    least = min(candidates, key=lambda i: (i.outstanding, -_weight(key, i)))
+    weight = {i.address: _weight(key, i) for i in candidates}  # one hash per candidate
+    affine = max(candidates, key=lambda i: weight[i.address])
+    least = min(candidates, key=lambda i: (i.outstanding, -weight[i.address]))
     if affine.outstanding - least.outstanding > spill:
         DECISIONS.labels("spill").inc()
         return least

@@ -50,22 +50,19 @@ class PeerChecker:
         self.consumer_id = consumer_id
         self.transports = transports
         self.timeout_s = timeout_s
-        self._ok: set[str] = set()
         self.transport: dict[str, str] = {}
-        """Transport negotiated per encoder endpoint (GRPC_CHUNKS, SHM, CUDA_IPC)."""
+        """Transport negotiated per encoder endpoint that passed the check (its keys are the checked ones)."""
         self._locks: dict[str, asyncio.Lock] = {}
 
     async def check(self, endpoint: str) -> None:
-        if endpoint in self._ok:
+        if endpoint in self.transport:
             return
         async with self._locks.setdefault(endpoint, asyncio.Lock()):
-            if endpoint in self._ok:
-                return
-            self.transport[endpoint] = await self._handshake(endpoint)
-            self._ok.add(endpoint)
+            if endpoint not in self.transport:
+                self.transport[endpoint] = await self._handshake(endpoint)
 
     def forget(self, endpoint: str) -> None:
-        self._ok.discard(endpoint)
+        self.transport.pop(endpoint, None)
 
     async def _handshake(self, endpoint: str) -> str:
         """The connector's handshake, from this process (same host, same /dev/shm

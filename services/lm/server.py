@@ -53,7 +53,8 @@ async def serve(cfg: LMServiceConfig, engine_cfg: EngineConfig, stop: asyncio.Ev
         info = lm_pb2.LMInfo(model=engine_cfg.model, compat=compat)
         server = GrpcServer(cfg.host, cfg.port)
         server.add(lm_pb2_grpc.add_LMServiceServicer_to_server,
-                   LMServicer(engine, info, peers, cfg.default_max_tokens), "epd.lm.v1.LMService")
+                   LMServicer(engine, info, peers, cfg.default_max_tokens),
+                   lm_pb2.DESCRIPTOR.services_by_name["LMService"].full_name)
         port = await server.start()
         if cfg.metrics_port:
             from prometheus_client import start_http_server
