@@ -91,7 +91,7 @@ def test_kill_one_encoder_mid_run_every_request_succeeds_then_it_is_used_again(m
     for n, (status, body) in results.items():
         assert status == 200, (n, body)
         assert body["choices"][0]["token_ids"] == reference[n], n
-        assert victim.address not in body["epd"]["encoders"] or body["epd"]["retries"] == 0, (n, body["epd"])
+        assert victim.address not in body["epd"]["encoders"], (n, body["epd"])  # frozen, then dead: it served none
     assert metric(multi.gateway_metrics, "epd_gateway_retries_total") > retries, "in-flight requests were retried"
 
     deadline = time.monotonic() + 10

@@ -96,6 +96,7 @@ def test_in_place_read_from_another_process_is_one_device_copy_and_exact():
             nbytes = t.numel() * t.element_size()
             transfer = ItemTransfer(ident, nbytes)
             slot = consumer.staging.alloc(nbytes)  # sizes the Reserve; not written when read in place
+            consumer.staging.view(slot).fill_(0xA5)
             fetch = consumer.client.fetch(transfer, lines[0]["endpoint"], consumer.staging.view(slot), "r",
                                           in_place=True)
             assert consumer.wait(transfer) is TransferState.LANDED, transfer.error
@@ -103,6 +104,7 @@ def test_in_place_read_from_another_process_is_one_device_copy_and_exact():
             dest = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
             cuda_ipc.copy_out(fetch.source.cuda_ipc, nbytes, dest)
             consumer.client.ack(lines[0]["endpoint"], ident)
+            assert bool(consumer.staging.view(slot).eq(0xA5).all()), "nothing went through staging"
             consumer.staging.free(slot)
             assert torch.equal(dest.cpu(), tensors.as_bytes(t)), ident
     finally:
@@ -116,7 +118,6 @@ def test_connector_halves_with_cuda_ipc_save_serve_and_load_exactly():
     the encoder's worker writes into the exported pool, the LM's worker copies
     device to device into its encoder cache, the ack frees the pool."""
     pytest.importorskip("vllm")
-    import time
     from types import SimpleNamespace
 
     import torch
@@ -148,9 +149,7 @@ def test_connector_halves_with_cuda_ipc_save_serve_and_load_exactly():
         worker.load(cache, load)
         sched.update_connector_output(SimpleNamespace(ec_connector_worker_meta=worker.build_worker_meta()))
         assert cache["c1"].is_cuda and torch.equal(cache["c1"].view(torch.int16), out["c1"].view(torch.int16))
-        deadline = time.monotonic() + 5
-        while ps.store.contains("c1") and time.monotonic() < deadline:
-            time.sleep(0.01)
+        steps_until(lambda: not ps.store.contains("c1"), 5)
         assert not ps.store.contains("c1")  # acked after the load
     finally:
         worker.shutdown()

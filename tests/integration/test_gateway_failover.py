@@ -397,7 +397,7 @@ def test_a_hanging_encoder_is_replaced_after_encode_timeout():
         out = await collect(orch, req, media, timings)
         elapsed = time.monotonic() - t0
         assert tokens(out) == [1, 2, 3]
-        assert 1.0 <= elapsed < 3.0
+        assert 1.0 <= elapsed < 5.0  # the encode timeout fired (1 s), and nothing hung
         hung = c.encoder_for(ident)
         other = next(e for e in c.encoders if e is not hung)
         (lm_req,) = c.lm_requests()
@@ -743,6 +743,8 @@ def test_an_encoder_fault_on_a_request_spread_over_both_encoders_is_re_encoded_n
         out = await collect(orch, req, media)
         assert tokens(out) == [1, 2, 3]
         assert all(it.HasField("source") for it in c.lm_requests()[-1].items)
+        # Only the encoder the LM named (the first item's) was blamed: the retry sends both items to the other.
+        assert [it.source.transfer_endpoint for it in c.lm_requests()[-1].items] == [c.encoder_for(second).endpoint] * 2
 
     run_cluster(body)
 
@@ -782,9 +784,9 @@ def test_a_caller_cancelling_after_an_encoder_failure_sees_a_cancellation():
         enc = next(i for i in orch.encoders.instances.values() if c.by_address[i.address] is c.encoder_for(ident))
         await wait_until(lambda: enc.outstanding == 0, 2, "the gateway saw the encoder fail")
         task.cancel()
-        with contextlib.suppress(BaseException):
+        with pytest.raises(asyncio.CancelledError):
             await task
-        assert task.cancelled(), task.exception()
+        assert task.cancelled()
 
     run_cluster(body)
 
@@ -799,5 +801,8 @@ def test_an_encoder_fault_the_lm_cannot_attribute_re_encodes_without_excluding_h
         out = await collect(orch, req, media, timings)
         assert tokens(out) == [1, 2, 3] and timings.retries == 1
         assert all(it.HasField("source") for it in c.lm_requests()[-1].items)
+        aff = c.encoder_for(ident)  # nobody to blame: the retry re-encodes on the same (healthy) encoder
+        assert len(aff.requests) == 2 and c.encode_calls() == 2
+        assert c.lm_requests()[-1].items[0].source.transfer_endpoint == aff.endpoint
 
     run_cluster(body)

@@ -14,6 +14,7 @@ import torch
 from ectransfer import tensors
 from ectransfer.protocol import TransferState
 from ectransfer.loopback import Consumer, Producer, compat
+from tests.integration.connector_fakes import steps_until
 
 pytestmark = pytest.mark.integration
 
@@ -53,9 +54,7 @@ def test_many_random_tensors_arrive_bit_identical_and_free_the_producer_slot(pro
             transfer, got = consumer.get(producer.endpoint, f"item-{i}", t.numel() * t.element_size())
             assert transfer.state is TransferState.LANDED, transfer.error
             assert same_bits(got, t)
-        deadline = time.monotonic() + 5
-        while producer.pool.stats()["used_bytes"] != baseline and time.monotonic() < deadline:
-            time.sleep(0.01)  # acks travel asynchronously
+        steps_until(lambda: producer.pool.stats()["used_bytes"] == baseline, 5)  # acks travel asynchronously
         assert producer.pool.stats()["used_bytes"] == baseline
         assert producer.store.stats.acks == 60
     finally:
@@ -127,9 +126,7 @@ def test_an_unacked_item_is_freed_when_its_lease_expires():
     p = Producer(ttl_s=0.2)
     try:
         p.store.put("stale", torch.zeros(8, 8, dtype=torch.float32))
-        deadline = time.monotonic() + 5
-        while p.store.contains("stale") and time.monotonic() < deadline:
-            time.sleep(0.02)
+        steps_until(lambda: not p.store.contains("stale"), 5)
         assert not p.store.contains("stale") and p.store.stats.expired == 1
     finally:
         p.close()
@@ -178,9 +175,7 @@ def test_a_second_consumer_just_after_the_first_ack_fails_fast_then_a_new_copy_i
         producer.store.put("twice", t)
         transfer, got = first.get(producer.endpoint, "twice", t.numel() * 2)
         assert transfer.state is TransferState.LANDED and same_bits(got, t)
-        deadline = time.monotonic() + 5
-        while producer.store.contains("twice") and time.monotonic() < deadline:
-            time.sleep(0.01)  # the ack travels asynchronously
+        steps_until(lambda: not producer.store.contains("twice"), 5)  # the ack travels asynchronously
         t0 = time.monotonic()
         transfer, _ = second.get(producer.endpoint, "twice", t.numel() * 2)
         assert transfer.state is TransferState.FAILED and "no new copy" in transfer.error
@@ -215,18 +210,14 @@ def test_in_place_two_consumers_read_one_item_and_the_first_ack_does_not_free_it
         src = fetches[1].source
         assert src.WhichOneof("payload") == "shm" and src.shm.segment == producer.pool.name
         a.client.ack(producer.endpoint, "x")
-        deadline = time.monotonic() + 5
-        while producer.store.contains("x") and time.monotonic() < deadline:
-            time.sleep(0.01)
+        steps_until(lambda: not producer.store.contains("x"), 5)
         assert not producer.store.contains("x")  # released for new readers...
         producer.store.put("y", torch.zeros(64, 128, dtype=torch.bfloat16))  # ...and the pool reused
         raw = maps.get(src.shm.segment).buffer[src.shm.offset: src.shm.offset + nbytes]
         assert same_bits(tensors.from_bytes(raw.clone(), (64, 128), torch.bfloat16), t)  # b's bytes intact
         used = producer.pool.stats()["used_bytes"]
         b.client.ack(producer.endpoint, "x")
-        deadline = time.monotonic() + 5
-        while producer.pool.stats()["used_bytes"] == used and time.monotonic() < deadline:
-            time.sleep(0.01)
+        steps_until(lambda: producer.pool.stats()["used_bytes"] != used, 5)
         assert producer.pool.stats()["used_bytes"] == used - nbytes  # the last reader's ack freed it
     finally:
         maps.close()
@@ -260,9 +251,7 @@ def test_in_place_a_header_the_consumer_refuses_releases_the_producers_hold(prod
         transfer = ItemTransfer("short", 256)
         c.client.fetch(transfer, producer.endpoint, c.staging.view(slot), "r", in_place=True)
         assert c.wait(transfer) is TransferState.FAILED and "expected 256" in transfer.error
-        deadline = time.monotonic() + 5
-        while producer.store.contains("short") and time.monotonic() < deadline:
-            time.sleep(0.01)
+        steps_until(lambda: not producer.store.contains("short"), 5)
         assert not producer.store.contains("short") and producer.store.stats.cancels == 1
     finally:
         c.close()
@@ -277,7 +266,7 @@ def _peer(consumer, endpoint):
     return asyncio.run_coroutine_threadsafe(get(), consumer.client._loop).result(5)
 
 
-def test_lane_in_place_items_move_to_the_control_lane_and_stay_exact(producer):
+def test_lane_items_of_an_in_place_transport_move_to_the_control_lane_and_stay_exact(producer):
     consumer = Consumer(transports=("shm",))
     try:
         t = torch.randn(32, 128).to(torch.bfloat16)
@@ -286,9 +275,7 @@ def test_lane_in_place_items_move_to_the_control_lane_and_stay_exact(producer):
         assert transfer.state is TransferState.LANDED and same_bits(got, t)
         peer = _peer(consumer, producer.endpoint)
         assert peer.writer is not None and peer.mode.result() == "lane"
-        deadline = time.monotonic() + 5
-        while producer.store.contains("l1") and time.monotonic() < deadline:
-            time.sleep(0.01)
+        steps_until(lambda: not producer.store.contains("l1"), 5)
         assert not producer.store.contains("l1") and producer.store.stats.acks == 1  # the Ack went on the lane
     finally:
         consumer.close()

@@ -208,8 +208,10 @@ def test_a_new_copy_replacing_one_being_read_waits_for_the_reader():
     reader = store.begin_send("a")
     slot = pool.alloc(256)
     pool.view(slot).fill_(7)
+    used = pool.stats()["used_bytes"]
     store.adopt("a", slot, (64,), torch.float32)
-    assert pool.view(reader.slot).eq(0).all()  # the old copy is intact for its reader
+    assert pool.stats()["used_bytes"] == used  # the old copy's slot is still allocated for its reader...
+    assert pool.view(reader.slot).eq(0).all()  # ...and intact
     store.end_send(reader)
     assert pool.stats()["used_bytes"] == slot.nbytes
 
