@@ -39,7 +39,6 @@ import os
 import shlex
 import signal
 import statistics
-import subprocess
 import sys
 import time
 import uuid
@@ -52,7 +51,7 @@ import grpc  # noqa: E402
 from epd.gateway.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: E402
 from epd.lm.v1 import lm_pb2, lm_pb2_grpc  # noqa: E402
 from services.up import Service, free_port, grpc_serving, http_ok  # noqa: E402
-from machine import machine_info  # noqa: E402  (bench/machine.py)
+from machine import machine_info, pct  # noqa: E402  (bench/machine.py)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PATHS = ("direct", "rest", "rest-stream", "grpc")
@@ -249,10 +248,6 @@ async def closed_loop(fn, concurrency: int, n: int) -> tuple[list[float], float,
     return lat, time.perf_counter() - t0, errors
 
 
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
-
 
 async def measure(clients: Clients, paths: list[str], concurrencies: list[int], n: int, rounds: int,
                   warmup: int, meter: CpuMeter) -> dict:
@@ -325,15 +320,6 @@ def machine(command: list[str]) -> dict:
 
     info = {**machine_info(), "grpcio": grpc.__version__, "aiohttp": aiohttp.__version__,
             "protobuf": protobuf.__version__, "command": shlex.join(command)}
-    try:  # the gateway's code is what is measured: say which
-        def git(*a: str) -> str:
-            return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout
-
-        info["git_commit"] = git("rev-parse", "HEAD").strip()
-        dirty = git("status", "--porcelain", "--", "services", "protos")
-        info["git_dirty"] = [line for line in dirty.splitlines() if line]
-    except (OSError, subprocess.SubprocessError):
-        pass
     return info
 
 

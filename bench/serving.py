@@ -56,10 +56,12 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/machine.py, also when imported by path
 
 import aiohttp  # noqa: E402
 
 from ectransfer.shm import cleanup_orphans  # noqa: E402
+from machine import machine_info, pct  # noqa: E402  (bench/machine.py)
 from services.common.engine import EngineConfig  # noqa: E402
 from services.common.images import data_url, make_image  # noqa: E402
 from services.up import Service, free_port, grpc_serving, http_ok  # noqa: E402
@@ -134,18 +136,14 @@ async def drive(url: str, reqs, max_tokens: int) -> tuple[list[dict], float]:
 
 @dataclass(eq=False)
 class Command(Service):
-    """A process that is not an ``epd`` service (a vLLM OpenAI server, the proxy): ``args`` is its
-    whole argv. Started in its own session, stopped like a service (SIGTERM, then the group)."""
+    """A process that is not an ``epd`` service (a vLLM OpenAI server, the proxy): a ``Service``
+    with a whole ``command`` (started in its own session, stopped like a service: SIGTERM, then the
+    group) and ``extra_env`` on top of the environment it is started with."""
 
     extra_env: dict | None = None
 
-    def start(self, env: dict[str, str]) -> None:
-        import subprocess
-
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT,
-                                     env={**env, **(self.extra_env or {})}, start_new_session=True)
-        log.close()
+    def start(self, env: dict[str, str] | None = None) -> "Command":
+        return super().start({**(env or os.environ), **(self.extra_env or {})})
 
 
 def _fmt(cores: list[int]) -> str:
@@ -240,14 +238,14 @@ class System:
                 ec = {"ec_connector": "ECExampleConnector", "ec_role": f"ec_{role}",
                       "ec_connector_extra_config": {"shared_storage_path": self.tmpdir}}
                 env = {**VLLM_ENV, **({"VLLM_CPU_OMP_THREADS_BIND": _fmt(cs)} if device == "cpu" else {})}
-                svc = Command(role, vllm_server_argv(model, port, engine_args_for(name, role, device, base_args),
-                                                     ec, device), log(role), extra_env=env)
+                svc = Command(role, [], log(role), extra_env=env, command=vllm_server_argv(
+                    model, port, engine_args_for(name, role, device, base_args), ec, device))
                 url = f"http://127.0.0.1:{port}"
                 self.engines.append((svc, (lambda u: lambda: http_ok(u + "/health"))(url)))
                 urls.append(url)
-            self.front = Command("proxy", [sys.executable, os.path.join(BENCH_DIR, "ec_proxy.py"), "--port",
-                                           str(self.port), "--producer", urls[0], "--consumer", urls[1],
-                                           "--model", model], log("proxy"))
+            self.front = Command("proxy", [], log("proxy"), command=[
+                sys.executable, os.path.join(BENCH_DIR, "ec_proxy.py"), "--port", str(self.port),
+                "--producer", urls[0], "--consumer", urls[1], "--model", model])
             return
         if name == "colocated":
             lms, encoders = [epd_service("lm", "lm", cores)], []
@@ -337,10 +335,6 @@ def stage_means(before: dict, after: dict) -> dict:
 
 # ----------------------------------------------------------------------------- results
 
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
 
 
 def summarize(system: str, rate: float, fraction: Fraction, results: list[dict], duration: float,
@@ -515,8 +509,7 @@ def main() -> int:
     os.makedirs(logdir, exist_ok=True)
     info = {"device": args.device, "cores": cores, "image_size": args.image_size, "max_tokens": args.max_tokens,
             "prompt_words": args.prompt_words, "vllm_args": json.loads(args.vllm_args),
-            "command": " ".join(["python", *sys.argv]),
-            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            "command": " ".join(["python", *sys.argv]), "machine": machine_info()}
 
     if args.cost_ratio:
         res = [cost_ratio(v, default_model(v), cores, logdir, args.vllm_args, (w, h), args.prompt_words,
@@ -533,20 +526,22 @@ def main() -> int:
         fractions = [Fraction(1, args.image_every) if args.image_every else Fraction(0)]
     n = 40 if args.quick else args.requests
     rows = []
+    # Built once (images are encoded to PNG here): every system gets the very same requests.
+    warmup = workload(4, 10.0, Fraction(1, 2), args.prompt_words, (w, h), seed=99)
+    runs = [(rate, frac, workload(n, rate, frac, args.prompt_words, (w, h), seed=int(rate * 1000)))
+            for rate in [float(r) for r in args.rates.split(",")] for frac in fractions]
     for name in args.systems.split(","):
         system = start_system(name, model, cores, logdir, args.vllm_args, device=args.device)
         try:
-            asyncio.run(drive(system.url, workload(4, 10.0, Fraction(1, 2), args.prompt_words, (w, h), seed=99), 8))
-            for rate in [float(r) for r in args.rates.split(",")]:
-                for frac in fractions:
-                    reqs = workload(n, rate, frac, args.prompt_words, (w, h), seed=int(rate * 1000))
-                    before = system.stage_totals()
-                    results, duration = asyncio.run(drive(system.url, reqs, args.max_tokens))
-                    time.sleep(0.5)  # the gateway observes a request just after its last byte
-                    stages = stage_means(before, system.stage_totals())
-                    rows.append(summarize(name, rate, frac, results, duration, stages))
-                    print(f"{name} @ {rate} req/s, {float(frac):.0%} images: done "
-                          f"({rows[-1]['failed']} failed, {duration:.0f} s)", flush=True)
+            asyncio.run(drive(system.url, warmup, 8))
+            for rate, frac, reqs in runs:
+                before = system.stage_totals()
+                results, duration = asyncio.run(drive(system.url, reqs, args.max_tokens))
+                time.sleep(0.5)  # the gateway observes a request just after its last byte
+                stages = stage_means(before, system.stage_totals())
+                rows.append(summarize(name, rate, frac, results, duration, stages))
+                print(f"{name} @ {rate} req/s, {float(frac):.0%} images: done "
+                      f"({rows[-1]['failed']} failed, {duration:.0f} s)", flush=True)
         finally:
             system.stop()
     print_table(rows)

@@ -39,7 +39,7 @@ import torch  # noqa: E402
 
 from ectransfer.loopback import Consumer, Producer  # noqa: E402
 from ectransfer.protocol import TransferState  # noqa: E402
-from machine import machine_info  # noqa: E402  (bench/machine.py)
+from machine import machine_info, pct  # noqa: E402  (bench/machine.py)
 
 # (rows, width) bf16 embeddings: 64 KiB ... 256 MiB
 SHAPES_QUICK = [(32, 1024), (512, 1024), (1024, 2048), (2048, 4096), (4096, 8192)]
@@ -47,10 +47,6 @@ SHAPES_FULL = [(32, 1024), (256, 1024), (512, 1024), (1024, 2048), (1024, 4096),
                (4096, 4096), (4096, 8192), (8192, 8192), (16384, 8192)]
 CONTROL_SHAPE = (1, 128)  # 256 bytes: the per-item control overhead
 
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
 def iters_for(nbytes: int, quick: bool) -> int:

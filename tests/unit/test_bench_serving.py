@@ -35,13 +35,13 @@ def test_cuda_systems_share_one_gpu_by_memory_slices_not_cores(serving, tmp_path
     shares = []
     for svc, _ in system.engines:
         if name == "vllm-ec":
-            assert "--kv-cache-memory-bytes" not in svc.args  # vLLM sizes KV from the slice
+            assert "--kv-cache-memory-bytes" not in svc.argv  # vLLM sizes KV from the slice
             assert "VLLM_CPU_OMP_THREADS_BIND" not in svc.extra_env
-            shares.append(float(_flag(svc.args, "--gpu-memory-utilization")))
-            assert _flag(svc.args, "--max-num-seqs") is not None
+            shares.append(float(_flag(svc.argv, "--gpu-memory-utilization")))
+            assert _flag(svc.argv, "--max-num-seqs") is not None
         else:
-            assert "--cpu-cores" not in svc.args and _flag(svc.args, "--kv-cache-bytes") == "0"
-            engine = json.loads(_flag(svc.args, "--vllm-args"))
+            assert "--cpu-cores" not in svc.argv and _flag(svc.argv, "--kv-cache-bytes") == "0"
+            engine = json.loads(_flag(svc.argv, "--vllm-args"))
             assert engine["max_num_seqs"] == 64  # the caller's arguments are kept
             shares.append(engine["gpu_memory_utilization"])
     assert 0 < sum(shares) <= 0.9 and len(shares) == len(system.engines)
@@ -49,9 +49,9 @@ def test_cuda_systems_share_one_gpu_by_memory_slices_not_cores(serving, tmp_path
 
 def test_cpu_systems_split_cores_and_keep_the_fixed_kv_cache(serving, tmp_path):
     system = serving.System("epd", "/models/m", [0, 1, 2, 3], str(tmp_path), "{}")
-    cores = [_flag(svc.args, "--cpu-cores") for svc, _ in system.engines]
+    cores = [_flag(svc.argv, "--cpu-cores") for svc, _ in system.engines]
     assert cores == ["0,1", "2,3"]
-    assert all("gpu_memory_utilization" not in _flag(svc.args, "--vllm-args") for svc, _ in system.engines)
+    assert all("gpu_memory_utilization" not in _flag(svc.argv, "--vllm-args") for svc, _ in system.engines)
 
 
 def test_an_unknown_device_is_refused(serving, tmp_path):
