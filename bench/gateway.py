@@ -50,7 +50,7 @@ import grpc  # noqa: E402
 
 from epd.gateway.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: E402
 from epd.lm.v1 import lm_pb2, lm_pb2_grpc  # noqa: E402
-from services.up import Service, free_port, grpc_serving, http_ok  # noqa: E402
+from services.up import Service, free_port, grpc_serving, http_ok, wait_ready  # noqa: E402
 from machine import machine_info, pct  # noqa: E402  (bench/machine.py)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -59,15 +59,6 @@ PROMPT = ("Summarize in one sentence: the river runs past the stone bridge and t
           "under a silver evening cloud, toward the harbor.")
 TARGET_US = 1000.0
 JSON_HEADERS = {"Content-Type": "application/json"}
-
-
-def _wait(proc: Service, ready, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not ready():
-        if not proc.alive() or time.monotonic() > deadline:
-            return False
-        time.sleep(0.2)
-    return True
 
 
 def start_lm(real: bool, logdir: str) -> tuple[Service, str]:
@@ -84,10 +75,11 @@ def start_lm(real: bool, logdir: str) -> tuple[Service, str]:
         name, timeout = "stub-lm", 60.0
     lm = Service(name, [], os.path.join(logdir, f"gateway-bench-{name}.log"), command=argv).start()
     addr = f"127.0.0.1:{port}"
-    if not _wait(lm, lambda: grpc_serving(addr), timeout):
-        tail = lm.log_tail()
+    try:
+        wait_ready({lm: lambda: grpc_serving(addr)}, time.monotonic() + timeout, poll_s=0.2)
+    except BaseException:
         lm.stop()
-        raise RuntimeError(f"{name} did not become ready:\n{tail}")
+        raise
     return lm, addr
 
 
@@ -96,10 +88,11 @@ def start_gateway(lm_addr: str, logdir: str) -> tuple[Service, int, int]:
     gw = Service("gateway", ["gateway", "--host", "127.0.0.1", "--port", str(port), "--grpc-port", str(gport),
                              "--lms", lm_addr, "--encoders", ""], os.path.join(logdir, "gateway-bench-gateway.log"))
     gw.start()
-    if not _wait(gw, lambda: http_ok(f"http://127.0.0.1:{port}/health"), 60.0):
-        tail = gw.log_tail()
+    try:
+        wait_ready({gw: lambda: http_ok(f"http://127.0.0.1:{port}/health")}, time.monotonic() + 60.0, poll_s=0.2)
+    except BaseException:
         gw.stop()
-        raise RuntimeError(f"gateway did not start:\n{tail}")
+        raise
     return gw, port, gport
 
 

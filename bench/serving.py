@@ -64,7 +64,7 @@ from ectransfer.shm import cleanup_orphans  # noqa: E402
 from machine import machine_info, pct  # noqa: E402  (bench/machine.py)
 from services.common.engine import EngineConfig  # noqa: E402
 from services.common.images import data_url, make_image  # noqa: E402
-from services.up import Service, free_port, grpc_serving, http_ok  # noqa: E402
+from services.up import Service, free_port, grpc_serving, http_ok, wait_ready  # noqa: E402
 
 WORDS = ("the river light stone cloud north window garden silver market evening paper quiet "
          "engine summer letter mountain bridge winter forest harbor lantern orchard").split()
@@ -262,7 +262,6 @@ class System:
 
     def start(self, timeout: float = 600.0) -> "System":
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        procs = [s for s, _ in self.engines] + [self.front]
         # On one GPU the engines start one after another: vLLM sizes its KV cache from the
         # memory it sees free, which an engine still loading next to it would distort.
         waves = [[e] for e in self.engines] if self.device == "cuda" else [self.engines]
@@ -271,15 +270,12 @@ class System:
             for wave in waves:
                 for svc, _ in wave:
                     svc.start(env)
-                while not all(ready() for _, ready in wave):
-                    if time.monotonic() > deadline or not all(s.alive() for s, _ in wave):
-                        raise RuntimeError(f"{self.name} did not start:\n" + "\n".join(s.log_tail() for s in procs))
-                    time.sleep(0.5)
+                wait_ready(dict(wave), deadline)
             self.front.start(env)
-            while not http_ok(f"http://127.0.0.1:{self.port}/health"):
-                if time.monotonic() > deadline or not self.front.alive():
-                    raise RuntimeError(f"{self.name}: {self.front.name} did not start:\n{self.front.log_tail()}")
-                time.sleep(0.2)
+            wait_ready({self.front: lambda: http_ok(f"http://127.0.0.1:{self.port}/health")}, deadline, poll_s=0.2)
+        except (RuntimeError, TimeoutError) as e:
+            self.stop()
+            raise RuntimeError(f"{self.name} did not start: {e}") from None  # start_system retries on this
         except BaseException:
             self.stop()
             raise

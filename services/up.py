@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -113,6 +114,31 @@ def split_cores() -> tuple[str, str]:
     k = max(1, len(cores) // 2)
     fmt = lambda cs: ",".join(map(str, cs))  # noqa: E731
     return fmt(cores[:k]), fmt(cores[k:])
+
+
+def wait_ready(checks: dict[Service, Callable[[], bool]], deadline: float, poll_s: float = 0.5,
+               on_ready: Callable[[Service], None] | None = None,
+               on_wait: Callable[[list[Service]], None] | None = None) -> None:
+    """Polls each started service's readiness check until all pass. Raises
+    RuntimeError (with its last log lines) as soon as one exits, TimeoutError
+    at ``deadline`` (``time.monotonic()``). The caller owns the processes and
+    stops them on either error."""
+    pending = dict(checks)
+    while pending:
+        for svc in list(pending):
+            if not svc.alive():
+                raise RuntimeError(f"{svc.name} exited during start-up; last log lines:\n{svc.log_tail()}")
+            if pending[svc]():
+                del pending[svc]
+                if on_ready is not None:
+                    on_ready(svc)
+        if pending:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{', '.join(s.name for s in pending)} not ready in time; last log lines:\n"
+                                   + "\n".join(s.log_tail() for s in pending))
+            if on_wait is not None:
+                on_wait(list(pending))
+            time.sleep(poll_s)
 
 
 @dataclass
@@ -216,23 +242,17 @@ class Deployment:
         return self
 
     def _wait(self, checks: dict, t0: float, timeout: float) -> None:
-        pending = dict(checks)
         tty = sys.stdout.isatty()
         cr = "\r" if tty else ""
-        while pending:
-            for svc in list(pending):
-                if not svc.alive():
-                    raise RuntimeError(f"{svc.name} exited during start-up; last log lines:\n{svc.log_tail()}")
-                if pending[svc]():
-                    del pending[svc]
-                    self._say(f"{cr}  {svc.name} ready ({time.monotonic() - t0:.0f}s)" + " " * 20)
-            if pending:
-                names = ", ".join(s.name for s in pending)
-                if time.monotonic() - t0 > timeout:
-                    raise TimeoutError(f"{names} not ready after {timeout:.0f}s (logs in {self.log_dir})")
-                if tty:  # a live progress line on terminals; logs and CI get the ready lines only
-                    self._say(f"\r  starting {names} ... {time.monotonic() - t0:.0f}s", end="")
-                time.sleep(0.5)
+        try:
+            wait_ready(checks, t0 + timeout,
+                       on_ready=lambda svc: self._say(f"{cr}  {svc.name} ready ({time.monotonic() - t0:.0f}s)"
+                                                      + " " * 20),
+                       # a live progress line on terminals; logs and CI get the ready lines only
+                       on_wait=(lambda pending: self._say(f"\r  starting {', '.join(s.name for s in pending)} ... "
+                                                          f"{time.monotonic() - t0:.0f}s", end="")) if tty else None)
+        except TimeoutError as e:
+            raise TimeoutError(f"not ready after {timeout:.0f}s (logs in {self.log_dir}): {e}") from None
 
     def stop(self) -> None:
         for svc in reversed(self.services):

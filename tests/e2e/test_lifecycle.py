@@ -16,7 +16,7 @@ import pytest
 
 from services.cli import DEFAULT_MODEL_DIR
 from services.tiny_model import build_tiny_model
-from services.up import Service, free_port, grpc_serving, http_ok, split_cores
+from services.up import Service, free_port, grpc_serving, http_ok, split_cores, wait_ready
 from tests.e2e.conftest import REFERENCE_REQUESTS
 from tests.e2e.helpers import post
 
@@ -24,11 +24,10 @@ pytestmark = pytest.mark.e2e
 
 
 def _wait(check, what: str, svc: Service, timeout: float = 240) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert svc.alive(), f"{what} exited:\n{svc.log_tail()}"
-        assert time.monotonic() < deadline, f"{what} not ready:\n{svc.log_tail()}"
-        time.sleep(0.5)
+    try:
+        wait_ready({svc: check}, time.monotonic() + timeout)
+    except (RuntimeError, TimeoutError) as e:
+        pytest.fail(f"{what}: {e}")
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import grpc
 import pytest
 
 from epd.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from services.up import Service, free_port, http_ok
+from services.up import Service, free_port, http_ok, wait_ready
 from tests.e2e.conftest import REFERENCE_REQUESTS
 from tests.e2e.helpers import post
 from tests.integration.media_server import MediaServer
@@ -55,11 +55,7 @@ def fetch_gateway(deployment):
     svc.start(dict(os.environ, PYTHONUNBUFFERED="1"))
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while not http_ok(url + "/health"):
-            assert svc.alive(), svc.log_tail()
-            assert time.monotonic() < deadline, "the second gateway did not start:\n" + svc.log_tail()
-            time.sleep(0.3)
+        wait_ready({svc: lambda: http_ok(url + "/health")}, time.monotonic() + 120, poll_s=0.3)
         yield url
     finally:
         svc.stop()
