@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -28,8 +29,39 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ectransfer.shm import cleanup_orphans
 
 
+_rng = random.Random()  # its own generator: a test that seeds ``random`` must not make ports repeat
+_handed_out: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
+    """A port that is free now, for a service started next to bind.
+
+    Chosen below the kernel's ephemeral range: between this check and the
+    service's bind, any outgoing connection (vLLM's ZMQ sockets, gRPC
+    clients) or port-0 bind on the host may take an ephemeral port, never
+    this one. Ports are random and never handed out twice by one process.
+    """
+    low = _ephemeral_low()
+    for _ in range(100):
+        port = _rng.randrange(max(1024, low - 12000), low)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    with socket.socket() as s:  # that range is full: an ephemeral port, free now at least
         s.bind((host, 0))
         return s.getsockname()[1]
 

@@ -58,7 +58,8 @@ class Instance:
     channel: grpc.aio.Channel
     healthy: bool = True
     outstanding: int = 0
-    slow_checks: int = 0
+    slow_since: float | None = None
+    """Start of the first health check of the current run of timed-out ones."""
     reason: str = ""
     """Why it was last ejected (for logs and errors)."""
 
@@ -202,16 +203,23 @@ class InstancePool:
     async def check(self, inst: Instance) -> None:
         """One readiness check; ejects or re-admits the instance."""
         req = health_pb2.HealthCheckRequest(service=SERVICE_NAMES.get(self.role, ""))
+        timeout = max(1.0, self.health_interval_s)
+        started = time.monotonic()
         try:
-            resp = await inst.health.Check(req, timeout=max(1.0, self.health_interval_s))
+            resp = await inst.health.Check(req, timeout=timeout)
         except grpc.aio.AioRpcError as e:
-            # Unreachable: out now. Slow: out after a second slow check in a row, so
-            # one busy moment on a loaded host does not eject a working instance.
-            inst.slow_checks = inst.slow_checks + 1 if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else 2
-            if inst.slow_checks >= 2:
+            if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:  # unreachable: out now
+                self.eject(inst, f"health check failed: {e.code().name}")
+                return
+            # Slow: out once it has not answered for two timeouts in a row, so one busy
+            # moment on a loaded host (seen by the periodic check and a re-check at
+            # once) does not eject a working instance.
+            if inst.slow_since is None:
+                inst.slow_since = started
+            if time.monotonic() - inst.slow_since >= 1.9 * timeout:  # 2 timeouts, less timer slack
                 self.eject(inst, f"health check failed: {e.code().name}")
             return
-        inst.slow_checks = 0
+        inst.slow_since = None
         if resp.status == health_pb2.HealthCheckResponse.SERVING:
             self._admit(inst)
         else:

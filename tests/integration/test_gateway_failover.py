@@ -657,6 +657,8 @@ class SlowHealth(health_pb2_grpc.HealthServicer):
 
 
 def test_one_slow_health_check_is_forgiven_and_two_in_a_row_eject():
+    """Also: two checks at once in one busy moment (the periodic check and a
+    re-check after a failed call) count as one."""
     async def main():
         server = grpc.aio.server()
         fake = SlowHealth()
@@ -678,6 +680,12 @@ def test_one_slow_health_check_is_forgiven_and_two_in_a_row_eject():
             assert inst.healthy
             await pool.check(inst)  # second slow check in a row
             assert not inst.healthy and "DEADLINE_EXCEEDED" in inst.reason
+            fake.hang = False
+            await pool.check(inst)
+            assert inst.healthy
+            fake.hang = True
+            await asyncio.gather(pool.check(inst), pool.check(inst))  # overlapping: one busy moment
+            assert inst.healthy
             fake.hang = False
             await pool.check(inst)
             assert inst.healthy and inst.reason == ""
