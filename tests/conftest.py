@@ -4,6 +4,8 @@ is not installed (``ectransfer``, ``services`` and the generated ``epd`` stubs).
 import os
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
@@ -28,3 +30,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> str:
+    """The built-in tiny model's directory (built offline on first use)."""
+    from services.cli import default_model
+
+    return default_model()

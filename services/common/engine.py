@@ -74,7 +74,8 @@ def engine_kwargs(cfg: EngineConfig, ec_transfer_config: dict[str, Any] | None =
 
 
 def build_async_engine(cfg: EngineConfig, ec_transfer_config: dict[str, Any] | None = None,
-                       ec_manager_config: dict[str, Any] | None = None):
+                       ec_manager_config: dict[str, Any] | None = None, **fixed: Any):
+    """``fixed``: engine arguments the service needs, over ``cfg.vllm_args``."""
     if cfg.cpu_cores:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpu_cores  # read by the spawned worker
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -83,5 +84,13 @@ def build_async_engine(cfg: EngineConfig, ec_transfer_config: dict[str, Any] | N
     kw = engine_kwargs(cfg, ec_transfer_config)
     if ec_manager_config is not None:
         kw["ec_manager_config"] = ec_manager_config
+    kw.update(fixed)
     args = AsyncEngineArgs(**kw)
     return AsyncLLM.from_engine_args(args)
+
+
+def tokenize(engine, text: str) -> list[int]:
+    """``text`` as vLLM tokenizes a completion prompt: for a multimodal model,
+    exactly as its processor tokenizes the text around the images, before it
+    expands each placeholder (``services.common.layout`` relies on that)."""
+    return engine.get_tokenizer().encode(text, **engine.renderer.default_cmpl_tok_params.get_encode_kwargs())

@@ -13,11 +13,14 @@ import logging
 import time
 import uuid
 
+import torch
 from prometheus_client import Counter, Histogram
 
 from ectransfer import tensors
 from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
+from services.common.engine import tokenize
 from services.common.errors import BadInput, Deadline, EPDError
+from services.common.layout import ItemLayout, item_layouts
 from services.common.media import content_id, decode_image
 
 logger = logging.getLogger(__name__)
@@ -38,10 +41,28 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         self.embed_width = embed_width
         self.dtype = dtype
         self.timeout_s = timeout_s
-        self._tasks = None
+        self._originals: dict[int, list[int]] = {}  # the encode prompt for n items, tokenized
+        self._warned = False
 
     async def GetInfo(self, request, context):
         return self.info
+
+    def _layouts(self, n: int, processed: list[int], features) -> list[ItemLayout] | None:
+        """Each item's prompt expansion, for the LM to lay out its prompt without
+        the image processor; None (the LM then runs its processor) if this
+        model's processor does not simply replace each placeholder."""
+        original = self._originals.get(n)
+        if original is None:
+            original = self._originals[n] = tokenize(self.engine, self.placeholder * n)
+        ranges = [(f.mm_position.offset, f.mm_position.length,
+                   b"" if f.mm_position.is_embed is None else f.mm_position.is_embed.to(torch.uint8).numpy().tobytes())
+                  for f in features]
+        layouts = item_layouts(original, processed, ranges)
+        if layouts is None and not self._warned:
+            self._warned = True
+            logger.warning("this model's processor does not replace each image placeholder in place; LMs will "
+                           "run their own image processor to lay out prompts")
+        return layouts
 
     async def Encode(self, request, context):
         from vllm import SamplingParams
@@ -76,12 +97,19 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             except ValueError as e:
                 raise BadInput(f"input rejected by the encoder's processor: {e}") from None
             features = engine_req.mm_features or []
+            layouts = self._layouts(len(images), engine_req.prompt_token_ids, features)
             for index, feat in enumerate(features):
-                yield encoder_pb2.EncodeEvent(metadata=encoder_pb2.ItemMetadata(
+                md = encoder_pb2.ItemMetadata(
                     identifier=feat.identifier, index=index, modality=feat.modality,
                     num_embeds=feat.mm_position.get_num_embeds(), embed_width=self.embed_width,
                     dtype=self.dtype, transfer_endpoint=self.info.transfer_endpoint,
-                    encoder_id=self.info.encoder_id))
+                    encoder_id=self.info.encoder_id)
+                if layouts is not None:
+                    lay = layouts[index]
+                    md.placeholder_token_ids.extend(lay.placeholder)
+                    md.prompt_token_ids.extend(lay.tokens)
+                    md.is_embed = lay.is_embed
+                yield encoder_pb2.EncodeEvent(metadata=md)
             final = None
             async with asyncio.timeout(self.timeout_s):
                 async for out in self.engine.generate(engine_req, params, rid):
@@ -93,15 +121,15 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             runs = (final.ec_transfer_params or {}).get("encoder_runs", 0)
             ENCODER_RUNS.inc(runs)
             encode_ms = (time.perf_counter() - t0) * 1e3
-            # Counted before the last events go out: a caller that has every
-            # ItemEncoded may close the stream before this generator resumes.
+            # Counted and logged before the last events go out: a caller that has
+            # every ItemEncoded may close the stream before this generator resumes.
             status = "ok"
             record(status)
+            logger.info("request %s: encoded %d item(s) in %.1f ms (%d vision run(s))",
+                        rid, len(features), encode_ms, runs)
             for index, feat in enumerate(features):
                 yield encoder_pb2.EncodeEvent(encoded=encoder_pb2.ItemEncoded(
                     identifier=feat.identifier, index=index, encode_ms=encode_ms))
-            logger.info("request %s: encoded %d item(s) in %.1f ms (%d vision run(s))",
-                        rid, len(features), encode_ms, runs)
         except TimeoutError:
             await self.engine.abort(rid)
             raise Deadline(f"request {rid}: encode took longer than {self.timeout_s}s") from None

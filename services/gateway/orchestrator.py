@@ -187,8 +187,10 @@ class Orchestrator:
         return max(0.001, deadline - time.monotonic())
 
     async def _attempt(self, req, media, timings: Timings, deadline: float, excluded: dict[str, set[str]]):
-        for item in req.items:
+        for item, m in zip(req.items, media):
             item.ClearField("source")
+            if not item.data:  # left out for the last attempt's LM: this one may need it
+                item.data = m.data
         timings.encoders = []
         groups: list[_EncodeGroup] = []
         # Queued until the first attempt dispatches (planning below does no I/O).
@@ -246,6 +248,9 @@ class Orchestrator:
         waits = [g.task for g in groups] if self.cfg.dispatch == "sequential" else [g.metadata for g in groups]
         await asyncio.gather(*waits)
         timings.metadata_ms = timings.since_start_ms()  # of the attempt that goes on
+        if all(item.source.placeholder_token_ids for item in req.items):
+            for item in req.items:  # the LM lays its prompt out from the layouts, not the images
+                item.ClearField("data")
 
     async def _encode(self, g: _EncodeGroup, req, media, timings: Timings, enc_deadline: float) -> None:
         """One Encode stream: fills sources from the metadata, then drains the
@@ -264,7 +269,9 @@ class Orchestrator:
                         item.identifier = md.identifier
                         item.source.CopyFrom(lm_pb2.ItemSource(
                             transfer_endpoint=md.transfer_endpoint, encoder_id=md.encoder_id,
-                            num_embeds=md.num_embeds, embed_width=md.embed_width, dtype=md.dtype))
+                            num_embeds=md.num_embeds, embed_width=md.embed_width, dtype=md.dtype,
+                            placeholder_token_ids=md.placeholder_token_ids,
+                            prompt_token_ids=md.prompt_token_ids, is_embed=md.is_embed))
                         seen += 1
                         if seen == len(items):
                             g.metadata.set_result(None)

@@ -38,8 +38,12 @@ async def serve(cfg: LMServiceConfig, engine_cfg: EngineConfig, stop: asyncio.Ev
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    # No processor cache: a prompt laid out from an encoder's metadata carries its
+    # items without data, which vLLM's engine-side processor cache would take for
+    # a cache entry it lost (MultiModalCacheMissError).
     engine = build_async_engine(engine_cfg, _ec_config(cfg, engine_cfg), ec_manager_config={
-        "encoder_cache_manager_cls": "ectransfer.connector.cache_manager.EPDEncoderCacheManager"})
+        "encoder_cache_manager_cls": "ectransfer.connector.cache_manager.EPDEncoderCacheManager"},
+        mm_processor_cache_gb=0)
     server = None
     try:
         compat = compat_for(engine.vllm_config, engine_cfg.model)

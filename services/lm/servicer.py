@@ -1,9 +1,10 @@
 """LMService handlers: Generate and GetInfo.
 
-Generate hands vLLM the prompt, the media (only as far as the model's
-processor needs it to lay out the prompt) and, per item, the encoder it comes
-from (``ec_transfer_params``); the consumer connector inside the engine pulls
-the embeddings. A cancelled call aborts the engine request, which releases its
+Generate hands vLLM the prompt, laid out from the encoders' metadata (no
+image processing here; the items carry no data) or, for items without a
+layout, with the media for vLLM's processor, and, per item, the encoder it
+comes from (``ec_transfer_params``); the consumer connector inside the engine
+pulls the embeddings. A cancelled call aborts the engine request, which releases its
 staging reservations through the connector's ``request_finished``.
 """
 
@@ -20,7 +21,9 @@ from prometheus_client import Counter, Histogram
 from ectransfer import tensors
 from epd.lm.v1 import lm_pb2, lm_pb2_grpc
 from services.common.chat import render_chat
+from services.common.engine import tokenize
 from services.common.errors import BadInput, EncoderUnavailable
+from services.common.layout import ItemLayout, LayoutError, splice
 from services.common.media import decode_image
 from services.lm.peers import PeerChecker
 
@@ -29,6 +32,8 @@ logger = logging.getLogger(__name__)
 REQUESTS = Counter("epd_lm_requests_total", "Generate calls", ["status"])
 LOCAL_ENCODER_RUNS = Counter("epd_lm_local_encoder_runs_total", "Items this LM had to encode itself")
 TRANSFERRED = Counter("epd_lm_transferred_items_total", "Items whose embedding arrived from an encoder")
+LAYOUTS = Counter("epd_lm_prompt_layouts_total", "Multimodal prompts by who laid them out: the encoder's "
+                  "metadata, or this LM's image processor", ["by"])
 TTFT = Histogram("epd_lm_ttft_seconds", "Arrival at the LM to first token",
                  buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
 TRANSFER = Histogram("epd_lm_transfer_seconds", "Time a request waited for encoder outputs",
@@ -92,19 +97,61 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
         except Exception as e:  # noqa: BLE001 - template errors are the caller's input
             raise BadInput(f"chat template failed: {e}") from None
 
+    def _for_processor(self, prompt: str, items, order: list[int]) -> dict:
+        """The prompt with the images, for vLLM's processor to lay out."""
+        images = []
+        for i, item in zip(order, items):
+            if not item.data:
+                raise BadInput(f"item {i}: no media bytes, and no prompt layout from an encoder")
+            images.append(decode_image(item.data))
+        engine_prompt: dict = {"prompt": prompt}
+        if images:
+            engine_prompt["multi_modal_data"] = {"image": images}
+            if all(item.identifier for item in items):
+                engine_prompt["multi_modal_uuids"] = {"image": [item.identifier for item in items]}
+        return engine_prompt
+
+    async def _laid_out(self, prompt: str, items):
+        """The prompt laid out from the encoders' metadata (``services.common.layout``):
+        tokenized as vLLM tokenizes it, each placeholder replaced by its item's
+        tokens. The items carry no data: the connector loads every embedding
+        (a failed load fails the request, it never falls back to the vision tower)."""
+        import torch
+        from vllm.inputs import mm_input
+        from vllm.multimodal.inputs import PlaceholderRange
+
+        limit = self.engine.model_config.multimodal_config.get_limit_per_prompt("image")
+        if len(items) > limit:
+            raise BadInput(f"{len(items)} images in one prompt; this LM allows at most {limit}")
+        layouts = []
+        for item in items:
+            src = item.source
+            lay = ItemLayout(tuple(src.placeholder_token_ids), tuple(src.prompt_token_ids), src.is_embed)
+            if (lay.is_embed and len(lay.is_embed) != len(lay.tokens)) or lay.num_embeds != src.num_embeds:
+                raise BadInput(f"item {item.identifier}: its prompt layout does not match its {src.num_embeds} "
+                               f"embedding rows")
+            layouts.append(lay)
+        ids = await asyncio.get_running_loop().run_in_executor(None, tokenize, self.engine, prompt)
+        try:
+            ids, positions = splice(ids, layouts)
+        except LayoutError as e:
+            raise BadInput(str(e)) from None
+        ranges = [PlaceholderRange(offset=off, length=length,
+                                   is_embed=torch.frombuffer(bytearray(lay.is_embed), dtype=torch.uint8).bool()
+                                   if lay.is_embed else None)
+                  for (off, length), lay in zip(positions, layouts)]
+        return mm_input(ids, {"image": [None] * len(items)}, {"image": [it.identifier for it in items]},
+                        {"image": ranges}, prompt=prompt)
+
     async def Generate(self, request, context):
         t0 = time.perf_counter()
         rid = request.request_id or uuid.uuid4().hex
         status = "error"
         try:
             prompt, order = await self._prompt(request)
-            images, idents, sources = [], [], {}
-            for i in order:
-                item = request.items[i]
-                if not item.data:
-                    raise BadInput(f"item {i}: {self.info.model} needs the media bytes to lay out its prompt")
-                images.append(decode_image(item.data))
-                idents.append(item.identifier)
+            items = [request.items[i] for i in order]
+            sources = {}
+            for item in items:
                 if item.HasField("source") and item.identifier:
                     src = item.source
                     sources[item.identifier] = {
@@ -112,14 +159,16 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
                         "embed_width": src.embed_width,
                         "dtype": tensors.dtype_name(tensors.dtype_from_proto(src.dtype)),
                     }
+            if items and all(it.identifier and it.source.placeholder_token_ids for it in items):
+                engine_prompt = await self._laid_out(prompt, items)
+                LAYOUTS.labels("encoder").inc()
+            else:
+                engine_prompt = self._for_processor(prompt, items, order)
+                if items:
+                    LAYOUTS.labels("processor").inc()
             for endpoint in {s["endpoint"] for s in sources.values()}:
                 await self.peers.check(endpoint)
             params = self._sampling(request.sampling, sources)
-            engine_prompt: dict = {"prompt": prompt}
-            if images:
-                engine_prompt["multi_modal_data"] = {"image": images}
-                if all(idents):
-                    engine_prompt["multi_modal_uuids"] = {"image": idents}
             n_out, first, final = 0, None, None
             try:
                 # aclosing: if the client goes away while we sit at a yield, grpc

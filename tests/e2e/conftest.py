@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from services.cli import default_model
 from services.reference import run_subprocess
 from services.up import Deployment
 
@@ -23,11 +22,6 @@ REFERENCE_REQUESTS = {
     # The multi-instance tests (2 encoders, 2 LMs): larger images, so encodes are in flight long enough to kill.
     **{f"multi{i}": image_chat(600 + i, max_tokens=16, size=(224, 224)) for i in range(8)},
 }
-
-
-@pytest.fixture(scope="session")
-def tiny_model() -> str:
-    return default_model()
 
 
 @pytest.fixture(scope="session")

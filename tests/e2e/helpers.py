@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 import urllib.error
 import urllib.request
 
@@ -53,6 +54,16 @@ def metric(port: int, name: str, **labels: str) -> float:
         if m and all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
             total += float(m.group(2))
     return total
+
+
+def settled(read, want, timeout: float = 10.0):
+    """``read()`` once it equals ``want``, or its last value after ``timeout``
+    (assert on it). For counters that trail an answer: the LM can answer
+    before the encoder's Encode handler has resumed to count its work."""
+    deadline = time.monotonic() + timeout
+    while (value := read()) != want and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return value
 
 
 def producer_stats(dep) -> dict[str, float]:

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tests.e2e.conftest import REFERENCE_REQUESTS
-from tests.e2e.helpers import metric
+from tests.e2e.helpers import metric, settled
 
 pytestmark = pytest.mark.e2e
 
@@ -26,11 +26,17 @@ def test_image_chat_matches_plain_vllm_and_encodes_once_remotely(client, deploym
     enc_runs = metric(deployment.encoder_metrics, "epd_encoder_vision_runs_total")
     lm_runs = metric(deployment.lm_metrics, "epd_lm_local_encoder_runs_total")
     transferred = metric(deployment.lm_metrics, "epd_lm_transferred_items_total")
+    layouts = {by: metric(deployment.lm_metrics, "epd_lm_prompt_layouts_total", by=by)
+               for by in ("encoder", "processor")}
 
     resp = _create(client, "fresh")
 
     assert resp.choices[0].model_extra["token_ids"] == reference["fresh"]
-    assert metric(deployment.encoder_metrics, "epd_encoder_vision_runs_total") == enc_runs + 1
+    assert settled(lambda: metric(deployment.encoder_metrics, "epd_encoder_vision_runs_total"),
+                   enc_runs + 1) == enc_runs + 1
+    # The LM laid the prompt out from the encoder's metadata: no image processing there.
+    assert metric(deployment.lm_metrics, "epd_lm_prompt_layouts_total", by="encoder") == layouts["encoder"] + 1
+    assert metric(deployment.lm_metrics, "epd_lm_prompt_layouts_total", by="processor") == layouts["processor"]
     assert metric(deployment.lm_metrics, "epd_lm_local_encoder_runs_total") == lm_runs  # never on the LM
     assert metric(deployment.lm_metrics, "epd_lm_transferred_items_total") == transferred + 1
     assert resp.usage.completion_tokens == len(reference["fresh"])

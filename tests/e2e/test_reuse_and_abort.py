@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 
 from tests.e2e.conftest import REFERENCE_REQUESTS
-from tests.e2e.helpers import image_chat, metric, post, producer_stats
+from tests.e2e.helpers import image_chat, metric, post, producer_stats, settled
 
 pytestmark = pytest.mark.e2e
 
@@ -28,7 +28,7 @@ def test_reuse_same_image_is_encoded_once_and_transferred_once(deployment, refer
     runs0, moved0, local0 = _counters(deployment)
     status, first = post(url, REFERENCE_REQUESTS["reuse"])
     assert status == 200 and first["choices"][0]["token_ids"] == reference["reuse"]
-    assert _counters(deployment) == (runs0 + 1, moved0 + 1, local0)
+    assert settled(lambda: _counters(deployment), (runs0 + 1, moved0 + 1, local0)) == (runs0 + 1, moved0 + 1, local0)
 
     status, second = post(url, REFERENCE_REQUESTS["reuse"])  # same image, same prompt prefix
     assert status == 200 and second["choices"][0]["token_ids"] == reference["reuse"]

@@ -65,6 +65,7 @@ class FakeEncoder(encoder_pb2_grpc.EncoderServiceServicer):
         self.requests: list[encoder_pb2.EncodeRequest] = []
         self.cancelled: list[str] = []
         self.mode = "ok"
+        self.layout = False  # send a prompt layout with the metadata, as the real encoder does
 
     async def Encode(self, request, context):
         self.requests.append(request)
@@ -84,9 +85,13 @@ class FakeEncoder(encoder_pb2_grpc.EncoderServiceServicer):
                 self.cancelled.append(rid)
                 raise
         for i, item in enumerate(request.items):
-            yield encoder_pb2.EncodeEvent(metadata=encoder_pb2.ItemMetadata(
+            md = encoder_pb2.ItemMetadata(
                 identifier=item.identifier, index=i, modality=item.modality, num_embeds=16, embed_width=64,
-                dtype=common_pb2.BFLOAT16, transfer_endpoint=self.endpoint, encoder_id=self.name))
+                dtype=common_pb2.BFLOAT16, transfer_endpoint=self.endpoint, encoder_id=self.name)
+            if self.layout:
+                md.placeholder_token_ids.append(9)
+                md.prompt_token_ids.extend([5] * 16)
+            yield encoder_pb2.EncodeEvent(metadata=md)
         self.world.log.append((self.name, "metadata", rid))
         if mode == "fail_when_released":
             await self.world.release.wait()
@@ -429,6 +434,23 @@ def test_an_encoder_failing_after_metadata_cancels_the_waiting_lm_and_the_retry_
         assert [rid for lm in c.lms for rid in lm.cancelled] == ["r-mid"]
         assert timings.retries == 1
         await assert_idle(orch)
+
+    run_cluster(body)
+
+
+def test_the_lm_gets_no_image_bytes_with_a_layout_and_a_retry_without_one_gets_them_back():
+    async def body(c: Cluster):
+        orch = await c.start()
+        ident = ids(1, "5")[0]
+        affine = c.encoder_for(ident)
+        affine.layout = True  # the other encoder sends none (an older version, say)
+        c.world.lm_script = ["encoder_unavailable"]
+        req, media = request("r-layout", [ident])
+        assert tokens(await collect(orch, req, media)) == [1, 2, 3]
+        first, second = c.lm_requests()
+        assert first.items[0].data == b"" and list(first.items[0].source.placeholder_token_ids) == [9]
+        assert list(first.items[0].source.prompt_token_ids) == [5] * 16
+        assert second.items[0].data == b"x" and not second.items[0].source.placeholder_token_ids
 
     run_cluster(body)
 

@@ -1,0 +1,109 @@
+"""Prompt layout from the encoder's metadata: the LM never runs the image processor.
+
+A multimodal processor turns each image's placeholder in the prompt (for
+Idefics3 the ``<image>`` token) into the tokens the model reads for it (tiles,
+row/column markers, one token per embedding row) and records where the
+embeddings go (vLLM's ``PlaceholderRange``: offset, length and an ``is_embed``
+mask). That expansion depends on the image only, never on the text around it:
+vLLM itself applies it by token-id replacement on the tokenized text (its
+processor-cache path does exactly this). So the encoder, which runs the
+processor anyway, sends each item's expansion with its metadata
+(:func:`item_layouts`), and the LM splices it into its own tokenized prompt
+(:func:`splice`). The result is the token list and placeholder ranges that
+vLLM's processor would have made, bit for bit (tests compare them), without
+decoding, resizing or normalising the image a second time.
+
+Pure functions on lists and bytes; no vLLM import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ItemLayout:
+    """One item's expansion: ``tokens`` replace ``placeholder`` in the prompt;
+    ``is_embed`` marks (one byte per token, 1 = an embedding row) which of them
+    take the encoder's rows; empty: all of them."""
+
+    placeholder: tuple[int, ...]
+    tokens: tuple[int, ...]
+    is_embed: bytes = b""
+
+    @property
+    def num_embeds(self) -> int:
+        return len(self.tokens) if not self.is_embed else sum(1 for b in self.is_embed if b)
+
+
+def item_layouts(original: Sequence[int], processed: Sequence[int],
+                 ranges: Sequence[tuple[int, int, bytes]]) -> list[ItemLayout] | None:
+    """Each item's layout from the encoder's own processing of ``n`` placeholders.
+
+    ``original``: the encoder prompt (the placeholder string ``n`` times)
+    tokenized as vLLM tokenizes it; ``processed``: vLLM's prompt token ids
+    after the processor; ``ranges``: per item (in prompt order) its
+    placeholder range as (offset, length, is_embed bytes). The processor
+    replaced the same token run ``T`` of every placeholder with each item's
+    range and kept every other token, so ``len(original) - n*len(T) ==
+    len(processed) - sum(lengths)`` gives ``T``. None when the numbers do not
+    fit that picture (a processor that inserts instead of replacing): the LM
+    then lays the prompt out with its own processor.
+    """
+    n = len(ranges)
+    if n == 0:
+        return []
+    total = sum(length for _, length, _ in ranges)
+    t, rem = divmod(len(original) - len(processed) + total, n)
+    if rem or t <= 0:
+        return None
+    first = ranges[0][0]
+    placeholder = tuple(original[first:first + t])
+    # Check the picture: the kept tokens between the ranges are the original's.
+    kept_p, kept_o, pos_p, pos_o = [], [], 0, 0
+    for offset, length, _ in ranges:
+        if offset < pos_p:
+            return None
+        kept_p += processed[pos_p:offset]
+        gap = offset - pos_p
+        kept_o += original[pos_o:pos_o + gap]
+        if tuple(original[pos_o + gap:pos_o + gap + t]) != placeholder:
+            return None
+        pos_p, pos_o = offset + length, pos_o + gap + t
+    kept_p += processed[pos_p:]
+    kept_o += original[pos_o:]
+    if kept_p != kept_o:
+        return None
+    return [ItemLayout(placeholder, tuple(processed[off:off + length]), bytes(mask))
+            for off, length, mask in ranges]
+
+
+class LayoutError(ValueError):
+    """The prompt and the items do not fit (wrong number of placeholders)."""
+
+
+def splice(prompt: Sequence[int], items: Sequence[ItemLayout]) -> tuple[list[int], list[tuple[int, int]]]:
+    """The prompt with each item's placeholder (left to right, in item order)
+    replaced by its tokens, and each item's (offset, length) in the result."""
+    out: list[int] = []
+    positions: list[tuple[int, int]] = []
+    i, k = 0, 0
+    while i < len(prompt):
+        if k < len(items):
+            ph = items[k].placeholder
+            if tuple(prompt[i:i + len(ph)]) == ph:
+                positions.append((len(out), len(items[k].tokens)))
+                out += items[k].tokens
+                i += len(ph)
+                k += 1
+                continue
+        elif items and tuple(prompt[i:i + len(items[0].placeholder)]) == items[0].placeholder:
+            k += 1  # counted for the error below
+            i += len(items[0].placeholder)
+            continue
+        out.append(prompt[i])
+        i += 1
+    if k != len(items):
+        raise LayoutError(f"the prompt has {k} image placeholder(s) for {len(items)} image(s)")
+    return out, positions
