@@ -70,7 +70,11 @@ class OutboundStore:
         self._waiters: dict[str, list[Callable[[OutboundItem], None]]] = {}
         self._putting: set[str] = set()
         self._failures: dict[str, str] = {}
-        self._cancelled: dict[str, None] = {}  # cancelled before they were encoded
+        # Cancels per item, counted: each is one consumer request that will not read
+        # the copy made for it. Several may come before the copies they mean (an LM
+        # that finds the image cached answers before the encode ends), and each must
+        # drop one copy, not all of them one. Kept ``cancel_memory_s`` at most.
+        self._cancelled = _Counts()  # the item is not held and was not freed lately: for the next copy
         # Released lately (ack, cancel, lease). A Cancel that finds one of these gone
         # is stale -- it was meant for the copy already freed -- and must not drop
         # the next publication of the same item, which another consumer may need.
@@ -83,8 +87,9 @@ class OutboundStore:
         # is kept only ``stale_cancel_grace_s`` (0.5 s) for a consumer to ask for it:
         # an LM normally asks before the encode ends; a late one gets NOT_FOUND and
         # the gateway re-encodes, while a full pool of unwanted copies stalls every encode.
-        self._late_cancels: dict[str, None] = {}
+        self._late_cancels = _Counts()
         self.stale_cancel_grace_s = 0.5
+        self.cancel_memory_s = 10.0
         self._lock = threading.Lock()
 
     def put(self, identifier: str, tensor: torch.Tensor) -> bool:
@@ -132,20 +137,19 @@ class OutboundStore:
             self.stats.items_put += 1
             self._failures.pop(identifier, None)
             waiters = self._waiters.pop(identifier, [])
-            if identifier in self._cancelled and not waiters:
-                # Its only consumer gave up before the encode finished (abort,
+            now = time.monotonic()
+            if not waiters and self._cancelled.take(identifier, now - self.cancel_memory_s):
+                # Its consumer gave up before the encode finished (abort,
                 # prefix-cache hit): free it now instead of at lease expiry.
-                del self._cancelled[identifier]
                 self.stats.cancels += 1
                 old, item = item, None
             else:
-                late = identifier in self._late_cancels
-                self._late_cancels.pop(identifier, None)
-                if late and not waiters:
+                late = not waiters and self._late_cancels.take(identifier, now - self.cancel_memory_s)
+                if late:
                     # A consumer said "not needed" after the previous copy went and
                     # before this one was reserved: unless someone asks for it soon,
                     # this copy is for nobody (a lease would hold it a minute).
-                    item.cancel_at = time.monotonic() + self.stale_cancel_grace_s
+                    item.cancel_at = now + self.stale_cancel_grace_s
                 old = self._items.get(identifier)
                 self._items[identifier] = item
             if old is not None:
@@ -162,7 +166,7 @@ class OutboundStore:
         ``failure`` reports why (remembered for the last 1024 failures)."""
         with self._lock:
             self._failures[identifier] = reason
-            self._cancelled.pop(identifier, None)  # nothing will arrive for it to drop
+            self._cancelled.forget(identifier)  # nothing will arrive for it to drop
             while len(self._failures) > 1024:
                 self._failures.pop(next(iter(self._failures)))
             waiters = self._waiters.pop(identifier, [])
@@ -236,9 +240,9 @@ class OutboundStore:
             if item is None:
                 if reason == "cancel" and identifier not in self._released:
                     # Not encoded yet: free it when it arrives.
-                    _remember(self._cancelled, identifier)
+                    self._cancelled.add(identifier, time.monotonic())
                 elif reason == "cancel":
-                    _remember(self._late_cancels, identifier)
+                    self._late_cancels.add(identifier, time.monotonic())
                 return False
             _remember(self._released, identifier)
             counter = _RELEASE_COUNTERS[reason]
@@ -281,3 +285,36 @@ def _remember(bounded: dict[str, None], identifier: str, limit: int = 4096) -> N
     bounded[identifier] = None
     while len(bounded) > limit:
         bounded.pop(next(iter(bounded)))
+
+
+class _Counts:
+    """Timestamps of pending cancels per item (bounded: the oldest items go first)."""
+
+    def __init__(self, limit: int = 4096) -> None:
+        self._by_id: dict[str, list[float]] = {}
+        self._limit = limit
+
+    def add(self, identifier: str, now: float) -> None:
+        self._by_id.setdefault(identifier, []).append(now)
+        while len(self._by_id) > self._limit:
+            self._by_id.pop(next(iter(self._by_id)))
+
+    def take(self, identifier: str, not_before: float) -> bool:
+        """Consumes the oldest cancel of ``identifier`` made at or after ``not_before``."""
+        stamps = self._by_id.get(identifier)
+        if not stamps:
+            return False
+        while stamps and stamps[0] < not_before:
+            stamps.pop(0)
+        found = bool(stamps)
+        if found:
+            stamps.pop(0)
+        if not stamps:
+            del self._by_id[identifier]
+        return found
+
+    def forget(self, identifier: str) -> None:
+        self._by_id.pop(identifier, None)
+
+    def __contains__(self, identifier: str) -> bool:
+        return bool(self._by_id.get(identifier))

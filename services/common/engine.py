@@ -89,8 +89,16 @@ def build_async_engine(cfg: EngineConfig, ec_transfer_config: dict[str, Any] | N
     return AsyncLLM.from_engine_args(args)
 
 
-def tokenize(engine, text: str) -> list[int]:
-    """``text`` as vLLM tokenizes a completion prompt: for a multimodal model,
-    exactly as its processor tokenizes the text around the images, before it
-    expands each placeholder (``services.common.layout`` relies on that)."""
-    return engine.get_tokenizer().encode(text, **engine.renderer.default_cmpl_tok_params.get_encode_kwargs())
+def tokenize(renderer, text: str) -> list[int]:
+    """``text`` tokenized by vLLM's renderer (``engine.renderer``) as a
+    completion prompt: for a multimodal model, exactly as the text around the
+    images before the processor expands each placeholder
+    (``services.common.layout`` relies on that)."""
+    return list(renderer.tokenize_prompt({"prompt": text}, renderer.default_cmpl_tok_params)["prompt_token_ids"])
+
+
+async def tokenize_async(renderer, text: str) -> list[int]:
+    """``tokenize`` on the renderer's own tokenizer thread: the tokenizer is
+    never used by two threads at once."""
+    out = await renderer.tokenize_prompt_async({"prompt": text}, renderer.default_cmpl_tok_params)
+    return list(out["prompt_token_ids"])

@@ -18,7 +18,7 @@ from prometheus_client import Counter, Histogram
 
 from ectransfer import tensors
 from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
-from services.common.engine import tokenize
+from services.common.engine import tokenize_async
 from services.common.errors import BadInput, Deadline, EPDError
 from services.common.layout import ItemLayout, item_layouts
 from services.common.media import content_id, decode_image
@@ -47,13 +47,13 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
     async def GetInfo(self, request, context):
         return self.info
 
-    def _layouts(self, n: int, processed: list[int], features) -> list[ItemLayout] | None:
+    async def _layouts(self, n: int, processed: list[int], features) -> list[ItemLayout] | None:
         """Each item's prompt expansion, for the LM to lay out its prompt without
         the image processor; None (the LM then runs its processor) if this
         model's processor does not simply replace each placeholder."""
         original = self._originals.get(n)
         if original is None:
-            original = self._originals[n] = tokenize(self.engine, self.placeholder * n)
+            original = self._originals[n] = await tokenize_async(self.engine.renderer, self.placeholder * n)
         ranges = [(f.mm_position.offset, f.mm_position.length,
                    b"" if f.mm_position.is_embed is None else f.mm_position.is_embed.to(torch.uint8).numpy().tobytes())
                   for f in features]
@@ -97,7 +97,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             except ValueError as e:
                 raise BadInput(f"input rejected by the encoder's processor: {e}") from None
             features = engine_req.mm_features or []
-            layouts = self._layouts(len(images), engine_req.prompt_token_ids, features)
+            layouts = await self._layouts(len(images), engine_req.prompt_token_ids, features)
             for index, feat in enumerate(features):
                 md = encoder_pb2.ItemMetadata(
                     identifier=feat.identifier, index=index, modality=feat.modality,

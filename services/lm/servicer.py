@@ -21,9 +21,9 @@ from prometheus_client import Counter, Histogram
 from ectransfer import tensors
 from epd.lm.v1 import lm_pb2, lm_pb2_grpc
 from services.common.chat import render_chat
-from services.common.engine import tokenize
+from services.common.engine import tokenize_async
 from services.common.errors import BadInput, EncoderUnavailable
-from services.common.layout import ItemLayout, LayoutError, splice
+from services.common.layout import ItemLayout, splice
 from services.common.media import decode_image
 from services.lm.peers import PeerChecker
 
@@ -131,10 +131,9 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
                 raise BadInput(f"item {item.identifier}: its prompt layout does not match its {src.num_embeds} "
                                f"embedding rows")
             layouts.append(lay)
-        ids = await asyncio.get_running_loop().run_in_executor(None, tokenize, self.engine, prompt)
         try:
-            ids, positions = splice(ids, layouts)
-        except LayoutError as e:
+            ids, positions = splice(await tokenize_async(self.engine.renderer, prompt), layouts)
+        except ValueError as e:  # LayoutError, or vLLM's validation of the text
             raise BadInput(str(e)) from None
         ranges = [PlaceholderRange(offset=off, length=length,
                                    is_embed=torch.frombuffer(bytearray(lay.is_embed), dtype=torch.uint8).bool()

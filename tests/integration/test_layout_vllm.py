@@ -63,7 +63,7 @@ def _encoder_layouts(proc, placeholder: str, images, uuids):
     ranges = [(f.mm_position.offset, f.mm_position.length,
                b"" if f.mm_position.is_embed is None else f.mm_position.is_embed.to(torch.uint8).numpy().tobytes())
               for f in req.mm_features]
-    return item_layouts(tokenize(proc, placeholder * len(images)), req.prompt_token_ids, ranges)
+    return item_layouts(tokenize(proc.renderer, placeholder * len(images)), req.prompt_token_ids, ranges)
 
 
 def _placeholder(proc) -> str:
@@ -91,7 +91,7 @@ def test_laid_out_prompt_equals_vllms_processing(proc, n_images):
                    placeholder * n_images]
         for prompt in prompts:
             want = _run(proc, prompt, images, uuids)
-            ids, positions = splice(tokenize(proc, prompt), layouts)
+            ids, positions = splice(tokenize(proc.renderer, prompt), layouts)
             assert ids == want.prompt_token_ids, prompt
             assert positions == [(f.mm_position.offset, f.mm_position.length) for f in want.mm_features]
             for lay, f in zip(layouts, want.mm_features):

@@ -277,3 +277,40 @@ def test_a_copy_read_after_a_late_cancel_is_kept_for_its_reader():
     store.end_send(item)
     store.expire(now=time.monotonic() + store.stale_cancel_grace_s + 1)
     assert store.contains("a")  # its Ack frees it, not the late cancel
+
+
+def test_each_cancel_drops_one_copy_also_when_several_come_before_their_copies():
+    """An LM that has the image cached answers two requests before either encode
+    ends: two Cancels, then two copies one after the other. Each copy is for
+    nobody; neither may stay for a lease."""
+    store = OutboundStore(Pool(1 << 16), ttl_s=60)
+    store.release("a", "cancel")
+    store.release("a", "cancel")
+    store.put("a", torch.zeros(4))
+    assert not store.contains("a")
+    store.put("a", torch.zeros(4))
+    assert not store.contains("a") and store.stats.cancels == 2
+    store.put("a", torch.zeros(4))  # a third copy had no cancel: kept for its reader
+    assert store.contains("a")
+
+
+def test_each_late_cancel_frees_one_later_copy_soon():
+    store = OutboundStore(Pool(1 << 16), ttl_s=60)
+    store.put("a", torch.zeros(4))
+    store.release("a", "ack")
+    store.release("a", "cancel")
+    store.release("a", "cancel")
+    for _ in range(2):
+        store.put("a", torch.zeros(4))
+        store.expire(now=time.monotonic() + store.stale_cancel_grace_s + 1)
+        assert not store.contains("a")
+    assert store.stats.cancels == 2
+
+
+def test_a_cancel_is_forgotten_after_cancel_memory_s():
+    store = OutboundStore(Pool(1 << 16), ttl_s=60)
+    store.cancel_memory_s = 0.05
+    store.release("a", "cancel")
+    time.sleep(0.1)
+    store.put("a", torch.zeros(4))  # the cancel was for an encode that never made a copy
+    assert store.contains("a")
