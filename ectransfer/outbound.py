@@ -236,6 +236,12 @@ class OutboundStore:
         with self._lock:
             if held is not None and self._items.get(identifier) is not held:
                 return False  # that copy is gone already (another consumer's ack, a lease)
+            current = self._items.get(identifier)
+            if reason == "cancel" and held is None and current is not None and current.sending:
+                # Another consumer is reading this copy: it is that consumer's (its Ack
+                # frees it), so this Cancel means a copy still to come for another request.
+                self._late_cancels.add(identifier, time.monotonic())
+                return False
             item = self._items.pop(identifier, None)
             if item is None:
                 if reason == "cancel" and identifier not in self._released:

@@ -3,6 +3,7 @@ function that maps gRPC status codes to OpenAI-style HTTP errors."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -232,6 +233,10 @@ class OpenAIRoutes:
         gen = self.orch.generate(req, media, timings)
         try:
             return await self._respond(request, req, media, body, chat, stream, created, gen, timings)
+        except (ConnectionResetError, asyncio.CancelledError):
+            logger.info("request %s: the client went away after %.0f ms; cancelling its LM call",
+                        req.request_id, timings.since_start_ms())
+            raise
         finally:
             # A client that went away (or any error) must cancel the LM call now,
             # which aborts the engine request and frees what it holds.

@@ -120,11 +120,15 @@ class Orchestrator:
                          if cfg.encoder_list else None)
         self.lms = InstancePool("lm", cfg.lm_list, lm_pb2_grpc.LMServiceStub, **pool)
         self._lm_policy = LeastOutstanding()
+        self._draining: set[asyncio.Task] = set()  # encode streams of answered requests, ending on their own
 
     async def start(self) -> None:
         await asyncio.gather(*(p.start() for p in (self.encoders, self.lms) if p is not None))
 
     async def close(self) -> None:
+        for task in list(self._draining):
+            task.cancel()
+        await asyncio.gather(*self._draining, return_exceptions=True)
         await asyncio.gather(*(p.close() for p in (self.encoders, self.lms) if p is not None))
 
     async def model_name(self) -> str:
@@ -193,6 +197,7 @@ class Orchestrator:
                 item.data = m.data
         timings.encoders = []
         groups: list[_EncodeGroup] = []
+        answered = False
         # Queued until the first attempt dispatches (planning below does no I/O).
         timings.queue_ms = timings.queue_ms or timings.since_start_ms()
         try:
@@ -207,16 +212,36 @@ class Orchestrator:
                 raise _Failure(rpc_error(grpc.StatusCode.UNAVAILABLE, "no healthy LM instance"), "lm", [],
                                retryable=False)
             timings.lm = lm.address
-            async for resp in self._generate(lm, req, groups, timings, deadline):
-                yield resp
+            # aclosing: a caller that stops early (client gone) cancels the LM call now,
+            # not whenever the garbage collector finalizes the generator.
+            async with contextlib.aclosing(self._generate(lm, req, groups, timings, deadline)) as lm_stream:
+                async for resp in lm_stream:
+                    yield resp
+            answered = True
         finally:
             for g in groups:
                 if g.task is not None and not g.task.done():
-                    g.task.cancel()
+                    if answered:
+                        # The LM has its embeddings: the encode has done its work and is
+                        # about to end; cancelling would abort it in the encoder's engine.
+                        self._drain(g.task)
+                    else:
+                        g.task.cancel()
                 if g.task is not None and g.task.done() and not g.task.cancelled():
                     g.task.exception()  # retrieved: a failure after the LM finished is moot
                 if g.metadata.done() and not g.metadata.cancelled():
                     g.metadata.exception()
+
+    def _drain(self, task: asyncio.Task) -> None:
+        """Lets an encode stream end on its own (within its deadline); close() cancels it."""
+        self._draining.add(task)
+
+        def done(t: asyncio.Task) -> None:
+            self._draining.discard(t)
+            if not t.cancelled():
+                t.exception()  # retrieved: the request is answered
+
+        task.add_done_callback(done)
 
     def _plan(self, media: list[Media], excluded: set[str], rid: str) -> list[_EncodeGroup]:
         """Items grouped by the encoder each one maps to; none when no encoder

@@ -38,7 +38,10 @@ def test_reuse_same_image_is_encoded_once_and_transferred_once(deployment, refer
 
 def test_abort_client_disconnecting_mid_stream_releases_everything(deployment):
     cancelled = metric(deployment.lm_metrics, "epd_lm_requests_total", status="cancelled")
-    body = dict(image_chat(1003, max_tokens=400), stream=True)
+    done = metric(deployment.lm_metrics, "epd_lm_requests_total", status="ok")
+    # Near the tiny model's context (1024): seconds of decoding, so the LM is surely
+    # still streaming when the gateway notices the client is gone.
+    body = dict(image_chat(1003, max_tokens=900), stream=True)
     req = urllib.request.Request(deployment.url + "/v1/chat/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     resp = urllib.request.urlopen(req, timeout=60)
@@ -53,7 +56,8 @@ def test_abort_client_disconnecting_mid_stream_releases_everything(deployment):
             break
         time.sleep(0.2)
     assert gone, ("the abort reached the LM", stats, cancelled,
-                  metric(deployment.lm_metrics, "epd_lm_requests_total", status="cancelled"))
+                  metric(deployment.lm_metrics, "epd_lm_requests_total", status="cancelled"),
+                  "finished instead:", metric(deployment.lm_metrics, "epd_lm_requests_total", status="ok") - done)
     assert stats["reserved_bytes"] == 0 and stats["pending_reservations"] == 0 and stats["items_held"] == 0, stats
     assert metric(deployment.lm_metrics, "epd_ec_reserved_bytes", role="consumer") == 0
     assert metric(deployment.lm_metrics, "epd_ec_pending_reservations", role="consumer") == 0

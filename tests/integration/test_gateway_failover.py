@@ -57,7 +57,7 @@ class FakeEncoder(encoder_pb2_grpc.EncoderServiceServicer):
     for the LM call of the same request (``wait_lm_s``), then ItemEncoded per
     item. Scripted modes: unavailable, abort_unavailable, invalid, hang,
     fail_after_metadata, fail_when_released (after metadata, once
-    ``world.release`` is set)."""
+    ``world.release`` is set), late_encoded (0.3 s after the LM call)."""
 
     def __init__(self, name: str, world: World, wait_lm_s: float = 2.0) -> None:
         self.name, self.world, self.wait_lm_s = name, world, wait_lm_s
@@ -101,6 +101,12 @@ class FakeEncoder(encoder_pb2_grpc.EncoderServiceServicer):
             await asyncio.wait_for(self.world.lm_arrived(rid).wait(), self.wait_lm_s)
         if mode == "fail_after_metadata":
             raise PeerUnavailable(f"{self.name} died mid-encode")
+        if mode == "late_encoded":  # the engine's last output comes after the LM answered
+            try:
+                await asyncio.sleep(0.3)
+            except asyncio.CancelledError:
+                self.cancelled.append(rid)
+                raise
         for i, item in enumerate(request.items):
             yield encoder_pb2.EncodeEvent(encoded=encoder_pb2.ItemEncoded(identifier=item.identifier, index=i,
                                                                           encode_ms=5.0))
@@ -451,6 +457,20 @@ def test_the_lm_gets_no_image_bytes_with_a_layout_and_a_retry_without_one_gets_t
         assert first.items[0].data == b"" and list(first.items[0].source.placeholder_token_ids) == [9]
         assert list(first.items[0].source.prompt_token_ids) == [5] * 16
         assert second.items[0].data == b"x" and not second.items[0].source.placeholder_token_ids
+
+    run_cluster(body)
+
+
+def test_an_encode_still_ending_when_the_lm_answered_is_left_to_end_not_aborted():
+    async def body(c: Cluster):
+        orch = await c.start()
+        for e in c.encoders:
+            e.mode = "late_encoded"
+        req, media = request("r-late", ids(1, "6"))
+        assert tokens(await collect(orch, req, media)) == [1, 2, 3]
+        assert ("enc-A", "encoded", "r-late") not in c.world.log and ("enc-B", "encoded", "r-late") not in c.world.log
+        await wait_until(lambda: any(what == "encoded" for _, what, _ in c.world.log), 2, "the encode ended")
+        assert [rid for e in c.encoders for rid in e.cancelled] == []
 
     run_cluster(body)
 

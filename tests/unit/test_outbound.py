@@ -314,3 +314,28 @@ def test_a_cancel_is_forgotten_after_cancel_memory_s():
     time.sleep(0.1)
     store.put("a", torch.zeros(4))  # the cancel was for an encode that never made a copy
     assert store.contains("a")
+
+
+def test_a_cancel_while_a_consumer_reads_the_copy_is_for_the_next_copy():
+    """Request 1's LM reads copy 1 in place; request 2's LM, with the image
+    cached, cancels before request 2's copy exists. Copy 1 stays for its reader;
+    copy 2, wanted by nobody, is freed soon instead of held for a lease."""
+    store = OutboundStore(Pool(1 << 16), ttl_s=60)
+    store.put("a", torch.zeros(4))
+    first = store.begin_send("a")
+    assert store.release("a", "cancel") is False
+    assert store.contains("a")
+    store.end_send(first)
+    assert store.release("a", "ack", held=first)
+    store.put("a", torch.zeros(4))  # copy 2
+    store.expire(now=time.monotonic() + store.stale_cancel_grace_s + 1)
+    assert not store.contains("a") and store.stats.cancels == 1 and store.stats.acks == 1
+
+
+def test_the_readers_own_cancel_still_frees_the_copy_it_read():
+    store = OutboundStore(Pool(1 << 16), ttl_s=60)
+    store.put("a", torch.zeros(4))
+    item = store.begin_send("a")  # an in-place reader's pin
+    assert store.release("a", "cancel", held=item)  # its request was aborted
+    store.end_send(item)
+    assert not store.contains("a") and store.pool.stats()["used_bytes"] == 0
