@@ -22,6 +22,7 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from epd.common.v1 import common_pb2
@@ -78,6 +79,9 @@ class ItemTransfer:
     changed_at: float = 0.0
     """``time.perf_counter()`` of the last transition (benchmarks read it)."""
     _changed: threading.Condition = field(default_factory=threading.Condition, repr=False, compare=False)
+    on_change: Callable[[], None] | None = field(default=None, repr=False, compare=False)
+    """Called (on the thread that moved it) after every transition: the consumer
+    connector's wake-up for a scheduler that waits for embeddings."""
 
     def advance(self, new: TransferState, error: str | None = None) -> None:
         if not self.try_advance(new, error):
@@ -94,7 +98,9 @@ class ItemTransfer:
             self.state = new
             self.changed_at = time.perf_counter()
             self._changed.notify_all()
-            return True
+        if self.on_change is not None:
+            self.on_change()
+        return True
 
     def wait_for(self, states: set[TransferState], timeout: float | None = None) -> bool:
         """Blocks until the state is one of ``states`` (tests and benchmarks;

@@ -37,6 +37,12 @@ class ConnectorConfig:
     """Consumer: with shm or CUDA IPC, vLLM's worker copies each item straight
     from the encoder's memory into its encoder cache (one copy; staging is reserved, not written) and
     the ack follows the load; False lands it in staging first (two copies)."""
+    idle_wait_s: float = 0.01
+    """Consumer: when an engine step has nothing to compute and requests only wait for
+    embeddings, the scheduler waits for the next transfer event up to this long
+    instead of stepping again in 1 ms (each step also calls the worker: a waiting
+    request would otherwise keep about 1.4 cores busy on a CPU host). A request that
+    arrives meanwhile starts at most this much later."""
     in_place_hold_s: float = 2.0
     """Consumer: an item landed in place that vLLM has not scheduled within this
     time (its request waits for KV space or another item) is copied to staging

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 import time
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
@@ -60,6 +61,9 @@ class _RequestStats:
     transfer_ms: float = 0.0
 
 
+_IN_FLIGHT = (TransferState.RESERVED, TransferState.RECEIVING)
+
+
 class ConsumerScheduler:
     def __init__(self, vllm_config, cfg: ConnectorConfig) -> None:
         self.cfg = cfg
@@ -76,6 +80,7 @@ class ConsumerScheduler:
         self.engine_id = engine_id
         self._manager = None  # EPDEncoderCacheManager, when configured (created after us)
         self._items: dict[str, _Inbound] = {}
+        self._progress = threading.Event()  # set by the transfer thread on every item transition
         self._injected: OrderedDict[str, None] = OrderedDict()
         self._skipped: dict[str, set[str]] = {}  # request -> items it told the encoder it does not need
         self._errors: dict[str, str] = {}  # request -> why its encoder outputs cannot be had
@@ -165,7 +170,7 @@ class ConsumerScheduler:
                 return False
             slots.append(slot)
         for (_, feat, src), slot, n in zip(missing, slots, sizes):
-            transfer = ItemTransfer(feat.identifier, n)
+            transfer = ItemTransfer(feat.identifier, n, on_change=self._progress.set)
             fetch = self.client.fetch(transfer, src["endpoint"], self.staging.view(slot), request.request_id,
                                       in_place=self.cfg.read_in_place)
             self._items[feat.identifier] = _Inbound(transfer, src["endpoint"], slot, fetch)
@@ -249,10 +254,22 @@ class ConsumerScheduler:
             for kind, name in self._unmap_next:
                 if kind == "cuda_ipc":
                     sys.modules["ectransfer.cuda_ipc"].forget(name)
+        self._wait_if_idle(scheduler_output)
         meta = EPDConnectorMetadata(loads=self._to_load, unmap=self.client.take_unmapped())
         self._unmap_next = meta.unmap
         self._to_load = []
         return meta
+
+    def _wait_if_idle(self, scheduler_output) -> None:
+        """A step with nothing to compute while items are in flight: vLLM would
+        step again in 1 ms and call the worker every time, so wait here for the
+        transfer thread's next event (an item landed or failed), at most
+        ``idle_wait_s``."""
+        self._progress.clear()  # before the check: an event after it ends the wait
+        if self._to_load or scheduler_output.total_num_scheduled_tokens or self.cfg.idle_wait_s <= 0:
+            return
+        if any(it.transfer.state in _IN_FLIGHT for it in self._items.values()):
+            self._progress.wait(self.cfg.idle_wait_s)
 
     def update_connector_output(self, output) -> None:
         meta = output.ec_connector_worker_meta

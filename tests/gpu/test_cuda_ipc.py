@@ -134,7 +134,7 @@ def test_connector_halves_with_cuda_ipc_save_serve_and_load_exactly():
     try:
         r = request("e1", [("c1", 16)])
         assert ps.ensure_cache_available(r, 0)
-        meta = ps.build_meta(SimpleNamespace(scheduled_encoder_inputs={"e1": [0]}))
+        meta = ps.build_meta(SimpleNamespace(scheduled_encoder_inputs={"e1": [0]}, total_num_scheduled_tokens=0))
         assert meta.saves[0].cuda_ref
         out = {"c1": embedding(16, 31).cuda()}
         pw.begin_step(out, meta)
@@ -143,7 +143,7 @@ def test_connector_halves_with_cuda_ipc_save_serve_and_load_exactly():
         req = request("l1", [("c1", 16)], f"127.0.0.1:{ps.server.bound_port}")
         assert steps_until(lambda: sched.ensure_cache_available(req, 0))
         sched.update_state_after_alloc(req, 0)
-        load = sched.build_meta(SimpleNamespace(scheduled_encoder_inputs={}))
+        load = sched.build_meta(SimpleNamespace(scheduled_encoder_inputs={}, total_num_scheduled_tokens=0))
         assert load.loads[0].cuda_ref
         cache: dict = {}
         worker.load(cache, load)

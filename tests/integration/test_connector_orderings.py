@@ -50,7 +50,7 @@ def schedule(sched: ConsumerScheduler, req):
     for i, feat in enumerate(req.mm_features):
         if sched.has_cache_item(feat.identifier):
             sched.update_state_after_alloc(req, i)
-    return sched.build_meta(SimpleNamespace(scheduled_encoder_inputs={}))
+    return sched.build_meta(SimpleNamespace(scheduled_encoder_inputs={}, total_num_scheduled_tokens=0))
 
 
 def inject(sched: ConsumerScheduler, req, meta=None) -> dict:
@@ -184,7 +184,7 @@ def test_prealloc_producer_halves_reserve_save_and_serve(producer, consumer):
         r2 = request("e2", [("p3", 16), ("p4", 16)])
         assert ps.ensure_cache_available(r1, 0)
         assert not ps.ensure_cache_available(r2, 0)  # backpressure: the pool holds 2 items + the nonce
-        meta = ps.build_meta(SimpleNamespace(scheduled_encoder_inputs={"e1": [0, 1]}))
+        meta = ps.build_meta(SimpleNamespace(scheduled_encoder_inputs={"e1": [0, 1]}, total_num_scheduled_tokens=0))
         outputs = {"p1": embedding(16, 11), "p2": embedding(16, 12)}
         pw.begin_step(outputs, meta)  # neither is cached yet
         for ident in ("p1", "p2"):
@@ -280,7 +280,7 @@ def test_in_place_an_encoder_that_goes_away_before_the_load_fails_the_request_an
         p.close()  # the stream closes: the encoder no longer holds i4 for us
         assert steps_until(lambda: (sched.ensure_cache_available(req, 0), sched.take_unavailable())[1] == {"r1"})
         assert not sched.has_cache_item("i4")
-        assert ("shm", segment) in sched.build_meta(SimpleNamespace(scheduled_encoder_inputs={})).unmap
+        assert ("shm", segment) in sched.build_meta(SimpleNamespace(scheduled_encoder_inputs={}, total_num_scheduled_tokens=0)).unmap
         assert "error" in sched.request_finished(req)
     finally:
         sched.shutdown()
