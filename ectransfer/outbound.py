@@ -321,6 +321,3 @@ class _Counts:
 
     def forget(self, identifier: str) -> None:
         self._by_id.pop(identifier, None)
-
-    def __contains__(self, identifier: str) -> bool:
-        return bool(self._by_id.get(identifier))

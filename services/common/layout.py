@@ -13,13 +13,15 @@ processor anyway, sends each item's expansion with its metadata
 vLLM's processor would have made, bit for bit (tests compare them), without
 decoding, resizing or normalising the image a second time.
 
-Pure functions on lists and bytes; no vLLM import.
+Functions on lists, bytes and (for vLLM's masks) torch tensors; no vLLM import.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,17 @@ class ItemLayout:
     @property
     def num_embeds(self) -> int:
         return len(self.tokens) if not self.is_embed else sum(1 for b in self.is_embed if b)
+
+
+def placeholder_ranges(features) -> list[tuple[int, int, bytes]]:
+    """vLLM ``MultiModalFeatureSpec``s (their ``mm_position``) as the
+    (offset, length, is_embed bytes) that :func:`item_layouts` takes."""
+    return [(f.mm_position.offset, f.mm_position.length, mask_bytes(f.mm_position.is_embed)) for f in features]
+
+
+def mask_bytes(is_embed) -> bytes:
+    """A ``PlaceholderRange.is_embed`` bool tensor as one byte per token; None: empty."""
+    return b"" if is_embed is None else is_embed.to(torch.uint8).numpy().tobytes()
 
 
 def item_layouts(original: Sequence[int], processed: Sequence[int],
@@ -88,19 +101,15 @@ def splice(prompt: Sequence[int], items: Sequence[ItemLayout]) -> tuple[list[int
     replaced by its tokens, and each item's (offset, length) in the result."""
     out: list[int] = []
     positions: list[tuple[int, int]] = []
-    i, k = 0, 0
+    i = k = 0  # k counts placeholders seen, also past the last item (for the error)
     while i < len(prompt):
-        if k < len(items):
-            ph = items[k].placeholder
-            if tuple(prompt[i:i + len(ph)]) == ph:
+        ph = items[min(k, len(items) - 1)].placeholder if items else ()
+        if ph and tuple(prompt[i:i + len(ph)]) == ph:
+            if k < len(items):
                 positions.append((len(out), len(items[k].tokens)))
                 out += items[k].tokens
-                i += len(ph)
-                k += 1
-                continue
-        elif items and tuple(prompt[i:i + len(items[0].placeholder)]) == items[0].placeholder:
-            k += 1  # counted for the error below
-            i += len(items[0].placeholder)
+            i += len(ph)
+            k += 1
             continue
         out.append(prompt[i])
         i += 1

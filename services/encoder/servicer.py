@@ -13,14 +13,13 @@ import logging
 import time
 import uuid
 
-import torch
 from prometheus_client import Counter, Histogram
 
 from ectransfer import tensors
 from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
 from services.common.engine import tokenize_async
 from services.common.errors import BadInput, Deadline, EPDError
-from services.common.layout import ItemLayout, item_layouts
+from services.common.layout import ItemLayout, item_layouts, placeholder_ranges
 from services.common.media import content_id, decode_image
 
 logger = logging.getLogger(__name__)
@@ -54,10 +53,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         original = self._originals.get(n)
         if original is None:
             original = self._originals[n] = await tokenize_async(self.engine.renderer, self.placeholder * n)
-        ranges = [(f.mm_position.offset, f.mm_position.length,
-                   b"" if f.mm_position.is_embed is None else f.mm_position.is_embed.to(torch.uint8).numpy().tobytes())
-                  for f in features]
-        layouts = item_layouts(original, processed, ranges)
+        layouts = item_layouts(original, processed, placeholder_ranges(features))
         if layouts is None and not self._warned:
             self._warned = True
             logger.warning("this model's processor does not replace each image placeholder in place; LMs will "

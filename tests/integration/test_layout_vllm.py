@@ -12,12 +12,11 @@ import shutil
 
 import numpy as np
 import pytest
-import torch
 from PIL import Image
 
 from services.common.chat import render_chat
 from services.common.engine import tokenize
-from services.common.layout import item_layouts, splice
+from services.common.layout import item_layouts, mask_bytes, placeholder_ranges, splice
 
 pytestmark = pytest.mark.integration
 
@@ -60,10 +59,8 @@ def _run(proc, prompt: str, images, uuids):
 def _encoder_layouts(proc, placeholder: str, images, uuids):
     """What the encoder service sends: its own processing of n placeholders."""
     req = _run(proc, placeholder * len(images), images, uuids)
-    ranges = [(f.mm_position.offset, f.mm_position.length,
-               b"" if f.mm_position.is_embed is None else f.mm_position.is_embed.to(torch.uint8).numpy().tobytes())
-              for f in req.mm_features]
-    return item_layouts(tokenize(proc.renderer, placeholder * len(images)), req.prompt_token_ids, ranges)
+    return item_layouts(tokenize(proc.renderer, placeholder * len(images)), req.prompt_token_ids,
+                        placeholder_ranges(req.mm_features))
 
 
 def _placeholder(proc) -> str:
@@ -96,8 +93,7 @@ def test_laid_out_prompt_equals_vllms_processing(proc, n_images):
             assert positions == [(f.mm_position.offset, f.mm_position.length) for f in want.mm_features]
             for lay, f in zip(layouts, want.mm_features):
                 assert lay.num_embeds == f.mm_position.get_num_embeds()
-                mask = f.mm_position.is_embed
-                assert lay.is_embed == (b"" if mask is None else mask.to(torch.uint8).numpy().tobytes())
+                assert lay.is_embed == mask_bytes(f.mm_position.is_embed)
 
 
 def test_the_tiled_copy_really_tiles(proc):
