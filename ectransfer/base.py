@@ -29,6 +29,8 @@ into a FAILED item state there; nothing raises across vLLM's engine step.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from typing import ClassVar
@@ -61,6 +63,20 @@ class Landed(Receiver):
         return True
 
 
+def seal_proof(read: bytes, challenge: bytes) -> bytes:
+    """What a consumer sends back for a probe: SHA-256 of the producer's
+    per-stream ``challenge`` (``TransportOffer.challenge``) and the bytes it
+    read. It shows the consumer mapped the segment without handing the bytes
+    to whoever asked (a rogue producer could aim a probe at another producer's
+    segment), and it is good for that one stream only (no replay elsewhere)."""
+    return hashlib.sha256(b"epd-probe-v1" + challenge + read).digest()
+
+
+def proof_matches(proof: bytes, nonce: bytes, challenge: bytes) -> bool:
+    """The producer's check of ``seal_proof(nonce, challenge)`` (constant-time)."""
+    return bool(challenge) and hmac.compare_digest(proof, seal_proof(nonce, challenge))
+
+
 class ProducerTransport(ABC):
     kind: ClassVar[int]
     in_place: ClassVar[bool] = False
@@ -70,7 +86,9 @@ class ProducerTransport(ABC):
     def offer(self) -> encoder_pb2.TransportOffer:
         return encoder_pb2.TransportOffer(transport=self.kind)
 
-    def verify(self, proof: bytes) -> bool:
+    def verify(self, proof: bytes, challenge: bytes) -> bool:
+        """Whether ``proof`` answers this transport's probe for the stream that
+        sent ``challenge`` (transports without a probe accept anything)."""
         return True
 
     @abstractmethod

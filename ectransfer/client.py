@@ -9,6 +9,13 @@ Buffers: the caller allocates the destination (an inbound-staging slot) before
 ``fetch`` and keeps owning it; the client only writes into it. One stream per
 encoder endpoint, opened lazily, dropped when it breaks (the next fetch
 reconnects).
+
+The producer is not trusted: an ItemHeader must match what the caller expects
+(``check_header``: exactly the promised shape and dtype, ``nbytes`` equal to
+both and to the destination) and an in-place item must lie in the segment or
+pool that producer proved in its handshake, inside this process's mapping.
+A header that does not fails its item (and the producer is told to let go);
+it never reaches the caller's reader.
 """
 
 from __future__ import annotations
@@ -29,9 +36,11 @@ from ectransfer.protocol import (
     ItemTransfer,
     ProtocolError,
     TransferState,
+    call_status,
     check_compat,
     new_event_loop,
 )
+from ectransfer.security import SecurityConfig
 from ectransfer.selection import Choice, choose
 from ectransfer import chunkwire, lane, tensors
 from epd.common.v1 import common_pb2
@@ -48,6 +57,11 @@ class Fetch:
     endpoint: str
     dest: torch.Tensor  # flat uint8, exactly the expected nbytes
     deadline: float
+    expect_shape: tuple[int, ...] | None = None
+    """What the item's metadata promised (``[num_embeds, embed_width]``);
+    None: any shape whose bytes fill ``dest``."""
+    expect_dtype: torch.dtype | None = None
+    """What the item's metadata promised; None: any dtype."""
     shape: tuple[int, ...] | None = None
     dtype: torch.dtype | None = None
     receiver: Receiver | None = None
@@ -75,9 +89,10 @@ class _Peer:
         self.items: dict[str, Fetch] = {}
         self.located: dict[str, Fetch] = {}  # landed in place, not acked yet
         self.mapped: set[tuple[str, str]] = set()  # (kind, segment or pool id) read in place
+        self.proven: encoder_pb2.TransportOffer | None = None  # the offer whose probe this consumer passed
         self.mode: asyncio.Future = asyncio.get_running_loop().create_future()  # "grpc" or "lane"
         self.writer: asyncio.StreamWriter | None = None  # the control lane, once it carries the items
-        self.channel = grpc.aio.insecure_channel(endpoint, options=TRANSFER_GRPC_OPTIONS)
+        self.channel = client.security.aio_channel(endpoint, options=TRANSFER_GRPC_OPTIONS)
         self.task = asyncio.create_task(self._run())
 
     def send(self, msg: encoder_pb2.TransferClientMsg) -> None:
@@ -105,12 +120,14 @@ class _Peer:
 
     async def _run(self) -> None:
         error = "stream closed"
+        call = None
         try:
             call = chunkwire.transfer_call(self.channel)(self._requests())
             choice = await negotiate(call, self.ctrl.put_nowait, self.client.compat, self.client.transports)
             if choice.fell_back:
                 logger.warning("transfer from %s uses %s (%s)", self.endpoint, choice.name, "; ".join(choice.skipped))
             self.transport = choice.transport
+            self.proven = choice.offer
             self.client._chosen[self.endpoint] = choice.name
             reader = await self._open_lane(choice) if self.client.lane else None
             if reader is None:
@@ -124,7 +141,8 @@ class _Peer:
                     self._on_message(msg)
                 error = f"encoder at {self.endpoint}: the control lane closed"
         except grpc.aio.AioRpcError as e:
-            error = f"encoder at {self.endpoint}: {e.code().name}: {e.details()}"
+            code, details = await call_status(call, e)
+            error = f"encoder at {self.endpoint}: {code.name}: {details}"
         except (CompatError, ProtocolError) as e:
             error = f"encoder at {self.endpoint}: {e}"
         except asyncio.CancelledError:
@@ -147,13 +165,13 @@ class _Peer:
         chosen transport is in place and the producer offers one; None (and the
         gRPC stream carries on) when it cannot be reached from here."""
         address = choice.offer.control_socket if choice.offer is not None else ""
-        if not (choice.transport.in_place and address):
+        if not (choice.transport.in_place and address and choice.lane_secret):
             return None
         writer = None
         try:
             reader, writer = await lane.connect(address)
-            writer.write(lane.frame(encoder_pb2.TransferClientMsg(
-                select=encoder_pb2.Select(transport=choice.transport.kind, proof=choice.proof))))
+            writer.write(lane.frame(encoder_pb2.TransferClientMsg(  # proven by this stream's lane secret
+                select=encoder_pb2.Select(transport=choice.transport.kind, proof=choice.lane_secret))))
             reply = await asyncio.wait_for(lane.read_frame(reader, encoder_pb2.TransferServerMsg), 5.0)
             if reply is None or reply.WhichOneof("msg") != "selected":
                 raise ConnectionError("the producer refused the lane")
@@ -195,14 +213,9 @@ class _Peer:
 
     def _on_header(self, fetch: Fetch, header: encoder_pb2.ItemHeader) -> None:
         desc = header.tensor
-        if desc.nbytes != fetch.dest.numel():
-            raise ProtocolError(
-                f"item {header.identifier} has {desc.nbytes} bytes, expected {fetch.dest.numel()}"
-            )
-        fetch.shape = tuple(desc.shape)
-        fetch.dtype = tensors.dtype_from_proto(desc.dtype)
-        if tensors.nbytes_of(fetch.shape, fetch.dtype) != desc.nbytes:
-            raise ProtocolError(f"descriptor shape {list(desc.shape)} does not match {desc.nbytes} bytes")
+        fetch.shape, fetch.dtype = check_header(header, fetch.dest.numel(), fetch.expect_shape, fetch.expect_dtype)
+        if desc.WhichOneof("payload") in ("shm", "cuda_ipc"):
+            check_proven_source(desc, self.proven)
         if fetch.in_place and self.transport.in_place:
             self.transport.locate(desc)
             fetch.source = desc
@@ -244,6 +257,52 @@ class _Peer:
         fetch.transfer.fail(error)
 
 
+def check_header(header: encoder_pb2.ItemHeader, dest_nbytes: int, shape: tuple[int, ...] | None = None,
+                 dtype: torch.dtype | None = None) -> tuple[tuple[int, ...], torch.dtype]:
+    """The (shape, dtype) of a producer's ItemHeader once it is what the
+    consumer expects: exactly ``shape`` and ``dtype`` when given (what the
+    item's metadata promised: ``[num_embeds, embed_width]`` and the dtype),
+    no negative dimension, and ``nbytes`` equal to product(shape) * itemsize
+    and to ``dest_nbytes``. Raises ProtocolError naming the difference: a
+    wrong-shaped tensor must never reach vLLM's encoder cache."""
+    desc, ident = header.tensor, header.identifier
+    try:
+        got_dtype = tensors.dtype_from_proto(desc.dtype)
+    except ValueError as e:
+        raise ProtocolError(f"item {ident}: {e}") from None
+    got_shape = tuple(int(d) for d in desc.shape)
+    if any(d < 0 for d in got_shape):
+        raise ProtocolError(f"item {ident} has shape {list(got_shape)} with a negative dimension")
+    if dtype is not None and got_dtype != dtype:
+        raise ProtocolError(f"item {ident} has dtype {tensors.dtype_name(got_dtype)}, "
+                            f"expected {tensors.dtype_name(dtype)}")
+    if shape is not None and got_shape != tuple(shape):
+        raise ProtocolError(f"item {ident} has shape {list(got_shape)}, expected {list(shape)}")
+    if desc.nbytes != dest_nbytes:
+        raise ProtocolError(f"item {ident} has {desc.nbytes} bytes, expected {dest_nbytes}")
+    if tensors.nbytes_of(got_shape, got_dtype) != desc.nbytes:
+        raise ProtocolError(f"item {ident}: descriptor shape {list(got_shape)} does not match {desc.nbytes} bytes")
+    return got_shape, got_dtype
+
+
+def check_proven_source(desc: common_pb2.TensorDescriptor, proven: encoder_pb2.TransportOffer | None) -> None:
+    """An in-place item must lie in the segment or pool its producer proved in
+    the handshake (``proven``, the chosen offer), not in any other one it
+    names (another encoder's pool, an LM's staging). Raises ProtocolError."""
+    kind = desc.WhichOneof("payload")
+    if kind == "shm" and proven is not None and proven.HasField("shm_probe"):
+        if desc.shm.segment == proven.shm_probe.segment:
+            return
+        raise ProtocolError(f"item in segment {desc.shm.segment!r}, "
+                            f"but the encoder proved {proven.shm_probe.segment!r}")
+    if kind == "cuda_ipc" and proven is not None and proven.HasField("cuda_probe"):
+        ref, probe = desc.cuda_ipc, proven.cuda_probe
+        if (ref.pool_id, ref.handle, ref.pool_nbytes) == (probe.pool_id, probe.handle, probe.pool_nbytes):
+            return
+        raise ProtocolError(f"item in CUDA pool {ref.pool_id}, but the encoder proved pool {probe.pool_id}")
+    raise ProtocolError(f"a {kind} item on a stream whose handshake proved no such memory")
+
+
 def source_key(desc: common_pb2.TensorDescriptor) -> tuple[str, str]:
     """("shm", segment) or ("cuda_ipc", pool id) of an in-place descriptor."""
     if desc.WhichOneof("payload") == "shm":
@@ -269,6 +328,7 @@ async def negotiate(call, send, compat: common_pb2.CompatInfo, transports: list[
     second = await call.read()
     if second is grpc.aio.EOF or second.WhichOneof("msg") != "selected":
         raise ProtocolError("producer did not confirm the transport")
+    choice.lane_secret = second.selected.lane_secret
     return choice
 
 
@@ -283,9 +343,11 @@ class TransferClient:
         timeout_s: float = 30.0,
         hold_s: float = 2.0,
         lane: bool = True,
+        security: SecurityConfig | None = None,
     ) -> None:
         self.compat = compat
         self.lane = lane
+        self.security = security or SecurityConfig()
         self.hold_s = hold_s
         self.consumer_id = consumer_id
         self.transports = transports
@@ -328,11 +390,14 @@ class TransferClient:
     # -- called from vLLM's scheduler thread --------------------------------
 
     def fetch(self, transfer: ItemTransfer, endpoint: str, dest: torch.Tensor, request_id: str,
-              in_place: bool = False) -> Fetch:
+              in_place: bool = False, shape: tuple[int, ...] | None = None,
+              dtype: torch.dtype | None = None) -> Fetch:
         """Asks ``endpoint`` for the item. Bytes land in ``dest`` (acked at
         once), or with ``in_place`` and a transport that can (shm, CUDA IPC)
-        stay where the producer holds them until ``ack``."""
-        fetch = Fetch(transfer, endpoint, dest, deadline=time.monotonic() + self.timeout_s, in_place=in_place)
+        stay where the producer holds them until ``ack``. ``shape``/``dtype``:
+        what the item must be (its header is refused otherwise)."""
+        fetch = Fetch(transfer, endpoint, dest, deadline=time.monotonic() + self.timeout_s, in_place=in_place,
+                      expect_shape=None if shape is None else tuple(shape), expect_dtype=dtype)
         self._loop.call_soon_threadsafe(self._start_fetch, fetch, request_id)
         return fetch
 

@@ -15,6 +15,12 @@ slot is stream-ordered after the copy.
 
 Selection: the producer keeps a nonce in a small slot of the pool; a consumer
 proves it can use CUDA IPC by opening the handle and reading the nonce back.
+
+The consumer does not trust the refs a producer sends: a pool is mapped with
+the size its first ref gave, a later ref that names the same pool with another
+handle or size is refused, and every range is checked against the mapped size
+(``check_range``) before any copy: an out-of-range device read would poison
+the LM's CUDA context for every request.
 cupy is imported lazily; importing ``ectransfer`` never loads CUDA libraries.
 """
 
@@ -26,8 +32,9 @@ import uuid
 
 import torch
 
-from ectransfer.base import ConsumerTransport, Landed, ProducerTransport, Receiver
+from ectransfer.base import ConsumerTransport, Landed, ProducerTransport, Receiver, proof_matches, seal_proof
 from ectransfer.pool import ALIGNMENT, Pool
+from ectransfer.pool import check_range as _check_range
 from ectransfer.protocol import ProtocolError
 from epd.common.v1 import common_pb2
 from epd.encoder.v1 import encoder_pb2
@@ -93,8 +100,8 @@ class CudaIpcProducer(ProducerTransport):
         return encoder_pb2.TransportOffer(transport=self.kind, cuda_probe=self.pool.ref(self._probe.offset),
                                           cuda_probe_nbytes=self.NONCE_NBYTES)
 
-    def verify(self, proof: bytes) -> bool:
-        return secrets.compare_digest(proof, self._nonce)
+    def verify(self, proof: bytes, challenge: bytes) -> bool:
+        return proof_matches(proof, self._nonce, challenge)
 
     def describe(self, data: torch.Tensor, desc: common_pb2.TensorDescriptor) -> None:
         offset = data.data_ptr() - self.pool.buffer.data_ptr() if data.numel() else 0
@@ -102,9 +109,10 @@ class CudaIpcProducer(ProducerTransport):
 
 
 class _Mapped:
-    def __init__(self, ptr: int, nbytes: int, device: int) -> None:
+    def __init__(self, ptr: int, nbytes: int, device: int, handle: bytes) -> None:
         cp = _cupy()
         self.ptr = ptr
+        self.handle = handle
         mem = cp.cuda.UnownedMemory(ptr, nbytes, owner=None, device_id=device)
         arr = cp.ndarray((nbytes,), dtype=cp.uint8, memptr=cp.cuda.MemoryPointer(mem, 0))
         self.buffer = torch.as_tensor(arr, device=f"cuda:{device}")
@@ -136,10 +144,15 @@ def mapping(ref: common_pb2.CudaIpcRef, device: int | None = None) -> torch.Tens
     created on the producer's device (peer access instead)."""
     local = _LOCAL.get(ref.pool_id)
     if local is not None:
+        _check_same_pool(ref, local.handle, local.capacity)
         return local.buffer
     with _LOCK:
         m = _MAPPED.get(ref.pool_id)
-        if m is None:
+        if m is not None:
+            _check_same_pool(ref, m.handle, m.buffer.numel())
+        else:
+            if ref.pool_nbytes <= 0:
+                raise ProtocolError(f"CUDA IPC pool {ref.pool_id} claims {ref.pool_nbytes} bytes")
             cp = _cupy()
             dev = torch.cuda.current_device() if device is None else device
             try:
@@ -147,14 +160,28 @@ def mapping(ref: common_pb2.CudaIpcRef, device: int | None = None) -> torch.Tens
                     ptr = cp.cuda.runtime.ipcOpenMemHandle(ref.handle, cp.cuda.runtime.cudaIpcMemLazyEnablePeerAccess)
             except Exception as e:  # noqa: BLE001 - another namespace, no peer access, no driver
                 raise ProtocolError(f"cannot open CUDA IPC handle of pool {ref.pool_id}: {e}") from None
-            m = _MAPPED[ref.pool_id] = _Mapped(ptr, ref.pool_nbytes, dev)
+            m = _MAPPED[ref.pool_id] = _Mapped(ptr, ref.pool_nbytes, dev, bytes(ref.handle))
             _OPENED[0] += 1
     return m.buffer
 
 
-def check_range(ref: common_pb2.CudaIpcRef, nbytes: int) -> None:
-    if ref.offset < 0 or ref.offset + nbytes > ref.pool_nbytes:
-        raise ProtocolError(f"CUDA IPC range {ref.offset}+{nbytes} exceeds pool {ref.pool_id} ({ref.pool_nbytes})")
+def _check_same_pool(ref: common_pb2.CudaIpcRef, handle: bytes, nbytes: int) -> None:
+    """A ref naming a pool already known here must carry that pool's handle
+    and size: a pool id alone must not reach another producer's memory."""
+    if ref.handle != handle or ref.pool_nbytes != nbytes:
+        raise ProtocolError(f"CUDA IPC ref names pool {ref.pool_id} with another handle or size "
+                            f"({ref.pool_nbytes} bytes; mapped: {nbytes})")
+
+
+def check_range(ref: common_pb2.CudaIpcRef, nbytes: int, mapped_nbytes: int | None = None) -> None:
+    """``nbytes`` at ``ref.offset`` lie inside the pool: inside
+    ``mapped_nbytes`` (the size of this process's mapping, which is what a
+    copy reads) when given, and always inside the size the ref claims.
+    Raises ProtocolError; pure arithmetic, no CUDA."""
+    what = f"CUDA IPC pool {ref.pool_id}"
+    _check_range(ref.offset, nbytes, ref.pool_nbytes, what)
+    if mapped_nbytes is not None:
+        _check_range(ref.offset, nbytes, mapped_nbytes, what + " (as mapped here)")
 
 
 def _copy_and_wait(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -168,17 +195,19 @@ def copy_out(ref: common_pb2.CudaIpcRef, nbytes: int, dest: torch.Tensor) -> Non
     """Copies ``nbytes`` at ``ref`` into ``dest`` (flat uint8, any device) on
     the current stream and waits for the copy: once this returns the producer
     may reuse the range (the caller acks after)."""
-    check_range(ref, nbytes)
+    buf = mapping(ref)
+    check_range(ref, nbytes, buf.numel())
     if nbytes:
-        _copy_and_wait(dest, mapping(ref)[ref.offset : ref.offset + nbytes])
+        _copy_and_wait(dest, buf[ref.offset : ref.offset + nbytes])
 
 
 def copy_in(ref: common_pb2.CudaIpcRef, src: torch.Tensor) -> None:
     """The producer's worker: writes ``src`` (flat uint8) at ``ref`` and waits,
     so the slot is complete before it is reported (and then served)."""
-    check_range(ref, src.numel())
+    buf = mapping(ref)
+    check_range(ref, src.numel(), buf.numel())
     if src.numel():
-        _copy_and_wait(mapping(ref)[ref.offset : ref.offset + src.numel()], src)
+        _copy_and_wait(buf[ref.offset : ref.offset + src.numel()], src)
 
 
 def forget(pool_id: str) -> None:
@@ -192,6 +221,9 @@ def forget(pool_id: str) -> None:
             pass
 
 
+MAX_PROBE_NBYTES = 4096  # a probe reads a nonce back, not data
+
+
 class CudaIpcConsumer(ConsumerTransport):
     kind = common_pb2.CUDA_IPC
     in_place = True
@@ -203,17 +235,23 @@ class CudaIpcConsumer(ConsumerTransport):
     def probe(self, offer: encoder_pb2.TransportOffer) -> bytes:
         if not torch.cuda.is_available():
             raise ProtocolError("no CUDA device in this process")
-        ref = offer.cuda_probe
+        ref, nbytes = offer.cuda_probe, offer.cuda_probe_nbytes
+        if not 0 < nbytes <= MAX_PROBE_NBYTES:
+            raise ProtocolError(f"probe of {nbytes} bytes (1-{MAX_PROBE_NBYTES} allowed)")
+        check_range(ref, nbytes)
         buf = mapping(ref, self.device)
         self._pools.add(ref.pool_id)
-        return buf[ref.offset : ref.offset + offer.cuda_probe_nbytes].cpu().numpy().tobytes()
+        check_range(ref, nbytes, buf.numel())
+        return seal_proof(buf[ref.offset : ref.offset + nbytes].cpu().numpy().tobytes(), offer.challenge)
 
     def locate(self, desc: common_pb2.TensorDescriptor) -> torch.Tensor:
         if desc.WhichOneof("payload") != "cuda_ipc":
             raise ProtocolError(f"expected a CUDA IPC payload, got {desc.WhichOneof('payload')}")
         check_range(desc.cuda_ipc, desc.nbytes)
+        buf = mapping(desc.cuda_ipc, self.device)
         self._pools.add(desc.cuda_ipc.pool_id)
-        return mapping(desc.cuda_ipc, self.device)
+        check_range(desc.cuda_ipc, desc.nbytes, buf.numel())
+        return buf
 
     def receiver(self, desc: common_pb2.TensorDescriptor, dest: torch.Tensor) -> Receiver:
         self.locate(desc)

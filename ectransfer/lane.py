@@ -9,13 +9,18 @@ Cancel one way, ItemHeader and ItemError the other -- to the producer's lane.
 
 Wire format: each frame is a 4-byte little-endian length and a serialized
 ``TransferClientMsg`` (consumer to producer) or ``TransferServerMsg``. The
-first client frame is ``Select`` with the same proof as on the gRPC stream
-(the nonce read through the shared segment or handle: only a process that can
-map the producer's memory may use the lane); the producer answers
+first client frame is ``Select`` whose ``proof`` is the lane secret of the
+consumer's gRPC Transfer stream: 32 random bytes the producer made for that
+stream alone and sent in its ``Selected`` (after the stream's own proof, the
+nonce read through the shared segment or handle, verified: only a process that
+can map the producer's memory gets one). A secret opens one lane connection
+and is forgotten when its stream ends, so neither the reusable probe nonce nor
+another (or an earlier) session's secret opens a lane. The producer answers
 ``Selected`` or closes the connection. Closing the connection ends the
 session exactly like ending the gRPC stream: the producer drops the holds of
 its in-place items (their lease restarts) and the consumer fails what was in
-flight.
+flight. Lane connections count towards the producer's session limit
+(``TransferLimits.max_sessions``); one beyond it is closed unread.
 
 The socket lives in the abstract namespace (no file, gone with the process);
 it is reachable from the producer's network namespace only, so a consumer in
@@ -27,6 +32,8 @@ from __future__ import annotations
 import asyncio
 import socket
 import uuid
+
+from ectransfer.limits import StreamStalled
 
 MAX_FRAME = 1 << 20  # control messages only: headers, errors, acks
 MAX_FIRST_FRAME = 4096  # the Select that opens a connection (before its proof is checked)
@@ -94,11 +101,15 @@ async def connect(address: str) -> tuple[asyncio.StreamReader, asyncio.StreamWri
 
 class FrameOut:
     """The producer's item messages onto a lane: ``await put(msg)`` writes a
-    frame (waiting only when the socket's buffer is large). ``put(None)``, the
-    end of a session, writes nothing: the handler closes the connection."""
+    frame, then waits while more than ``max_bytes`` sit unsent in the socket's
+    buffer (a consumer that stops reading), raising
+    ``limits.StreamStalled`` after ``stall_s``. ``put(None)``, the end of a
+    session, writes nothing: the handler closes the connection."""
 
-    def __init__(self, writer: asyncio.StreamWriter) -> None:
+    def __init__(self, writer: asyncio.StreamWriter, max_bytes: int = 1 << 20, stall_s: float = 30.0) -> None:
         self.writer = writer
+        self.max_bytes = max_bytes
+        self.stall_s = stall_s
 
     async def put(self, msg) -> None:
         if msg is None:
@@ -106,5 +117,9 @@ class FrameOut:
         if self.writer.is_closing():  # the consumer went away: its session is closing
             return
         self.writer.write(frame(msg))
-        if self.writer.transport.get_write_buffer_size() > (1 << 20):
-            await self.writer.drain()
+        if self.writer.transport.get_write_buffer_size() > self.max_bytes:
+            try:
+                await asyncio.wait_for(self.writer.drain(), self.stall_s)
+            except asyncio.TimeoutError:
+                raise StreamStalled(f"{self.writer.transport.get_write_buffer_size()} bytes unread "
+                                    f"for {self.stall_s}s") from None

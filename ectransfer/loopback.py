@@ -27,21 +27,22 @@ def compat(width: int = 128, model: str = "test-model"):
 class Producer:
     def __init__(self, pool_bytes: int = 64 << 20, item_wait_s: float = 10.0, ttl_s: float = 60.0,
                  transports=("shm", "grpc"), chunk_nbytes: int = 1 << 20, compat_info=None,
-                 host: str = "127.0.0.1", lane: bool = True) -> None:
+                 host: str = "127.0.0.1", lane: bool = True, security=None, limits=None,
+                 max_cancel_records: int = 4096) -> None:
         if "cuda_ipc" in transports:
             from ectransfer.cuda_ipc import CudaPool
 
             self.pool = CudaPool(pool_bytes)  # chunks are then not offered: they read host memory
         else:
             self.pool = ShmPool(pool_bytes, role="test")
-        self.store = OutboundStore(self.pool, ttl_s=ttl_s)
+        self.store = OutboundStore(self.pool, ttl_s=ttl_s, max_cancel_records=max_cancel_records)
         ts = {}
         for name in transports:
             t = factory.make_producer(name, **({"chunk_nbytes": chunk_nbytes} if name == "grpc" else {"pool": self.pool}))
             ts[t.kind] = t
         self.servicer = TransferServicer(self.store, compat_info or compat(), "producer-1", ts, item_wait_s=item_wait_s,
-                                         lane=lane)
-        self.server = TransferServerThread(self.servicer, host, 0, sweep_s=0.05)
+                                         lane=lane, limits=limits)
+        self.server = TransferServerThread(self.servicer, host, 0, sweep_s=0.05, security=security)
         self.endpoint = f"{host}:{self.server.start()}"
 
     def close(self) -> None:
@@ -51,10 +52,11 @@ class Producer:
 
 class Consumer:
     def __init__(self, transports=("shm", "grpc"), compat_info=None, timeout_s: float = 10.0,
-                 staging_bytes: int = 64 << 20, device: str = "cpu") -> None:
+                 staging_bytes: int = 64 << 20, device: str = "cpu", security=None) -> None:
         self.staging = Pool(staging_bytes, device=device)
         self.client = TransferClient(compat_info or compat(), "consumer-1",
-                                     [factory.make_consumer(n) for n in transports], timeout_s=timeout_s)
+                                     [factory.make_consumer(n) for n in transports], timeout_s=timeout_s,
+                                     security=security)
 
     def start(self, endpoint: str, ident: str, nbytes: int):
         slot = self.staging.alloc(nbytes)

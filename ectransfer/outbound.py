@@ -13,6 +13,13 @@ frees the slot only when the last reader ends. ``put`` on a full pool blocks up 
 ``put_timeout_s``, then drops the item with a log line; a consumer asking for
 it then gets ``NOT_FOUND``/``TIMED_OUT``. ``mark_failed`` answers waiters of
 an item that will never arrive.
+
+Records a consumer can grow by naming identifiers (Cancels of items not held
+here, kept for a copy still to come) are bounded: at most
+``max_cancel_records`` identifiers per kind, the oldest evicted first, and
+``max_cancels_per_item`` cancels per identifier, the oldest dropped first, each
+with a (rate-limited) log line. An evicted cancel only means a copy nobody
+wants waits out its lease.
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ class OutboundItem:
     sending: int = 0  # streams reading the slot, or consumers reading it in place; a lease never frees it meanwhile
     released: bool = False  # out of the store; the slot is freed when ``sending`` drops to 0
     cancel_at: float = 0.0  # freed as cancelled then, unless served first (a late Cancel, see adopt)
-    served: bool = False  # a consumer has read it (or is reading it)
+    served: bool = False  # a consumer has asked for it, read it or is reading it
 
 
 @dataclass
@@ -61,7 +68,8 @@ _RELEASE_COUNTERS = {"ack": "acks", "cancel": "cancels", "expired": "expired"}
 
 
 class OutboundStore:
-    def __init__(self, pool: Pool, *, ttl_s: float = 60.0, put_timeout_s: float = 30.0) -> None:
+    def __init__(self, pool: Pool, *, ttl_s: float = 60.0, put_timeout_s: float = 30.0,
+                 max_cancel_records: int = 4096, max_cancels_per_item: int = 64) -> None:
         self.pool = pool
         self.ttl_s = ttl_s
         self.put_timeout_s = put_timeout_s
@@ -74,7 +82,8 @@ class OutboundStore:
         # the copy made for it. Several may come before the copies they mean (an LM
         # that finds the image cached answers before the encode ends), and each must
         # drop one copy, not all of them one. Kept ``cancel_memory_s`` at most.
-        self._cancelled = _Counts()  # the item is not held and was not freed lately: for the next copy
+        # The item is not held and was not freed lately: for the next copy.
+        self._cancelled = _Counts("pending", max_cancel_records, max_cancels_per_item)
         # Released lately (ack, cancel, lease). A Cancel that finds one of these gone
         # is stale -- it was meant for the copy already freed -- and must not drop
         # the next publication of the same item, which another consumer may need.
@@ -87,7 +96,7 @@ class OutboundStore:
         # is kept only ``stale_cancel_grace_s`` (0.5 s) for a consumer to ask for it:
         # an LM normally asks before the encode ends; a late one gets NOT_FOUND and
         # the gateway re-encodes, while a full pool of unwanted copies stalls every encode.
-        self._late_cancels = _Counts()
+        self._late_cancels = _Counts("late", max_cancel_records, max_cancels_per_item)
         self.stale_cancel_grace_s = 0.5
         self.cancel_memory_s = 10.0
         self._lock = threading.Lock()
@@ -128,9 +137,12 @@ class OutboundStore:
         with self._lock:
             self._released.pop(identifier, None)
 
-    def adopt(self, identifier: str, slot: Slot, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    def adopt(self, identifier: str, slot: Slot, shape: tuple[int, ...], dtype: torch.dtype,
+              unwanted: bool = False) -> None:
         """Takes ownership of an already-filled slot (the producer connector's
-        second allocation stage: reserved by the scheduler, written by the worker)."""
+        second allocation stage: reserved by the scheduler, written by the worker).
+        ``unwanted``: every request it was encoded for was aborted; unless a
+        consumer already waits for it, the slot is freed at once (a cancel)."""
         item = OutboundItem(identifier, slot, tuple(shape), dtype)
         with self._lock:
             self._released.pop(identifier, None)
@@ -138,9 +150,10 @@ class OutboundStore:
             self._failures.pop(identifier, None)
             waiters = self._waiters.pop(identifier, [])
             now = time.monotonic()
-            if not waiters and self._cancelled.take(identifier, now - self.cancel_memory_s):
+            if not waiters and (self._cancelled.take(identifier, now - self.cancel_memory_s) or unwanted):
                 # Its consumer gave up before the encode finished (abort,
-                # prefix-cache hit): free it now instead of at lease expiry.
+                # prefix-cache hit), or its encode request was aborted and nobody
+                # asked for it: free it now instead of at lease expiry.
                 self.stats.cancels += 1
                 old, item = item, None
             else:
@@ -150,6 +163,7 @@ class OutboundStore:
                     # before this one was reserved: unless someone asks for it soon,
                     # this copy is for nobody (a lease would hold it a minute).
                     item.cancel_at = now + self.stale_cancel_grace_s
+                item.served = bool(waiters)  # asked for: never ``release_unwanted``
                 old = self._items.get(identifier)
                 self._items[identifier] = item
             if old is not None:
@@ -190,7 +204,25 @@ class OutboundStore:
             if item is None and identifier not in self._failures:
                 self._waiters.setdefault(identifier, []).append(callback)
                 return
+            if item is not None:
+                item.served = True  # asked for: never ``release_unwanted``
         callback(item)
+
+    def release_unwanted(self, identifier: str) -> bool:
+        """Frees the held copy of ``identifier`` if no consumer ever asked for it
+        (none waits, reads or has read it): the producer calls this when every
+        request that encoded it was aborted. Counted as a cancel. False if it is
+        not held or someone asked for it (then an Ack or the lease frees it)."""
+        with self._lock:
+            item = self._items.get(identifier)
+            if item is None or item.served or item.sending or self._waiters.get(identifier):
+                return False
+            del self._items[identifier]
+            _remember(self._released, identifier)
+            self.stats.cancels += 1
+            item.released = True
+        self.pool.free(item.slot)
+        return True
 
     def forget_waiter(self, identifier: str, callback: Callable[[OutboundItem], None]) -> None:
         with self._lock:
@@ -281,6 +313,11 @@ class OutboundStore:
                 logger.warning("outbound item %s expired after %.1fs without an ack", ident, self.ttl_s)
         return stale
 
+    def cancel_records(self) -> int:
+        """Cancels remembered for copies still to come (pending and late), all identifiers together."""
+        with self._lock:
+            return len(self._cancelled) + len(self._late_cancels)
+
     def snapshot(self) -> dict[str, int]:
         with self._lock:
             n = len(self._items)
@@ -294,16 +331,41 @@ def _remember(bounded: dict[str, None], identifier: str, limit: int = 4096) -> N
 
 
 class _Counts:
-    """Timestamps of pending cancels per item (bounded: the oldest items go first)."""
+    """Timestamps of pending cancels per item, bounded: at most ``limit`` items
+    (the oldest item goes first) and ``per_item`` cancels each (the oldest
+    cancel goes first). Evictions are logged at most every ``_LOG_EVERY_S``."""
 
-    def __init__(self, limit: int = 4096) -> None:
+    _LOG_EVERY_S = 10.0
+
+    def __init__(self, kind: str, limit: int = 4096, per_item: int = 64) -> None:
+        if limit <= 0 or per_item <= 0:
+            raise ValueError(f"cancel record limits must be > 0, got {limit} and {per_item}")
         self._by_id: dict[str, list[float]] = {}
+        self._kind = kind
         self._limit = limit
+        self._per_item = per_item
+        self._evicted = 0
+        self._logged_at = float("-inf")
+
+    def __len__(self) -> int:
+        return sum(len(stamps) for stamps in self._by_id.values())
 
     def add(self, identifier: str, now: float) -> None:
-        self._by_id.setdefault(identifier, []).append(now)
+        stamps = self._by_id.setdefault(identifier, [])
+        stamps.append(now)
+        evicted = 0
+        if len(stamps) > self._per_item:
+            del stamps[0]
+            evicted += 1
         while len(self._by_id) > self._limit:
-            self._by_id.pop(next(iter(self._by_id)))
+            evicted += len(self._by_id.pop(next(iter(self._by_id))))
+        if evicted:
+            self._evicted += evicted
+            if now - self._logged_at >= self._LOG_EVERY_S:
+                self._logged_at = now
+                logger.warning("%s cancel records full (%d items, %d each): %d oldest cancels forgotten so far; "
+                               "last added for item %s", self._kind, self._limit, self._per_item, self._evicted,
+                               identifier)
 
     def take(self, identifier: str, not_before: float) -> bool:
         """Consumes the oldest cancel of ``identifier`` made at or after ``not_before``."""

@@ -22,7 +22,19 @@ from dataclasses import dataclass
 
 import torch
 
+from ectransfer.protocol import ProtocolError
+
 ALIGNMENT = 256  # bytes; keeps every slot aligned for any dtype and for DMA
+
+
+def check_range(offset: int, nbytes: int, size: int, what: str) -> None:
+    """``[offset, offset + nbytes)`` lies inside a pool of ``size`` bytes;
+    raises ProtocolError. Consumers call it on ranges a producer sent (uint64
+    offsets, byte counts from int64 shapes) against the size of their own
+    mapping: compared as Python ints, before any slicing or pointer math, so
+    nothing wraps around."""
+    if offset < 0 or nbytes < 0 or size < 0 or offset > size or nbytes > size - offset:
+        raise ProtocolError(f"{what}: range {offset}+{nbytes} lies outside its {size} bytes")
 
 
 class PoolFullError(Exception):

@@ -16,6 +16,7 @@ idea): the consumer connector asks ``state`` each scheduler step.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import hashlib
 import json
@@ -25,13 +26,28 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import grpc
+
+from ectransfer.fingerprint import model_fingerprint
 from epd.common.v1 import common_pb2
 
 
+CLIENT_KEEPALIVE_S = 30.0
+"""Seconds between the consumer channel's HTTP/2 pings (the producer's server
+accepts pings this often, ``TransferLimits.server_options``)."""
+
 # Both ends of the Transfer stream: chunks are a few MiB, well under the limit.
+# Keepalive pings (the server replaces these with its own, ``TransferLimits``):
+# a producer that vanished without closing the connection (host gone, process
+# stopped) fails the consumer's stream within about 40 s, not never. Pings
+# continue on a stream with no data (an LM waiting for encodes).
 TRANSFER_GRPC_OPTIONS = [
     ("grpc.max_send_message_length", 64 << 20),
     ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.keepalive_time_ms", int(CLIENT_KEEPALIVE_S * 1000)),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.ping_timeout_ms", 10_000),  # any unacked ping, not only keepalive's (default 1 min)
+    ("grpc.http2.max_pings_without_data", 0),
 ]
 
 
@@ -114,19 +130,13 @@ class ItemTransfer:
             self.advance(TransferState.FAILED, error)
 
 
-def _model_fingerprint(model: str) -> str:
-    """The model's config.json content when ``model`` is a local directory
-    (two different directories with the same config are the same model),
-    else the name itself."""
-    cfg = os.path.join(model, "config.json")
-    if os.path.isfile(cfg):
-        with open(cfg, "rb") as f:
-            return hashlib.sha256(f.read()).hexdigest()
-    return model
-
-
 def make_compat(*, vllm_version: str, model: str, dtype: str, embed_width: int) -> common_pb2.CompatInfo:
-    fingerprint = _model_fingerprint(model)
+    """The compatibility info both ends of a Transfer stream exchange. Its hash
+    covers the vLLM version, dtype, embedding width and the model's identity
+    (``ectransfer.fingerprint``: config, processor and tokenizer files, and the
+    weights' headers and samples, not their full bytes), so two directories
+    holding the same model agree and a fine-tune with the same config does not."""
+    fingerprint = model_fingerprint(model)
     digest = hashlib.sha256(
         json.dumps([vllm_version, fingerprint, dtype, int(embed_width)]).encode()
     ).hexdigest()
@@ -143,7 +153,7 @@ def check_compat(local: common_pb2.CompatInfo, remote: common_pb2.CompatInfo) ->
         f"{name}: here {getattr(local, name)!r}, peer {getattr(remote, name)!r}"
         for name in ("model", "dtype", "embed_width", "vllm_version")
         if getattr(local, name) != getattr(remote, name)
-    ] or [f"model config differs (here {local.model!r}, peer {remote.model!r})"]
+    ] or [f"model files differ: config, weights or tokenizer (here {local.model!r}, peer {remote.model!r})"]
     raise CompatError("encoder and LM are incompatible: " + "; ".join(diffs))
 
 
@@ -160,3 +170,17 @@ def new_event_loop():
         except ImportError:
             pass
     return asyncio.new_event_loop()
+
+
+async def call_status(call, e: grpc.aio.AioRpcError) -> tuple[grpc.StatusCode, str]:
+    """The call's own status: a producer that refuses a stream at once
+    (UNAUTHENTICATED, RESOURCE_EXHAUSTED) can end it while our request
+    writer still writes, and grpc then raises INTERNAL for the write."""
+    if call is not None and e.code() == grpc.StatusCode.INTERNAL:
+        try:
+            code = await asyncio.wait_for(call.code(), 1.0)
+            if code not in (None, grpc.StatusCode.OK):
+                return code, await call.details()
+        except Exception:  # noqa: BLE001 - keep the error we have
+            pass
+    return e.code(), e.details()

@@ -24,6 +24,7 @@ class Choice:
     proof: bytes
     skipped: list[str] = field(default_factory=list)  # why better transports were not used
     offer: encoder_pb2.TransportOffer | None = None  # the producer's offer that was chosen
+    lane_secret: bytes = b""  # from the producer's Selected: opens one control-lane connection for this stream
 
     @property
     def name(self) -> str:

@@ -3,27 +3,43 @@
 Runs inside the encoder's vLLM engine process, next to the outbound store, on a
 ``grpc.aio`` server in its own thread (``epd-transfer-server``), so vLLM's
 model-runner thread only ever does ``OutboundStore.put``. One stream serves
-many items; each Reserve gets its own task, so a slow encode never blocks
-another item's bytes.
+many items; each Reserve gets its own task (``ectransfer.session``), so a
+slow encode never blocks another item's bytes.
+
+Bounded for hostile or broken peers by ``TransferLimits`` (``ectransfer.limits``):
+open sessions (streams plus lane connections), outstanding Reserves and queued
+bytes per session, in-place hold time, and keepalive pings that end the
+session of a peer that vanished. A stream that selects an in-place transport
+while the lane listens gets a fresh lane secret in ``Selected``; the lane's
+first frame must carry it (single use, forgotten when the stream ends).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
+import secrets
 import socket
 import threading
+import time
 
 import grpc
 
 from ectransfer.base import ProducerTransport
-from ectransfer.outbound import OutboundItem, OutboundStore
-from ectransfer.protocol import TRANSFER_GRPC_OPTIONS, CompatError, check_compat, new_event_loop
-from ectransfer import chunkwire, lane, tensors
+from ectransfer.limits import TransferLimits
+from ectransfer.outbound import OutboundStore
+from ectransfer.protocol import CompatError, check_compat, new_event_loop
+from ectransfer.security import SecurityConfig
+from ectransfer.session import Outbox, TransferSession
+from ectransfer import chunkwire, lane
 from epd.common.v1 import common_pb2
 from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
 
 logger = logging.getLogger(__name__)
+
+
+MAX_UNPROVEN_LANES = 16  # lane connections still to show their secret (each for at most lane.FIRST_FRAME_S)
 
 
 class TransferServicer(encoder_pb2_grpc.TransferServiceServicer):
@@ -37,6 +53,7 @@ class TransferServicer(encoder_pb2_grpc.TransferServiceServicer):
         released_grace_s: float = 2.0,
         stats_fn=None,
         lane: bool = True,
+        limits: TransferLimits | None = None,
     ) -> None:
         self.stats_fn = stats_fn or store.snapshot
         self.store = store
@@ -49,73 +66,132 @@ class TransferServicer(encoder_pb2_grpc.TransferServiceServicer):
         """Offer the same-host control lane with in-place transports (``ectransfer.lane``)."""
         self.lane_address = ""  # set by TransferServerThread once the lane listens
         self.lane_tasks: set[asyncio.Task] = set()  # open lane connections' handlers (cancelled on stop)
+        self.limits = limits or TransferLimits()
+        self.open_sessions = 0  # Transfer streams and lane connections now open (loop thread only)
+        self.sessions: set[TransferSession] = set()  # past the handshake: what the hold sweeper visits
+        # Lane secrets of the open streams that offered the lane, each to the
+        # transport its stream selected; taken by the one lane connection it opens.
+        self._lane_secrets: dict[bytes, int] = {}
+        self._unproven_lanes = 0  # lane connections that have not shown a secret yet (loop thread only)
+        self.refused_sessions = 0
 
     async def Stats(self, request, context):
         values = {k: float(v) for k, v in self.stats_fn().items() if isinstance(v, (int, float))}
         return encoder_pb2.StatsReply(values=values)
 
+    async def _first(self, request_iterator, context, what: str):
+        """The stream's next message, or None at its end; a peer that sends
+        nothing within ``lane.FIRST_FRAME_S`` is dropped (it would hold a
+        session slot for as long as it keeps the connection)."""
+        try:
+            async with asyncio.timeout(lane.FIRST_FRAME_S):
+                return await anext(aiter(request_iterator), None)
+        except TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"no {what} within {lane.FIRST_FRAME_S}s")
+
+    def _admit(self, what: str) -> bool:
+        """Counts a new session in, or refuses it (False) at ``max_sessions``."""
+        if self.open_sessions >= self.limits.max_sessions:
+            self.refused_sessions += 1
+            logger.warning("refusing %s: %d sessions open (max_sessions); %d refused so far", what,
+                           self.open_sessions, self.refused_sessions)
+            return False
+        self.open_sessions += 1
+        return True
+
     async def Transfer(self, request_iterator, context):
-        first = await anext(aiter(request_iterator), None)
-        if first is None or first.WhichOneof("msg") != "hello":
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first Transfer message must be Hello")
-        hello = first.hello
+        # The Hello is read before a refusal: a status sent while the consumer
+        # still writes its first message reaches it as INTERNAL, not as the reason.
+        first = await self._first(request_iterator, context, "Hello")
+        if not self._admit(f"a Transfer stream from {context.peer()}"):
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"this encoder already serves {self.limits.max_sessions} Transfer sessions")
+        secret = b""
         try:
-            check_compat(self.compat, hello.compat)
-        except CompatError as e:
-            logger.warning("refusing consumer %s: %s", hello.consumer_id, e)
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-        offers = [self.transports[k].offer() for k in hello.transports if k in self.transports]
-        for offer in offers:
-            if self.lane_address and self.transports[offer.transport].in_place:
-                offer.control_socket = self.lane_address
-        if not offers:
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"no common transport: consumer allows {_names(hello.transports)}, "
-                f"this encoder offers {_names(self.transports)}",
-            )
-        yield encoder_pb2.TransferServerMsg(hello=encoder_pb2.HelloReply(
-            compat=self.compat, producer_id=self.producer_id, offers=offers,
-            chunk_nbytes=getattr(self.transports.get(common_pb2.GRPC_CHUNKS), "chunk_nbytes", 0)))
-        select = await anext(aiter(request_iterator), None)
-        if select is None:
-            return  # a probe-only handshake (the LM service's compatibility check)
-        if select.WhichOneof("msg") != "select":
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "expected Select after HelloReply")
-        transport = self.transports.get(select.select.transport)
-        if transport is None or not transport.verify(select.select.proof):
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"consumer {hello.consumer_id} selected {_names([select.select.transport])} "
-                                "without a valid proof")
-        logger.info("consumer %s uses %s", hello.consumer_id, _names([transport.kind]))
-        yield encoder_pb2.TransferServerMsg(selected=encoder_pb2.Selected(transport=transport.kind))
-        out: asyncio.Queue = asyncio.Queue()
-        session = _Session(self, transport, hello.consumer_id, out)
-        reader = asyncio.create_task(session.read(request_iterator))
-        try:
-            while (msg := await out.get()) is not None:
-                yield msg
+            if first is None or first.WhichOneof("msg") != "hello":
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first Transfer message must be Hello")
+            hello = first.hello
+            try:
+                check_compat(self.compat, hello.compat)
+            except CompatError as e:
+                logger.warning("refusing consumer %s: %s", hello.consumer_id, e)
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+            offers = [self.transports[k].offer() for k in hello.transports if k in self.transports]
+            challenge = secrets.token_bytes(16)  # this stream's: a proof made for another is worthless here
+            for offer in offers:
+                offer.challenge = challenge
+                if self.lane_address and self.transports[offer.transport].in_place:
+                    offer.control_socket = self.lane_address
+            if not offers:
+                await context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"no common transport: consumer allows {_names(hello.transports)}, "
+                    f"this encoder offers {_names(self.transports)}",
+                )
+            yield encoder_pb2.TransferServerMsg(hello=encoder_pb2.HelloReply(
+                compat=self.compat, producer_id=self.producer_id, offers=offers,
+                chunk_nbytes=getattr(self.transports.get(common_pb2.GRPC_CHUNKS), "chunk_nbytes", 0)))
+            select = await self._first(request_iterator, context, "Select")
+            if select is None:
+                return  # a probe-only handshake (the LM service's compatibility check)
+            if select.WhichOneof("msg") != "select":
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "expected Select after HelloReply")
+            transport = self.transports.get(select.select.transport)
+            if transport is None or not transport.verify(select.select.proof, challenge):
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"consumer {hello.consumer_id} selected {_names([select.select.transport])} "
+                                    "without a valid proof")
+            logger.info("consumer %s uses %s", hello.consumer_id, _names([transport.kind]))
+            selected = encoder_pb2.Selected(transport=transport.kind)
+            if self.lane_address and transport.in_place:
+                selected.lane_secret = secret = secrets.token_bytes(32)
+                self._lane_secrets[secret] = transport.kind
+            yield encoder_pb2.TransferServerMsg(selected=selected)
+            out = Outbox(self.limits.max_stream_queued_bytes, self.limits.send_stall_s)
+            session = self._open_session(transport, hello.consumer_id, out)
+            reader = asyncio.create_task(session.read(request_iterator))
+            try:
+                while (msg := await out.get()) is not None:
+                    yield msg
+            finally:
+                reader.cancel()
+                self._close_session(session)
         finally:
-            reader.cancel()
-            session.close()
+            self._lane_secrets.pop(secret, None)  # unused or used: it opens nothing more
+            self.open_sessions -= 1
 
     async def serve_lane(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """One control-lane connection (``ectransfer.lane``): Select with a valid
-        proof for an in-place transport, then the same session as a stream."""
-        session = None
+        """One control-lane connection (``ectransfer.lane``): Select whose proof
+        is an open stream's lane secret, then the same session as a stream."""
+        # Anyone in this network namespace can connect (abstract sockets have no
+        # permissions): a connection counts as a session only once its secret
+        # proved it; until then it is one of at most MAX_UNPROVEN_LANES.
+        if self._unproven_lanes >= MAX_UNPROVEN_LANES:
+            writer.close()
+            return
+        self._unproven_lanes += 1
+        session, admitted = None, False
         self.lane_tasks.add(asyncio.current_task())
         try:
-            first = await asyncio.wait_for(
-                lane.read_frame(reader, encoder_pb2.TransferClientMsg, lane.MAX_FIRST_FRAME), lane.FIRST_FRAME_S)
+            try:
+                first = await asyncio.wait_for(
+                    lane.read_frame(reader, encoder_pb2.TransferClientMsg, lane.MAX_FIRST_FRAME), lane.FIRST_FRAME_S)
+            finally:
+                self._unproven_lanes -= 1
             if first is None or first.WhichOneof("msg") != "select":
                 return
+            kind = self._take_lane_secret(first.select.proof)
             transport = self.transports.get(first.select.transport)
-            if transport is None or not transport.in_place or not transport.verify(first.select.proof):
-                logger.warning("refusing a control-lane connection without a valid proof")
+            if kind is None or transport is None or transport.kind != kind:
+                logger.warning("refusing a control-lane connection without a valid lane secret")
                 return
+            if not self._admit("a control-lane connection"):
+                return
+            admitted = True
             writer.write(lane.frame(encoder_pb2.TransferServerMsg(
                 selected=encoder_pb2.Selected(transport=transport.kind))))
-            session = _Session(self, transport, "lane", lane.FrameOut(writer))
+            session = self._open_session(transport, "lane", lane.FrameOut(
+                writer, self.limits.max_stream_queued_bytes, self.limits.send_stall_s))
 
             async def frames():
                 while (msg := await lane.read_frame(reader, encoder_pb2.TransferClientMsg)) is not None:
@@ -128,148 +204,41 @@ class TransferServicer(encoder_pb2_grpc.TransferServiceServicer):
             logger.exception("control lane failed")
         finally:
             if session is not None:
-                session.close()  # what it held is released (the lease restarts)
+                self._close_session(session)  # what it held is released (the lease restarts)
             self.lane_tasks.discard(asyncio.current_task())
+            if admitted:
+                self.open_sessions -= 1
             writer.close()  # the consumer sees EOF and fails what was in flight
 
-    async def _serve_item(self, reserve: encoder_pb2.Reserve, transport: ProducerTransport, out: asyncio.Queue,
-                          pinned: dict[str, OutboundItem]) -> None:
-        ident = reserve.identifier
-        item = await self._wait_for(ident)
-        if item is _GONE:
-            await out.put(_error(ident, encoder_pb2.ItemError.NOT_FOUND,
-                                 f"item {ident} was freed after another consumer's ack and no new copy is being "
-                                 f"encoded here; ask the encoder again"))
-            return
-        if item is None:
-            failed = self.store.failure(ident)
-            await out.put(_error(ident, encoder_pb2.ItemError.INTERNAL, f"item {ident}: {failed}") if failed else
-                          _error(ident, encoder_pb2.ItemError.TIMED_OUT,
-                                 f"item {ident} was not encoded here within {self.item_wait_s}s"))
-            return
-        item = self.store.begin_send(ident)
-        if item is None:  # freed between ready and now (lease or another consumer's ack)
-            await out.put(_error(ident, encoder_pb2.ItemError.NOT_FOUND, f"item {ident} is no longer held here"))
-            return
-        try:
-            nbytes = item.slot.nbytes
-            if nbytes > reserve.max_nbytes:
-                await out.put(_error(ident, encoder_pb2.ItemError.TOO_LARGE,
-                                     f"item {ident} has {nbytes} bytes, consumer reserved {reserve.max_nbytes}"))
-                return
-            data = self.store.view(item)
-            desc = common_pb2.TensorDescriptor(
-                shape=list(item.shape), dtype=tensors.dtype_to_proto(item.dtype), nbytes=nbytes
-            )
-            transport.describe(data, desc)
-            if transport.in_place:
-                previous = pinned.pop(ident, None)
-                pinned[ident] = item  # held for the consumer's in-place read, until Ack/Cancel
-                item = previous  # an earlier pin of this item on this stream is dropped below
-            await out.put(encoder_pb2.TransferServerMsg(header=encoder_pb2.ItemHeader(identifier=ident, tensor=desc)))
-            for msg in transport.payload(ident, data):
-                await out.put(msg)
-                await asyncio.sleep(0)  # let other items interleave
-        finally:
-            if item is not None:
-                self.store.end_send(item)
+    def _take_lane_secret(self, proof: bytes) -> int | None:
+        """The transport of the open stream whose lane secret ``proof`` is
+        (then forgotten: one lane connection per secret), or None."""
+        found = None
+        for secret in list(self._lane_secrets):  # compare_digest: no early exit on a matching prefix
+            if hmac.compare_digest(secret, proof):
+                found = secret
+        return self._lane_secrets.pop(found) if found is not None else None
 
-    async def _wait_for(self, ident: str) -> OutboundItem | None:
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future = loop.create_future()
-        on_loop = threading.get_ident()
+    def _open_session(self, transport: ProducerTransport, consumer_id: str, out) -> TransferSession:
+        session = TransferSession(self, transport, consumer_id, out)
+        self.sessions.add(session)
+        return session
 
-        def ready(item: OutboundItem) -> None:
-            if threading.get_ident() == on_loop:  # already in the store: no wake-up needed
-                fut.done() or fut.set_result(item)
-            else:
-                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(item))
+    def _close_session(self, session: TransferSession) -> None:
+        self.sessions.discard(session)
+        session.close()
 
-        self.store.on_ready(ident, ready)
-        if fut.done():
-            self.store.forget_waiter(ident, ready)
-            return fut.result()
-        deadline = loop.time() + self.item_wait_s
-        try:
-            while (remaining := deadline - loop.time()) > 0:
-                # An item freed lately with no new copy reserved (a second LM asking
-                # just after the first one's ack) gets a short grace, not the full
-                # wait: the encode that would re-publish it is normally reserved
-                # within milliseconds, and otherwise the consumer should fail fast
-                # so the gateway can re-encode.
-                gone = self.store.released_lately(ident)
-                # asyncio.wait on the future itself: no task per item, nothing cancelled.
-                await asyncio.wait((fut,), timeout=min(remaining, self.released_grace_s) if gone else remaining)
-                if fut.done():
-                    return fut.result()
-                if gone and self.store.released_lately(ident):
-                    return _GONE
-            return None
-        finally:
-            self.store.forget_waiter(ident, ready)
-
-
-_GONE = object()  # _wait_for: freed lately, no new copy coming
-
-
-class _Session:
-    """The item half of one consumer's Transfer stream (gRPC or control lane):
-    Reserve starts a serve task, Ack/Cancel release. ``out.put`` carries the
-    producer's messages (``None`` ends the stream). In-place transports (shm,
-    CUDA IPC): the consumer reads the slot itself after the header, so the
-    session holds (``pinned``) it until that consumer's Ack or Cancel, and
-    ``close`` drops what is still held (the lease restarts)."""
-
-    def __init__(self, servicer: TransferServicer, transport: ProducerTransport, consumer_id: str, out) -> None:
-        self.servicer = servicer
-        self.store = servicer.store
-        self.transport = transport
-        self.consumer_id = consumer_id
-        self.out = out
-        self.tasks: dict[str, asyncio.Task] = {}
-        self.pinned: dict[str, OutboundItem] = {}
-
-    async def read(self, messages) -> None:
-        async for msg in messages:
-            kind = msg.WhichOneof("msg")
-            if kind == "reserve":
-                r = msg.reserve
-                # A Reserve for an item being served is a duplicate; one whose last
-                # serve has ended (sent, or answered with an error) is a new ask.
-                if r.identifier not in self.tasks or self.tasks[r.identifier].done():
-                    self.tasks[r.identifier] = asyncio.create_task(
-                        self.servicer._serve_item(r, self.transport, self.out, self.pinned))
-            elif kind in ("ack", "cancel"):
-                ident = getattr(msg, kind).identifier
-                task = self.tasks.pop(ident, None)
-                if task is not None and not task.done():
-                    task.cancel()
-                held = self.pinned.pop(ident, None)
-                # An in-place reader's Ack/Cancel is for the copy it read, not a
-                # newer one published under the same id since.
-                self.store.release(ident, kind, held)
-                if held is not None:
-                    self.store.end_send(held)  # frees the slot if nobody else reads it
-            else:
-                logger.warning("consumer %s sent an unexpected %s", self.consumer_id, kind)
-        await self.out.put(None)  # the consumer half-closed: finish the stream
-
-    def close(self) -> None:
-        for t in self.tasks.values():
-            t.cancel()
-        for held in self.pinned.values():  # the consumer went away without acking
-            self.store.end_send(held, restart_lease=True)
-        self.pinned.clear()
+    def expire_holds(self, now: float | None = None) -> int:
+        """Ends in-place holds older than ``max_in_place_hold_s`` in every session
+        (the server's sweeper, on the loop thread)."""
+        now = time.monotonic() if now is None else now
+        return sum(session.expire_holds(now) for session in list(self.sessions))
 
 
 def _names(kinds) -> str:
     from ectransfer.factory import transport_name
 
     return ", ".join(transport_name(k) for k in kinds) or "none"
-
-
-def _error(ident: str, code: int, message: str) -> encoder_pb2.TransferServerMsg:
-    return encoder_pb2.TransferServerMsg(error=encoder_pb2.ItemError(identifier=ident, code=code, message=message))
 
 
 class TransferServerThread:
@@ -280,8 +249,10 @@ class TransferServerThread:
     loop and frees outbound items nobody acked within the store's TTL.
     """
 
-    def __init__(self, servicer: TransferServicer, host: str, port: int, sweep_s: float = 0.25) -> None:
+    def __init__(self, servicer: TransferServicer, host: str, port: int, sweep_s: float = 0.25,
+                 security: SecurityConfig | None = None) -> None:
         self.servicer = servicer
+        self.security = security or SecurityConfig()
         self.host = host
         self.port = port
         self.sweep_s = sweep_s
@@ -313,9 +284,11 @@ class TransferServerThread:
         self._loop.run_forever()
 
     async def _start(self) -> None:
-        self._server = grpc.aio.server(options=TRANSFER_GRPC_OPTIONS)
+        self._server = grpc.aio.server(options=self.servicer.limits.server_options(),
+                                       interceptors=self.security.server_interceptors())
         chunkwire.add_transfer_service(self.servicer, self._server)
-        self.bound_port = self._server.add_insecure_port(f"{self.host}:{self.port}")
+        self.security.require_for(self.host, f"Transfer server {self.host}:{self.port}")
+        self.bound_port = self.security.add_port(self._server, f"{self.host}:{self.port}")
         if not self.bound_port:
             raise OSError(f"cannot bind {self.host}:{self.port}")
         await self._server.start()
@@ -333,7 +306,11 @@ class TransferServerThread:
     async def _sweep(self) -> None:
         while True:
             await asyncio.sleep(self.sweep_s)
-            self.servicer.store.expire()
+            try:
+                self.servicer.store.expire()
+                self.servicer.expire_holds()
+            except Exception:  # noqa: BLE001 - one bad sweep must not end every later expiry
+                logger.exception("lease sweep failed")
 
     def add_datagram_endpoint(self, address: str, on_datagram) -> None:
         """Receives unix datagrams at ``address`` on this loop and calls

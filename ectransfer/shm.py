@@ -12,22 +12,31 @@ SHM transport: the producer's outbound pool is a segment; an item travels as
 (segment, offset) and the consumer copies it out of its mapping, which it opens
 once per segment and caches. The producer's slot stays allocated until the
 consumer acks, so the bytes cannot change under the copy.
+
+The consumer does not trust the names and ranges a producer sends: it maps
+only regular files (``O_NOFOLLOW``, ``S_ISREG``) whose name has the form this
+project creates (``validate_peer_segment``: ``epd-<role>-<pid>-<hex>``, never
+an LM's inbound staging), and checks every range against the size of its own
+mapping, not the size the producer claims. ``cleanup_orphans`` likewise looks
+only at regular files, opened without blocking or following links.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import mmap
 import os
 import re
 import secrets
+import stat
 import warnings
 
 import torch
 
-from ectransfer.base import ConsumerTransport, Landed, ProducerTransport, Receiver
-from ectransfer.pool import ALIGNMENT, Pool
+from ectransfer.base import ConsumerTransport, Landed, ProducerTransport, Receiver, proof_matches, seal_proof
+from ectransfer.pool import ALIGNMENT, Pool, check_range
 from ectransfer.protocol import ProtocolError
 from epd.common.v1 import common_pb2
 from epd.encoder.v1 import encoder_pb2
@@ -37,6 +46,8 @@ logger = logging.getLogger(__name__)
 SHM_DIR = "/dev/shm"
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 _OWNED = re.compile(r"^epd-[a-z]+-(\d+)-[0-9a-f]+$")
+_NOT_PEER_ROLES = frozenset({"staging"})  # an LM's inbound staging: other requests' embeddings, never a producer's
+MAX_PROBE_NBYTES = 4096  # a probe reads a nonce back, not data
 
 
 def validate_name(name: str) -> str:
@@ -45,15 +56,46 @@ def validate_name(name: str) -> str:
     return name
 
 
+def validate_peer_segment(name: str) -> str:
+    """A segment name a producer may hand a consumer: the form ``new_name``
+    makes (``epd-<role>-<pid>-<hex>``, so never vLLM's ``psm_*`` or any other
+    file in /dev/shm) and not an LM's inbound staging. Raises ProtocolError."""
+    if not isinstance(name, str) or len(name) > 200 or _OWNED.fullmatch(name) is None:
+        raise ProtocolError(f"shared-memory segment {name!r} is not an epd segment (epd-<role>-<pid>-<hex>)")
+    role = name.split("-")[1]
+    if role in _NOT_PEER_ROLES:
+        raise ProtocolError(f"shared-memory segment {name!r} is an LM's {role}, not a producer's pool")
+    return name
+
+
 def new_name(role: str) -> str:
     return f"epd-{role}-{os.getpid()}-{secrets.token_hex(6)}"
 
 
-def _owner_alive(path: str) -> bool:
+def _open_regular(path: str, flags: int) -> int:
+    """Opens ``path`` without following a link and without blocking (a FIFO
+    would block an O_RDONLY open until a writer comes), and only if it is a
+    regular file (what shm_open makes); raises OSError otherwise."""
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK)
     try:
-        fd = os.open(path, os.O_RDONLY)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular shared-memory object", path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _owner_alive(path: str) -> bool:
+    """Whether someone holds ``path``'s lock; also True for what is not ours
+    to judge (gone, a link, a FIFO or anything but a regular file)."""
+    try:
+        fd = _open_regular(path, os.O_RDONLY)
     except FileNotFoundError:
         return True  # gone already: nothing to do
+    except OSError as e:
+        logger.warning("leaving %s alone: not a regular shared-memory object (%s)", path, e.strerror or e)
+        return True
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -96,8 +138,7 @@ class ShmSegment:
             os.close(fd)
             raise
         if owner:
-            fcntl.flock(fd, fcntl.LOCK_SH)  # liveness for cleanup_orphans; released when we die
-            self._fd: int | None = fd
+            self._fd: int | None = fd  # holds create's flock (liveness for cleanup_orphans) until close
         else:
             os.close(fd)
             self._fd = None
@@ -112,6 +153,9 @@ class ShmSegment:
             raise ValueError(f"a shared-memory segment needs > 0 bytes, got {nbytes}")
         path = os.path.join(SHM_DIR, validate_name(name))
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        # Locked before anything else: another service's cleanup_orphans at this
+        # moment (epd up starts them together) must see it as alive.
+        fcntl.flock(fd, fcntl.LOCK_SH)
         try:
             os.ftruncate(fd, nbytes)
         except OSError:
@@ -123,7 +167,7 @@ class ShmSegment:
     @classmethod
     def attach(cls, name: str, readonly: bool = True) -> "ShmSegment":
         path = os.path.join(SHM_DIR, validate_name(name))
-        fd = os.open(path, os.O_RDONLY if readonly else os.O_RDWR)
+        fd = _open_regular(path, os.O_RDONLY if readonly else os.O_RDWR)
         size = os.fstat(fd).st_size
         if size == 0:
             os.close(fd)
@@ -214,8 +258,8 @@ class ShmProducer(ProducerTransport):
         return encoder_pb2.TransportOffer(transport=self.kind, shm_probe=encoder_pb2.ShmProbe(
             segment=self.pool.name, offset=self._probe.offset, nbytes=self.NONCE_NBYTES))
 
-    def verify(self, proof: bytes) -> bool:
-        return secrets.compare_digest(proof, self._nonce)
+    def verify(self, proof: bytes, challenge: bytes) -> bool:
+        return proof_matches(proof, self._nonce, challenge)
 
     def describe(self, data: torch.Tensor, desc: common_pb2.TensorDescriptor) -> None:
         offset = data.data_ptr() - self.pool.buffer.data_ptr() if data.numel() else 0
@@ -233,26 +277,29 @@ class ShmConsumer(ConsumerTransport):
     def __init__(self) -> None:
         self.mappings = Mappings()
 
+    def _map(self, name: str) -> ShmSegment:
+        """The producer's segment ``name``, mapped read-only once; only an epd
+        producer segment that is a regular file (ProtocolError otherwise)."""
+        validate_peer_segment(name)
+        try:
+            return self.mappings.get(name)
+        except (OSError, ValueError) as e:
+            raise ProtocolError(f"cannot map shared-memory segment {name!r}: {e}") from None
+
     def probe(self, offer: encoder_pb2.TransportOffer) -> bytes:
         p = offer.shm_probe
-        try:
-            seg = self.mappings.get(p.segment)
-        except (OSError, ValueError) as e:
-            raise ProtocolError(f"cannot map shared-memory segment {p.segment!r}: {e}") from None
-        if p.offset + p.nbytes > seg.nbytes:
-            raise ProtocolError(f"probe range outside segment {p.segment!r}")
-        return seg.buffer[p.offset : p.offset + p.nbytes].numpy().tobytes()
+        if not 0 < p.nbytes <= MAX_PROBE_NBYTES:
+            raise ProtocolError(f"probe of {p.nbytes} bytes (1-{MAX_PROBE_NBYTES} allowed)")
+        seg = self._map(p.segment)
+        check_range(p.offset, p.nbytes, seg.nbytes, f"probe in segment {p.segment!r}")
+        return seal_proof(seg.buffer[p.offset : p.offset + p.nbytes].numpy().tobytes(), offer.challenge)
 
     def locate(self, desc: common_pb2.TensorDescriptor) -> ShmSegment:
         if desc.WhichOneof("payload") != "shm":
             raise ProtocolError(f"expected a shared-memory payload, got {desc.WhichOneof('payload')}")
         ref = desc.shm
-        try:
-            seg = self.mappings.get(ref.segment)
-        except (OSError, ValueError) as e:
-            raise ProtocolError(f"cannot map shared-memory segment {ref.segment!r}: {e}") from None
-        if ref.offset + desc.nbytes > seg.nbytes:
-            raise ProtocolError(f"shm range {ref.offset}+{desc.nbytes} exceeds segment {ref.segment} ({seg.nbytes})")
+        seg = self._map(ref.segment)
+        check_range(ref.offset, desc.nbytes, seg.nbytes, f"shm item in segment {ref.segment!r}")
         return seg
 
     def receiver(self, desc: common_pb2.TensorDescriptor, dest: torch.Tensor) -> Receiver:

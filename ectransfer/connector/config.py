@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ectransfer import factory
+from ectransfer.limits import TransferLimits
 
 
 @dataclass
@@ -47,16 +48,51 @@ class ConnectorConfig:
     """Consumer: an item landed in place that vLLM has not scheduled within this
     time (its request waits for KV space or another item) is copied to staging
     and acked, so it does not keep the encoder's pool pinned."""
+    max_sessions: int = 64
+    """Producer: concurrent Transfer sessions (gRPC streams, handshake probes included, plus control-lane
+    connections); one beyond it is refused (RESOURCE_EXHAUSTED; a lane connection is closed) with a log line."""
+    max_reserves_per_session: int = 1024
+    """Producer: outstanding Reserves of one session (waiting, being sent, or held for an in-place read);
+    one beyond it is answered with ItemError RESOURCE_EXHAUSTED instead of being served."""
+    max_stream_queued_bytes: int = 16 << 20
+    """Producer: bytes of messages queued for one session that its stream has not taken yet (HTTP/2 flow
+    control, or the lane socket's buffer); chunks of further items wait for it to drain."""
+    send_stall_s: float = 30.0
+    """Producer: an item whose next message cannot be queued for this long (the consumer stopped reading)
+    is given up: the producer stops holding its slot for that consumer."""
+    max_in_place_hold_s: float = 60.0
+    """Producer: an item held for a consumer reading it in place (shm, CUDA IPC) with no Ack or Cancel within
+    this time is let go (its lease restarts, then the slot is freed). Consumers ack or demote within
+    ``in_place_hold_s``; only a stopped one gets here."""
+    max_cancel_records: int = 4096
+    """Producer: identifiers whose Cancels are remembered for a copy still to come (per kind: pending,
+    late); the oldest is forgotten beyond it, with a log line."""
+    max_cancels_per_item: int = 64
+    """Producer: Cancels remembered per identifier; the oldest is forgotten beyond it."""
+    keepalive_s: float = 30.0
+    """Producer: HTTP/2 ping interval on Transfer connections (consumers ping every 30 s and are allowed to);
+    a vanished peer's session ends after ``keepalive_s + keepalive_timeout_s``."""
+    keepalive_timeout_s: float = 10.0
+    """Producer: an unanswered keepalive ping closes the connection after this long."""
     model_name: str = ""
     """Name used in the compatibility hash (default: vLLM's model path)."""
+    security: dict[str, Any] = field(default_factory=dict)
+    """TLS and auth token for the Transfer link (``ectransfer.security.SecurityConfig.to_dict``): the
+    producer's server requires them, the consumer's client presents them."""
 
     def __post_init__(self) -> None:
         for name in self.transports:
             if name != factory.AUTO:
                 factory.transport_enum(name)  # ValueError listing the allowed names
-        for name in ("outbound_pool_bytes", "staging_bytes", "chunk_nbytes"):
+        for name in ("outbound_pool_bytes", "staging_bytes", "chunk_nbytes", "max_cancel_records",
+                     "max_cancels_per_item"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        self.transfer_limits()  # ValueError naming a limit that is not > 0
+
+    def transfer_limits(self) -> TransferLimits:
+        """The producer's Transfer server bounds (``ectransfer.limits``)."""
+        return TransferLimits(**{f.name: getattr(self, f.name) for f in fields(TransferLimits)})
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> "ConnectorConfig":

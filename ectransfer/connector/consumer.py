@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 from ectransfer import factory, tensors
+from ectransfer.security import SecurityConfig
 from ectransfer.client import Fetch, TransferClient
 from ectransfer.connector.common import compat_for, worker_device
 from ectransfer.connector.config import ConnectorConfig
@@ -76,6 +77,7 @@ class ConsumerScheduler:
             transports=[factory.make_consumer(n) for n in factory.resolve(cfg.transports, "consumer")],
             timeout_s=cfg.transfer_timeout_s,
             hold_s=cfg.in_place_hold_s,
+            security=SecurityConfig.from_dict(cfg.security),
         )
         self.engine_id = engine_id
         self._manager = None  # EPDEncoderCacheManager, when configured (created after us)
@@ -102,27 +104,33 @@ class ConsumerScheduler:
         if not stats.wait_started:
             stats.wait_started = time.monotonic()
         skipped = self._skipped.setdefault(rid, set())
-        needed = []
+        # One copy per identifier: an image that appears twice in the prompt is
+        # fetched (and its staging reserved and freed) once, under its first
+        # placeholder still to compute; it is cancelled only if no placeholder needs it.
+        needed: dict[str, tuple[int, Any, dict]] = {}
+        not_needed: dict[str, dict] = {}
         for index, feat in enumerate(request.mm_features):
             src = sources.get(feat.identifier)
             if src is None:
                 continue  # no encoder named: vLLM encodes it here
             pos = feat.mm_position
             if pos.offset + pos.length <= num_computed_tokens or self._in_vllm_cache(feat.identifier):
-                # The prefix cache covers it, or vLLM's encoder cache holds it:
-                # tell the encoder it is not needed (it frees the slot now).
-                if feat.identifier not in skipped and feat.identifier not in self._items:
-                    skipped.add(feat.identifier)
-                    self.client.cancel(src["endpoint"], feat.identifier)
-                    self._counts["cancels"] += 1
-                    self._counts["reuse_hits"] += self._in_vllm_cache(feat.identifier)
-                continue
-            needed.append((index, feat, src))
-        missing = [n for n in needed if n[1].identifier not in self._items]
+                not_needed.setdefault(feat.identifier, src)
+            else:
+                needed.setdefault(feat.identifier, (index, feat, src))
+        for ident, src in not_needed.items():
+            # The prefix cache covers it, or vLLM's encoder cache holds it:
+            # tell the encoder it is not needed (it frees the slot now).
+            if ident not in needed and ident not in skipped and ident not in self._items:
+                skipped.add(ident)
+                self.client.cancel(src["endpoint"], ident)
+                self._counts["cancels"] += 1
+                self._counts["reuse_hits"] += self._in_vllm_cache(ident)
+        missing = [n for ident, n in needed.items() if ident not in self._items]
         if missing and not self._start_all(request, missing):
             return False
         ready = True
-        for _, feat, _ in needed:
+        for _, feat, _ in needed.values():
             item = self._items[feat.identifier]
             item.requests.add(rid)
             lost = item.fetch.stream_lost
@@ -140,12 +148,13 @@ class ConsumerScheduler:
 
     def _start_all(self, request, missing) -> bool:
         """Reserves staging for every missing item of ``request`` or for none
-        (two requests never hold half the staging each), then asks the encoders."""
-        sizes = [
-            tensors.nbytes_of((request.get_num_encoder_embeds(index), int(src["embed_width"])),
-                              tensors.dtype_from_name(src["dtype"]))
-            for index, _, src in missing
-        ]
+        (two requests never hold half the staging each), then asks the encoders.
+        Each item must arrive as the metadata promised: ``[num_embeds,
+        embed_width]`` (num_embeds from the prompt's placeholder) in ``dtype``;
+        the transfer client refuses any other header."""
+        kinds = [((request.get_num_encoder_embeds(index), int(src["embed_width"])),
+                  tensors.dtype_from_name(src["dtype"])) for index, _, src in missing]
+        sizes = [tensors.nbytes_of(shape, dtype) for shape, dtype in kinds]
         if sum(sizes) > self.staging.capacity:
             msg = (f"the request's encoder outputs need {sum(sizes)} bytes, more than the LM's staging "
                    f"({self.staging.capacity} bytes; raise --staging-mib)")
@@ -169,10 +178,10 @@ class ConsumerScheduler:
                         manager.depreallocate(taken_feat.identifier)
                 return False
             slots.append(slot)
-        for (_, feat, src), slot, n in zip(missing, slots, sizes):
+        for (_, feat, src), slot, n, (shape, dtype) in zip(missing, slots, sizes, kinds):
             transfer = ItemTransfer(feat.identifier, n, on_change=self._progress.set)
             fetch = self.client.fetch(transfer, src["endpoint"], self.staging.view(slot), request.request_id,
-                                      in_place=self.cfg.read_in_place)
+                                      in_place=self.cfg.read_in_place, shape=shape, dtype=dtype)
             self._items[feat.identifier] = _Inbound(transfer, src["endpoint"], slot, fetch)
         return True
 

@@ -52,6 +52,8 @@ class EPDConnectorMetadata(ECConnectorMetadata):
     """Producer: slots reserved this step, one per item to save."""
     notify: str = ""
     """Producer: unix datagram address the worker reports saves to."""
+    notify_key: bytes = b""
+    """Producer: the key every report starts with (the socket drops datagrams without it)."""
     unmap: list[tuple[str, str]] = field(default_factory=list)
     """Consumer: ("shm", segment) / ("cuda_ipc", pool id) of encoders whose
     stream closed: unmap after this step's loads."""

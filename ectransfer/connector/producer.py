@@ -20,6 +20,22 @@ and the Transfer server thread. Two-stage allocation on this side too:
 A reservation is freed by the store (Ack, Cancel, lease) once finalized, by the
 worker's failure report, or here when its request ends before dispatch.
 
+An encode request that ends aborted (the encoder service aborts it when its
+Encode call is cancelled or times out) or failed leaves items nobody will ask
+for, unless a consumer already did (an LM that got the metadata may be
+waiting): each item whose every request in the last lease ended that way is
+freed as soon as it is in the store (``OutboundStore.adopt(unwanted=True)``,
+``release_unwanted``), not a lease later. vLLM's own abort is the channel from
+the service; an item another live or finished request uses is kept.
+
+Worker reports travel over an abstract-namespace unix datagram socket, which
+any process on the host can send to (abstract sockets have no file
+permissions, and SO_PEERCRED does not exist for datagrams). Each report
+therefore starts with a random per-engine key (``REPORT_KEY_NBYTES``) that
+reaches the worker only inside vLLM's own scheduler-to-worker metadata;
+datagrams without it are dropped unread. (A filesystem socket in a 0700
+directory would work too, but needs a path to create and remove on every exit.)
+
 Worker half (vLLM's worker process): maps the segment (or opens the CUDA
 pool's handle; in the scheduler's own process it uses the pool directly) once
 and copies each fresh (``save_caches``) or already-cached
@@ -28,11 +44,14 @@ and copies each fresh (``save_caches``) or already-cached
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import os
+import secrets
 import socket
 import threading
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +62,7 @@ from ectransfer.connector.config import ConnectorConfig
 from ectransfer.connector.metadata import EPDConnectorMetadata, SaveSpec
 from ectransfer.outbound import OutboundStore
 from ectransfer.pool import PoolFullError, Slot
+from ectransfer.security import SecurityConfig
 from ectransfer.server import TransferServerThread, TransferServicer
 from ectransfer.shm import Mappings, ShmPool, new_name
 
@@ -55,6 +75,9 @@ class _Reserved:
     shape: tuple[int, int]
     requests: set[str] = field(default_factory=set)
     dispatched: bool = False
+
+
+REPORT_KEY_NBYTES = 16
 
 
 class ProducerScheduler:
@@ -80,7 +103,8 @@ class ProducerScheduler:
             self.pool = self.cuda_pool = CudaPool(cfg.outbound_pool_bytes)
         else:
             self.pool = ShmPool(cfg.outbound_pool_bytes, role="outbound")
-        self.store = OutboundStore(self.pool, ttl_s=cfg.lease_s)
+        self.store = OutboundStore(self.pool, ttl_s=cfg.lease_s, max_cancel_records=cfg.max_cancel_records,
+                                   max_cancels_per_item=cfg.max_cancels_per_item)
         transports = {}
         for name in names:
             kwargs = {"chunk_nbytes": cfg.chunk_nbytes} if name == "grpc" else {"pool": self.pool}
@@ -88,16 +112,20 @@ class ProducerScheduler:
             transports[t.kind] = t
         servicer = TransferServicer(self.store, compat_for(vllm_config, cfg.model_name),
                                     vllm_config.ec_transfer_config.engine_id, transports,
-                                    item_wait_s=cfg.item_wait_s, stats_fn=lambda: self.stats_snapshot())
-        self.server = TransferServerThread(servicer, cfg.transfer_host, cfg.transfer_port)
+                                    item_wait_s=cfg.item_wait_s, stats_fn=lambda: self.stats_snapshot(),
+                                    limits=cfg.transfer_limits())
+        self.server = TransferServerThread(servicer, cfg.transfer_host, cfg.transfer_port,
+                                           security=SecurityConfig.from_dict(cfg.security))
         port = self.server.start()
         endpoint = f"{cfg.advertise_host or cfg.transfer_host}:{port}"
         logger.info("EPD transfer server on %s, outbound pool %s (%d MiB, transports %s)", endpoint,
                     self.pool.pool_id if self.cuda_pool is not None else self.pool.name,
                     cfg.outbound_pool_bytes >> 20, ",".join(names))
         if cfg.endpoint_file:
+            # 0600, and the service puts it in a 0700 directory of its own: no other
+            # user can read it, plant one first or swap it for another endpoint.
             tmp = cfg.endpoint_file + ".tmp"
-            with open(tmp, "w") as f:
+            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
                 f.write(endpoint)
             os.replace(tmp, cfg.endpoint_file)
         self._reserved: dict[str, _Reserved] = {}
@@ -107,8 +135,14 @@ class ProducerScheduler:
         self._unavailable: set[str] = set()
         self._encoder_runs: dict[str, int] = defaultdict(int)
         self._lock = threading.Lock()  # _reserved/_unavailable: scheduler thread + report thread
-        # Abstract-namespace socket: no file to clean up, gone with the process.
+        self._lease_s = cfg.lease_s
+        self._live: dict[str, set[str]] = {}  # item -> unfinished requests that include it
+        self._kept: dict[str, float] = {}  # item -> when a request that included it last ended normally
+        self._refused_reports = 0
+        # Abstract-namespace socket: no file to clean up, gone with the process;
+        # a report must carry this key (see the module docstring).
         self.notify_addr = "\0" + new_name("notify")
+        self.report_key = secrets.token_bytes(REPORT_KEY_NBYTES)
         self.server.add_datagram_endpoint(self.notify_addr, self._on_report)
 
     def _shape(self, feat) -> tuple[int, int]:
@@ -122,6 +156,7 @@ class ProducerScheduler:
         missing = {}
         for feat in request.mm_features:
             ident = feat.identifier
+            self._live.setdefault(ident, set()).add(request.request_id)
             res = self._reserved.get(ident)
             if res is not None:
                 res.requests.add(request.request_id)
@@ -151,7 +186,7 @@ class ProducerScheduler:
     def build_meta(self, scheduler_output) -> EPDConnectorMetadata:
         for req_id, inputs in scheduler_output.scheduled_encoder_inputs.items():
             self._encoder_runs[req_id] += len(inputs)
-        meta = EPDConnectorMetadata(notify=self.notify_addr)
+        meta = EPDConnectorMetadata(notify=self.notify_addr, notify_key=self.report_key)
         with self._lock:
             for ident, res in self._reserved.items():
                 if not res.dispatched:
@@ -164,11 +199,19 @@ class ProducerScheduler:
         return meta
 
     def _on_report(self, data: bytes) -> None:
-        """A worker's report (Transfer server thread): finalize or fail a slot."""
-        report = json.loads(data)
+        """A worker's report (Transfer server thread): finalize or fail a slot.
+        Datagrams without this engine's key are dropped unread."""
+        if not hmac.compare_digest(data[:REPORT_KEY_NBYTES], self.report_key):
+            self._refused_reports += 1
+            if self._refused_reports == 1 or self._refused_reports % 1000 == 0:
+                logger.warning("dropped %d datagram(s) on the worker-report socket without this engine's key "
+                               "(another process on this host is sending to it)", self._refused_reports)
+            return
+        report = json.loads(data[REPORT_KEY_NBYTES:])
         ident = report["id"]
         with self._lock:
             res = self._reserved.pop(ident, None)
+            unwanted = res is not None and self._unwanted(ident)
             if res is not None and report.get("error"):
                 self._unavailable |= res.requests
         if res is None:
@@ -179,7 +222,40 @@ class ProducerScheduler:
             self.pool.free(res.slot)
             self.store.mark_failed(ident, report["error"])
         else:
-            self.store.adopt(ident, res.slot, res.shape, self.dtype)
+            self.store.adopt(ident, res.slot, res.shape, self.dtype, unwanted=unwanted)
+            if unwanted and not self.store.contains(ident):
+                logger.info("encoder output %s freed on arrival: its encode request was aborted and no consumer "
+                            "asked for it", ident)
+
+    def _unwanted(self, ident: str) -> bool:
+        """No unfinished request includes ``ident`` and none that did ended
+        normally within a lease (its caller may hand the item to an LM). Under
+        ``_lock``."""
+        if self._live.get(ident):
+            return False
+        kept = self._kept.get(ident)
+        return kept is None or time.monotonic() - kept > self._lease_s
+
+    def _finished(self, request, aborted: bool) -> list[str]:
+        """Books ``request`` as ended; returns its items that nobody wants any more
+        (all when ``aborted``, see ``_unwanted``). Under ``_lock``."""
+        now = time.monotonic()
+        unwanted = []
+        for feat in request.mm_features:
+            ident = feat.identifier
+            users = self._live.get(ident)
+            if users is not None:
+                users.discard(request.request_id)
+                if not users:
+                    del self._live[ident]
+            if not aborted:
+                self._kept.pop(ident, None)
+                self._kept[ident] = now  # insertion order is time order
+            elif self._unwanted(ident):
+                unwanted.append(ident)
+        while self._kept and now - next(iter(self._kept.values())) > self._lease_s:
+            self._kept.pop(next(iter(self._kept)))
+        return unwanted
 
     def update_connector_output(self, output) -> None:
         return None  # see the module docstring: reports arrive on the socket
@@ -210,6 +286,7 @@ class ProducerScheduler:
     def request_finished(self, request) -> dict[str, Any]:
         rid = request.request_id
         with self._lock:
+            unwanted = self._finished(request, _ended_unread(request))
             self._seen.discard(rid)
             for ident in [i for i, r in self._reserved.items() if rid in r.requests]:
                 res = self._reserved[ident]
@@ -217,6 +294,10 @@ class ProducerScheduler:
                 if not res.requests and not res.dispatched:  # a dispatched one is reported by the worker
                     del self._reserved[ident]
                     self.pool.free(res.slot)
+            held = [i for i in unwanted if i not in self._reserved]  # the reserved ones: on their report
+        freed = [i for i in held if self.store.release_unwanted(i)]
+        if freed:
+            logger.info("request %s ended unread: %d encoder output(s) no consumer asked for freed", rid, len(freed))
         items = {f.identifier: {"num_embeds": f.mm_position.get_num_embeds(), "modality": f.modality}
                  for f in request.mm_features}
         return {"items": items, "encoder_runs": self._encoder_runs.pop(rid, 0)}
@@ -226,11 +307,20 @@ class ProducerScheduler:
         self.pool.close()
 
 
+def _ended_unread(request) -> bool:
+    """The request was aborted (its Encode call cancelled or timed out) or
+    failed: its caller hands its items to nobody."""
+    from vllm.v1.request import RequestStatus
+
+    return getattr(request, "status", None) in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
+
+
 class ProducerWorker:
     def __init__(self, vllm_config, cfg: ConnectorConfig) -> None:
         self.mappings = Mappings()
         self._specs: dict[str, SaveSpec] = {}
         self._notify = ""
+        self._notify_key = b""
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         try:
             from vllm.distributed import get_tensor_model_parallel_rank
@@ -241,7 +331,7 @@ class ProducerWorker:
 
     def begin_step(self, encoder_cache, meta: EPDConnectorMetadata) -> None:
         """Takes this step's new slots; publishes items vLLM already holds."""
-        self._notify = meta.notify
+        self._notify, self._notify_key = meta.notify, meta.notify_key
         for spec in meta.saves:
             self._specs[spec.identifier] = spec
             if spec.identifier in encoder_cache:  # cached from an earlier request: no re-encode
@@ -273,7 +363,7 @@ class ProducerWorker:
             report = {"id": mm_hash, "error": str(e)}
         if self.writes:
             try:
-                self._sock.sendto(json.dumps(report).encode(), self._notify)
+                self._sock.sendto(self._notify_key + json.dumps(report).encode(), self._notify)
             except OSError as e:  # the scheduler half is gone: the engine is shutting down
                 logger.warning("cannot report encoder output %s: %s", mm_hash, e)
 

@@ -299,7 +299,7 @@ def test_lane_not_offered_or_not_used_keeps_items_on_the_grpc_stream():
         p.close()
 
 
-def test_lane_a_connection_without_the_nonce_is_refused(producer):
+def test_lane_a_connection_without_its_streams_secret_is_refused(producer):
     import socket
 
     from ectransfer import lane

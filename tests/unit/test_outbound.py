@@ -339,3 +339,16 @@ def test_the_readers_own_cancel_still_frees_the_copy_it_read():
     assert store.release("a", "cancel", held=item)  # its request was aborted
     store.end_send(item)
     assert not store.contains("a") and store.pool.stats()["used_bytes"] == 0
+
+
+def test_cancel_records_are_bounded_per_item_and_in_total_and_evictions_are_logged(caplog):
+    store = make_store(max_cancel_records=10, max_cancels_per_item=3)
+    with caplog.at_level("WARNING", logger="ectransfer.outbound"):
+        for i in range(1000):  # Cancels of items never encoded here: each is kept for a copy to come
+            store.release(f"nobody-{i}", "cancel")
+        for _ in range(1000):
+            store.release("same", "cancel")
+    assert store.cancel_records() == 9 + 3  # the 9 newest random identifiers, 3 cancels of "same"
+    assert any("cancel records full" in r.getMessage() for r in caplog.records)
+    store.put("same", torch.ones(3))  # each remembered cancel still drops one copy
+    assert not store.contains("same") and store.cancel_records() == 9 + 2

@@ -2,6 +2,7 @@
 
 import itertools
 import json
+import os
 
 import pytest
 
@@ -133,7 +134,7 @@ def test_same_directory_whose_config_changed_is_incompatible(tmp_path):
     d = model_dir(tmp_path, "m", {"hidden_size": 64})
     before = compat(model=d)
     (tmp_path / "m" / "config.json").write_text(json.dumps({"hidden_size": 65}))
-    with pytest.raises(CompatError, match="model config differs"):
+    with pytest.raises(CompatError, match="model files differ"):
         check_compat(before, compat(model=d))
 
 
@@ -143,3 +144,37 @@ def test_two_directories_with_identical_config_are_compatible(tmp_path):
     assert a.model != b.model
     assert a.hash == b.hash
     check_compat(a, b)
+
+
+def _weights_dir(root, name, seed=0, tokenizer="{}"):
+    import torch
+    from safetensors.torch import save_file
+
+    d = root / name
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"hidden_size": 64}))
+    (d / "tokenizer_config.json").write_text(tokenizer)
+    g = torch.Generator().manual_seed(seed)
+    save_file({"vision.w": torch.randn(64, 64, generator=g), "lm.w": torch.randn(256, 64, generator=g)},
+              str(d / "model.safetensors"))
+    return str(d)
+
+
+def test_a_fine_tune_with_the_same_config_and_shapes_is_incompatible(tmp_path):
+    base, tuned = _weights_dir(tmp_path, "base", seed=0), _weights_dir(tmp_path, "tuned", seed=1)
+    assert os.path.getsize(os.path.join(base, "model.safetensors")) == \
+        os.path.getsize(os.path.join(tuned, "model.safetensors"))  # same header, same size: only values differ
+    assert compat(model=base).hash != compat(model=tuned).hash
+    with pytest.raises(CompatError, match="model"):
+        check_compat(compat(model=base), compat(model=tuned))
+
+
+def test_a_copy_of_the_same_weights_elsewhere_is_compatible(tmp_path):
+    a, b = _weights_dir(tmp_path, "a", seed=3), _weights_dir(tmp_path, "b", seed=3)
+    check_compat(compat(model=a), compat(model=b))
+
+
+def test_a_different_tokenizer_config_is_incompatible(tmp_path):
+    a = _weights_dir(tmp_path, "a")
+    b = _weights_dir(tmp_path, "b", tokenizer='{"added": "<x>"}')
+    assert compat(model=a).hash != compat(model=b).hash

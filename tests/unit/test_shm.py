@@ -213,7 +213,7 @@ def _shm_desc(pool, offset, nbytes):
 def test_a_range_outside_the_segment_raises(pool, offset, nbytes):
     consumer = shm.ShmConsumer()
     try:
-        with pytest.raises(ProtocolError, match="exceeds segment"):
+        with pytest.raises(ProtocolError, match="outside"):
             consumer.receiver(_shm_desc(pool, offset, nbytes), torch.empty(nbytes, dtype=torch.uint8))
     finally:
         consumer.close()
@@ -223,7 +223,7 @@ def test_a_range_outside_the_segment_raises(pool, offset, nbytes):
 def test_a_missing_or_invalid_segment_raises(names, segment):
     desc = descriptor(torch.empty(4, dtype=torch.uint8))
     desc.shm.segment = names() if segment == "missing" else segment
-    with pytest.raises(ProtocolError, match="cannot map shared-memory segment"):
+    with pytest.raises(ProtocolError, match="cannot map shared-memory segment|not an epd segment"):
         shm.ShmConsumer().receiver(desc, torch.empty(4, dtype=torch.uint8))
 
 
@@ -239,3 +239,81 @@ def test_wrong_payload_kind_and_chunks_are_rejected(pool):
             receiver.feed(encoder_pb2.Chunk(identifier="x", offset=0, data=b"1234"))
     finally:
         consumer.close()
+
+
+@pytest.mark.parametrize("kind", ["fifo", "symlink"])
+def test_cleanup_orphans_leaves_a_fifo_or_a_link_at_an_epd_name_alone_without_hanging(names, kind, tmp_path):
+    import threading
+
+    name = names(dead_pid())  # a name whose owner looks dead: cleanup would open it
+    if kind == "fifo":
+        os.mkfifo(path(name), 0o600)
+    else:
+        target = tmp_path / "target"
+        target.write_bytes(b"\0" * 16)
+        os.symlink(target, path(name))
+    done = threading.Event()
+    removed: list[str] = []
+    threading.Thread(target=lambda: (removed.extend(shm.cleanup_orphans()), done.set()), daemon=True).start()
+    try:
+        assert done.wait(10), "cleanup_orphans blocked opening the FIFO"
+        assert name not in removed and os.path.lexists(path(name))  # not a segment: not ours to judge
+    finally:
+        if kind == "fifo":  # release an open that still waits for a writer (the old behaviour)
+            try:
+                os.close(os.open(path(name), os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:
+                pass
+        os.unlink(path(name))
+
+
+def test_attach_refuses_a_fifo_or_a_link(names, tmp_path):
+    import threading
+
+    fifo, link = names(), names()
+    os.mkfifo(path(fifo), 0o600)
+    os.symlink(tmp_path, path(link))
+    errors: list[BaseException | None] = []
+
+    def attach_each() -> None:
+        for name in (fifo, link):
+            try:
+                shm.ShmSegment.attach(name).close()
+                errors.append(None)
+            except OSError as e:
+                errors.append(e)
+
+    try:
+        t = threading.Thread(target=attach_each, daemon=True)
+        t.start()
+        t.join(10)
+        assert len(errors) == 2 and all(isinstance(e, OSError) for e in errors), errors
+    finally:
+        try:  # release an open that still waits for a writer (the old behaviour)
+            os.close(os.open(path(fifo), os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:
+            pass
+        os.unlink(path(fifo))
+        os.unlink(path(link))
+
+
+@pytest.mark.parametrize("bad", ["psm_1a2b", "epd-staging-12-ab", "epd-outbound-12-ab/..", "epd-outbound-12-ab\n",
+                                 "epd-outbound-x-ab", "../epd-outbound-12-ab", ""])
+def test_a_peer_segment_must_be_a_producers_epd_segment(bad):
+    with pytest.raises(ProtocolError):
+        shm.validate_peer_segment(bad)
+    assert shm.validate_peer_segment("epd-outbound-12-ab") == "epd-outbound-12-ab"
+
+
+@pytest.mark.parametrize("offset, nbytes, ok", [
+    (0, 16, True), (4080, 16, True), (4081, 16, False), (4096, 0, True), (4097, 0, False),
+    (2**64 - 1, 16, False), (2**63, 2**63, False), (-1, 16, False), (0, -1, False),
+])
+def test_check_range_is_exact_at_the_end_and_never_wraps(offset, nbytes, ok):
+    from ectransfer.pool import check_range
+
+    if ok:
+        check_range(offset, nbytes, 4096, "seg")
+    else:
+        with pytest.raises(ProtocolError, match="outside"):
+            check_range(offset, nbytes, 4096, "seg")

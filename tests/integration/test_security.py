@@ -1,0 +1,169 @@
+"""Authentication on every gRPC port: the services' API servers (GrpcServer)
+and the Transfer server, with a shared token and with mutual TLS, against
+real grpc.aio servers on loopback. No vLLM."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from ectransfer.loopback import Consumer, Producer
+from ectransfer.protocol import TransferState
+from ectransfer.security import SecurityConfig
+from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
+from services.certs import make_certs, make_token
+from services.common.grpc_server import GrpcServer
+
+pytestmark = pytest.mark.integration
+
+
+class CountingEncoder(encoder_pb2_grpc.EncoderServiceServicer):
+    """Counts the calls its handlers actually ran."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def GetInfo(self, request, context):
+        self.calls += 1
+        return encoder_pb2.EncoderInfo(encoder_id="e")
+
+    async def Encode(self, request, context):
+        self.calls += 1
+        yield encoder_pb2.EncodeEvent(encoded=encoder_pb2.ItemEncoded(identifier="x"))
+
+
+async def _serve(security: SecurityConfig) -> tuple[GrpcServer, CountingEncoder, str]:
+    servicer = CountingEncoder()
+    server = GrpcServer("127.0.0.1", 0, security)
+    server.add(encoder_pb2_grpc.add_EncoderServiceServicer_to_server, servicer, "epd.encoder.v1.EncoderService")
+    port = await server.start()
+    await server.set_serving(True)
+    return server, servicer, f"127.0.0.1:{port}"
+
+
+async def _calls(channel) -> list[grpc.StatusCode]:
+    """The status of a unary and a server-streaming call (OK when it worked)."""
+    stub = encoder_pb2_grpc.EncoderServiceStub(channel)
+    out = []
+    for call in (lambda: stub.GetInfo(encoder_pb2.GetInfoRequest(), timeout=5),
+                 lambda: _drain(stub.Encode(encoder_pb2.EncodeRequest(), timeout=5))):
+        try:
+            await call()
+            out.append(grpc.StatusCode.OK)
+        except grpc.aio.AioRpcError as e:
+            out.append(e.code())
+    return out
+
+
+async def _drain(call) -> None:
+    async for _ in call:
+        pass
+
+
+@pytest.fixture
+def token(tmp_path):
+    return make_token(str(tmp_path / "token"))
+
+
+@pytest.fixture
+def pki(tmp_path):
+    return make_certs(str(tmp_path / "tls"), ["localhost", "127.0.0.1"])
+
+
+def test_a_caller_without_the_token_or_with_a_wrong_one_is_refused_before_any_handler_runs(token, tmp_path):
+    wrong = tmp_path / "wrong"
+    wrong.write_text("not-the-token\n")
+
+    async def main():
+        server, servicer, addr = await _serve(SecurityConfig(auth_token_file=token))
+        try:
+            async with grpc.aio.insecure_channel(addr) as ch:
+                assert await _calls(ch) == [grpc.StatusCode.UNAUTHENTICATED] * 2
+                # Health says only SERVING or not, and probes carry no token.
+                resp = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+                assert resp.status == health_pb2.HealthCheckResponse.SERVING
+            async with SecurityConfig(auth_token_file=str(wrong)).aio_channel(addr) as ch:
+                assert await _calls(ch) == [grpc.StatusCode.UNAUTHENTICATED] * 2
+            assert servicer.calls == 0
+            async with SecurityConfig(auth_token_file=token).aio_channel(addr) as ch:
+                assert await _calls(ch) == [grpc.StatusCode.OK] * 2
+            assert servicer.calls == 2
+        finally:
+            await server.stop(0)
+
+    asyncio.run(main())
+
+
+def test_mutual_tls_refuses_plain_and_certificateless_clients(pki):
+    async def main():
+        server, servicer, addr = await _serve(SecurityConfig(**pki))
+        try:
+            async with grpc.aio.insecure_channel(addr) as ch:
+                assert await _calls(ch) == [grpc.StatusCode.UNAVAILABLE] * 2
+            async with SecurityConfig(tls_ca=pki["tls_ca"]).aio_channel(addr) as ch:  # verifies, presents nothing
+                assert await _calls(ch) == [grpc.StatusCode.UNAVAILABLE] * 2
+            assert servicer.calls == 0
+            async with SecurityConfig(**pki).aio_channel(addr) as ch:
+                assert await _calls(ch) == [grpc.StatusCode.OK] * 2
+        finally:
+            await server.stop(0)
+
+    asyncio.run(main())
+
+
+def test_a_client_refuses_a_server_whose_certificate_its_ca_did_not_sign(pki, tmp_path):
+    other = make_certs(str(tmp_path / "other"), ["localhost", "127.0.0.1"])
+
+    async def main():
+        server, servicer, addr = await _serve(SecurityConfig(**other))
+        try:
+            async with SecurityConfig(**pki).aio_channel(addr) as ch:
+                assert await _calls(ch) == [grpc.StatusCode.UNAVAILABLE] * 2
+            assert servicer.calls == 0
+        finally:
+            await server.stop(0)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("mode", ["token", "tls"])
+@pytest.mark.parametrize("transport", ["shm", "grpc"])
+def test_the_transfer_port_serves_only_authenticated_consumers(mode, transport, token, pki):
+    server_sec = SecurityConfig(auth_token_file=token) if mode == "token" else SecurityConfig(**pki)
+    producer = Producer(security=server_sec)
+    t = torch.arange(64 * 128, dtype=torch.float32).reshape(64, 128).to(torch.bfloat16)
+    try:
+        producer.store.put("item", t)
+        stranger = Consumer(transports=(transport,), timeout_s=5)
+        try:
+            transfer, got = stranger.get(producer.endpoint, "item", t.numel() * 2)
+            assert transfer.state is TransferState.FAILED and got is None
+            assert ("UNAUTHENTICATED" if mode == "token" else "UNAVAILABLE") in transfer.error
+        finally:
+            stranger.close()
+        assert producer.store.stats.acks == 0
+        friend = Consumer(transports=(transport,), security=server_sec)
+        try:
+            transfer, got = friend.get(producer.endpoint, "item", t.numel() * 2)
+            assert transfer.state is TransferState.LANDED, transfer.error
+            assert torch.equal(got, t)
+        finally:
+            friend.close()
+    finally:
+        producer.close()
+
+
+def test_stats_on_the_transfer_port_needs_the_token(token):
+    producer = Producer(security=SecurityConfig(auth_token_file=token))
+    try:
+        with grpc.insecure_channel(producer.endpoint) as ch, pytest.raises(grpc.RpcError) as e:
+            encoder_pb2_grpc.TransferServiceStub(ch).Stats(encoder_pb2.StatsRequest(), timeout=5)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with SecurityConfig(auth_token_file=token).channel(producer.endpoint) as ch:  # raises if refused
+            encoder_pb2_grpc.TransferServiceStub(ch).Stats(encoder_pb2.StatsRequest(), timeout=5)
+    finally:
+        producer.close()
