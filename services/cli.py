@@ -6,12 +6,15 @@ the tiny model.
     epd lm [flags]                 the LM service
     epd gateway [flags]            the gateway (OpenAI REST + gRPC)
     epd up [--model M] [--port N]  one encoder, one LM and the gateway on this machine
+    epd certs DIR                  a private CA and a certificate for the services (TLS)
+    epd health ADDRESS             exit 0 if the service reports SERVING (exec probes)
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import pathlib
@@ -44,6 +47,7 @@ def _engine_cfg(ns):
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``epd`` argument parser (one flag per config field); parsing runs nothing."""
+    from ectransfer.security import SecurityConfig
     from services.common.engine import EngineConfig
     from services.encoder.config import EncoderServiceConfig
     from services.gateway.config import GatewayConfig
@@ -62,20 +66,51 @@ def build_parser() -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=f"run the {name} service")
         add_dataclass_args(sp, cls)
         add_dataclass_args(sp.add_argument_group("engine (vLLM)"), EngineConfig)
+        add_dataclass_args(sp.add_argument_group("security (every internal gRPC link)"), SecurityConfig)
 
     g = sub.add_parser("gateway", help="run the gateway")
     add_dataclass_args(g, GatewayConfig)
+    add_dataclass_args(g.add_argument_group("security (the gateway's calls to encoders and LMs)"), SecurityConfig)
+
+    h = sub.add_parser("health", help="exit 0 when the service at ADDRESS reports SERVING (a Kubernetes exec "
+                                      "probe for services that speak TLS, which grpc probes cannot)")
+    h.add_argument("address", help="host:port")
+    h.add_argument("--service", default="", help="grpc.health.v1 service name (default: the whole process)")
+    h.add_argument("--timeout", type=float, default=2.0)
+    add_dataclass_args(h.add_argument_group("security"), SecurityConfig)
+
+    c = sub.add_parser("certs", help="make a private CA and one certificate for every service (for tests and "
+                                     "first deployments; use your own PKI in production)")
+    c.add_argument("dir")
+    c.add_argument("--hosts", default="localhost,127.0.0.1",
+                   help="names and addresses the certificate is valid for (comma-separated)")
 
     u = sub.add_parser("up", help="encoder + LM + gateway on this machine")
     u.add_argument("--model", default="", help="model directory or name (default: the tiny model)")
     u.add_argument("--port", type=int, default=8000, help="gateway HTTP port")
     u.add_argument("--host", default="127.0.0.1")
     u.add_argument("--vllm-args", default="{}", help="extra vLLM engine arguments for both engines (JSON)")
+    u.add_argument("--security", default="token", choices=["token", "tls", "none"],
+                   help="how the services prove themselves to each other: a fresh shared token (default), mutual "
+                        "TLS with a private CA plus the token, or nothing (loopback only)")
 
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Runs one command; returns the process exit status. A service whose vLLM
+    engine died exits 1 (its supervisor restarts it)."""
+    from services.common.engine import EngineDied
+
+    try:
+        return _main(argv)
+    except EngineDied as e:
+        logging.getLogger("services.cli").error("exiting: %s", e)
+        return 1
+
+
+def _main(argv: list[str] | None = None) -> int:
+    from ectransfer.security import SecurityConfig
     from services.encoder.config import EncoderServiceConfig
     from services.gateway.config import GatewayConfig
     from services.lm.config import LMServiceConfig
@@ -87,25 +122,44 @@ def main(argv: list[str] | None = None) -> int:
 
         print(build_tiny_model(ns.path, variant=ns.variant, seed=ns.seed))
         return 0
-    if ns.cmd == "encoder":
-        from services.encoder.server import serve
+    if ns.cmd in ("encoder", "lm", "gateway"):
+        try:  # configurations are refused here, before anything starts (exit 2)
+            security = from_args(SecurityConfig, ns)
+            if ns.cmd == "encoder":
+                from services.encoder import server
 
-        asyncio.run(serve(from_args(EncoderServiceConfig, ns), _engine_cfg(ns)))
+                cfg = from_args(EncoderServiceConfig, ns)
+                server.check(cfg, security)
+                run = server.serve(cfg, _engine_cfg(ns), security=security)
+            elif ns.cmd == "lm":
+                from services.lm import server
+
+                cfg = from_args(LMServiceConfig, ns)
+                server.check(cfg, security)
+                run = server.serve(cfg, _engine_cfg(ns), security=security)
+            else:
+                from services.gateway import server
+
+                run = server.serve(from_args(GatewayConfig, ns), security=security)
+        except ValueError as e:
+            print(f"epd: error: {e}", file=sys.stderr)
+            return 2
+        asyncio.run(run)
         return 0
-    if ns.cmd == "lm":
-        from services.lm.server import serve as serve_lm
+    if ns.cmd == "health":
+        from services.up import grpc_serving
 
-        asyncio.run(serve_lm(from_args(LMServiceConfig, ns), _engine_cfg(ns)))
-        return 0
-    if ns.cmd == "gateway":
-        from services.gateway.server import serve as serve_gw
+        return 0 if grpc_serving(ns.address, ns.timeout, from_args(SecurityConfig, ns), ns.service) else 1
+    if ns.cmd == "certs":
+        from services.certs import make_certs
 
-        asyncio.run(serve_gw(from_args(GatewayConfig, ns)))
+        print(json.dumps(make_certs(ns.dir, [h for h in ns.hosts.split(",") if h]), indent=2))
         return 0
     if ns.cmd == "up":
         from services.up import run_up
 
-        return run_up(model=ns.model or default_model(), host=ns.host, port=ns.port, engine_args=ns.vllm_args)
+        return run_up(model=ns.model or default_model(), host=ns.host, port=ns.port, engine_args=ns.vllm_args,
+                      security=ns.security)
     return 2
 
 

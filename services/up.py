@@ -26,7 +26,9 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from ectransfer.security import SecurityConfig
 from ectransfer.shm import cleanup_orphans
+from services.certs import make_certs, make_token
 
 
 _rng = random.Random()  # its own generator: a test that seeds ``random`` must not make ports repeat
@@ -119,10 +121,13 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def grpc_serving(address: str, timeout: float = 1.0) -> bool:
+def grpc_serving(address: str, timeout: float = 1.0, security: SecurityConfig | None = None,
+                 service: str = "") -> bool:
+    """grpc.health.v1 says ``service`` ("" = the process) at ``address`` is SERVING."""
     try:
-        with grpc.insecure_channel(address) as ch:
-            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+        with (security or SecurityConfig()).channel(address) as ch:
+            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service),
+                                                        timeout=timeout)
             return resp.status == health_pb2.HealthCheckResponse.SERVING
     except grpc.RpcError:
         return False
@@ -190,13 +195,21 @@ class Deployment:
     """Encoder services (they share the encoder half of the cores)."""
     n_lms: int = 1
     """LM services (they share the LM half of the cores)."""
+    security: str = "token"
+    """How the services prove themselves to each other: "token" (a fresh shared token), "tls" (a private CA,
+    mutual TLS on every link, and the token) or "none" (plain gRPC, loopback only)."""
 
     def __post_init__(self) -> None:
         h = self.host
         self.port = self.port or free_port(h)
         self.gateway_grpc = f"{h}:{free_port(h)}"
         self.log_dir = self.log_dir or tempfile.mkdtemp(prefix="epd-up-")
-        common = ["--model", self.model, "--vllm-args", self.engine_args]
+        sec = self._security_files()
+        self.client_security = SecurityConfig(**sec)
+        """What a caller of the encoders' and LMs' APIs presents (readiness checks, tests)."""
+        sec_args = self.security_args = [a for k, v in sec.items() for a in ("--" + k.replace("_", "-"), v)]
+        """The security flags of this deployment's services (for a service a caller adds beside them)."""
+        common = ["--model", self.model, "--vllm-args", self.engine_args, *sec_args]
         enc_cores, lm_cores = split_cores()
         n_enc = self.n_encoders if self.with_encoder else 0
         self.encoders = [self._service("encoder", i, n_enc, ["--transfer-host", h, "--cpu-cores", enc_cores,
@@ -206,9 +219,21 @@ class Deployment:
         self.gateway = Service("gateway", ["gateway", "--host", h, "--port", str(self.port),
                                            "--grpc-port", self.gateway_grpc.split(":")[1],
                                            "--encoders", ",".join(e.address for e in self.encoders),
-                                           "--lms", ",".join(lm.address for lm in self.lms), *self.gateway_args],
+                                           "--lms", ",".join(lm.address for lm in self.lms), *sec_args,
+                                           *self.gateway_args],
                                os.path.join(self.log_dir, "gateway.log"))
         self.services = [*self.encoders, *self.lms, self.gateway]
+
+    def _security_files(self) -> dict[str, str]:
+        """The token (and certificates) in this deployment's log directory, 0600."""
+        if self.security not in ("token", "tls", "none"):
+            raise ValueError(f"security must be token, tls or none; got {self.security!r}")
+        out: dict[str, str] = {}
+        if self.security == "tls":
+            out.update(make_certs(os.path.join(self.log_dir, "tls"), ["localhost", "127.0.0.1", "::1", self.host]))
+        if self.security != "none":
+            out["auth_token_file"] = make_token(os.path.join(self.log_dir, "auth-token"))
+        return out
 
     # The first instance of each role under the names the single-instance callers use.
     @property
@@ -262,7 +287,7 @@ class Deployment:
             engines = {}
             for svc in [*self.encoders, *self.lms]:
                 svc.start(env)
-                engines[svc] = functools.partial(grpc_serving, svc.address)
+                engines[svc] = functools.partial(grpc_serving, svc.address, security=self.client_security)
             self._wait(engines, t0, timeout)
             self.gateway.start(env)
             self._wait({self.gateway: lambda: http_ok(self.url + "/health")}, t0, timeout)
@@ -298,8 +323,8 @@ class Deployment:
         self.stop()
 
 
-def run_up(model: str, host: str, port: int, engine_args: str) -> int:
-    dep = Deployment(model=model, host=host, port=port, engine_args=engine_args)
+def run_up(model: str, host: str, port: int, engine_args: str, security: str = "token") -> int:
+    dep = Deployment(model=model, host=host, port=port, engine_args=engine_args, security=security)
     stop = {"now": False}
 
     def on_signal(signum, frame):

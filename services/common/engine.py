@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import os
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 # Before vLLM is imported anywhere: nothing at run time may reach a model hub, and
 # vLLM's engine and worker processes are spawned, not forked: our services have
@@ -87,6 +92,57 @@ def build_async_engine(cfg: EngineConfig, ec_transfer_config: dict[str, Any] | N
     kw.update(fixed)
     args = AsyncEngineArgs(**kw)
     return AsyncLLM.from_engine_args(args)
+
+
+class EngineDied(RuntimeError):
+    """The service's vLLM engine (its EngineCore process) is gone: the service
+    stops and exits non-zero so its supervisor restarts it."""
+
+
+def engine_dead(engine) -> bool:
+    """True once vLLM's AsyncLLM has given up: its EngineCore process exited
+    (vLLM's ``MPClientEngineMonitor`` thread sets ``engine_dead``) or its output
+    handler task failed. Both show as ``AsyncLLM.errored``."""
+    return bool(engine.errored)
+
+
+async def watch_engine(engine, on_dead: Callable[[], Awaitable[None]], poll_s: float = 0.5) -> None:
+    """Polls ``engine`` every ``poll_s`` seconds and, once it is dead, awaits
+    ``on_dead()`` and returns. The services run it as a task beside the gRPC
+    server: ``on_dead`` marks them NOT_SERVING at once and makes them stop
+    and exit non-zero. Polling a flag (rather than awaiting vLLM's output
+    handler) also sees a death while no request is running: vLLM's monitor
+    thread notices the process exit on its own."""
+    while not engine_dead(engine):
+        await asyncio.sleep(poll_s)
+    logger.error("the vLLM engine died (EngineCore process gone); stopping this service")
+    await on_dead()
+
+
+async def serve_until_stopped(engine, set_serving: Callable[[bool], Awaitable[None]], stop: asyncio.Event,
+                              poll_s: float = 0.5) -> None:
+    """A service's main wait: returns when ``stop`` is set (a signal), or
+    raises ``EngineDied`` when the engine dies first, right after
+    ``set_serving(False)`` (health answers NOT_SERVING before anything else
+    happens). The caller's ``finally`` then stops gRPC and the engine in the
+    usual order, and the CLI exits 1."""
+    died = False
+
+    async def on_dead() -> None:
+        nonlocal died
+        died = True
+        try:
+            await set_serving(False)
+        finally:
+            stop.set()
+
+    watcher = asyncio.create_task(watch_engine(engine, on_dead, poll_s), name="epd-engine-watch")
+    try:
+        await stop.wait()
+    finally:
+        watcher.cancel()
+    if died:
+        raise EngineDied("the vLLM engine process died; the service stopped serving")
 
 
 def tokenize(renderer, text: str) -> list[int]:

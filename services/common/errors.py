@@ -67,6 +67,12 @@ class Incompatible(EPDError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class Forbidden(EPDError):
+    """A request names a peer this service may not use (an encoder outside the LM's allow-list)."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class Deadline(EPDError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 

@@ -1,4 +1,5 @@
-"""gRPC server wiring shared by the services: health, reflection, errors, shutdown."""
+"""gRPC server wiring shared by the services: health, reflection (when asked
+for), authentication (``ectransfer.security``), errors, shutdown."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from ectransfer.security import SecurityConfig
 from services.common.errors import ErrorInterceptor
 
 logger = logging.getLogger(__name__)
@@ -19,19 +21,29 @@ GRPC_OPTIONS = [
 
 
 class GrpcServer:
-    """A grpc.aio server with grpc.health.v1 and reflection on.
+    """A grpc.aio server with grpc.health.v1, and reflection when
+    ``security.reflection`` asks for it.
 
     ``add(add_fn, servicer, service_name)`` registers a service; ``start``
-    binds; ``set_serving`` flips readiness; ``stop`` marks NOT_SERVING first,
-    then stops with a grace period (the shutdown order of the house style).
+    binds (TLS and the token check per ``security``: an unauthenticated call
+    is refused before any handler runs); ``set_serving`` flips readiness;
+    ``stop`` marks NOT_SERVING first, then stops with a grace period (the
+    shutdown order of the house style).
     """
 
-    def __init__(self, host: str, port: int) -> None:
-        self.server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=GRPC_OPTIONS)
+    def __init__(self, host: str, port: int, security: SecurityConfig | None = None, public: bool = False) -> None:
+        """``public``: a client-facing API (the gateway's), open to callers like its REST port."""
+        self.security = security or SecurityConfig()
+        self.public = public
+        self.server = grpc.aio.server(interceptors=[*self.security.server_interceptors(), ErrorInterceptor()],
+                                      options=GRPC_OPTIONS)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.host = host
         self.address = f"{host}:{port}"
-        self._names = [health.SERVICE_NAME, reflection.SERVICE_NAME]
+        self._names = [health.SERVICE_NAME]
+        if self.security.reflection:
+            self._names.append(reflection.SERVICE_NAME)
         self.port: int | None = None
 
     def add(self, add_fn, servicer, service_name: str) -> None:
@@ -39,8 +51,11 @@ class GrpcServer:
         self._names.append(service_name)
 
     async def start(self) -> int:
-        reflection.enable_server_reflection(self._names, self.server)
-        self.port = self.server.add_insecure_port(self.address)
+        if self.security.reflection:
+            reflection.enable_server_reflection(self._names, self.server)
+        if not self.public:
+            self.security.require_for(self.host, f"gRPC API {self.address}")
+        self.port = self.security.add_port(self.server, self.address)
         if not self.port:
             raise OSError(f"cannot bind {self.address}")
         await self.server.start()

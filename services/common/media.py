@@ -1,20 +1,46 @@
 """Media decoding and identity. The gateway reads media once; services decode
-bytes they were handed and never download anything."""
+bytes they were handed and never download anything.
+
+Services decode through one ``ImageDecoder`` each (``MediaConfig`` sets its
+limits). Per request, before any pixel is decoded: at most ``max_images``
+images, each a format of ``IMAGE_FORMATS`` whose header claims at most
+``max_image_pixels`` (PIL opens lazily: ``.size`` comes from the header, so a
+few KB of PNG that claim gigapixels are refused unread), and together at most
+``max_request_pixels`` (all INVALID_ARGUMENT: retrying cannot help). Then the
+request takes its decoded bytes from the service's ``ByteBudget``, waiting at
+most ``decode_wait_s`` (else RESOURCE_EXHAUSTED), and the images are decoded
+on a small thread pool (``epd-decode-*``), never on the event loop. The caller
+holds the budget (a ``DecodeLease``) until the decoded images are handed on
+and releases it; a failed or cancelled decode releases it itself.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import hashlib
 import io
+import logging
 import warnings
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from PIL import Image
 
-from services.common.errors import BadInput, MediaError
+from services.common.errors import BadInput, MediaError, NoCapacity
+
+logger = logging.getLogger(__name__)
 
 MAX_IMAGE_PIXELS = 64_000_000  # decompression-bomb guard (PIL raises beyond 2x)
-IMAGE_FORMATS = ("PNG", "JPEG", "MPO", "WEBP", "GIF", "BMP")
-"""Formats the gateway accepts (what OpenAI accepts, plus BMP and MPO, the JPEG variant some cameras
-write). Only these PIL plugins are tried, so exotic parsers (EPS runs Ghostscript) are never reached."""
+BYTES_PER_PIXEL = 4
+"""Decoded bytes charged to the budget per pixel: the RGB result (3) plus a
+share of the decoder's own frame (RGBA/palette sources are converted after
+decoding). An estimate, on the high side."""
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+"""Formats the gateway accepts (what OpenAI accepts, plus BMP; JPEG's plugin also opens MPO, the JPEG
+variant some cameras write). Only these PIL plugins are tried, so exotic parsers (EPS runs Ghostscript)
+are never reached. Every name must be a key of PIL's ``Image.OPEN``: Pillow tries them in order and
+raises KeyError at one it does not know ("MPO" is none since Pillow 13), refusing every later format."""
 
 
 def content_id(data: bytes) -> str:
@@ -23,19 +49,27 @@ def content_id(data: bytes) -> str:
 
 
 def decode_image(data: bytes, *, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Image:
-    """Decodes an image fully (not lazily) to RGB, or raises BadInput."""
+    """Decodes an image fully (not lazily) to RGB, or raises BadInput. Only
+    ``IMAGE_FORMATS`` are tried, and the header's size is checked against
+    ``max_pixels`` before any pixel is decoded. Blocking and CPU-bound: services
+    call it through ``ImageDecoder``, off their event loop."""
     if not data:
         raise BadInput("image is empty")
     try:
-        with Image.open(io.BytesIO(data)) as img:
-            if img.width * img.height > max_pixels:
-                raise BadInput(f"image is {img.width}x{img.height}, more than {max_pixels} pixels")
-            img.load()
-            return img.convert("RGB")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # max_pixels decides
+            with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as img:
+                if img.width * img.height > max_pixels:
+                    raise BadInput(f"image is {img.width}x{img.height}, more than {max_pixels} pixels")
+                img.load()
+                return img.convert("RGB")
     except BadInput:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         raise BadInput(f"image refused as a decompression bomb: {e}") from None
+    except Image.UnidentifiedImageError:
+        raise BadInput(f"image could not be decoded: not a recognised image file "
+                       f"(accepted: {', '.join(IMAGE_FORMATS)})") from None
     except Exception as e:  # noqa: BLE001 - PIL raises many types for bad data
         raise BadInput(f"image could not be decoded: {e}") from None
 
@@ -61,3 +95,166 @@ def check_image(data: bytes, max_pixels: int) -> tuple[str, int, int]:
         raise MediaError(f"image is {w}x{h} = {w * h} pixels, more than the {max_pixels} allowed "
                          "(--max-image-pixels; decompression-bomb guard); refused")
     return fmt, w, h
+
+
+@dataclass
+class MediaConfig:
+    """Decoding limits of a service that decodes images (the encoder, and the LM
+    for prompts it lays out itself). The services' config dataclasses inherit it,
+    so each field is a flag of both."""
+
+    max_image_pixels: int = MAX_IMAGE_PIXELS
+    """Largest image in pixels, read from its header before decoding (decompression-bomb guard)."""
+    max_request_pixels: int = 128_000_000
+    """Most pixels in the images of one request together; more is INVALID_ARGUMENT."""
+    decode_budget_mib: float = 1024.0
+    """Decoded image bytes this service holds at once, over all requests (4 bytes per pixel are charged,
+    from the header's size, until the decoded images are handed to vLLM's processor)."""
+    decode_wait_s: float = 10.0
+    """How long a request waits for room in the decode budget before RESOURCE_EXHAUSTED."""
+    decode_threads: int = 2
+    """Threads that decode images (off the event loop)."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_image_pixels", "max_request_pixels", "decode_budget_mib", "decode_threads"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.decode_wait_s < 0:
+            raise ValueError(f"decode_wait_s must be >= 0, got {self.decode_wait_s}")
+
+    @property
+    def decode_budget_bytes(self) -> int:
+        return int(self.decode_budget_mib * (1 << 20))
+
+
+class ByteBudget:
+    """An asyncio semaphore counted in bytes, first come first served (a large
+    request is not overtaken forever by small ones). Used on one event loop."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.used = 0
+        self._waiters: collections.deque[tuple[int, asyncio.Future]] = collections.deque()
+
+    @property
+    def waiting(self) -> int:
+        """Requests queued for room now (neither granted nor timed out)."""
+        return len(self._waiters)
+
+    async def acquire(self, nbytes: int, timeout: float) -> bool:
+        """Takes ``nbytes`` (at most ``capacity``), waiting up to ``timeout``
+        seconds; False if there was no room in time (nothing is held then)."""
+        if nbytes > self.capacity:
+            raise ValueError(f"{nbytes} bytes never fit a budget of {self.capacity}")
+        if not self._waiters and self.used + nbytes <= self.capacity:
+            self.used += nbytes
+            return True
+        entry = (nbytes, asyncio.get_running_loop().create_future())
+        self._waiters.append(entry)
+        try:
+            async with asyncio.timeout(timeout):
+                await entry[1]
+            return True
+        except BaseException as e:
+            if entry in self._waiters:
+                self._waiters.remove(entry)
+                self._grant()  # a large waiter at the head may have blocked smaller ones
+            elif entry[1].done() and not entry[1].cancelled():
+                self.release(nbytes)  # granted just as it timed out or was cancelled
+            if isinstance(e, TimeoutError):
+                return False
+            raise
+
+    def release(self, nbytes: int) -> None:
+        self.used -= nbytes
+        self._grant()
+
+    def _grant(self) -> None:
+        while self._waiters and self.used + self._waiters[0][0] <= self.capacity:
+            nbytes, fut = self._waiters.popleft()
+            if not fut.done():
+                self.used += nbytes
+                fut.set_result(None)
+
+
+class DecodeLease:
+    """A request's share of the decode budget: ``release`` it once the decoded
+    images are handed on (idempotent)."""
+
+    def __init__(self, budget: ByteBudget, nbytes: int) -> None:
+        self._budget = budget
+        self.nbytes = nbytes
+
+    def release(self) -> None:
+        if self.nbytes:
+            self._budget.release(self.nbytes)
+            self.nbytes = 0
+
+
+class ImageDecoder:
+    """A service's image decoding under ``MediaConfig``'s limits (see the module
+    docstring). Created by the service's wiring, used on its event loop;
+    ``close`` stops the decode threads."""
+
+    def __init__(self, cfg: MediaConfig) -> None:
+        self.cfg = cfg
+        self.budget = ByteBudget(cfg.decode_budget_bytes)
+        self._pool = ThreadPoolExecutor(cfg.decode_threads, thread_name_prefix="epd-decode")  # threads start lazily
+
+    def check(self, datas: list[bytes], max_images: int) -> int:
+        """Header checks of one request's images (nothing decoded); returns its
+        decoded bytes. Raises BadInput naming the image and the limit."""
+        if len(datas) > max_images:
+            raise BadInput(f"{len(datas)} images in one request; this service allows at most {max_images} "
+                           "(--max-images-per-prompt)")
+        pixels = 0
+        for i, data in enumerate(datas):
+            try:
+                _, w, h = check_image(data, self.cfg.max_image_pixels)
+            except MediaError as e:
+                raise BadInput(f"image {i}: {e}") from None
+            pixels += w * h
+        if pixels > self.cfg.max_request_pixels:
+            raise BadInput(f"the request's {len(datas)} images have {pixels} pixels together, more than the "
+                           f"{self.cfg.max_request_pixels} allowed per request (--max-request-pixels)")
+        nbytes = pixels * BYTES_PER_PIXEL
+        if nbytes > self.budget.capacity:
+            raise BadInput(f"the request's images decode to {nbytes >> 20} MiB, more than this service decodes at "
+                           f"once ({self.cfg.decode_budget_mib:g} MiB, --decode-budget-mib)")
+        return nbytes
+
+    async def decode(self, datas: list[bytes], max_images: int, rid: str = "") -> tuple[list[Image.Image], DecodeLease]:
+        """Checks, waits for budget, decodes off the loop. Returns the RGB images
+        and the lease the caller releases once vLLM's processor has them.
+        Raises BadInput (over a limit, bad bytes) or NoCapacity (no budget within
+        ``decode_wait_s``)."""
+        nbytes = self.check(datas, max_images)
+        if not await self.budget.acquire(nbytes, self.cfg.decode_wait_s):
+            logger.warning("request %s: %d MiB of images waited %.1fs for the decode budget (%d of %d MiB in use)",
+                           rid, nbytes >> 20, self.cfg.decode_wait_s, self.budget.used >> 20,
+                           self.budget.capacity >> 20)
+            raise NoCapacity(f"this service is decoding {self.budget.used >> 20} MiB of images for other requests "
+                             f"(budget {self.cfg.decode_budget_mib:g} MiB); the request's {nbytes >> 20} MiB did "
+                             f"not fit within {self.cfg.decode_wait_s:g}s; retry later")
+        lease = DecodeLease(self.budget, nbytes)
+        try:
+            loop = asyncio.get_running_loop()
+            images = await asyncio.gather(*(loop.run_in_executor(self._pool, _decode_nth, i, data,
+                                                                 self.cfg.max_image_pixels)
+                                            for i, data in enumerate(datas)))
+        except BaseException:
+            # A cancelled request's decodes still finish on their threads (they cannot be
+            # interrupted); the budget is given back now, the threads stay bounded.
+            lease.release()
+            raise
+        return list(images), lease
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _decode_nth(i: int, data: bytes, max_pixels: int) -> Image.Image:
+    try:
+        return decode_image(data, max_pixels=max_pixels)
+    except BadInput as e:
+        raise BadInput(f"image {i}: {e}") from None

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.common.media import MediaConfig
+
 
 @dataclass
-class EncoderServiceConfig:
+class EncoderServiceConfig(MediaConfig):
+    """The service's own fields; the image decoding limits come from ``MediaConfig``."""
+
     host: str = "127.0.0.1"
-    """Address of the API port (Encode, GetInfo, health, reflection)."""
+    """Address of the API port (Encode, GetInfo, health; reflection with --reflection)."""
     port: int = 50051
     """API port (0 picks a free one)."""
     transfer_host: str = "127.0.0.1"
@@ -30,5 +34,6 @@ class EncoderServiceConfig:
     """An Encode that takes longer fails with DEADLINE_EXCEEDED."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.outbound_pool_mib <= 0:
             raise ValueError(f"outbound_pool_mib must be > 0, got {self.outbound_pool_mib}")

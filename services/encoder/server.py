@@ -11,22 +11,26 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import signal
 import tempfile
 import time
 
 from ectransfer.connector.common import compat_for
+from ectransfer.security import SecurityConfig
 from ectransfer.shm import cleanup_orphans
 from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
-from services.common.engine import EngineConfig, build_async_engine
+from services.common.engine import EngineConfig, build_async_engine, serve_until_stopped
 from services.common.grpc_server import GrpcServer
+from services.common.media import ImageDecoder
 from services.encoder.config import EncoderServiceConfig
 from services.encoder.servicer import EncoderServicer, dtype_enum
 
 logger = logging.getLogger(__name__)
 
 
-def _ec_config(cfg: EncoderServiceConfig, engine_cfg: EngineConfig, endpoint_file: str) -> dict:
+def _ec_config(cfg: EncoderServiceConfig, engine_cfg: EngineConfig, endpoint_file: str,
+               security: SecurityConfig) -> dict:
     return {
         "ec_connector": "EPDConnector",
         "ec_connector_module_path": "ectransfer.connector",
@@ -40,6 +44,7 @@ def _ec_config(cfg: EncoderServiceConfig, engine_cfg: EngineConfig, endpoint_fil
             "transports": [t for t in cfg.transports.split(",") if t],
             "lease_s": cfg.lease_s,
             "model_name": engine_cfg.model,
+            "security": security.to_dict(),
         },
     }
 
@@ -55,16 +60,29 @@ def _placeholder(engine) -> str:
     return ph
 
 
-async def serve(cfg: EncoderServiceConfig, engine_cfg: EngineConfig, stop: asyncio.Event | None = None) -> None:
+def check(cfg: EncoderServiceConfig, security: SecurityConfig) -> None:
+    """Refuses (ValueError) a configuration before an engine start is spent on
+    it: an unauthenticated non-loopback bind."""
+    security.require_for(cfg.host, f"the encoder API ({cfg.host}:{cfg.port})")
+    security.require_for(cfg.transfer_host, f"the Transfer server ({cfg.transfer_host})")
+
+
+async def serve(cfg: EncoderServiceConfig, engine_cfg: EngineConfig, stop: asyncio.Event | None = None,
+                security: SecurityConfig | None = None) -> None:
+    """``security``: TLS and token for the API port and the engine's Transfer server."""
     stop = stop or asyncio.Event()
+    security = security or SecurityConfig()
+    check(cfg, security)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    fd, endpoint_file = tempfile.mkstemp(prefix="epd-encoder-", suffix=".endpoint")
-    os.close(fd)
-    os.unlink(endpoint_file)
-    engine = build_async_engine(engine_cfg, _ec_config(cfg, engine_cfg, endpoint_file))
+    # The engine writes its Transfer endpoint here: a 0700 directory of our own
+    # (mkdtemp), so no other user can plant a file under the name first.
+    private_dir = tempfile.mkdtemp(prefix="epd-encoder-")
+    endpoint_file = os.path.join(private_dir, "transfer.endpoint")
+    engine = build_async_engine(engine_cfg, _ec_config(cfg, engine_cfg, endpoint_file, security))
     server = None
+    decoder = ImageDecoder(cfg)
     try:
         deadline = time.monotonic() + 30
         while not os.path.exists(endpoint_file):
@@ -81,8 +99,9 @@ async def serve(cfg: EncoderServiceConfig, engine_cfg: EngineConfig, stop: async
             compat=compat_for(engine.vllm_config, engine_cfg.model),
         )
         servicer = EncoderServicer(engine, info, _placeholder(engine), mc.get_hidden_size(),
-                                   dtype_enum(str(mc.dtype).removeprefix("torch.")), cfg.encode_timeout_s)
-        server = GrpcServer(cfg.host, cfg.port)
+                                   dtype_enum(str(mc.dtype).removeprefix("torch.")), cfg.encode_timeout_s,
+                                   decoder)
+        server = GrpcServer(cfg.host, cfg.port, security)
         server.add(encoder_pb2_grpc.add_EncoderServiceServicer_to_server, servicer,
                    encoder_pb2.DESCRIPTOR.services_by_name["EncoderService"].full_name)
         port = await server.start()
@@ -93,14 +112,14 @@ async def serve(cfg: EncoderServiceConfig, engine_cfg: EngineConfig, stop: async
         await server.set_serving(True)
         logger.info("encoder ready: api %s:%d, transfer %s, model %s", cfg.host, port, transfer_endpoint,
                     engine_cfg.model)
-        await stop.wait()
+        await serve_until_stopped(engine, server.set_serving, stop)  # EngineDied if the engine dies
     finally:
         if server is not None:
             await server.stop()
         engine.shutdown()
+        decoder.close()
         # The engine process may be gone before its connector's shutdown ran
         # (vLLM stops the executor first, and the client kills stragglers):
         # remove the segments it owned, now that its pid is dead.
         cleanup_orphans()
-        if os.path.exists(endpoint_file):
-            os.unlink(endpoint_file)
+        shutil.rmtree(private_dir, ignore_errors=True)

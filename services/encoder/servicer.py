@@ -20,7 +20,7 @@ from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
 from services.common.engine import tokenize_async
 from services.common.errors import BadInput, Deadline, EPDError
 from services.common.layout import ItemLayout, item_layouts, placeholder_ranges
-from services.common.media import content_id, decode_image
+from services.common.media import ImageDecoder, content_id
 
 logger = logging.getLogger(__name__)
 
@@ -33,8 +33,10 @@ ENCODE_SECONDS = Histogram("epd_encoder_encode_seconds", "Encode call duration",
 
 class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
     def __init__(self, engine, info: encoder_pb2.EncoderInfo, placeholder: str, embed_width: int,
-                 dtype: int, timeout_s: float) -> None:
+                 dtype: int, timeout_s: float, decoder: ImageDecoder) -> None:
         self.engine = engine
+        self.decoder = decoder
+        self.max_images = engine.model_config.multimodal_config.get_limit_per_prompt("image")
         self.info = info
         self.placeholder = placeholder
         self.embed_width = embed_width
@@ -74,12 +76,17 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         try:
             if not request.items:
                 raise BadInput("Encode needs at least one item")
-            images, idents = [], []
             for i, item in enumerate(request.items):
                 if item.modality not in ("", "image"):
                     raise BadInput(f"item {i}: modality {item.modality!r} is not supported (allowed: image)")
-                images.append(decode_image(item.data))
-                idents.append(item.identifier or content_id(item.data))
+            # The identifier is vLLM's mm_hash on both engines: it names what the bytes are, so it is
+            # always computed here, never taken from the caller (who could name another image's embedding).
+            idents = [content_id(item.data) for item in request.items]
+            for i, (item, ident) in enumerate(zip(request.items, idents)):
+                if item.identifier and item.identifier != ident:
+                    raise BadInput(f"item {i}: identifier {item.identifier[:16]!r}... is not the content hash of "
+                                   f"its bytes")
+            images, lease = await self.decoder.decode([item.data for item in request.items], self.max_images, rid)
             ITEMS.inc(len(images))
             prompt = {
                 "prompt": self.placeholder * len(images),
@@ -92,8 +99,11 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
                     rid, prompt, params, supported_tasks=await self.engine.get_supported_tasks())
             except ValueError as e:
                 raise BadInput(f"input rejected by the encoder's processor: {e}") from None
+            finally:
+                del images, prompt  # the processor's tensors replace the decoded images
+                lease.release()
             features = engine_req.mm_features or []
-            layouts = await self._layouts(len(images), engine_req.prompt_token_ids, features)
+            layouts = await self._layouts(len(idents), engine_req.prompt_token_ids, features)
             for index, feat in enumerate(features):
                 md = encoder_pb2.ItemMetadata(
                     identifier=feat.identifier, index=index, modality=feat.modality,

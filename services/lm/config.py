@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.common.media import MediaConfig
+
 
 @dataclass
-class LMServiceConfig:
+class LMServiceConfig(MediaConfig):
+    """The service's own fields; the image decoding limits come from ``MediaConfig``."""
+
     host: str = "127.0.0.1"
-    """Address of the API port (Generate, GetInfo, health, reflection)."""
+    """Address of the API port (Generate, GetInfo, health; reflection with --reflection)."""
     port: int = 50061
     """API port (0 picks a free one)."""
     metrics_port: int = 0
@@ -25,7 +29,12 @@ class LMServiceConfig:
     """Compatibility handshake with a new encoder endpoint."""
     default_max_tokens: int = 256
     """max_tokens when the request sets none."""
+    allowed_encoders: str = ""
+    """Encoder Transfer endpoints this LM may fetch embeddings from, comma-separated: host:port, a host or
+    address (any port), a CIDR such as 10.0.0.0/8, or * (any). Empty: any endpoint when callers must
+    authenticate (--auth-token-file or mutual TLS: the gateway's word is trusted), else loopback only."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.staging_mib <= 0:
             raise ValueError(f"staging_mib must be > 0, got {self.staging_mib}")

@@ -8,18 +8,20 @@ import signal
 
 from ectransfer import factory
 from ectransfer.connector.common import compat_for
+from ectransfer.security import SecurityConfig
 from ectransfer.shm import cleanup_orphans
 from epd.lm.v1 import lm_pb2, lm_pb2_grpc
-from services.common.engine import EngineConfig, build_async_engine
+from services.common.engine import EngineConfig, build_async_engine, serve_until_stopped
 from services.common.grpc_server import GrpcServer
+from services.common.media import ImageDecoder
 from services.lm.config import LMServiceConfig
-from services.lm.peers import OfferedCudaIpc, PeerChecker
+from services.lm.peers import EncoderAllowList, OfferedCudaIpc, PeerChecker
 from services.lm.servicer import LMServicer
 
 logger = logging.getLogger(__name__)
 
 
-def _ec_config(cfg: LMServiceConfig, engine_cfg: EngineConfig) -> dict:
+def _ec_config(cfg: LMServiceConfig, engine_cfg: EngineConfig, security: SecurityConfig) -> dict:
     return {
         "ec_connector": "EPDConnector",
         "ec_connector_module_path": "ectransfer.connector",
@@ -29,22 +31,36 @@ def _ec_config(cfg: LMServiceConfig, engine_cfg: EngineConfig) -> dict:
             "transports": [t for t in cfg.transports.split(",") if t],
             "transfer_timeout_s": cfg.transfer_timeout_s,
             "model_name": engine_cfg.model,
+            "security": security.to_dict(),
         },
     }
 
 
-async def serve(cfg: LMServiceConfig, engine_cfg: EngineConfig, stop: asyncio.Event | None = None) -> None:
+def check(cfg: LMServiceConfig, security: SecurityConfig) -> EncoderAllowList:
+    """Refuses (ValueError) a configuration before an engine start is spent on
+    it (an unauthenticated non-loopback bind, a malformed allow-list); returns
+    the allow-list."""
+    security.require_for(cfg.host, f"the LM API ({cfg.host}:{cfg.port})")
+    return EncoderAllowList.parse(cfg.allowed_encoders, trusted_callers=security.authenticated)
+
+
+async def serve(cfg: LMServiceConfig, engine_cfg: EngineConfig, stop: asyncio.Event | None = None,
+                security: SecurityConfig | None = None) -> None:
+    """``security``: TLS and token for the API port, and what the LM presents to encoders' Transfer ports."""
     stop = stop or asyncio.Event()
+    security = security or SecurityConfig()
+    allowed = check(cfg, security)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     # No processor cache: a prompt laid out from an encoder's metadata carries its
     # items without data, which vLLM's engine-side processor cache would take for
     # a cache entry it lost (MultiModalCacheMissError).
-    engine = build_async_engine(engine_cfg, _ec_config(cfg, engine_cfg), ec_manager_config={
+    engine = build_async_engine(engine_cfg, _ec_config(cfg, engine_cfg, security), ec_manager_config={
         "encoder_cache_manager_cls": "ectransfer.connector.cache_manager.EPDEncoderCacheManager"},
         mm_processor_cache_gb=0)
     server = None
+    decoder = ImageDecoder(cfg)
     try:
         compat = compat_for(engine.vllm_config, engine_cfg.model)
         # The service process checks compatibility and reachability; it never
@@ -53,11 +69,12 @@ async def serve(cfg: LMServiceConfig, engine_cfg: EngineConfig, stop: asyncio.Ev
         names = factory.resolve([t for t in cfg.transports.split(",") if t], "consumer")
         transports = [factory.make_consumer(t) if t != "cuda_ipc" else OfferedCudaIpc() for t in names]
         peers = PeerChecker(compat, engine.vllm_config.ec_transfer_config.engine_id, transports,
-                            cfg.handshake_timeout_s)
+                            cfg.handshake_timeout_s, security=security,
+                            allowed=allowed)
         info = lm_pb2.LMInfo(model=engine_cfg.model, compat=compat)
-        server = GrpcServer(cfg.host, cfg.port)
+        server = GrpcServer(cfg.host, cfg.port, security)
         server.add(lm_pb2_grpc.add_LMServiceServicer_to_server,
-                   LMServicer(engine, info, peers, cfg.default_max_tokens),
+                   LMServicer(engine, info, peers, cfg.default_max_tokens, decoder),
                    lm_pb2.DESCRIPTOR.services_by_name["LMService"].full_name)
         port = await server.start()
         if cfg.metrics_port:
@@ -66,11 +83,12 @@ async def serve(cfg: LMServiceConfig, engine_cfg: EngineConfig, stop: asyncio.Ev
             start_http_server(cfg.metrics_port, addr=cfg.host)
         await server.set_serving(True)
         logger.info("lm ready: api %s:%d, model %s", cfg.host, port, engine_cfg.model)
-        await stop.wait()
+        await serve_until_stopped(engine, server.set_serving, stop)  # EngineDied if the engine dies
     finally:
         if server is not None:
             await server.stop()
         engine.shutdown()
+        decoder.close()
         # The engine process may be gone before its connector's shutdown ran
         # (vLLM stops the executor first, and the client kills stragglers):
         # remove the segments it owned, now that its pid is dead.

@@ -22,9 +22,9 @@ from ectransfer import tensors
 from epd.lm.v1 import lm_pb2, lm_pb2_grpc
 from services.common.chat import render_chat
 from services.common.engine import tokenize_async
-from services.common.errors import BadInput, EncoderUnavailable
+from services.common.errors import BadInput, EncoderUnavailable, EPDError
 from services.common.layout import ItemLayout, splice
-from services.common.media import decode_image
+from services.common.media import ImageDecoder, content_id
 from services.lm.peers import PeerChecker
 
 logger = logging.getLogger(__name__)
@@ -41,8 +41,11 @@ TRANSFER = Histogram("epd_lm_transfer_seconds", "Time a request waited for encod
 
 
 class LMServicer(lm_pb2_grpc.LMServiceServicer):
-    def __init__(self, engine, info: lm_pb2.LMInfo, peers: PeerChecker, default_max_tokens: int) -> None:
+    def __init__(self, engine, info: lm_pb2.LMInfo, peers: PeerChecker, default_max_tokens: int,
+                 decoder: ImageDecoder) -> None:
         self.engine = engine
+        self.decoder = decoder
+        self.max_images = engine.model_config.multimodal_config.get_limit_per_prompt("image")
         self.info = info
         self.peers = peers
         self.default_max_tokens = default_max_tokens
@@ -97,19 +100,41 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
         except Exception as e:  # noqa: BLE001 - template errors are the caller's input
             raise BadInput(f"chat template failed: {e}") from None
 
-    def _for_processor(self, prompt: str, items, order: list[int]) -> dict:
-        """The prompt with the images, for vLLM's processor to lay out."""
-        images = []
+    async def _processed(self, prompt: str, items, order: list[int], params, rid: str):
+        """The request run through vLLM's processor, which lays out the prompt
+        from the images (items without a layout from an encoder). Each item's
+        identifier, vLLM's mm_hash, is the content hash of its bytes, computed
+        here: a caller's identifier that differs is refused, so no request can
+        label one image's bytes with another's hash in vLLM's caches. The decoded
+        images hold the decode budget only until the processor has its tensors
+        (released here, also on failure), not while the request queues in the engine."""
+        from vllm.exceptions import VLLMClientError
+
+        idents = []
         for i, item in zip(order, items):
             if not item.data:
                 raise BadInput(f"item {i}: no media bytes, and no prompt layout from an encoder")
-            images.append(decode_image(item.data))
+            ident = content_id(item.data)
+            if item.identifier and item.identifier != ident:
+                raise BadInput(f"item {i}: identifier {item.identifier[:16]!r}... is not the content hash of "
+                               f"its bytes")
+            idents.append(ident)
         engine_prompt: dict = {"prompt": prompt}
-        if images:
+        lease = None
+        if items:
+            images, lease = await self.decoder.decode([item.data for item in items], self.max_images, rid)
             engine_prompt["multi_modal_data"] = {"image": images}
-            if all(item.identifier for item in items):
-                engine_prompt["multi_modal_uuids"] = {"image": [item.identifier for item in items]}
-        return engine_prompt
+            engine_prompt["multi_modal_uuids"] = {"image": idents}
+            del images
+        try:
+            return await self.engine.input_processor.process_inputs_async(
+                rid, engine_prompt, params, supported_tasks=await self.engine.get_supported_tasks())
+        except (ValueError, VLLMClientError) as e:  # vLLM's input validation: the caller's input
+            raise BadInput(str(e)) from None
+        finally:
+            del engine_prompt  # the processor's tensors replace the decoded images
+            if lease is not None:
+                lease.release()
 
     async def _laid_out(self, prompt: str, items):
         """The prompt laid out from the encoders' metadata (``services.common.layout``):
@@ -120,9 +145,6 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
         from vllm.inputs import mm_input
         from vllm.multimodal.inputs import PlaceholderRange
 
-        limit = self.engine.model_config.multimodal_config.get_limit_per_prompt("image")
-        if len(items) > limit:
-            raise BadInput(f"{len(items)} images in one prompt; this LM allows at most {limit}")
         layouts = []
         for item in items:
             src = item.source
@@ -149,6 +171,9 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
         try:
             prompt, order = await self._prompt(request)
             items = [request.items[i] for i in order]
+            if len(items) > self.max_images:
+                raise BadInput(f"{len(items)} images in one prompt; this LM allows at most {self.max_images} "
+                               "(--max-images-per-prompt)")
             sources = {}
             for item in items:
                 if item.HasField("source") and item.identifier:
@@ -158,22 +183,23 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
                         "embed_width": src.embed_width,
                         "dtype": tensors.dtype_name(tensors.dtype_from_proto(src.dtype)),
                     }
+            params = self._sampling(request.sampling, sources)
             if items and all(it.identifier and it.source.placeholder_token_ids for it in items):
                 engine_prompt = await self._laid_out(prompt, items)
                 LAYOUTS.labels("encoder").inc()
             else:
-                engine_prompt = self._for_processor(prompt, items, order)
+                engine_prompt = await self._processed(prompt, items, order, params, rid)
                 if items:
                     LAYOUTS.labels("processor").inc()
             for endpoint in {s["endpoint"] for s in sources.values()}:
                 await self.peers.check(endpoint)
-            params = self._sampling(request.sampling, sources)
             n_out, first, final = 0, None, None
             try:
                 # aclosing: if the client goes away while we sit at a yield, grpc
                 # closes this handler (GeneratorExit); closing vLLM's generator
                 # right then aborts the engine request and frees its reservations.
-                async with contextlib.aclosing(self.engine.generate(engine_prompt, params, rid)) as outputs:
+                async with contextlib.aclosing(self.engine.generate(engine_prompt, params, rid,
+                                                                    prompt_text=prompt)) as outputs:
                     async for out in outputs:
                         final = out
                         c = out.outputs[0]
@@ -190,10 +216,17 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
             ec = (final.ec_transfer_params if final is not None else None) or {}
             c = final.outputs[0]
             if c.finish_reason == "error":
-                for endpoint in {s["endpoint"] for s in sources.values()}:
+                endpoints = sorted({s["endpoint"] for s in sources.values()})
+                if not endpoints:
+                    raise EPDError(f"request {rid}: the engine failed the request")
+                for endpoint in endpoints:
                     self.peers.forget(endpoint)
-                raise EncoderUnavailable(ec.get("error") or f"request {rid}: the encoder output could not be obtained",
-                                         ec.get("failed_endpoints", ()))
+                # vLLM drops the connector's ec_transfer_params when it fails a request
+                # (take_unavailable_requests), so without them every encoder the request
+                # used is named: the gateway re-encodes elsewhere rather than retry blind.
+                failed = ec.get("failed_endpoints") or endpoints
+                raise EncoderUnavailable(ec.get("error") or f"request {rid}: an embedding from encoder(s) "
+                                         f"{', '.join(failed)} could not be obtained", failed)
             LOCAL_ENCODER_RUNS.inc(ec.get("local_encoder_runs", 0))
             TRANSFERRED.inc(ec.get("transferred_items", 0))
             if ec.get("transfer_ms"):

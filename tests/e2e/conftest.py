@@ -1,5 +1,10 @@
 """One epd-serve deployment (encoder + LM + gateway as subprocesses) per test
-session, and plain-vLLM reference tokens computed once, in a subprocess."""
+session, and plain-vLLM reference tokens computed once, in a subprocess.
+
+The session's deployment runs with mutual TLS and the auth token on every
+internal link (gateway -> encoder, gateway -> LM, LM -> encoder Transfer, the
+control lane's session secret), with certificates it makes itself; the other
+deployments of the suite use ``epd up``'s default, the token alone."""
 
 from __future__ import annotations
 
@@ -26,7 +31,7 @@ REFERENCE_REQUESTS = {
 
 @pytest.fixture(scope="session")
 def deployment(tiny_model):
-    dep = Deployment(model=tiny_model, quiet=True)
+    dep = Deployment(model=tiny_model, quiet=True, security="tls")
     dep.start()
     yield dep
     dep.stop()

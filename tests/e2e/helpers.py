@@ -68,11 +68,9 @@ def settled(read, want, timeout: float = 10.0):
 
 def producer_stats(dep) -> dict[str, float]:
     """Live outbound-pool numbers of a deployment's encoder (TransferService.Stats)."""
-    import grpc
-
     from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
 
-    with grpc.insecure_channel(dep.encoder_addr) as ch:
+    with dep.client_security.channel(dep.encoder_addr) as ch:
         info = encoder_pb2_grpc.EncoderServiceStub(ch).GetInfo(encoder_pb2.GetInfoRequest(), timeout=5)
-    with grpc.insecure_channel(info.transfer_endpoint) as ch:
+    with dep.client_security.channel(info.transfer_endpoint) as ch:
         return dict(encoder_pb2_grpc.TransferServiceStub(ch).Stats(encoder_pb2.StatsRequest(), timeout=5).values)

@@ -41,12 +41,12 @@ def test_kill_9_encoder_mid_flight_then_restart(tiny_model, reference):
         assert elapsed < 30, elapsed  # no hang: every request ended
         for status, body in results:
             assert status == 200 or (status >= 500 and body["error"]["message"]), (status, body)
-        assert grpc_serving(dep.lm_addr), "the LM stays up"
+        assert grpc_serving(dep.lm_addr, security=dep.client_security), "the LM stays up"
 
         dep.encoder.proc.wait()
         dep.encoder.start(dict(os.environ))
         deadline = time.monotonic() + 240
-        while not grpc_serving(dep.encoder_addr):
+        while not grpc_serving(dep.encoder_addr, security=dep.client_security):
             assert dep.encoder.alive() and time.monotonic() < deadline, dep.encoder.log_tail()
             time.sleep(0.5)
         assert not any(os.path.exists(f"/dev/shm/{n}") for n in owned), "dead encoder's segments were removed"

@@ -1,4 +1,4 @@
-"""The native gRPC API mirrors chat completions; every service has health and reflection."""
+"""The native gRPC API mirrors chat completions; every service has health; reflection is off unless asked for."""
 
 from __future__ import annotations
 
@@ -39,13 +39,15 @@ def test_native_grpc_bad_image_is_invalid_argument(deployment):
 @pytest.mark.parametrize("which,service", [("encoder_addr", "epd.encoder.v1.EncoderService"),
                                            ("lm_addr", "epd.lm.v1.LMService"),
                                            ("gateway_grpc", "epd.gateway.v1.GatewayService")])
-def test_health_and_reflection_on_every_service(deployment, which, service):
-    with grpc.insecure_channel(getattr(deployment, which)) as ch:
+def test_health_on_every_service_and_no_reflection_unless_asked(deployment, which, service):
+    # The gateway's gRPC API is public (plain); encoders and LMs speak mutual TLS here.
+    secure = which != "gateway_grpc"
+    with (deployment.client_security.channel if secure else grpc.insecure_channel)(getattr(deployment, which)) as ch:
         for name in ("", service):
             resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=name), timeout=5)
             assert resp.status == health_pb2.HealthCheckResponse.SERVING
         stub = reflection_pb2_grpc.ServerReflectionStub(ch)
-        replies = list(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
-                                                 timeout=5))
-        names = {s.name for s in replies[0].list_services_response.service}
-        assert service in names and "grpc.health.v1.Health" in names
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                           timeout=5))
+        assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED

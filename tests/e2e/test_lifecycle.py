@@ -37,14 +37,14 @@ def mismatched(deployment, tmp_path_factory):
     logs = tmp_path_factory.mktemp("alt")
     lm_addr = f"127.0.0.1:{free_port()}"
     gw_port = free_port()
-    lm = Service("lm-alt", ["lm", "--port", lm_addr.split(":")[1], "--model", alt, "--cpu-cores", split_cores()[1]],
-                 str(logs / "lm.log"))
+    lm = Service("lm-alt", ["lm", "--port", lm_addr.split(":")[1], "--model", alt, "--cpu-cores", split_cores()[1],
+                            *deployment.security_args], str(logs / "lm.log"))
     gw = Service("gw-alt", ["gateway", "--port", str(gw_port), "--encoders", deployment.encoder_addr,
-                            "--lms", lm_addr], str(logs / "gw.log"))
+                            "--lms", lm_addr, *deployment.security_args], str(logs / "gw.log"))
     env = dict(os.environ)
     try:
         lm.start(env)
-        _wait(lambda: grpc_serving(lm_addr), "alt LM", lm)
+        _wait(lambda: grpc_serving(lm_addr, security=deployment.client_security), "alt LM", lm)
         gw.start(env)
         _wait(lambda: http_ok(f"http://127.0.0.1:{gw_port}/health"), "alt gateway", gw)
         yield f"http://127.0.0.1:{gw_port}", lm_addr
@@ -64,7 +64,8 @@ def test_compat_mismatch_is_a_clear_error_within_seconds_and_both_engines_stay_u
     assert "incompatible" in msg and "embed_width" in msg, msg
     assert elapsed < 10, elapsed  # a bound on "within seconds", not a speed measurement
     # Both engines are still serving.
-    assert grpc_serving(deployment.encoder_addr) and grpc_serving(lm_addr)
+    assert grpc_serving(deployment.encoder_addr, security=deployment.client_security) and \
+        grpc_serving(lm_addr, security=deployment.client_security)
     status, body = post(url + "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                                                        "max_tokens": 4})
     assert status == 200, body

@@ -50,7 +50,7 @@ def fetch_gateway(deployment):
     svc = Service("gateway-fetch", ["gateway", "--host", "127.0.0.1", "--port", str(port),
                                     "--encoders", deployment.encoder_addr, "--lms", deployment.lm_addr,
                                     "--fetch-allow-networks", "127.0.0.0/8",
-                                    "--fetch-timeout-s", str(FETCH_TIMEOUT_S)],
+                                    "--fetch-timeout-s", str(FETCH_TIMEOUT_S), *deployment.security_args],
                   os.path.join(deployment.log_dir, "gateway-fetch.log"))
     svc.start(dict(os.environ, PYTHONUNBUFFERED="1"))
     url = f"http://127.0.0.1:{port}"

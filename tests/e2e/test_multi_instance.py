@@ -111,7 +111,8 @@ def test_kill_one_encoder_mid_run_every_request_succeeds_then_it_is_used_again(m
     victim.proc.wait()
     victim.start(dict(os.environ))
     deadline = time.monotonic() + 240
-    while not grpc_serving(victim.address) or not _health(multi)["encoders"][victim.address]:
+    while (not grpc_serving(victim.address, security=multi.client_security)
+           or not _health(multi)["encoders"][victim.address]):
         assert victim.alive() and time.monotonic() < deadline, victim.log_tail()
         time.sleep(0.5)
     status, body = post(multi.url + "/v1/chat/completions", REFERENCE_REQUESTS[name])

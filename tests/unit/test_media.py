@@ -1,13 +1,17 @@
 """Image decoding guard rails and content identity."""
 
+import asyncio
 import hashlib
+import threading
+import time
 
 import grpc
 import pytest
 from helpers import image_bytes
 
-from services.common.errors import BadInput
-from services.common.media import content_id, decode_image
+from services.common.errors import BadInput, NoCapacity
+from services.common.images import bomb_png
+from services.common.media import BYTES_PER_PIXEL, ByteBudget, ImageDecoder, MediaConfig, content_id, decode_image
 
 pytestmark = pytest.mark.unit
 
@@ -59,3 +63,162 @@ def test_content_id_is_the_sha256_hex_of_the_bytes():
     data = image_bytes("PNG")
     assert content_id(data) == hashlib.sha256(data).hexdigest()
     assert content_id(data) != content_id(data + b"\0")
+
+
+# --- formats and bombs -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG", "WEBP", "GIF", "BMP"])
+def test_every_allowed_format_decodes(fmt):
+    assert decode_image(image_bytes(fmt, size=(8, 6))).size == (8, 6)
+
+
+@pytest.mark.parametrize("fmt", ["TIFF", "PPM", "ICO"])
+def test_a_format_outside_the_allow_list_is_refused_though_pil_reads_it(fmt):
+    with pytest.raises(BadInput, match="not a recognised image file"):
+        decode_image(image_bytes(fmt, size=(8, 6)))
+
+
+def test_a_decompression_bomb_is_refused_from_its_header_without_decoding():
+    data = bomb_png(10000)  # ~12 KB claiming 100 M pixels
+    # This refusal is raised from the header's size, before any pixel is loaded.
+    with pytest.raises(BadInput, match="image is 10000x10000, more than"):
+        decode_image(data)
+
+
+# --- the service decoder: limits per request and per service --------------------------------------------
+
+
+def _decoder(**kw) -> ImageDecoder:
+    return ImageDecoder(MediaConfig(**{"decode_wait_s": 0.2, **kw}))
+
+
+def test_the_decoder_decodes_off_the_event_loop_on_named_threads(monkeypatch):
+    import services.common.media as media
+
+    seen = []
+    real = media.decode_image
+    monkeypatch.setattr(media, "decode_image", lambda *a, **k: (seen.append(threading.current_thread().name),
+                                                                 real(*a, **k))[1])
+    dec = _decoder()
+
+    async def main():
+        images, lease = await dec.decode([image_bytes(size=(8, 6)), image_bytes(size=(4, 4))], 8)
+        assert [im.size for im in images] == [(8, 6), (4, 4)] and all(im.mode == "RGB" for im in images)
+        assert dec.budget.used == (48 + 16) * BYTES_PER_PIXEL  # held until the caller hands the images on
+        lease.release()
+        lease.release()  # idempotent
+        assert dec.budget.used == 0
+
+    asyncio.run(main())
+    dec.close()
+    assert len(seen) == 2 and all(name.startswith("epd-decode") for name in seen)
+
+
+def test_more_images_than_max_images_are_refused_before_decoding():
+    with pytest.raises(BadInput, match="3 images in one request; this service allows at most 2"):
+        _decoder().check([image_bytes()] * 3, max_images=2)
+
+
+def test_a_request_over_its_pixel_budget_is_invalid_argument():
+    dec = _decoder(max_request_pixels=100)
+    assert dec.check([image_bytes(size=(10, 5))] * 2, 8) == 100 * BYTES_PER_PIXEL  # exactly the limit
+    with pytest.raises(BadInput, match="101 pixels together, more than the 100 allowed per request"):
+        dec.check([image_bytes(size=(10, 5)), image_bytes(size=(51, 1))], 8)
+
+
+def test_an_image_in_a_request_is_refused_by_format_and_header_naming_its_index():
+    dec = _decoder(max_image_pixels=1000)
+    with pytest.raises(BadInput, match="image 1: .*not a recognised image file"):
+        dec.check([image_bytes(), image_bytes("TIFF")], 8)
+    with pytest.raises(BadInput, match="image 0: image is 100x100"):
+        dec.check([image_bytes(size=(100, 100))], 8)
+
+
+def test_a_request_larger_than_the_whole_service_budget_is_refused_at_once():
+    dec = _decoder(decode_budget_mib=1 / 1024)  # 1 KiB
+    with pytest.raises(BadInput, match="more than this service decodes at once"):
+        dec.check([image_bytes(size=(20, 20))], 8)  # 1600 bytes
+
+
+async def _until(predicate, what: str, within_s: float = 10.0) -> None:
+    """Polls ``predicate`` on the event loop until it holds; fails after ``within_s`` (a hang)."""
+    deadline = time.monotonic() + within_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"not {what} within {within_s}s"
+        await asyncio.sleep(0.001)
+
+
+def test_a_request_that_does_not_fit_the_busy_budget_waits_then_is_resource_exhausted():
+    dec = _decoder(decode_budget_mib=1 / 1024, decode_wait_s=0.2)  # 1 KiB: one 16x16 image (1 KiB) at a time
+
+    async def main():
+        _, first = await dec.decode([image_bytes(size=(16, 16))], 8)
+        refused = asyncio.create_task(dec.decode([image_bytes(size=(16, 16))], 8))
+        await _until(lambda: dec.budget.waiting == 1 or refused.done(), "queued")
+        assert dec.budget.waiting == 1  # it waits for room rather than being refused at once
+        with pytest.raises(NoCapacity, match="did not fit within 0.2s"):
+            await refused
+        assert dec.budget.used == 1024 and dec.budget.waiting == 0  # the refused request holds nothing
+        first.release()
+        assert dec.budget.used == 0
+
+    asyncio.run(main())
+    dec.close()
+    assert NoCapacity.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_a_request_waiting_for_the_busy_budget_goes_ahead_once_room_is_released():
+    dec = _decoder(decode_budget_mib=1 / 1024, decode_wait_s=60)  # the wait never runs out here
+
+    async def main():
+        _, first = await dec.decode([image_bytes(size=(16, 16))], 8)
+        waiting = asyncio.create_task(dec.decode([image_bytes(size=(16, 16))], 8))
+        await _until(lambda: dec.budget.waiting == 1, "queued")
+        assert not waiting.done()
+        first.release()  # room again: the waiting request goes ahead
+        images, second = await waiting
+        assert images[0].size == (16, 16) and dec.budget.used == 1024
+        second.release()
+        assert dec.budget.used == 0
+
+    asyncio.run(main())
+    dec.close()
+
+
+def test_a_bad_image_gives_back_the_budget_it_took():
+    dec = _decoder()
+
+    async def main():
+        good = image_bytes(size=(8, 8))
+        truncated = image_bytes(size=(64, 64), noise=True)[:200]
+        with pytest.raises(BadInput, match="image 1: image could not be decoded"):
+            await dec.decode([good, truncated], 8)
+        assert dec.budget.used == 0
+
+    asyncio.run(main())
+    dec.close()
+
+
+def test_the_byte_budget_serves_waiters_first_come_first_served():
+    async def main():
+        budget = ByteBudget(10)
+        assert await budget.acquire(8, 60)
+        big = asyncio.create_task(budget.acquire(10, 60))
+        await _until(lambda: budget.waiting == 1, "queued")
+        small = asyncio.create_task(budget.acquire(2, 60))  # would fit now, but the big one came first
+        await _until(lambda: budget.waiting == 2 or small.done(), "queued")
+        assert budget.waiting == 2 and budget.used == 8 and not big.done() and not small.done()
+        budget.release(8)  # grants synchronously, to the head of the queue only
+        assert budget.used == 10 and budget.waiting == 1
+        assert await big
+        assert not small.done() and budget.waiting == 1
+        budget.release(10)
+        assert await small and budget.used == 2 and budget.waiting == 0
+
+    asyncio.run(main())
+
+
+def test_media_limits_are_validated():
+    with pytest.raises(ValueError, match="max_request_pixels must be > 0"):
+        MediaConfig(max_request_pixels=0)
