@@ -25,7 +25,8 @@ class GatewayConfig:
     lms: str = ""
     """LM API addresses, comma-separated host:port (host names as for --encoders)."""
     model_name: str = ""
-    """Name served on /v1/models (default: the LM's model)."""
+    """Name served on /v1/models (default: the model of the first LM admitted). Set, every LM must agree: its
+    model is this name or a path ending in it."""
     dispatch: str = "overlap"
     """overlap: Generate goes to the LM as soon as Encode has streamed every item's metadata;
     sequential: only after every item is encoded (upstream's proxy behaviour, for comparison)."""

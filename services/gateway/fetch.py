@@ -14,6 +14,10 @@ fetches http(s) URLs. Rules for a fetch, each refusal a ``MediaError`` that says
 - ``--fetch-timeout-s`` for the whole fetch (connect, redirects and body together);
 - a 2xx status, an ``image/*`` Content-Type, and at most ``--max-image-bytes``: a larger
   Content-Length is refused before reading, a body is read in chunks and abandoned once over;
+- whatever the source (data: URL, fetched, raw gRPC bytes), an image must be one of
+  ``services.common.media.IMAGE_FORMATS`` (the one list, shared with ``check_image``), sniffed from
+  its first bytes (``sniff_image_format``; a declared media type proves nothing), and its header must
+  parse as that format within ``--max-image-pixels``;
 - no proxies from the environment, no cookies kept, no content decoding (``Accept-Encoding:
   identity``), so the byte limit is the limit on what the gateway holds.
 
@@ -37,7 +41,7 @@ from aiohttp.abc import AbstractResolver
 from yarl import URL
 
 from services.common.errors import MediaError
-from services.common.media import check_image
+from services.common.media import IMAGE_FORMATS, check_image
 from services.gateway.config import GatewayConfig
 
 if TYPE_CHECKING:
@@ -52,21 +56,71 @@ _GUARD_HINT = "refused (SSRF guard; see --fetch-allow-networks)"
 _NUMERIC_HOST = re.compile(r"[0-9.]+|0x[0-9a-f.x]*", re.IGNORECASE)  # 127.1, 2130706433, 0x7f.1
 
 
+def sniff_image_format(data: bytes) -> str | None:
+    """The format of ``IMAGE_FORMATS`` (PIL names; JPEG includes MPO) that ``data``'s signature (its
+    first bytes) names, or None."""
+    if data.startswith(b"\x89PNG\r\n\x1a\n"):
+        return "PNG"
+    if data.startswith(b"\xff\xd8\xff"):
+        return "JPEG"
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "WEBP"
+    if data[:6] in (b"GIF87a", b"GIF89a"):
+        return "GIF"
+    if data[:2] == b"BM" and len(data) >= 26:  # file header (14) + the smallest info header's size fields
+        return "BMP"
+    return None
+
+
+def check_format(data: bytes, max_pixels: int) -> str:
+    """Refuses (MediaError, 400) an image whose signature is not one of ``IMAGE_FORMATS`` or whose
+    header does not parse as that format, and one over ``max_pixels`` (``check_image``). Returns the
+    format. Called by ``_load_one`` for every image, before any service sees it."""
+    sniffed = sniff_image_format(data)
+    if sniffed is None:
+        head = data[:12].hex(" ") or "none"
+        raise MediaError(f"image is not a recognised image of an accepted format (first bytes: {head}); "
+                         f"accepted: {', '.join(IMAGE_FORMATS)}")
+    parsed, _, _ = check_image(data, max_pixels)
+    if {"MPO": "JPEG"}.get(parsed, parsed) != sniffed:
+        raise MediaError(f"image starts like {sniffed} but its header parses as {parsed}; refused")
+    return sniffed
+
+
 def _short(url: str, n: int = 100) -> str:
     return url if len(url) <= n else url[:n] + "..."
 
 
+# IPv6 ranges refused whatever Python's tables (which change between versions) say about them.
+_V6_REFUSED = ((ipaddress.IPv6Network("fec0::/10"), "site-local"),  # deprecated, still routed on some LANs
+               (ipaddress.IPv6Network("fc00::/7"), "private"),  # unique-local
+               (ipaddress.IPv6Network("2001::/32"), "Teredo"),  # tunnels to an address the gateway cannot judge
+               (ipaddress.IPv6Network("64:ff9b:1::/48"), "local-use NAT64"),
+               (ipaddress.IPv6Network("3fff::/20"), "documentation"))
+_NAT64 = ipaddress.IPv6Network("64:ff9b::/96")  # well-known prefix: judged by the IPv4 address inside
+_V4_COMPAT = ipaddress.IPv6Network("::/96")  # deprecated IPv4-compatible form (::a.b.c.d), and :: and ::1
+
+
 def non_public_reason(ip: IPAddress) -> str | None:
-    """Why ``ip`` is not a globally routable unicast address ("loopback", "private", ...), or None.
-    IPv6 forms that embed an IPv4 address (IPv4-mapped, 6to4) are judged by that address."""
+    """Why ``ip`` is not a globally routable unicast address ("loopback", "private", "site-local", ...),
+    or None. IPv6 forms that embed an IPv4 address (IPv4-mapped, 6to4, NAT64 64:ff9b::/96) are judged
+    by that address; the deprecated IPv4-compatible form, Teredo, site-local and unique-local are refused."""
     if isinstance(ip, ipaddress.IPv6Address):
+        ip = ipaddress.IPv6Address(int(ip))  # without a %zone
         inner = ip.ipv4_mapped or ip.sixtofour
+        if inner is None and ip in _NAT64:
+            inner = ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
         if inner is not None:
             return non_public_reason(inner)
+        if ip in _V4_COMPAT and int(ip) > 1:
+            return "IPv4-compatible"
+        for net, reason in _V6_REFUSED:
+            if ip in net:
+                return reason
     for attr, reason in (("is_unspecified", "unspecified"), ("is_loopback", "loopback"),
-                         ("is_link_local", "link-local"), ("is_multicast", "multicast"),
-                         ("is_private", "private"), ("is_reserved", "reserved")):
-        if getattr(ip, attr):
+                         ("is_link_local", "link-local"), ("is_site_local", "site-local"),
+                         ("is_multicast", "multicast"), ("is_private", "private"), ("is_reserved", "reserved")):
+        if getattr(ip, attr, False):
             return reason
     return None if ip.is_global else "non-global"
 
@@ -256,7 +310,7 @@ async def _load_one(source: str | bytes, cfg: GatewayConfig, fetcher: MediaFetch
         raise MediaError(f"unsupported image URL {_short(source)!r}")
     if len(data) > cfg.max_image_bytes:
         raise MediaError(f"image larger than {cfg.max_image_bytes} bytes (--max-image-bytes)", status=413)
-    check_image(data, cfg.max_image_pixels)
+    check_format(data, cfg.max_image_pixels)
     return data
 
 

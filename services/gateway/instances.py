@@ -4,21 +4,28 @@ from DNS), one gRPC channel each, in-flight load, and health.
 ``InstancePool`` is owned by the ``Orchestrator`` (one per role) and runs one
 background task that, every ``health_interval_s``, re-resolves host names
 (every ``dns_refresh_s``) and checks each instance with ``grpc.health.v1``
-(readiness of the role's service). A failed check, or a request that found the
-instance unreachable, ejects it; the next passing check re-admits it. Routing
-reads ``healthy()`` and each instance's ``outstanding`` count; the
-orchestrator holds ``track()`` around every call so the count stays exact.
+(readiness of the role's service). An instance starts ``PENDING`` and is routed
+to only once admitted: its check passed and the pool's ``verify`` hook
+accepted it (the orchestrator's call ``GetInfo``, which, unlike the health
+check, needs the gateway's credentials; the LM pool's also checks the model), so
+peers may start in any order and one that would refuse every call is never
+routed to. A failed check, or a request that found the instance unreachable
+(or refused by it), ejects it; the next passing check (and ``verify``) re-admits it. The states
+and their transitions are ``InstanceState`` and ``_TRANSITIONS``. Routing reads
+``healthy()`` and each instance's ``outstanding`` count; the orchestrator
+holds ``track()`` around every call so the count stays exact.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import ipaddress
 import logging
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +35,7 @@ from prometheus_client import Counter, Gauge
 
 from epd.encoder.v1 import encoder_pb2
 from epd.lm.v1 import lm_pb2
+from ectransfer.security import SecurityConfig
 from services.common.grpc_server import GRPC_OPTIONS
 
 logger = logging.getLogger(__name__)
@@ -46,6 +54,32 @@ SERVICE_NAMES = {"encoder": encoder_pb2.DESCRIPTOR.services_by_name["EncoderServ
                  "lm": lm_pb2.DESCRIPTOR.services_by_name["LMService"].full_name}
 
 
+class InstanceState(enum.Enum):
+    """Where an instance stands with the pool; only ``InstancePool`` moves it, along ``_TRANSITIONS``."""
+
+    PENDING = "pending"
+    """Not admitted since it was added: no passing check (and ``verify``) yet. Never routed to."""
+    ADMITTED = "admitted"
+    """Routed to."""
+    EJECTED = "ejected"
+    """Was admitted, then failed a check or a call. Still tried when every admitted instance is out
+    (a health blip on a busy host)."""
+    REFUSED = "refused"
+    """Answers its health check, but ``verify`` refused it (an LM serving another model, an instance that
+    refuses the gateway's credentials). Never routed to; verified again on each passing check."""
+
+
+_TRANSITIONS = {
+    InstanceState.PENDING: {InstanceState.PENDING, InstanceState.ADMITTED, InstanceState.REFUSED},
+    InstanceState.ADMITTED: {InstanceState.ADMITTED, InstanceState.EJECTED},
+    InstanceState.EJECTED: {InstanceState.EJECTED, InstanceState.ADMITTED, InstanceState.REFUSED},
+    InstanceState.REFUSED: {InstanceState.REFUSED, InstanceState.ADMITTED},
+}
+_ON_FAILURE = {InstanceState.ADMITTED: InstanceState.EJECTED}
+"""The state a failed check leads to (the same state where absent: a pending or refused instance
+stays as it is, with the new reason)."""
+
+
 @dataclass(eq=False)
 class Instance:
     """One encoder or LM process, dialed at ``address`` (``ip:port``)."""
@@ -56,17 +90,22 @@ class Instance:
     """The configured entry it came from (the address itself, or a host name)."""
     stub: Any
     channel: grpc.aio.Channel
-    healthy: bool = True
+    state: InstanceState = InstanceState.PENDING
     outstanding: int = 0
     slow_since: float | None = None
     """Start of the first health check of the current run of timed-out ones."""
     reason: str = ""
-    """Why it was last ejected (for logs and errors)."""
+    """Why it is not admitted (for logs, /health and errors); empty while admitted."""
 
     def __post_init__(self) -> None:
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self._calls = CALLS.labels(self.role, self.address)  # the children, looked up once
         self._outstanding = OUTSTANDING.labels(self.role, self.address)
+
+    @property
+    def healthy(self) -> bool:
+        """Admitted: requests may be routed to it."""
+        return self.state is InstanceState.ADMITTED
 
     @contextlib.contextmanager
     def track(self) -> Iterator[None]:
@@ -123,6 +162,11 @@ class InstancePool:
     health_interval_s: float = 1.0
     dns_refresh_s: float = 10.0
     resolver: Callable[[str, int], Any] = resolve
+    verify: Callable[[Instance], Awaitable[str | None]] | None = None
+    """Called by ``check`` with an instance that passed its health check but is not admitted; returns why
+    it may not be admitted (None: admit it). Runs on the pool's event loop; must not raise."""
+    security: SecurityConfig = field(default_factory=SecurityConfig)
+    """TLS and token for the channels to these instances."""
     instances: dict[str, Instance] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -140,9 +184,10 @@ class InstancePool:
             return
         # Short reconnect backoff: a restarted instance is re-admitted within seconds,
         # not after grpc's default backoff of up to two minutes.
-        channel = grpc.aio.insecure_channel(address, options=[*GRPC_OPTIONS, *_RECONNECT])
-        self.instances[address] = Instance(self.role, address, source, self.stub_cls(channel), channel)
-        HEALTHY.labels(self.role, address).set(1)
+        channel = self.security.aio_channel(address, options=[*GRPC_OPTIONS, *_RECONNECT])
+        self.instances[address] = Instance(self.role, address, source, self.stub_cls(channel), channel,
+                                           reason="not checked yet")
+        HEALTHY.labels(self.role, address).set(0)  # routed to once a check admits it
 
     def _remove(self, address: str) -> None:
         inst = self.instances.pop(address)
@@ -187,18 +232,40 @@ class InstancePool:
     def healthy(self, exclude: set[str] | frozenset[str] = frozenset()) -> list[Instance]:
         return [i for i in self.instances.values() if i.healthy and i.address not in exclude]
 
-    def eject(self, inst: Instance, reason: str) -> None:
-        if inst.healthy:
+    def ejected(self, exclude: set[str] | frozenset[str] = frozenset()) -> list[Instance]:
+        """Instances that were admitted and are out now (never the pending or refused ones)."""
+        return [i for i in self.instances.values() if i.state is InstanceState.EJECTED and i.address not in exclude]
+
+    def _move(self, inst: Instance, state: InstanceState, reason: str) -> None:
+        if state not in _TRANSITIONS[inst.state]:
+            raise AssertionError(f"{self.role} {inst.address}: no transition {inst.state.name} -> {state.name}")
+        before, changed = inst.state, (inst.state, inst.reason) != (state, reason)
+        inst.state, inst.reason = state, reason
+        HEALTHY.labels(self.role, inst.address).set(1 if state is InstanceState.ADMITTED else 0)
+        if not changed:
+            return  # logged when it started
+        if state is InstanceState.EJECTED and before is InstanceState.ADMITTED:
             logger.warning("%s %s ejected: %s", self.role, inst.address, reason)
             EJECTIONS.labels(self.role, inst.address).inc()
-        inst.healthy, inst.reason = False, reason
-        HEALTHY.labels(self.role, inst.address).set(0)
+        elif state is InstanceState.ADMITTED:
+            logger.info("%s %s %s (health check passed)", self.role, inst.address,
+                        "admitted" if before is InstanceState.PENDING else "re-admitted")
+        elif state is InstanceState.REFUSED:
+            logger.warning("%s %s refused: %s", self.role, inst.address, reason)
+        elif state is InstanceState.PENDING:
+            logger.info("%s %s not ready yet: %s", self.role, inst.address, reason)
 
-    def _admit(self, inst: Instance) -> None:
-        if not inst.healthy:
-            logger.info("%s %s re-admitted (health check passed)", self.role, inst.address)
-        inst.healthy, inst.reason = True, ""
-        HEALTHY.labels(self.role, inst.address).set(1)
+    def eject(self, inst: Instance, reason: str) -> None:
+        """A failed check or call: an admitted instance is ejected; a pending or refused one stays so."""
+        self._move(inst, _ON_FAILURE.get(inst.state, inst.state), reason)
+
+    def admit(self, inst: Instance) -> None:
+        """Routes requests to ``inst`` from now on (``check`` calls it after a passing check and ``verify``)."""
+        self._move(inst, InstanceState.ADMITTED, "")
+
+    def refuse(self, inst: Instance, reason: str) -> None:
+        """``verify`` refused ``inst``: it answers but must not be routed to."""
+        self._move(inst, InstanceState.REFUSED, reason)
 
     async def check(self, inst: Instance) -> None:
         """One readiness check; ejects or re-admits the instance."""
@@ -221,7 +288,14 @@ class InstancePool:
             return
         inst.slow_since = None
         if resp.status == health_pb2.HealthCheckResponse.SERVING:
-            self._admit(inst)
+            if not inst.healthy and self.verify is not None:
+                refusal = await self.verify(inst)
+                if inst.healthy:  # an overlapping check admitted it meanwhile
+                    return
+                if refusal:
+                    self.refuse(inst, refusal)
+                    return
+            self.admit(inst)
         else:
             self.eject(inst, "health check: not serving")
 

@@ -9,10 +9,20 @@ Text-only requests go straight to an LM.
 Failover happens only before the first token reaches the caller: an encoder
 that fails or times out, or an LM that reports it could not get an item from
 its encoder (the ``epd-fault: encoder`` trailer), costs a re-encode on another
-encoder; an LM that fails costs a retry on another LM. Bad input and
-incompatible peers are never retried. After the first token, a failure ends the
-stream with the error. With no healthy encoder left, the LM encodes the items
-itself (``local_encode_fallback``), which is plain vLLM's behaviour.
+encoder; an LM that fails costs a retry on another LM. An instance that
+refuses the gateway (UNAUTHENTICATED, PERMISSION_DENIED: its token, certificate
+or allow-list differs from its peers') is at fault as well: it is ejected and
+re-verified, and the request retried elsewhere. Bad input and incompatible
+peers are never retried. After the first token, a failure ends the stream with
+the error. With no healthy encoder left, the LM encodes the items itself
+(``local_encode_fallback``), which is plain vLLM's behaviour.
+
+Peers may start in any order: the pools admit an instance once it passes its
+health check (which needs no credentials) and its ``GetInfo`` (which does)
+answers, so an instance that would refuse every call is never admitted; an LM's
+``GetInfo`` must also name the served model (the first LM admitted teaches the
+model unless ``--model-name`` is set). Until an LM is admitted, every request
+fails at once with UNAVAILABLE and ``lm_wait_reason()``'s message.
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
 from epd.lm.v1 import lm_pb2, lm_pb2_grpc
 from services.common.errors import FAULT_ENDPOINT_KEY, FAULT_KEY
 from services.gateway.config import GatewayConfig
+from ectransfer.security import SecurityConfig
 from services.gateway.instances import Instance, InstancePool
 from services.gateway.routing import LeastOutstanding, pick_encoder
 
@@ -43,8 +54,14 @@ LOCAL_FALLBACK = Counter("epd_gateway_local_encode_fallback_total",
 
 # Codes that say the request itself is wrong (or the pair incompatible): retrying cannot help.
 _FINAL = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND,
-          grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNIMPLEMENTED,
-          grpc.StatusCode.UNAUTHENTICATED}
+          grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.UNIMPLEMENTED}
+# Codes that say one instance refuses the gateway (a token or certificate that differs, an LM whose encoder
+# allow-list differs): that instance's fault, not the request's. It is ejected and re-verified (its GetInfo
+# needs the credentials too); the request is retried on another instance.
+_REFUSED = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}
+# Codes that say an instance may be gone: it is health-checked again at once.
+_GONE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+         grpc.StatusCode.UNKNOWN}
 
 
 @dataclass
@@ -84,6 +101,14 @@ def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
 
+def _call_failed(call: str, e: grpc.aio.AioRpcError) -> str:
+    """Why an admission call failed, for /health's ``out`` and the logs."""
+    if e.code() in _REFUSED:
+        return (f"{call} failed: {e.code().name} (it refuses this gateway's credentials; check that "
+                f"--auth-token-file and the TLS files match its own)")
+    return f"{call} failed: {e.code().name}"
+
+
 class _Failure(Exception):
     """One attempt failed at ``role`` (instances ``blame``)."""
 
@@ -113,12 +138,16 @@ class _EncodeGroup:
 class Orchestrator:
     """Owns the instance pools (their health loops start in ``start``) and runs requests."""
 
-    def __init__(self, cfg: GatewayConfig) -> None:
+    def __init__(self, cfg: GatewayConfig, security: SecurityConfig | None = None) -> None:
         self.cfg = cfg
-        pool = dict(health_interval_s=cfg.health_interval_s, dns_refresh_s=cfg.dns_refresh_s)
-        self.encoders = (InstancePool("encoder", cfg.encoder_list, encoder_pb2_grpc.EncoderServiceStub, **pool)
+        pool = dict(health_interval_s=cfg.health_interval_s, dns_refresh_s=cfg.dns_refresh_s,
+                    security=security or SecurityConfig())
+        self.encoders = (InstancePool("encoder", cfg.encoder_list, encoder_pb2_grpc.EncoderServiceStub,
+                                      verify=self._verify_encoder, **pool)
                          if cfg.encoder_list else None)
-        self.lms = InstancePool("lm", cfg.lm_list, lm_pb2_grpc.LMServiceStub, **pool)
+        self.lms = InstancePool("lm", cfg.lm_list, lm_pb2_grpc.LMServiceStub, verify=self._verify_lm, **pool)
+        self.model: str | None = cfg.model_name or None
+        """The served model name: ``--model-name``, else learned from the first LM admitted; None until then."""
         self._lm_policy = LeastOutstanding()
         self._draining: set[asyncio.Task] = set()  # encode streams of answered requests, ending on their own
 
@@ -131,19 +160,57 @@ class Orchestrator:
         await asyncio.gather(*self._draining, return_exceptions=True)
         await asyncio.gather(*(p.close() for p in (self.encoders, self.lms) if p is not None))
 
-    async def model_name(self) -> str:
-        """The model of the first LM that answers (healthy ones first)."""
-        errors = []
-        for inst in sorted(self.lms.instances.values(), key=lambda i: not i.healthy):
-            try:
-                return (await inst.stub.GetInfo(lm_pb2.GetInfoRequest(), timeout=10)).model
-            except grpc.aio.AioRpcError as e:
-                errors.append(f"{inst.address}: {e.code().name}")
-        raise RuntimeError(f"no LM answered GetInfo ({'; '.join(errors) or 'no instances'})")
+    async def _verify_lm(self, inst: Instance) -> str | None:
+        """The LM pool's admission check (``InstancePool.verify``), for an LM that passed its health
+        check: asks its model. The first LM admitted sets ``self.model`` when ``--model-name`` is not
+        set; every LM must then serve that model. With ``--model-name`` set, an LM agrees when its model
+        is that name or a path ending in it. Returns why ``inst`` may not be admitted, or None."""
+        try:
+            model = (await inst.stub.GetInfo(lm_pb2.GetInfoRequest(),
+                                             timeout=max(1.0, self.cfg.health_interval_s))).model
+        except grpc.aio.AioRpcError as e:
+            return _call_failed("GetInfo", e)
+        if self.cfg.model_name:
+            if self.cfg.model_name in (model, model.rstrip("/").rsplit("/", 1)[-1]):
+                return None
+            return f"serves model {model!r}, not {self.cfg.model_name!r} (--model-name)"
+        if self.model is None:
+            self.model = model
+            logger.info("serving model %s (learned from lm %s)", model, inst.address)
+        elif model != self.model:
+            return f"serves model {model!r}, not {self.model!r} (the model of the first LM admitted)"
+        return None
+
+    async def _verify_encoder(self, inst: Instance) -> str | None:
+        """The encoder pool's admission check (``InstancePool.verify``), for an encoder that passed its
+        health check: its ``GetInfo`` must answer. Health checks take no token, so this is what keeps an
+        encoder that would refuse every Encode (another token, another CA) out. Returns why ``inst`` may
+        not be admitted, or None."""
+        try:
+            await inst.stub.GetInfo(encoder_pb2.GetInfoRequest(), timeout=max(1.0, self.cfg.health_interval_s))
+        except grpc.aio.AioRpcError as e:
+            return _call_failed("GetInfo", e)
+        return None
+
+    def lm_wait_reason(self) -> str | None:
+        """Why no request can be served yet: no LM was ever admitted (the message names every LM and
+        what it waits for). None once one was, even while every LM is ejected (those are still tried)."""
+        insts = list(self.lms.instances.values())
+        if any(i.healthy for i in insts) or self.lms.ejected():
+            return None
+        waiting = "; ".join(f"{i.address}: {i.reason}" for i in insts) or "no LM address resolved"
+        return f"no LM is ready yet ({waiting})"
 
     def health(self) -> dict[str, dict[str, bool]]:
         pools = {"lms": self.lms, "encoders": self.encoders}
         return {k: {a: i.healthy for a, i in p.instances.items()} for k, p in pools.items() if p is not None}
+
+    def not_admitted(self) -> dict[str, dict[str, str]]:
+        """Why each instance that is not admitted is out ("health check failed: UNAVAILABLE", "serves
+        model ..."), per pool as in ``health()``."""
+        pools = {"lms": self.lms, "encoders": self.encoders}
+        return {k: {a: f"{i.state.value}: {i.reason}" for a, i in p.instances.items() if not i.healthy}
+                for k, p in pools.items() if p is not None}
 
     async def generate(self, req: lm_pb2.GenerateRequest, media: list[Media],
                        timings: Timings) -> AsyncIterator[lm_pb2.GenerateResponse]:
@@ -153,6 +220,9 @@ class Orchestrator:
         excluded = {"encoder": set(), "lm": set()}
         base_id = req.request_id
         try:
+            why = self.lm_wait_reason()
+            if why is not None:  # fail before any encode: no LM could take the request
+                raise rpc_error(grpc.StatusCode.UNAVAILABLE, why)
             for attempt in range(1, self.cfg.max_attempts + 1):
                 if attempt > 1:  # a fresh id: the engines may still be dropping the failed one
                     req.request_id = f"{base_id}-retry{attempt - 1}"
@@ -181,11 +251,18 @@ class Orchestrator:
     def _recheck(self, f: _Failure) -> None:
         """An instance that failed a call is health-checked at once (in the
         background: this request already excludes it), so a dead one is
-        ejected for every request, not just excluded for this one."""
+        ejected for every request, not just excluded for this one. One that
+        refused the gateway is ejected first, so the check verifies it again
+        (``GetInfo``): refused if it still rejects the credentials, else
+        re-admitted at once."""
         pool = self.encoders if f.role == "encoder" else self.lms
-        if pool is not None and f.error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                                                    grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN):
-            pool.recheck(f.blame)
+        code = f.error.code()
+        if pool is None or code not in _GONE | _REFUSED:
+            return
+        if code in _REFUSED:
+            for inst in f.blame:
+                pool.eject(inst, f"a call was refused: {code.name}")
+        pool.recheck(f.blame)
 
     def _remaining(self, deadline: float) -> float:
         return max(0.001, deadline - time.monotonic())
@@ -206,11 +283,11 @@ class Orchestrator:
                 if groups:
                     await self._start_encodes(req, media, groups, timings, deadline)
             # All ejected (a health blip on a busy host): try the ejected ones rather than fail outright.
-            lm = self._lm_policy.pick(self.lms.healthy(excluded["lm"]) or [
-                i for i in self.lms.instances.values() if i.address not in excluded["lm"]])
+            # Never one that was not admitted yet: its model is unknown.
+            lm = self._lm_policy.pick(self.lms.healthy(excluded["lm"]) or self.lms.ejected(excluded["lm"]))
             if lm is None:
-                raise _Failure(rpc_error(grpc.StatusCode.UNAVAILABLE, "no healthy LM instance"), "lm", [],
-                               retryable=False)
+                why = self.lm_wait_reason() or "no healthy LM instance"
+                raise _Failure(rpc_error(grpc.StatusCode.UNAVAILABLE, why), "lm", [], retryable=False)
             timings.lm = lm.address
             # aclosing: a caller that stops early (client gone) cancels the LM call now,
             # not whenever the garbage collector finalizes the generator.
@@ -252,8 +329,11 @@ class Orchestrator:
             inst = pick_encoder(m.identifier, candidates, self.cfg.affinity_spill)
             if inst is None:
                 if not self.cfg.local_encode_fallback:
-                    raise _Failure(rpc_error(grpc.StatusCode.UNAVAILABLE, "no healthy encoder instance"),
-                                   "encoder", [], retryable=False)
+                    out = "; ".join(f"{i.address}: " + ("failed this request" if i.healthy
+                                                         else f"{i.state.value}: {i.reason}")
+                                    for i in self.encoders.instances.values() if i not in candidates)
+                    raise _Failure(rpc_error(grpc.StatusCode.UNAVAILABLE, "no healthy encoder instance"
+                                             + (f" ({out})" if out else "")), "encoder", [], retryable=False)
                 LOCAL_FALLBACK.inc()
                 logger.warning("request %s: no healthy encoder; the LM encodes its %d item(s) itself",
                                rid, len(media))

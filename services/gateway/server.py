@@ -6,10 +6,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from collections.abc import Callable
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from ectransfer.security import SecurityConfig
 from epd.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from services.common.grpc_server import GrpcServer
 from services.gateway.config import GatewayConfig
@@ -25,34 +27,45 @@ async def _metrics(request: web.Request) -> web.Response:
     return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-async def serve(cfg: GatewayConfig, stop: asyncio.Event | None = None) -> None:
+async def serve(cfg: GatewayConfig, stop: asyncio.Event | None = None, security: SecurityConfig | None = None,
+                on_listening: Callable[[int, int], None] | None = None) -> None:
+    """``security``: how the gateway proves itself to encoders and LMs (its own
+    REST and gRPC API are the public face and take no internal credentials).
+    ``on_listening(http_port, grpc_port)`` is called once both listeners are
+    bound, with the ports they hold: the one the OS chose for a ``cfg.port`` of
+    0 (how tests run it without guessing a free port), 0 for a disabled gRPC API."""
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    orch = Orchestrator(cfg)
+    orch = Orchestrator(cfg, security)
     fetcher = MediaFetcher(cfg)  # http(s) image URLs; closed below, after the listeners stop
     runner = grpc_server = None
     try:  # everything set up so far is torn down on the way out, also after a failed start
-        await orch.start()  # resolves names, checks every instance once, then keeps checking
-        model = cfg.model_name or await orch.model_name()
+        # Resolves names, checks every instance once, then keeps checking. No peer need be up: until
+        # an LM is admitted (its model learned) /health and every request answer 503.
+        await orch.start()
         app = web.Application(middlewares=[request_context], client_max_size=cfg.max_image_bytes * 2 + (1 << 20))
-        OpenAIRoutes(cfg, orch, model, fetcher=fetcher).add_to(app)
+        OpenAIRoutes(cfg, orch, fetcher=fetcher).add_to(app)
         app.router.add_get("/metrics", _metrics)
         # handler_cancellation: a client that disconnects cancels its handler, which
         # cancels the LM call (and with it the engine request).
         runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await runner.setup()
         await web.TCPSite(runner, cfg.host, cfg.port).start()
+        http_port, grpc_port = runner.addresses[0][1], 0
         if cfg.grpc_port:
-            grpc_server = GrpcServer(cfg.host, cfg.grpc_port)
+            grpc_server = GrpcServer(cfg.host, cfg.grpc_port, public=True)
             grpc_server.add(gateway_pb2_grpc.add_GatewayServiceServicer_to_server,
                             GatewayServicer(cfg, orch, fetcher=fetcher),
                             gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name)
-            await grpc_server.start()
+            grpc_port = await grpc_server.start()
             await grpc_server.set_serving(True)
-        logger.info("gateway ready: http://%s:%d/v1 (model %s, %d encoder(s), %d LM(s))",
-                    cfg.host, cfg.port, model, len(cfg.encoder_list), len(cfg.lm_list))
+        if on_listening is not None:
+            on_listening(http_port, grpc_port)
+        logger.info("gateway listening: http://%s:%d/v1 (model %s, %d encoder(s), %d LM(s)%s)",
+                    cfg.host, http_port, orch.model or "not known yet", len(cfg.encoder_list), len(cfg.lm_list),
+                    "" if orch.lm_wait_reason() is None else "; waiting for an LM")
         await stop.wait()
     finally:
         if grpc_server is not None:

@@ -8,10 +8,11 @@ import grpc
 
 from epd.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from epd.lm.v1 import lm_pb2
-from services.common.errors import BadInput, EPDError
+from services.common.errors import BadInput, EPDError, PeerUnavailable
 from services.gateway.config import GatewayConfig
 from services.gateway.fetch import MediaFetcher
-from services.gateway.openai_api import REQUEST_ID_HEADER, REQUEST_ID_RE, finished, from_grpc, load_media
+from services.gateway.openai_api import (REQUEST_ID_HEADER, REQUEST_ID_RE, check_sampling, engine_request_id,
+                                        finished, from_grpc, load_media)
 from services.gateway.orchestrator import Media, Orchestrator, Timings
 
 
@@ -36,6 +37,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         images), which the error boundary answers with INVALID_ARGUMENT."""
         if not request.messages:
             raise BadInput("messages is required")
+        problem = check_sampling(request.sampling)
+        if problem is not None:
+            raise BadInput(problem[1])
         req = lm_pb2.GenerateRequest(request_id=f"chatcmpl-{uuid.uuid4().hex}", sampling=request.sampling)
         sources: list[str | bytes] = []
         for m in request.messages:
@@ -56,16 +60,22 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         rid = dict(context.invocation_metadata() or ()).get(REQUEST_ID_HEADER.lower(), "")
         if rid and not REQUEST_ID_RE.fullmatch(rid):
             raise BadInput(f"{REQUEST_ID_HEADER.lower()} metadata must match {REQUEST_ID_RE.pattern}")
+        why = self.orch.lm_wait_reason()
+        if why is not None:  # before any image is loaded: nothing could take the request
+            raise PeerUnavailable(why)
         req, media = await self._convert(request)
-        req.request_id = rid or req.request_id
+        # The client's id names the chunks and the log line; the engines get it made unique.
+        req.request_id = engine_request_id(rid, "chatcmpl") if rid else req.request_id
+        rid = rid or req.request_id
         try:
             async for resp in self.orch.generate(req, media, timings):
                 yield gateway_pb2.ChatCompletionChunk(
-                    id=req.request_id, text=resp.text, token_ids=resp.token_ids,
+                    id=rid, text=resp.text, token_ids=resp.token_ids,
                     finish_reason=resp.finish_reason, usage=resp.usage if resp.finish_reason else None)
         except grpc.aio.AioRpcError as e:
-            finished("grpc", from_grpc(e).status, req.request_id, timings, len(media), e.details() or "")
+            finished("grpc", from_grpc(e).status, rid, timings, len(media), e.details() or "",
+                     engine_id=req.request_id)
             raise _Relay(e) from None
-        finished("grpc", 200, req.request_id, timings, len(media))
+        finished("grpc", 200, rid, timings, len(media), engine_id=req.request_id)
 
 

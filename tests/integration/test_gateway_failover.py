@@ -15,160 +15,30 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import REGISTRY
 
+from ectransfer.security import SecurityConfig
 from epd.common.v1 import common_pb2
-from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
+from epd.encoder.v1 import encoder_pb2
 from epd.lm.v1 import lm_pb2, lm_pb2_grpc
-from services.common.errors import BadInput, EncoderUnavailable, PeerUnavailable
+from services.certs import make_token
 from services.common.grpc_server import GrpcServer
 from services.gateway import routing
 from services.gateway.config import GatewayConfig
 from services.gateway.instances import InstancePool
 from services.gateway.orchestrator import Media, Orchestrator, Timings
+from tests.integration.gateway_fakes import FakeEncoder, FakeLM, World, serve_fake, wait_until
 
 pytestmark = pytest.mark.integration
-
-ENCODER_SERVICE = "epd.encoder.v1.EncoderService"
-LM_SERVICE = "epd.lm.v1.LMService"
 TEST_LIMIT_S = 15.0
 
 
-class World:
-    """What the fakes share: an ordered log of events, per-request "the LM
-    call arrived" events, and scripts that the next calls (to whichever
-    instance gets them) follow."""
-
-    def __init__(self) -> None:
-        self.log: list[tuple[str, str, str]] = []  # (who, what, request_id)
-        self.enc_script: list[str] = []
-        self.lm_script: list[str] = []
-        self._lm_arrived: dict[str, asyncio.Event] = {}
-        self.release = asyncio.Event()
-
-    def lm_arrived(self, rid: str) -> asyncio.Event:
-        return self._lm_arrived.setdefault(rid, asyncio.Event())
-
-    def at(self, what: str, rid: str) -> int:
-        """Position in the log of the first ``what`` event of request ``rid``."""
-        return next(n for n, (_, w, r) in enumerate(self.log) if (w, r) == (what, rid))
-
-
-class FakeEncoder(encoder_pb2_grpc.EncoderServiceServicer):
-    """Streams ItemMetadata per item (transfer_endpoint ``<name>:1``), waits
-    for the LM call of the same request (``wait_lm_s``), then ItemEncoded per
-    item. Scripted modes: unavailable, abort_unavailable, invalid, hang,
-    fail_after_metadata, fail_when_released (after metadata, once
-    ``world.release`` is set), late_encoded (0.3 s after the LM call)."""
-
-    def __init__(self, name: str, world: World, wait_lm_s: float = 2.0) -> None:
-        self.name, self.world, self.wait_lm_s = name, world, wait_lm_s
-        self.endpoint = f"{name}:1"
-        self.requests: list[encoder_pb2.EncodeRequest] = []
-        self.cancelled: list[str] = []
-        self.mode = "ok"
-        self.layout = False  # send a prompt layout with the metadata, as the real encoder does
-
-    async def Encode(self, request, context):
-        self.requests.append(request)
-        rid = request.request_id
-        mode = self.world.enc_script.pop(0) if self.world.enc_script else self.mode
-        self.world.log.append((self.name, "encode", rid))
-        if mode == "unavailable":
-            raise PeerUnavailable(f"{self.name} is going away")
-        if mode == "abort_unavailable":
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.name} overloaded")
-        if mode == "invalid":
-            raise BadInput("not an image")
-        if mode == "hang":
-            try:
-                await asyncio.Event().wait()
-            except asyncio.CancelledError:
-                self.cancelled.append(rid)
-                raise
-        for i, item in enumerate(request.items):
-            md = encoder_pb2.ItemMetadata(
-                identifier=item.identifier, index=i, modality=item.modality, num_embeds=16, embed_width=64,
-                dtype=common_pb2.BFLOAT16, transfer_endpoint=self.endpoint, encoder_id=self.name)
-            if self.layout:
-                md.placeholder_token_ids.append(9)
-                md.prompt_token_ids.extend([5] * 16)
-            yield encoder_pb2.EncodeEvent(metadata=md)
-        self.world.log.append((self.name, "metadata", rid))
-        if mode == "fail_when_released":
-            await self.world.release.wait()
-            self.world.log.append((self.name, "failed", rid))
-            raise PeerUnavailable(f"{self.name} died after the LM pulled its items")
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self.world.lm_arrived(rid).wait(), self.wait_lm_s)
-        if mode == "fail_after_metadata":
-            raise PeerUnavailable(f"{self.name} died mid-encode")
-        if mode == "late_encoded":  # the engine's last output comes after the LM answered
-            try:
-                await asyncio.sleep(0.3)
-            except asyncio.CancelledError:
-                self.cancelled.append(rid)
-                raise
-        for i, item in enumerate(request.items):
-            yield encoder_pb2.EncodeEvent(encoded=encoder_pb2.ItemEncoded(identifier=item.identifier, index=i,
-                                                                          encode_ms=5.0))
-        self.world.log.append((self.name, "encoded", rid))
-
-
-class FakeLM(lm_pb2_grpc.LMServiceServicer):
-    """Records each request, streams tokens [1, 2], [3], then "stop". Scripted
-    modes: unavailable, encoder_unavailable, invalid, fail_after_first, block
-    (until cancelled), first_then_block."""
-
-    def __init__(self, name: str, world: World) -> None:
-        self.name, self.world = name, world
-        self.requests: list[lm_pb2.GenerateRequest] = []
-        self.cancelled: list[str] = []
-
-    async def Generate(self, request, context):
-        got = lm_pb2.GenerateRequest()
-        got.CopyFrom(request)
-        self.requests.append(got)
-        rid = request.request_id
-        self.world.log.append((self.name, "generate", rid))
-        self.world.lm_arrived(rid).set()
-        mode = self.world.lm_script.pop(0) if self.world.lm_script else "ok"
-        if mode == "unavailable":
-            raise PeerUnavailable(f"{self.name} is draining")
-        if mode == "encoder_unavailable":  # as the real LM: names the encoder of the item it could not get
-            raise EncoderUnavailable("the encoder freed the item before it was pulled",
-                                     [request.items[0].source.transfer_endpoint])
-        if mode == "encoder_unavailable_unnamed":  # the LM cannot tell which encoder failed
-            raise EncoderUnavailable("the encoder output could not be obtained")
-        if mode == "invalid":
-            raise BadInput("prompt too long")
-        if mode == "block":
-            try:
-                await asyncio.sleep(30)
-            except asyncio.CancelledError:
-                self.cancelled.append(rid)
-                raise
-        yield lm_pb2.GenerateResponse(request_id=rid, token_ids=[1, 2], text="ab")
-        if mode == "fail_after_first":
-            raise PeerUnavailable(f"{self.name} crashed mid-stream")
-        if mode == "first_then_block":
-            try:
-                await asyncio.sleep(30)
-            except asyncio.CancelledError:
-                self.cancelled.append(rid)
-                raise
-        yield lm_pb2.GenerateResponse(request_id=rid, token_ids=[3], text="c")
-        yield lm_pb2.GenerateResponse(request_id=rid, finish_reason="stop",
-                                      usage=lm_pb2.Usage(prompt_tokens=5, completion_tokens=3),
-                                      transferred_items=sum(1 for i in request.items if i.HasField("source")))
-
-    async def GetInfo(self, request, context):
-        return lm_pb2.LMInfo(model="fake-model")
-
-
 class Cluster:
-    """Two fake encoders and two fake LMs, each on its own GrpcServer."""
+    """Two fake encoders and two fake LMs, each on its own GrpcServer. ``security``: fake name -> what its
+    server requires (TLS, token); the others check nothing."""
 
-    def __init__(self, n_encoders: int = 2, n_lms: int = 2, wait_lm_s: float = 2.0) -> None:
+    def __init__(self, n_encoders: int = 2, n_lms: int = 2, wait_lm_s: float = 2.0,
+                 security: dict[str, SecurityConfig] | None = None) -> None:
         self.world = World()
+        self.security = security or {}
         self.encoders = [FakeEncoder(f"enc-{c}", self.world, wait_lm_s) for c in "AB"[:n_encoders]]
         self.lms = [FakeLM(f"lm-{c}", self.world) for c in "XY"[:n_lms]]
         self.servers: dict[str, GrpcServer] = {}  # address -> server
@@ -176,24 +46,17 @@ class Cluster:
         self.orch: Orchestrator | None = None
 
     async def serve(self, fake, port: int = 0) -> str:
-        server = GrpcServer("127.0.0.1", port)
-        if isinstance(fake, FakeEncoder):
-            server.add(encoder_pb2_grpc.add_EncoderServiceServicer_to_server, fake, ENCODER_SERVICE)
-        else:
-            server.add(lm_pb2_grpc.add_LMServiceServicer_to_server, fake, LM_SERVICE)
-        port = await server.start()
-        await server.set_serving(True)
-        address = f"127.0.0.1:{port}"
+        server, address = await serve_fake(fake, port, self.security.get(fake.name))
         self.servers[address] = server
         self.by_address[address] = fake
         return address
 
-    async def start(self, **cfg) -> Orchestrator:
+    async def start(self, gateway_security: SecurityConfig | None = None, **cfg) -> Orchestrator:
         self.enc_addresses = [await self.serve(e) for e in self.encoders]
         self.lm_addresses = [await self.serve(lm) for lm in self.lms]
         defaults = dict(encoders=",".join(self.enc_addresses), lms=",".join(self.lm_addresses),
                         health_interval_s=0.2, encode_timeout_s=1.0, request_timeout_s=10.0)
-        self.orch = Orchestrator(GatewayConfig(**{**defaults, **cfg}))
+        self.orch = Orchestrator(GatewayConfig(**{**defaults, **cfg}), gateway_security)
         await self.orch.start()
         return self.orch
 
@@ -256,17 +119,13 @@ def retries(role: str, code: str) -> float:
     return REGISTRY.get_sample_value("epd_gateway_retries_total", {"role": role, "code": code}) or 0.0
 
 
+def ejections(role: str, address: str) -> float:
+    return REGISTRY.get_sample_value("epd_gateway_instance_ejections_total",
+                                     {"role": role, "instance": address}) or 0.0
+
+
 def fallbacks() -> float:
     return REGISTRY.get_sample_value("epd_gateway_local_encode_fallback_total") or 0.0
-
-
-async def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> float:
-    t0 = time.monotonic()
-    while not predicate():
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError(f"not within {timeout}s: {what}")
-        await asyncio.sleep(0.02)
-    return time.monotonic() - t0
 
 
 async def assert_idle(orch: Orchestrator) -> None:
@@ -563,6 +422,93 @@ def test_an_lm_failing_after_the_first_token_ends_the_stream_without_retry():
         assert seen == [1, 2]
         assert len(c.lm_requests()) == 1 and c.encode_calls() == 1 and timings.retries == 0
         await assert_idle(orch)
+
+    run_cluster(body)
+
+
+# --- credentials: refused at admission, refusals retried elsewhere -------------------------------------------------
+
+
+def tokens_for(tmp_path, *names: str) -> dict[str, SecurityConfig]:
+    """A server-side ``SecurityConfig`` per fake name, each with its own random token."""
+    return {n: SecurityConfig(auth_token_file=make_token(str(tmp_path / n))) for n in names}
+
+
+def test_an_encoder_that_refuses_the_gateways_token_is_never_admitted_and_every_item_goes_to_the_other(tmp_path):
+    gateway = SecurityConfig(auth_token_file=make_token(str(tmp_path / "gateway")))
+
+    async def body(c: Cluster):
+        orch = await c.start(gateway)
+        bad_addr, good_addr = c.enc_addresses  # enc-A holds another token; its health check still passes
+        assert orch.health()["encoders"] == {bad_addr: False, good_addr: True}
+        assert orch.not_admitted()["encoders"][bad_addr].startswith(
+            "refused: GetInfo failed: UNAUTHENTICATED (it refuses this gateway's credentials")
+        before = retries("encoder", "UNAUTHENTICATED")
+        timings = Timings()
+        out = await collect(orch, *request("r-token", ids(6, "t")), timings)
+        assert tokens(out) == [1, 2, 3] and timings.encoders == [good_addr] and timings.retries == 0
+        assert c.encoders[0].requests == [] and len(c.encoders[1].requests) == 1
+        await asyncio.sleep(0.5)  # more health rounds (every 0.2 s): verified again, refused again
+        assert orch.health()["encoders"][bad_addr] is False
+        assert retries("encoder", "UNAUTHENTICATED") == before
+
+    run_cluster(body, security=tokens_for(tmp_path, "enc-A"))
+
+
+def test_with_only_an_encoder_that_refuses_the_token_and_no_local_fallback_the_error_says_why(tmp_path):
+    gateway = SecurityConfig(auth_token_file=make_token(str(tmp_path / "gateway")))
+
+    async def body(c: Cluster):
+        orch = await c.start(gateway, local_encode_fallback=False)
+        (addr,) = c.enc_addresses
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await collect(orch, *request("r-token-only", ids(1, "u")))
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert e.value.details().startswith(
+            f"no healthy encoder instance ({addr}: refused: GetInfo failed: UNAUTHENTICATED"), e.value.details()
+        assert c.encode_calls() == 0 and c.lm_requests() == []
+
+    run_cluster(body, n_encoders=1, security=tokens_for(tmp_path, "enc-A"))
+
+
+def test_an_encode_refused_as_unauthenticated_is_retried_on_the_other_encoder_and_the_refuser_re_verified():
+    async def body(c: Cluster):
+        orch = await c.start()
+        c.world.enc_script = ["unauthenticated"]
+        ident = ids(1, "v")[0]
+        refuser = c.encoder_for(ident)
+        other = next(e for e in c.encoders if e is not refuser)
+        addr = next(a for a, f in c.by_address.items() if f is refuser)
+        before, ejected = retries("encoder", "UNAUTHENTICATED"), ejections("encoder", addr)
+        timings = Timings()
+        out = await collect(orch, *request("r-unauth", [ident]), timings)
+        assert tokens(out) == [1, 2, 3] and timings.retries == 1
+        assert len(refuser.requests) == 1 and len(other.requests) == 1
+        (lm_req,) = c.lm_requests()
+        assert lm_req.items[0].source.transfer_endpoint == other.endpoint
+        assert retries("encoder", "UNAUTHENTICATED") - before == 1 and ejections("encoder", addr) - ejected == 1
+        # Its GetInfo still takes the gateway's credentials (one call was refused): admitted again.
+        await wait_until(lambda: orch.health()["encoders"][addr], 3, "the re-verified encoder is re-admitted")
+
+    run_cluster(body)
+
+
+def test_an_lm_answering_permission_denied_is_retried_on_the_other_lm_and_re_admitted_once_verified():
+    async def body(c: Cluster):
+        orch = await c.start()
+        c.world.lm_script = ["forbidden"]
+        before = retries("lm", "PERMISSION_DENIED")
+        ejected = {a: ejections("lm", a) for a in c.lm_addresses}
+        timings = Timings()
+        out = await collect(orch, *request("r-forbidden", []), timings)
+        assert tokens(out) == [1, 2, 3] and timings.retries == 1
+        calls = [who for who, what, _ in c.world.log if what == "generate"]
+        assert len(calls) == 2 and calls[0] != calls[1]
+        names = {f.name: a for a, f in c.by_address.items() if isinstance(f, FakeLM)}
+        first, second = names[calls[0]], names[calls[1]]
+        assert timings.lm == second and retries("lm", "PERMISSION_DENIED") - before == 1
+        assert ejections("lm", first) - ejected[first] == 1 and ejections("lm", second) == ejected[second]
+        await wait_until(lambda: orch.health()["lms"][first], 3, "the re-verified LM is re-admitted")
 
     run_cluster(body)
 

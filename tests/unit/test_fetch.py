@@ -12,10 +12,10 @@ from helpers import image_bytes
 from epd.gateway.v1 import gateway_pb2
 from services.common.errors import BadInput, MediaError
 from services.common.images import bomb_png
-from services.common.media import check_image
+from services.common.media import IMAGE_FORMATS, check_image
 from services.gateway.config import GatewayConfig
-from services.gateway.fetch import (GuardResolver, HostRefused, MediaFetcher, address_refusal, check_url,
-                                    decode_data_url, load_images)
+from services.gateway.fetch import (GuardResolver, HostRefused, MediaFetcher, address_refusal, check_format,
+                                    check_url, decode_data_url, load_images, sniff_image_format)
 from services.gateway.servicer import GatewayServicer
 
 pytestmark = pytest.mark.unit
@@ -32,6 +32,13 @@ ip = ipaddress.ip_address
     ("100.64.0.1", "non-global"), ("fd00::1", "private"), ("240.0.0.1", "private"),
     ("::ffff:127.0.0.1", "loopback"), ("::ffff:169.254.169.254", "link-local"), ("2002:0a00:0001::", "private"),
     ("8.8.8.8", None), ("2606:4700:4700::1111", None), ("::ffff:8.8.8.8", None),
+    # IPv6 ranges Python's tables miss or that embed an IPv4 address
+    ("fec0::1", "site-local"), ("feff::1", "site-local"), ("fc00::1", "private"), ("3fff::1", "documentation"),
+    ("::10.0.0.1", "IPv4-compatible"), ("::8.8.8.8", "IPv4-compatible"),
+    ("64:ff9b::10.0.0.1", "private"), ("64:ff9b::127.0.0.1", "loopback"), ("64:ff9b::8.8.8.8", None),
+    ("64:ff9b:1::a00:1", "local-use NAT64"), ("2001:0:4136:e378:8000:63bf:f5ff:fffe", "Teredo"),
+    ("2002:7f00:1::", "loopback"), ("2002:a9fe:a9fe::", "link-local"), ("2002:808:808::", None),
+    ("::ffff:0:10.0.0.1", "reserved"),
 ], ids=str)
 def test_address_refusal_by_default(addr, reason):
     assert address_refusal(ip(addr), []) == reason
@@ -51,6 +58,8 @@ def test_allow_list_admits_only_its_networks_including_ipv4_mapped_forms():
     ("http://169.254.169.254/latest/meta-data/", "host 169.254.169.254 is a link-local address"),
     ("http://[::1]:8080/x.png", "host ::1 is a loopback address"),
     ("http://[::ffff:10.0.0.1]/x.png", "is a private address"),
+    ("http://[fec0::1]/x.png", "host fec0::1 is a site-local address"),
+    ("http://[64:ff9b::a9fe:a9fe]/latest/meta-data/", "is a link-local address"),
     ("http://2130706433/x.png", "not a canonical IP address"),
     ("http://127.1/x.png", "not a canonical IP address"),
     ("http://0x7f.0.0.1/x.png", "not a canonical IP address"),
@@ -121,6 +130,29 @@ def test_check_image_reads_the_header_and_refuses_bombs_and_unknown_formats():
         check_image(b"%!PS-Adobe-3.0 EPSF-3.0\n", CFG.max_image_pixels)  # EPS would run Ghostscript
     with pytest.raises(MediaError, match="empty"):
         check_image(b"", 100)
+
+
+@pytest.mark.parametrize("fmt", [*IMAGE_FORMATS, "MPO"])
+def test_every_accepted_format_loads(fmt):
+    """Every format of the one list (``IMAGE_FORMATS``) has a signature the gateway sniffs."""
+    data = image_bytes(fmt)
+    assert asyncio.run(load_images([data], CFG, None)) == [data]
+    assert check_format(data, 100) == ("JPEG" if fmt == "MPO" else fmt)
+
+
+@pytest.mark.parametrize("fmt", ["TIFF", "ICO", "PPM", "TGA", "JPEG2000", "PCX", "SGI"])
+def test_formats_outside_the_allow_list_are_refused_with_400(fmt):
+    with pytest.raises(MediaError, match="not a recognised image of an accepted format") as e:
+        asyncio.run(load_images([image_bytes(fmt)], CFG, None))
+    assert e.value.status == 400 and "accepted: PNG, JPEG, WEBP, GIF, BMP" in str(e.value)
+
+
+def test_a_signature_alone_is_not_enough():
+    """The first bytes pick the format; the header must then parse as that format."""
+    assert sniff_image_format(b"\x89PNG\r\n\x1a\n" + b"junk" * 8) == "PNG"
+    with pytest.raises(MediaError, match="not a recognised image"):
+        check_format(b"\x89PNG\r\n\x1a\n" + b"junk" * 8, 100)
+    assert sniff_image_format(b"BM") is None and sniff_image_format(b"") is None
 
 
 def test_bomb_png_is_small_and_claims_its_size():

@@ -10,7 +10,9 @@ from helpers import data_url, image_bytes
 
 from services.gateway.config import GatewayConfig
 from services.common.errors import MediaError
-from services.gateway.openai_api import ApiError, from_grpc, load_media, media_api_error, parse_chat, parse_completion
+from epd.lm.v1 import lm_pb2
+from services.gateway.openai_api import (ApiError, check_sampling, engine_request_id, from_grpc, load_media,
+                                         loads_strict, media_api_error, parse_chat, parse_completion)
 
 pytestmark = pytest.mark.unit
 
@@ -230,3 +232,69 @@ def test_ignore_eos_passes_through_only_when_true():
     assert parse_chat(dict(body, ignore_eos=True), cfg)[0].sampling.ignore_eos is True
     assert parse_chat(dict(body, ignore_eos="yes"), cfg)[0].sampling.ignore_eos is False
     assert parse_chat(body, cfg)[0].sampling.ignore_eos is False
+
+
+@pytest.mark.parametrize("raw", [b'{"messages": [], "temperature": NaN}', b'{"top_p": Infinity}',
+                                 b'{"temperature": -Infinity}'], ids=str)
+def test_a_body_with_nan_or_infinity_literals_is_not_json(raw):
+    with pytest.raises(ApiError) as e:
+        loads_strict(raw)
+    assert e.value.status == 400 and "is not a JSON number" in e.value.message
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"temperature": 1e300}, "temperature"),  # a float32 overflows to infinity
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_p": float("nan")}, "top_p"),
+        ({"top_p": float("-inf")}, "top_p"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"n": 1.9}, "n"),
+        ({"n": 2.0}, "n"),
+        ({"n": True}, "n"),
+        ({"n": 0}, "n"),
+        ({"max_tokens": True}, "max_tokens"),
+        ({"max_tokens": 16.0}, "max_tokens"),
+        ({"max_completion_tokens": 2.5}, "max_tokens"),
+        ({"seed": 1.5}, "seed"),
+        ({"seed": False}, "seed"),
+        ({"stream": "yes"}, "stream"),
+        ({"stream_options": "include_usage"}, "stream_options"),
+        ({"stream_options": ["include_usage"]}, "stream_options"),
+        ({"stream": True, "stream_options": 1}, "stream_options"),
+        ({"stream": True, "stream_options": {"include_usage": "true"}}, "stream_options"),
+    ],
+    ids=str,
+)
+def test_non_finite_out_of_range_and_non_integer_fields_are_400_before_anything_starts(extra, param):
+    e = api_error(chat("hi", **extra))
+    assert e.status == 400 and e.param == param, e.message
+    e = api_error(dict(extra, prompt="hi"), parse=parse_completion)
+    assert e.status == 400 and e.param == param, e.message
+
+
+def test_valid_edge_values_pass():
+    s = parse_chat(chat("hi", temperature=0, top_p=1, n=1, seed=-3, stream=False, stream_options=None), CFG)[0].sampling
+    assert (s.temperature, s.top_p, s.n, s.seed) == (0.0, 1.0, 1, -3)
+    parse_chat(chat("hi", stream=True, stream_options={"include_usage": True}), CFG)
+
+
+def test_a_client_request_id_reaches_the_engines_made_unique():
+    a = parse_chat(chat("hi"), CFG, "client-7")[0].request_id
+    b = parse_chat(chat("hi"), CFG, "client-7")[0].request_id
+    assert a != b and a.startswith("client-7-") and b.startswith("client-7-")
+    c = parse_completion({"prompt": "x"}, "client-7").request_id
+    assert c.startswith("client-7-") and c not in (a, b)
+    assert engine_request_id("", "cmpl").startswith("cmpl-")
+
+
+@pytest.mark.parametrize("field, value", [("temperature", float("nan")), ("top_p", float("inf")),
+                                          ("top_p", 0.0), ("temperature", -1.0)])
+def test_check_sampling_refuses_what_the_grpc_api_would_pass_through(field, value):
+    s = lm_pb2.SamplingOptions(**{field: value})
+    assert check_sampling(s)[0] == field
+    assert check_sampling(lm_pb2.SamplingOptions(temperature=0.7, top_p=0.9, n=1)) is None

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from epd.encoder.v1 import encoder_pb2_grpc
-from services.gateway.instances import InstancePool, is_ip, join_host_port, resolve, split_host_port
+from services.gateway.instances import InstancePool, InstanceState, is_ip, join_host_port, resolve, split_host_port
 from services.gateway.routing import LeastOutstanding, pick_encoder
 
 pytestmark = pytest.mark.unit
@@ -275,10 +275,50 @@ def test_healthy_leaves_out_ejected_and_excluded_instances():
         pool = _pool(["10.0.0.1:1", "10.0.0.2:1", "10.0.0.3:1"], FakeResolver())
         try:
             a, b, c = pool.instances.values()
+            for inst in (a, b, c):
+                pool.admit(inst)
             pool.eject(b, "test")
             assert [i.address for i in pool.healthy()] == [a.address, c.address]
             assert [i.address for i in pool.healthy({a.address})] == [c.address]
             assert not b.healthy and b.reason == "test"
+            assert pool.ejected() == [b] and pool.ejected({b.address}) == []
+        finally:
+            await pool.close()
+
+    run(body())
+
+
+def test_a_new_instance_is_pending_until_admitted_and_a_failure_leaves_it_pending_not_ejected():
+    async def body():
+        pool = _pool(["10.0.0.1:1"], FakeResolver())
+        try:
+            (a,) = pool.instances.values()
+            assert (a.state, a.healthy, pool.healthy()) == (InstanceState.PENDING, False, [])
+            pool.eject(a, "health check failed: UNAVAILABLE")
+            assert a.state is InstanceState.PENDING and a.reason == "health check failed: UNAVAILABLE"
+            assert pool.ejected() == []  # never admitted: not a fallback either
+            pool.admit(a)
+            assert (a.state, a.reason, pool.healthy()) == (InstanceState.ADMITTED, "", [a])
+            pool.eject(a, "gone")
+            assert a.state is InstanceState.EJECTED
+        finally:
+            await pool.close()
+
+    run(body())
+
+
+def test_a_refused_instance_is_never_routed_to_and_failures_keep_it_refused():
+    async def body():
+        pool = _pool(["10.0.0.1:1"], FakeResolver())
+        try:
+            (a,) = pool.instances.values()
+            pool.refuse(a, "serves model 'b', not 'a'")
+            assert (a.state, pool.healthy(), pool.ejected()) == (InstanceState.REFUSED, [], [])
+            pool.eject(a, "health check failed: UNAVAILABLE")
+            assert a.state is InstanceState.REFUSED and pool.ejected() == []
+            pool.admit(a)
+            with pytest.raises(AssertionError, match="ADMITTED -> REFUSED"):
+                pool.refuse(a, "only a check of an instance that is not admitted verifies it")
         finally:
             await pool.close()
 

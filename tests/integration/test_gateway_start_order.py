@@ -1,0 +1,398 @@
+"""The whole gateway (``server.serve``: REST, native gRPC, instance pools) in
+process against fake LM and encoder gRPC servers that start after it, in any
+order: 503 with the reason until an LM is admitted, then normal service; a
+peer that refuses the gateway's credentials is never admitted. Also the REST
+checks that must answer before a stream starts, and request ids. No vLLM;
+every wait is a poll with a bounded deadline.
+
+Ports: a server that starts before it is dialled binds port 0 and reports the
+port it got (the fakes' ``GrpcServer.start()``, the gateway's ``on_listening``).
+A peer that starts *after* the gateway, at an address the gateway was given
+up front, and the gateway's gRPC API (its port 0 means "disabled") get a port
+from ``services.up.free_port``. That leaves a gap between choosing and binding,
+but the port lies below the kernel's ephemeral range, so nothing that binds
+port 0 or dials out meanwhile (the gateway's own channels, other tests' servers)
+can take it, and one process never hands it out twice."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import aiohttp
+import grpc
+import pytest
+
+from ectransfer.security import SecurityConfig
+from epd.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from services.certs import make_token
+from services.common.images import data_url, make_image
+from services.gateway.config import GatewayConfig
+from services.gateway.server import serve
+from services.up import free_port
+from tests.integration.gateway_fakes import FakeEncoder, FakeLM, World, serve_fake
+
+pytestmark = pytest.mark.integration
+
+TEST_LIMIT_S = 20.0
+NOT_READY = "no LM is ready yet"
+
+
+class Gateway:
+    """``serve()`` on loopback, driven over HTTP (aiohttp) and gRPC. ``security``: what the gateway presents
+    to encoders and LMs."""
+
+    def __init__(self, security: SecurityConfig | None = None, **cfg) -> None:
+        # HTTP on port 0 (the port bound is reported); gRPC's port 0 means "off", so a free one (see above).
+        defaults = dict(port=0, grpc_port=free_port(), health_interval_s=0.1,
+                        encode_timeout_s=2.0, request_timeout_s=10.0)
+        self.cfg = GatewayConfig(**{**defaults, **cfg})
+        self.security = security
+        self.url = ""
+        self.stop = asyncio.Event()
+        self.task: asyncio.Task | None = None
+        self.http: aiohttp.ClientSession | None = None
+        self.channel: grpc.aio.Channel | None = None
+
+    async def __aenter__(self) -> "Gateway":
+        listening: asyncio.Future[tuple[int, int]] = asyncio.get_running_loop().create_future()
+        self.task = asyncio.create_task(serve(self.cfg, self.stop, self.security,
+                                              on_listening=lambda *ports: listening.set_result(ports)))
+        done, _ = await asyncio.wait([listening, self.task], timeout=5, return_when=asyncio.FIRST_COMPLETED)
+        if listening not in done:
+            self.task.cancel()
+            if self.task in done:
+                self.task.result()  # the gateway failed to start: raise its error
+            raise AssertionError("the gateway did not listen within 5s")
+        http_port, grpc_port = listening.result()
+        self.url = f"http://127.0.0.1:{http_port}"
+        self.http = aiohttp.ClientSession()
+        self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}")
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.stop.set()
+        if self.channel is not None:
+            await self.channel.close()
+        if self.http is not None:
+            await self.http.close()
+        await asyncio.wait_for(self.task, 10)
+
+    async def get(self, path: str) -> tuple[int, dict]:
+        try:
+            async with self.http.get(self.url + path) as r:
+                return r.status, await r.json()
+        except aiohttp.ClientConnectionError:
+            if self.task.done():
+                self.task.result()  # the gateway failed: raise its error
+            return 0, {}
+
+    async def post(self, path: str, body: dict | bytes, headers: dict | None = None) -> tuple[int, dict, Any]:
+        """Status, JSON body (an event stream as ``{"sse": text}``) and the headers (case-insensitive)."""
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        async with self.http.post(self.url + path, data=data, headers=headers or {}) as r:
+            text = await r.text()
+            return r.status, (json.loads(text) if r.content_type == "application/json" else {"sse": text}), \
+                r.headers.copy()
+
+    async def grpc_chat(self, text: str = "hi") -> list[gateway_pb2.ChatCompletionChunk]:
+        stub = gateway_pb2_grpc.GatewayServiceStub(self.channel)
+        req = gateway_pb2.ChatCompletionRequest(messages=[gateway_pb2.GatewayMessage(
+            role="user", content=[gateway_pb2.GatewayContentPart(text=text)])])
+        return [c async for c in stub.ChatCompletion(req, timeout=10)]
+
+    @staticmethod
+    async def poll(fetch, done, timeout: float, what: str):
+        """``await fetch()`` until ``done(result)``; AssertionError with the last result after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            result = await fetch()
+            if done(result):
+                return result
+            if time.monotonic() > deadline:
+                raise AssertionError(f"not within {timeout}s: {what} (last: {result})")
+            await asyncio.sleep(0.05)
+
+
+def run(body) -> None:
+    asyncio.run(asyncio.wait_for(body(), TEST_LIMIT_S))
+
+
+def chat(text: str = "hi", **extra) -> dict:
+    return {"messages": [{"role": "user", "content": text}], "max_tokens": 3, **extra}
+
+
+def image_chat(seed: int = 0) -> dict:
+    return {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(make_image(seed, (16, 16)))}},
+        {"type": "text", "text": "what is it?"}]}]}
+
+
+def tokens(body: dict) -> list[int]:
+    return body["choices"][0]["token_ids"]
+
+
+# --- start in any order -----------------------------------------------------------------------------------------
+
+
+def test_a_gateway_started_before_its_lm_answers_503_with_the_reason_then_serves_once_the_lm_is_up():
+    async def body():
+        world, lm_port = World(), free_port()
+        async with Gateway(lms=f"127.0.0.1:{lm_port}") as gw:
+            status, health = await gw.get("/health")
+            assert status == 503 and health["status"].startswith(NOT_READY) and health["model"] is None
+            assert f"127.0.0.1:{lm_port}" in health["status"]  # says what it waits for
+            status, err, _ = await gw.post("/v1/chat/completions", chat())
+            assert status == 503 and err["error"]["type"] == "server_error"
+            assert err["error"]["message"].startswith(NOT_READY)
+            status, err, _ = await gw.post("/v1/chat/completions", chat(stream=True))
+            assert status == 503 and err["error"]["message"].startswith(NOT_READY)  # a plain error, no stream
+            status, err, _ = await gw.post("/v1/completions", {"prompt": "x"})
+            assert status == 503 and err["error"]["message"].startswith(NOT_READY)
+            status, err = await gw.get("/v1/models")
+            assert status == 503 and err["error"]["message"].startswith(NOT_READY)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await gw.grpc_chat()
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE and e.value.details().startswith(NOT_READY)
+
+            lm = FakeLM("lm-X", world)
+            server, _ = await serve_fake(lm, lm_port)
+            try:
+                await gw.poll(lambda: gw.get("/health"), lambda r: r[0] == 200, 10, "the LM is admitted")
+                status, out, _ = await gw.post("/v1/chat/completions", chat())
+                assert status == 200 and tokens(out) == [1, 2, 3] and out["model"] == "fake-model"
+                status, models = await gw.get("/v1/models")
+                assert status == 200 and [m["id"] for m in models["data"]] == ["fake-model"]
+                chunks = await gw.grpc_chat()
+                assert [t for c in chunks for t in c.token_ids] == [1, 2, 3]
+                assert len(lm.requests) == 2
+            finally:
+                await server.stop(0)
+
+    run(body)
+
+
+def test_an_encoder_that_starts_after_the_gateway_is_admitted_and_used():
+    async def body():
+        world, enc_port = World(), free_port()
+        lm = FakeLM("lm-X", world)
+        lm_server, lm_addr = await serve_fake(lm)
+        enc_server = None
+        try:
+            async with Gateway(lms=lm_addr, encoders=f"127.0.0.1:{enc_port}") as gw:
+                await gw.poll(lambda: gw.get("/health"), lambda r: r[0] == 200, 10, "the LM is admitted")
+                status, out, _ = await gw.post("/v1/chat/completions", image_chat(0))
+                assert status == 200 and out["epd"]["encoders"] == []  # no encoder yet: the LM encoded itself
+                enc = FakeEncoder("enc-A", world, wait_lm_s=0.5)
+                enc_server, _ = await serve_fake(enc, enc_port)
+                await gw.poll(lambda: gw.get("/health"), lambda r: r[1]["encoders"][f"127.0.0.1:{enc_port}"],
+                              10, "the encoder is admitted")
+                status, out, _ = await gw.post("/v1/chat/completions", image_chat(1))
+                assert status == 200 and out["epd"]["encoders"] == [f"127.0.0.1:{enc_port}"]
+                assert len(enc.requests) == 1 and lm.requests[-1].items[0].source.encoder_id == "enc-A"
+        finally:
+            await lm_server.stop(0)
+            if enc_server is not None:
+                await enc_server.stop(0)
+
+    run(body)
+
+
+def test_an_encoder_holding_another_auth_token_is_refused_with_the_reason_and_items_go_to_the_good_one(tmp_path):
+    async def body():
+        world = World()
+        lm, bad, good = FakeLM("lm-X", world), FakeEncoder("enc-bad", world, 0.5), FakeEncoder("enc-good", world, 0.5)
+        # Health checks take no token, so only the admission's GetInfo can tell the bad encoder apart.
+        servers = [await serve_fake(lm), await serve_fake(good),
+                   await serve_fake(bad, security=SecurityConfig(auth_token_file=make_token(str(tmp_path / "enc"))))]
+        (_, lm_addr), (_, good_addr), (_, bad_addr) = servers
+        try:
+            async with Gateway(SecurityConfig(auth_token_file=make_token(str(tmp_path / "gateway"))), lms=lm_addr,
+                               encoders=f"{bad_addr},{good_addr}") as gw:
+                status, health = await gw.poll(lambda: gw.get("/health"),
+                                               lambda r: r[0] == 200 and r[1]["encoders"][good_addr], 10,
+                                               "the good encoder is admitted")
+                assert health["encoders"] == {bad_addr: False, good_addr: True}
+                assert health["out"]["encoders"][bad_addr].startswith(
+                    "refused: GetInfo failed: UNAUTHENTICATED (it refuses this gateway's credentials")
+                for seed in range(4):  # four images: were both admitted, hashing would spread them
+                    status, out, _ = await gw.post("/v1/chat/completions", image_chat(seed))
+                    assert status == 200 and out["epd"]["encoders"] == [good_addr], out
+                assert bad.requests == [] and len(good.requests) == 4
+                _, health = await gw.get("/health")  # re-verified on every round, refused every time
+                assert health["out"]["encoders"][bad_addr].startswith("refused: GetInfo failed: UNAUTHENTICATED")
+        finally:
+            for server, _ in servers:
+                await server.stop(0)
+
+    run(body)
+
+
+def test_with_model_name_set_an_lm_serving_another_model_is_refused_and_one_that_agrees_is_admitted():
+    async def body():
+        world = World()
+        wrong = FakeLM("lm-wrong", world, model="/models/other-model")
+        right = FakeLM("lm-right", world, model="/models/tiny")
+        wrong_server, wrong_addr = await serve_fake(wrong)
+        right_port = free_port()
+        right_server = None
+        try:
+            async with Gateway(lms=f"{wrong_addr},127.0.0.1:{right_port}", model_name="tiny") as gw:
+                status, models = await gw.get("/v1/models")  # configured: known before any LM
+                assert status == 200 and [m["id"] for m in models["data"]] == ["tiny"]
+                status, health = await gw.poll(
+                    lambda: gw.get("/health"), lambda r: "serves model" in r[1]["status"], 10, "the LM is refused")
+                assert status == 503 and "serves model '/models/other-model', not 'tiny'" in health["status"]
+                status, err, _ = await gw.post("/v1/chat/completions", chat())
+                assert status == 503 and "serves model '/models/other-model'" in err["error"]["message"]
+                right_server, _ = await serve_fake(right, right_port)  # a path ending in the name agrees
+                await gw.poll(lambda: gw.get("/health"), lambda r: r[0] == 200, 10, "the agreeing LM is admitted")
+                for _ in range(3):
+                    status, out, _ = await gw.post("/v1/chat/completions", chat(model="tiny"))
+                    assert status == 200 and out["model"] == "tiny"
+                assert wrong.requests == [] and len(right.requests) == 3
+                _, health = await gw.get("/health")
+                assert health["lms"] == {wrong_addr: False, f"127.0.0.1:{right_port}": True}
+        finally:
+            await wrong_server.stop(0)
+            if right_server is not None:
+                await right_server.stop(0)
+
+    run(body)
+
+
+def test_an_lm_serving_another_model_than_the_first_admitted_is_never_routed_to():
+    async def body():
+        world = World()
+        first, other = FakeLM("lm-first", world), FakeLM("lm-other", world, model="other-model")
+        first_server, first_addr = await serve_fake(first)
+        other_port = free_port()
+        other_server = None
+        try:
+            async with Gateway(lms=f"{first_addr},127.0.0.1:{other_port}") as gw:
+                await gw.poll(lambda: gw.get("/health"), lambda r: r[0] == 200, 10, "the first LM is admitted")
+                other_server, other_addr = await serve_fake(other, other_port)
+                _, health = await gw.poll(lambda: gw.get("/health"), lambda r: r[1]["out"]["lms"].get(other_addr, "")
+                                          .startswith("refused"), 10, "the other LM is refused")
+                assert health["out"]["lms"][other_addr] == ("refused: serves model 'other-model', not 'fake-model' "
+                                                            "(the model of the first LM admitted)")
+                assert health["lms"] == {first_addr: True, other_addr: False} and health["model"] == "fake-model"
+                for _ in range(4):
+                    status, out, _ = await gw.post("/v1/chat/completions", chat())
+                    assert status == 200 and out["model"] == "fake-model"
+                assert other.requests == [] and len(first.requests) == 4
+        finally:
+            await first_server.stop(0)
+            if other_server is not None:
+                await other_server.stop(0)
+
+    run(body)
+
+
+# --- input checked before anything starts, and request ids -------------------------------------------------------
+
+
+@pytest.mark.parametrize("raw, param", [
+    (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', None),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "top_p": Infinity}', None),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": 1e39}', "temperature"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "n": 1.9}', "n"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "stream": true, "stream_options": "yes"}',
+     "stream_options"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "stream": true, "stream_options": [true]}',
+     "stream_options"),
+], ids=["nan", "infinity", "float32-overflow", "n-not-integer", "stream-options-string", "stream-options-list"])
+def test_bad_sampling_and_stream_options_are_400_before_any_stream_starts(raw, param):
+    async def body():
+        world = World()
+        lm = FakeLM("lm-X", world)
+        server, addr = await serve_fake(lm)
+        try:
+            async with Gateway(lms=addr) as gw:
+                await gw.poll(lambda: gw.get("/health"), lambda r: r[0] == 200, 10, "the LM is admitted")
+                status, err, headers = await gw.post("/v1/chat/completions", raw,
+                                                     {"Content-Type": "application/json"})
+                assert status == 400 and headers["Content-Type"].startswith("application/json"), (status, err)
+                assert err["error"]["param"] == param and err["error"]["type"] == "invalid_request_error"
+                assert lm.requests == []
+        finally:
+            await server.stop(0)
+
+    run(body)
+
+
+def test_two_requests_with_one_x_request_id_reach_the_lm_under_distinct_ids_and_the_client_sees_its_own():
+    async def body():
+        world = World()
+        lm = FakeLM("lm-X", world)
+        server, addr = await serve_fake(lm)
+        try:
+            async with Gateway(lms=addr) as gw:
+                await gw.poll(lambda: gw.get("/health"), lambda r: r[0] == 200, 10, "the LM is admitted")
+                hdr = {"X-Request-Id": "same-id"}
+                (s1, b1, h1), (s2, b2, h2) = await asyncio.gather(
+                    gw.post("/v1/chat/completions", chat(), hdr), gw.post("/v1/completions", {"prompt": "x"}, hdr))
+                assert (s1, s2) == (200, 200)
+                assert h1["X-Request-Id"] == h2["X-Request-Id"] == b1["id"] == b2["id"] == "same-id"
+                sent = [r.request_id for r in lm.requests]
+                assert len(set(sent)) == 2 and all(r.startswith("same-id-") for r in sent), sent
+                status, out, headers = await gw.post("/v1/chat/completions", chat(stream=True), hdr)
+                assert status == 200 and headers["X-Request-Id"] == "same-id"
+                events = [json.loads(line[6:]) for line in out["sse"].splitlines()
+                          if line.startswith("data: {")]
+                assert {e["id"] for e in events} == {"same-id"}
+                assert len({r.request_id for r in lm.requests}) == 3
+        finally:
+            await server.stop(0)
+
+    run(body)
+
+
+def test_the_grpc_api_refuses_a_nan_temperature():
+    async def body():
+        world = World()
+        lm = FakeLM("lm-X", world)
+        server, addr = await serve_fake(lm)
+        try:
+            async with Gateway(lms=addr) as gw:
+                await gw.poll(lambda: gw.get("/health"), lambda r: r[0] == 200, 10, "the LM is admitted")
+                stub = gateway_pb2_grpc.GatewayServiceStub(gw.channel)
+                req = gateway_pb2.ChatCompletionRequest(
+                    messages=[gateway_pb2.GatewayMessage(role="user", content=[
+                        gateway_pb2.GatewayContentPart(text="hi")])])
+                req.sampling.temperature = float("nan")
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    async for _ in stub.ChatCompletion(req, timeout=10):
+                        pass
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in e.value.details()
+                assert lm.requests == []
+        finally:
+            await server.stop(0)
+
+    run(body)
+
+
+
+def test_two_grpc_calls_with_one_request_id_reach_the_lm_under_distinct_ids_and_chunks_carry_the_clients():
+    async def body():
+        world = World()
+        lm = FakeLM("lm-X", world)
+        server, addr = await serve_fake(lm)
+        try:
+            async with Gateway(lms=addr) as gw:
+                await gw.poll(lambda: gw.get("/health"), lambda r: r[0] == 200, 10, "the LM is admitted")
+                stub = gateway_pb2_grpc.GatewayServiceStub(gw.channel)
+                req = gateway_pb2.ChatCompletionRequest(messages=[gateway_pb2.GatewayMessage(
+                    role="user", content=[gateway_pb2.GatewayContentPart(text="hi")])])
+                for _ in range(2):
+                    chunks = [c async for c in stub.ChatCompletion(req, timeout=10,
+                                                                   metadata=(("x-request-id", "g-id"),))]
+                    assert {c.id for c in chunks} == {"g-id"}
+                sent = [r.request_id for r in lm.requests]
+                assert len(set(sent)) == 2 and all(r.startswith("g-id-") for r in sent), sent
+        finally:
+            await server.stop(0)
+
+    run(body)
