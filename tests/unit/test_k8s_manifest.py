@@ -1,9 +1,19 @@
-"""The Kubernetes example (docker/k8s/epd-serve.yaml) stays in step with the
-CLI: every container's args parse, and the gateway finds the headless names."""
+"""The Kubernetes manifests (docker/k8s: a kustomize base and overlays) render,
+pass the Kubernetes API schemas strictly and offline (kubernetes-validate's
+bundled schemas: an unknown field fails), and stay in step with the CLI and with
+each other: every container's args and probe commands parse with ``epd``'s
+parser, every internal link carries TLS and the token, the gateway finds the
+headless Services, and Services, NetworkPolicies and PodDisruptionBudgets select
+the pods they mean."""
 
 from __future__ import annotations
 
+import copy
+import functools
 import os
+import shutil
+import socket
+import subprocess
 
 import pytest
 
@@ -12,30 +22,289 @@ from services.common.config import from_args
 from services.gateway.config import GatewayConfig
 
 yaml = pytest.importorskip("yaml")
+kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is in the test extra: pip install -e .[test]")
 pytestmark = pytest.mark.unit
 
-MANIFEST = os.path.join(os.path.dirname(__file__), "..", "..", "docker", "k8s", "epd-serve.yaml")
+K8S = os.path.join(os.path.dirname(__file__), "..", "..", "docker", "k8s")
+OVERLAYS = ("cpu", "gpu-node", "multi-node")
+# The oldest Kubernetes release the manifests are checked against (every field they use is GA or
+# on by default there), and the newest whose schemas kubernetes-validate bundles.
+K8S_VERSIONS = ("1.29", kv.latest_version())
+SECRET_DIR = "/etc/epd"
+ANY = "any"  # a NetworkPolicy rule with no peers: every source or destination
 
 
-def _containers() -> dict[str, dict]:
-    with open(MANIFEST) as f:
-        docs = [d for d in yaml.safe_load_all(f) if d]
-    return {c["name"]: c for d in docs if d["kind"] == "Deployment"
-            for c in d["spec"]["template"]["spec"]["containers"]}
+@functools.cache
+def _rendered(overlay: str) -> tuple[dict, ...]:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed: it renders the kustomize overlays (kubectl kustomize)")
+    out = subprocess.run([kubectl, "kustomize", os.path.join(K8S, "overlays", overlay)],
+                         check=False, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return tuple(d for d in yaml.safe_load_all(out.stdout) if d)
 
 
-def test_every_container_args_parse_with_the_epd_cli():
-    containers = _containers()
-    assert set(containers) == {"encoder", "lm", "gateway"}
-    for name, c in containers.items():
-        ns = build_parser().parse_args([a.replace("$(POD_IP)", "10.0.0.7") for a in c["args"]])
-        assert ns.cmd == name
+def render(overlay: str) -> list[dict]:
+    """The overlay's objects; a deep copy, so a test may change them."""
+    return copy.deepcopy(list(_rendered(overlay)))
 
 
-def test_the_gateway_points_at_the_headless_services_and_probes_health():
-    gw = _containers()["gateway"]
-    cfg = from_args(GatewayConfig, build_parser().parse_args(gw["args"]))
+def base_objects() -> list[dict]:
+    """The base's objects read as written (no kubectl needed)."""
+    base = os.path.join(K8S, "base")
+    docs: list[dict] = []
+    for name in sorted(os.listdir(base)):
+        if name != "kustomization.yaml":
+            with open(os.path.join(base, name)) as f:
+                docs += [d for d in yaml.safe_load_all(f) if d]
+    return docs
+
+
+def of_kind(docs: list[dict], kind: str) -> dict[str, dict]:
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
+
+
+def containers(docs: list[dict]):
+    """(deployment, pod spec, container) for every container of every Deployment."""
+    for dep in of_kind(docs, "Deployment").values():
+        pod = dep["spec"]["template"]["spec"]
+        for c in pod["containers"]:
+            yield dep, pod, c
+
+
+def parse(argv: list[str]):
+    return build_parser().parse_args([a.replace("$(POD_IP)", "10.0.0.7") for a in argv])
+
+
+def selects(selector: dict, labels: dict) -> bool:
+    assert set(selector) <= {"matchLabels"}, f"only matchLabels is understood here: {selector}"
+    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+
+
+def pods_selected(docs: list[dict], selector: dict) -> set[str]:
+    """Names of the Deployments whose pods ``selector`` (a label selector) matches."""
+    return {name for name, dep in of_kind(docs, "Deployment").items()
+            if selects(selector, dep["spec"]["template"]["metadata"]["labels"])}
+
+
+def allowed(docs: list[dict], deployment: str, port: int, direction: str) -> set[str] | str:
+    """The Deployments whose pods the NetworkPolicies let reach ``deployment``'s pods on ``port``
+    (direction "ingress"), or that those pods may reach on ``port`` ("egress"); ANY when a rule
+    names no peers or an ipBlock. Pods no policy selects for the direction are open (ANY)."""
+    labels = of_kind(docs, "Deployment")[deployment]["spec"]["template"]["metadata"]["labels"]
+    policies = [p for p in of_kind(docs, "NetworkPolicy").values()
+                if selects(p["spec"]["podSelector"], labels) and direction.capitalize() in p["spec"]["policyTypes"]]
+    if not policies:
+        return ANY
+    peers_key = "from" if direction == "ingress" else "to"
+    out: set[str] = set()
+    for policy in policies:
+        for rule in policy["spec"].get(direction, []):
+            if "ports" in rule and port not in {p["port"] for p in rule["ports"]}:
+                continue
+            if peers_key not in rule:
+                return ANY
+            for peer in rule[peers_key]:
+                assert "namespaceSelector" not in peer, peer
+                if "ipBlock" in peer:
+                    return ANY
+                out |= pods_selected(docs, peer["podSelector"])
+    return out
+
+
+def serving(docs: list[dict], cmd: str) -> set[str]:
+    """Deployments with a container that runs ``epd <cmd>``."""
+    return {dep["metadata"]["name"] for dep, _, c in containers(docs) if c["args"][0] == cmd}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_overlay_renders_and_passes_the_strict_api_schemas_offline(overlay, monkeypatch):
+    docs = render(overlay)
+    assert {d["kind"] for d in docs} == {"Deployment", "Service", "NetworkPolicy", "PodDisruptionBudget"}
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("schema validation tried to reach the network")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    errors = []
+    for version in K8S_VERSIONS:
+        for d in docs:
+            try:
+                kv.validate(d, version, strict=True)
+            except kv.ValidationError as e:
+                where = ".".join(str(p) for p in e.path)
+                errors.append(f"{d['kind']}/{d['metadata']['name']} at {where} (Kubernetes {version}): {e.message}")
+    assert not errors, "\n".join(errors)
+
+
+@pytest.mark.parametrize("kind,name,path,field,typo", [
+    ("Deployment", "epd-encoder", ["spec"], "replicas", "replcas"),
+    ("Deployment", "epd-lm", ["spec", "template", "spec", "containers", 0], "readinessProbe", "readinessProbes"),
+    ("Deployment", "epd-gateway", ["spec", "template", "spec", "securityContext"], "runAsNonRoot", "runAsNonRooot"),
+    ("NetworkPolicy", "epd-encoder", ["spec", "ingress", 0], "from", "form"),
+    ("PodDisruptionBudget", "epd-lm", ["spec"], "maxUnavailable", "maxUnavailble"),
+])
+def test_strict_validation_fails_on_a_misspelled_field(kind, name, path, field, typo):
+    obj = of_kind(base_objects(), kind)[name]
+    kv.validate(obj, K8S_VERSIONS[-1], strict=True)  # the object as rendered passes
+    node = obj
+    for key in path:
+        node = node[key]
+    node[typo] = node.pop(field)
+    with pytest.raises(kv.ValidationError, match=f"'{typo}' was unexpected"):
+        kv.validate(obj, K8S_VERSIONS[-1], strict=True)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_container_args_parse_with_the_epd_cli(overlay):
+    names = set()
+    for dep, _, c in containers(render(overlay)):
+        ns = parse(c["args"])
+        assert ns.cmd == c["name"], (dep["metadata"]["name"], c["name"])
+        names.add(c["name"])
+    assert names == {"encoder", "lm", "gateway"}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_internal_link_is_authenticated_and_probes_speak_tls(overlay):
+    for dep, pod, c in containers(render(overlay)):
+        where = (dep["metadata"]["name"], c["name"])
+        ns = parse(c["args"])
+        for path in (ns.auth_token_file, ns.tls_cert, ns.tls_key, ns.tls_ca):
+            assert path.startswith(SECRET_DIR + "/"), where
+        assert ns.tls_server_name == "epd-internal" and not ns.insecure, where
+        mount = next(m for m in c["volumeMounts"] if m["mountPath"] == SECRET_DIR)
+        assert mount["readOnly"] is True, where
+        volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+        assert volume["secret"]["secretName"] == "epd-internal", where
+        if ns.cmd == "gateway":  # its own ports are public: kubelet's plaintext probes work there
+            assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": ns.port}, where
+            for probe in ("livenessProbe", "startupProbe"):
+                assert c[probe]["grpc"]["port"] == ns.grpc_port, (where, probe)
+            continue
+        for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+            argv = c[probe]["exec"]["command"]
+            assert argv[0] == "epd", (where, probe)
+            probe_ns = build_parser().parse_args(argv[1:])
+            assert probe_ns.cmd == "health" and probe_ns.address == f"127.0.0.1:{ns.port}", (where, probe)
+            for flag in ("tls_cert", "tls_key", "tls_ca", "tls_server_name"):
+                assert getattr(probe_ns, flag) == getattr(ns, flag), (where, probe, flag)
+        service = {"encoder": "epd.encoder.v1.EncoderService", "lm": "epd.lm.v1.LMService"}[ns.cmd]
+        assert build_parser().parse_args(c["readinessProbe"]["exec"]["command"][1:]).service == service, where
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_gateway_points_at_the_headless_services_of_its_peers(overlay):
+    docs = render(overlay)
+    services = of_kind(docs, "Service")
+    (gw,) = [c for _, _, c in containers(docs) if c["name"] == "gateway"]
+    cfg = from_args(GatewayConfig, parse(gw["args"]))
     assert cfg.encoder_list == ["epd-encoder:50051"] and cfg.lm_list == ["epd-lm:50061"]
-    assert gw["readinessProbe"]["httpGet"]["path"] == "/health"
-    enc = build_parser().parse_args([a.replace("$(POD_IP)", "10.0.0.7") for a in _containers()["encoder"]["args"]])
-    assert enc.advertise_host == "10.0.0.7"
+    for address, cmd in ((cfg.encoder_list[0], "encoder"), (cfg.lm_list[0], "lm")):
+        name, port = address.split(":")
+        svc = services[name]
+        assert svc["spec"]["clusterIP"] == "None", name  # one address per pod: the gateway routes itself
+        assert int(port) in {p["port"] for p in svc["spec"]["ports"]}, name
+        assert pods_selected(docs, {"matchLabels": svc["spec"]["selector"]}) == serving(docs, cmd), name
+    for _, _, c in containers(docs):
+        if c["name"] == "encoder":  # LMs dial the address the encoder advertises: its pod IP
+            assert parse(c["args"]).advertise_host == "10.0.0.7"
+            assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in c["env"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_services_and_budgets_select_the_pods_they_mean(overlay):
+    docs = render(overlay)
+    deployments = of_kind(docs, "Deployment")
+    for name, dep in deployments.items():
+        assert selects(dep["spec"]["selector"], dep["spec"]["template"]["metadata"]["labels"]), name
+    for name, svc in of_kind(docs, "Service").items():
+        chosen = pods_selected(docs, {"matchLabels": svc["spec"]["selector"]})
+        assert chosen, name
+        for dep in chosen:
+            ports = {p["containerPort"] for c in deployments[dep]["spec"]["template"]["spec"]["containers"]
+                     for p in c["ports"]}
+            assert {p["targetPort"] for p in svc["spec"]["ports"]} <= ports, (name, dep)
+    # The eviction API refuses a pod that two budgets select: exactly one per Deployment.
+    budgets = [pods_selected(docs, pdb["spec"]["selector"]) for pdb in of_kind(docs, "PodDisruptionBudget").values()]
+    assert sorted(d for b in budgets for d in b) == sorted(deployments)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_network_policies_let_only_the_gateway_reach_apis_and_only_lms_reach_transfer(overlay):
+    docs = render(overlay)
+    for name, policy in of_kind(docs, "NetworkPolicy").items():
+        assert pods_selected(docs, policy["spec"]["podSelector"]), f"NetworkPolicy {name} selects no pod"
+        for rule in policy["spec"].get("ingress", []) + policy["spec"].get("egress", []):
+            for peer in rule.get("from", []) + rule.get("to", []):
+                if "podSelector" in peer:
+                    assert pods_selected(docs, peer["podSelector"]), f"NetworkPolicy {name}: {peer} selects no pod"
+    gateways, encoders, lms = serving(docs, "gateway"), serving(docs, "encoder"), serving(docs, "lm")
+    for enc in encoders:
+        assert allowed(docs, enc, 50051, "ingress") == gateways
+        assert allowed(docs, enc, 50052, "ingress") == lms
+        assert allowed(docs, enc, 9101, "ingress") == set()
+    for lm in lms:
+        assert allowed(docs, lm, 50061, "ingress") == gateways
+        assert allowed(docs, lm, 9102, "ingress") == set()
+        assert allowed(docs, lm, 50052, "egress") == encoders
+    for gw in gateways:
+        assert allowed(docs, gw, 8000, "ingress") == ANY and allowed(docs, gw, 50071, "ingress") == ANY
+        assert allowed(docs, gw, 50051, "egress") == encoders and allowed(docs, gw, 50061, "egress") == lms
+    for dep in of_kind(docs, "Deployment"):
+        assert allowed(docs, dep, 53, "egress") == ANY, dep  # DNS
+        if dep not in gateways:  # only the gateway fetches image URLs
+            assert allowed(docs, dep, 443, "egress") == set(), dep
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_container_runs_non_root_read_only_and_bounded(overlay):
+    for dep, pod, c in containers(render(overlay)):
+        where = (dep["metadata"]["name"], c["name"])
+        assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] > 0, where
+        # The Secret's files are root's, 0440: the pod's fsGroup is what lets the user read them.
+        assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsGroup"], where
+        sc = c["securityContext"]
+        assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"] == {"drop": ["ALL"]}, where
+        assert sc["readOnlyRootFilesystem"] is True, where
+        mounted = {m["mountPath"] for m in c["volumeMounts"]}
+        assert "/tmp" in mounted, where
+        if c["name"] != "gateway":  # vLLM's caches under $HOME, its pools in /dev/shm
+            assert {"/home/epd", "/dev/shm"} <= mounted, where
+        requests, limits = c["resources"]["requests"], c["resources"]["limits"]
+        assert {"cpu", "memory"} <= set(requests) and set(requests) == set(limits), where
+        for key in ("hostIPC", "hostPID", "hostNetwork"):
+            assert not pod.get(key), (where, key)
+        assert not pod.get("shareProcessNamespace") or {"encoder", "lm"} <= {x["name"] for x in pod["containers"]}
+
+
+def test_gpu_node_puts_encoder_and_lm_in_one_pod_for_cuda_ipc():
+    docs = render("gpu-node")
+    (pod,) = [d["spec"]["template"]["spec"] for d in of_kind(docs, "Deployment").values()
+              if {c["name"] for c in d["spec"]["template"]["spec"]["containers"]} == {"encoder", "lm"}]
+    assert pod["shareProcessNamespace"] is True  # distinct PIDs: CUDA IPC refuses a handle from "itself"
+    shm = {c["name"]: next(m["name"] for m in c["volumeMounts"] if m["mountPath"] == "/dev/shm")
+           for c in pod["containers"]}
+    assert shm["encoder"] == shm["lm"]
+    assert next(v for v in pod["volumes"] if v["name"] == shm["lm"])["emptyDir"]["medium"] == "Memory"
+    args = {c["name"]: parse(c["args"]) for c in pod["containers"]}
+    assert args["encoder"].transports.split(",")[0] == "cuda_ipc"
+    assert args["lm"].transports == "cuda_ipc,shm,grpc"
+    for c in pod["containers"]:
+        assert c["resources"]["requests"]["nvidia.com/gpu"] == c["resources"]["limits"]["nvidia.com/gpu"] == "1"
+
+
+def test_multi_node_spreads_encoders_and_lms_over_nodes_and_uses_grpc_between_pods():
+    docs = render("multi-node")
+    deployments = of_kind(docs, "Deployment")
+    for name in ("epd-encoder", "epd-lm"):
+        dep = deployments[name]
+        assert dep["spec"]["replicas"] > 1, name
+        (spread,) = [t for t in dep["spec"]["template"]["spec"]["topologySpreadConstraints"]
+                     if t["topologyKey"] == "kubernetes.io/hostname"]
+        assert spread["whenUnsatisfiable"] == "DoNotSchedule"
+        assert pods_selected(docs, spread["labelSelector"]) == {name}
+    (lm,) = deployments["epd-lm"]["spec"]["template"]["spec"]["containers"]
+    assert parse(lm["args"]).transports == "grpc"
