@@ -1,0 +1,86 @@
+"""What a client machine does, run inside the multi-host tests' "client" host
+(``ip netns exec``), one operation per process; prints one JSON line.
+
+    python -m tests.multihost.client post URL [TIMEOUT] < body.json  {"status", "body", "elapsed_s"}
+    python -m tests.multihost.client get URL                          {"status", "text"}
+    python -m tests.multihost.client health ADDR [SERVICE]            {"serving"}
+    python -m tests.multihost.client stats ENCODER_ADDR               {"values"} (its Transfer Stats RPC)
+
+gRPC operations use the SecurityConfig given as JSON in ``EPD_MH_SECURITY``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+
+
+def _security():
+    from ectransfer.security import SecurityConfig
+
+    return SecurityConfig.from_dict(json.loads(os.environ.get("EPD_MH_SECURITY", "{}")))
+
+
+def post(url: str, timeout: str = "120") -> dict:
+    data = sys.stdin.buffer.read()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    t0 = time.monotonic()
+    try:
+        with urllib.request.urlopen(req, timeout=float(timeout)) as r:
+            status, body = r.status, r.read()
+    except urllib.error.HTTPError as e:
+        status, body = e.code, e.read()
+    except OSError as e:
+        return {"status": 0, "body": {"error": repr(e)}, "elapsed_s": time.monotonic() - t0}
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        parsed = {"raw": body.decode(errors="replace")}
+    return {"status": status, "body": parsed, "elapsed_s": time.monotonic() - t0}
+
+
+def get(url: str) -> dict:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return {"status": r.status, "text": r.read().decode(errors="replace")}
+    except urllib.error.HTTPError as e:
+        return {"status": e.code, "text": e.read().decode(errors="replace")}
+    except OSError as e:
+        return {"status": 0, "text": repr(e)}
+
+
+def health(address: str, service: str = "") -> dict:
+    from services.up import grpc_serving
+
+    return {"serving": grpc_serving(address, 2.0, _security(), service)}
+
+
+def stats(encoder_addr: str) -> dict:
+    from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
+
+    sec = _security()
+    with sec.channel(encoder_addr) as ch:
+        info = encoder_pb2_grpc.EncoderServiceStub(ch).GetInfo(encoder_pb2.GetInfoRequest(), timeout=5)
+    with sec.channel(info.transfer_endpoint) as ch:
+        values = encoder_pb2_grpc.TransferServiceStub(ch).Stats(encoder_pb2.StatsRequest(), timeout=5).values
+    return {"values": dict(values), "transfer_endpoint": info.transfer_endpoint}
+
+
+OPS = {"post": post, "get": get, "health": health, "stats": stats}
+
+
+def main(argv: list[str]) -> int:
+    try:
+        out = OPS[argv[0]](*argv[1:])
+    except Exception as e:  # noqa: BLE001 - reported to the test as data
+        out = {"error": f"{type(e).__name__}: {e}"}
+    sys.stdout.write(json.dumps(out) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
