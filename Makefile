@@ -10,7 +10,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.epd-installed-$(EXTRA)
 PYTEST_ARGS ?=
 
-.PHONY: install protos model demo up test test-all test-unit bench-transfer bench-serving bench-gateway clean
+.PHONY: install protos model demo up test test-all test-unit bench-transfer bench-transfer-hosts bench-serving bench-gateway clean
 
 install: $(STAMP) protos
 
@@ -40,6 +40,7 @@ up: model
 	$(VENV)/bin/epd up
 
 test: model
+	$(PY) -m ruff check .
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-all: model
@@ -51,6 +52,11 @@ test-unit: install
 bench-transfer: install
 	$(PY) -m pip install -q "matplotlib>=3.8"
 	$(PY) bench/transfer.py --quick --json bench/results/transfer-cpu.json --plot bench/results/transfer-cpu.png
+
+bench-transfer-hosts: install  # needs root: two network namespaces joined by veth pairs through a bridge
+	$(PY) -m pip install -q "matplotlib>=3.8"
+	$(PY) bench/transfer.py --quick --hosts --no-ec-example --transports grpc \
+		--json bench/results/transfer-cpu-hosts.json --plot bench/results/transfer-cpu-hosts.png
 
 bench-serving: install
 	$(PY) -m pip install -q "matplotlib>=3.8"

@@ -45,13 +45,13 @@ import uuid
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import aiohttp  # noqa: E402
-import grpc  # noqa: E402
+import aiohttp
+import grpc
+from machine import machine_info, pct
 
-from epd.gateway.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: E402
-from epd.lm.v1 import lm_pb2, lm_pb2_grpc  # noqa: E402
-from services.up import Service, free_port, grpc_serving, http_ok, wait_ready  # noqa: E402
-from machine import machine_info, pct  # noqa: E402  (bench/machine.py)
+from epd.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from epd.lm.v1 import lm_pb2, lm_pb2_grpc
+from services.up import Service, free_port, grpc_serving, http_ok, wait_ready
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PATHS = ("direct", "rest", "rest-stream", "grpc")

@@ -58,13 +58,13 @@ from fractions import Fraction
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/machine.py, also when imported by path
 
-import aiohttp  # noqa: E402
+import aiohttp
+from machine import machine_info, pct
 
-from ectransfer.shm import cleanup_orphans  # noqa: E402
-from machine import machine_info, pct  # noqa: E402  (bench/machine.py)
-from services.common.engine import EngineConfig  # noqa: E402
-from services.common.images import data_url, make_image  # noqa: E402
-from services.up import Service, free_port, grpc_serving, http_ok, wait_ready  # noqa: E402
+from ectransfer.shm import cleanup_orphans
+from services.common.engine import EngineConfig
+from services.common.images import data_url, make_image
+from services.up import Service, free_port, grpc_serving, http_ok, wait_ready
 
 WORDS = ("the river light stone cloud north window garden silver market evening paper quiet "
          "engine summer letter mountain bridge winter forest harbor lantern orchard").split()
@@ -142,7 +142,7 @@ class Command(Service):
 
     extra_env: dict | None = None
 
-    def start(self, env: dict[str, str] | None = None) -> "Command":
+    def start(self, env: dict[str, str] | None = None) -> Command:
         return super().start({**(env or os.environ), **(self.extra_env or {})})
 
 
@@ -260,7 +260,7 @@ class System:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1/chat/completions"
 
-    def start(self, timeout: float = 600.0) -> "System":
+    def start(self, timeout: float = 600.0) -> System:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         # On one GPU the engines start one after another: vLLM sizes its KV cache from the
         # memory it sees free, which an engine still loading next to it would distort.

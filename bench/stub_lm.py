@@ -24,9 +24,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from epd.common.v1 import common_pb2  # noqa: E402
-from epd.lm.v1 import lm_pb2, lm_pb2_grpc  # noqa: E402
-from services.common.grpc_server import GrpcServer  # noqa: E402
+from epd.common.v1 import common_pb2
+from epd.lm.v1 import lm_pb2, lm_pb2_grpc
+from services.common.grpc_server import GrpcServer
 
 logger = logging.getLogger(__name__)
 

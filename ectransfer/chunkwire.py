@@ -72,7 +72,7 @@ class ChunkMsg:
     def __init__(self, chunk: ChunkView) -> None:
         self.chunk = chunk
 
-    def WhichOneof(self, name: str) -> str:  # noqa: N802 - protobuf's name
+    def WhichOneof(self, name: str) -> str:
         return "chunk"
 
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
+from ectransfer import chunkwire, lane, tensors
 from ectransfer.base import ConsumerTransport, Receiver
 from ectransfer.protocol import (
     TRANSFER_GRPC_OPTIONS,
@@ -42,7 +43,6 @@ from ectransfer.protocol import (
 )
 from ectransfer.security import SecurityConfig
 from ectransfer.selection import Choice, choose
-from ectransfer import chunkwire, lane, tensors
 from epd.common.v1 import common_pb2
 from epd.encoder.v1 import encoder_pb2
 
@@ -81,7 +81,7 @@ class Fetch:
 
 
 class _Peer:
-    def __init__(self, client: "TransferClient", endpoint: str) -> None:
+    def __init__(self, client: TransferClient, endpoint: str) -> None:
         self.client = client
         self.endpoint = endpoint
         self.ctrl: asyncio.Queue = asyncio.Queue()  # handshake messages
@@ -149,7 +149,7 @@ class _Peer:
             error = "transfer client shutting down"
         except (ConnectionError, OSError) as e:  # the lane broke
             error = f"encoder at {self.endpoint}: control lane: {e}"
-        except Exception as e:  # noqa: BLE001 - any failure fails the items, never the engine
+        except Exception as e:
             logger.exception("transfer stream to %s failed", self.endpoint)
             error = f"encoder at {self.endpoint}: {e!r}"
         finally:
@@ -373,10 +373,10 @@ class TransferClient:
             for peer in list(self._peers.values()):
                 try:
                     self._watch(peer, now)
-                except Exception:  # noqa: BLE001 - one peer's trouble must not stop the watchdog
+                except Exception:
                     logger.exception("transfer watchdog: peer %s", peer.endpoint)
 
-    def _watch(self, peer: "_Peer", now: float) -> None:
+    def _watch(self, peer: _Peer, now: float) -> None:
         """Demotes in-place items held too long; fails items with no data in time."""
         landed_before = time.perf_counter() - self.hold_s  # a located item's last transition is LANDED
         for fetch in list(peer.located.values()):

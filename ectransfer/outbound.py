@@ -60,7 +60,7 @@ class OutboundStats:
     cancels: int = 0
     expired: int = 0
 
-    def aggregate(self, other: "OutboundStats") -> "OutboundStats":
+    def aggregate(self, other: OutboundStats) -> OutboundStats:
         return OutboundStats(**{k: getattr(self, k) + getattr(other, k) for k in self.__dataclass_fields__})
 
 

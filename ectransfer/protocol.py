@@ -31,7 +31,6 @@ import grpc
 from ectransfer.fingerprint import model_fingerprint
 from epd.common.v1 import common_pb2
 
-
 CLIENT_KEEPALIVE_S = 30.0
 """Seconds between the consumer channel's HTTP/2 pings (the producer's server
 accepts pings this often, ``TransferLimits.server_options``)."""

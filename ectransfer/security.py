@@ -112,7 +112,7 @@ class SecurityConfig:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any] | None) -> "SecurityConfig":
+    def from_dict(cls, d: dict[str, Any] | None) -> SecurityConfig:
         names = {f.name for f in dataclasses.fields(cls) if f.init}
         return cls(**{k: v for k, v in (d or {}).items() if k in names})
 

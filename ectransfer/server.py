@@ -26,13 +26,13 @@ import time
 
 import grpc
 
+from ectransfer import chunkwire, lane
 from ectransfer.base import ProducerTransport
 from ectransfer.limits import TransferLimits
 from ectransfer.outbound import OutboundStore
 from ectransfer.protocol import CompatError, check_compat, new_event_loop
 from ectransfer.security import SecurityConfig
 from ectransfer.session import Outbox, TransferSession
-from ectransfer import chunkwire, lane
 from epd.common.v1 import common_pb2
 from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
 
@@ -200,7 +200,7 @@ class TransferServicer(encoder_pb2_grpc.TransferServiceServicer):
             await session.read(frames())
         except (ConnectionError, OSError, asyncio.TimeoutError) as e:
             logger.debug("control lane closed: %s", e)
-        except Exception:  # noqa: BLE001 - one broken connection must not touch the others
+        except Exception:
             logger.exception("control lane failed")
         finally:
             if session is not None:
@@ -309,7 +309,7 @@ class TransferServerThread:
             try:
                 self.servicer.store.expire()
                 self.servicer.expire_holds()
-            except Exception:  # noqa: BLE001 - one bad sweep must not end every later expiry
+            except Exception:
                 logger.exception("lease sweep failed")
 
     def add_datagram_endpoint(self, address: str, on_datagram) -> None:
@@ -320,7 +320,7 @@ class TransferServerThread:
             def datagram_received(self, data, addr):
                 try:
                     on_datagram(data)
-                except Exception:  # noqa: BLE001 - one bad report must not stop the endpoint
+                except Exception:
                     logger.exception("bad report on %r", address)
 
         async def _open() -> None:

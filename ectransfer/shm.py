@@ -148,7 +148,7 @@ class ShmSegment:
             self.buffer = torch.frombuffer(self._mmap, dtype=torch.uint8)
 
     @classmethod
-    def create(cls, name: str, nbytes: int) -> "ShmSegment":
+    def create(cls, name: str, nbytes: int) -> ShmSegment:
         if nbytes <= 0:
             raise ValueError(f"a shared-memory segment needs > 0 bytes, got {nbytes}")
         path = os.path.join(SHM_DIR, validate_name(name))
@@ -165,7 +165,7 @@ class ShmSegment:
         return cls(name, fd, nbytes, owner=True, readonly=False)
 
     @classmethod
-    def attach(cls, name: str, readonly: bool = True) -> "ShmSegment":
+    def attach(cls, name: str, readonly: bool = True) -> ShmSegment:
         path = os.path.join(SHM_DIR, validate_name(name))
         fd = _open_regular(path, os.O_RDONLY if readonly else os.O_RDWR)
         size = os.fstat(fd).st_size

@@ -23,10 +23,11 @@ import sys
 
 def run(model: str, requests: list[dict]) -> list[list[int]]:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from services.common.engine import EngineConfig, engine_kwargs  # sets the offline env first
-    from services.common.chat import openai_to_hf, render_chat
-    from services.common.media import decode_image
     from vllm import LLM, SamplingParams
+
+    from services.common.chat import openai_to_hf, render_chat
+    from services.common.engine import EngineConfig, engine_kwargs  # sets the offline env first
+    from services.common.media import decode_image
 
     llm = LLM(**engine_kwargs(EngineConfig(model=model)))
     tokenizer = llm.get_tokenizer()

@@ -153,7 +153,7 @@ def _train_tokenizer():
 def _weight_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     """Parameter names/shapes of Idefics3ForConditionalGeneration (HF layout)."""
     v, t = cfg["vision_config"], cfg["text_config"]
-    H, I, p = v["hidden_size"], v["intermediate_size"], v["patch_size"]
+    H, I, p = v["hidden_size"], v["intermediate_size"], v["patch_size"]  # noqa: E741 - the config's sizes
     vp = "model.vision_model."
     s: dict[str, tuple[int, ...]] = {
         vp + "embeddings.patch_embedding.weight": (H, 3, p, p),
@@ -212,10 +212,10 @@ def _dump_json(obj: dict, path: pathlib.Path) -> None:
 
 def _build_into(out: pathlib.Path, variant: str, seed: int) -> None:
     from transformers import Idefics3Config, Idefics3Processor, PreTrainedTokenizerFast
-    from transformers.utils import logging as hf_logging
     from transformers.models.idefics3.image_processing_pil_idefics3 import (
         Idefics3ImageProcessorPil,
     )
+    from transformers.utils import logging as hf_logging
 
     spec = VARIANTS[variant]
     seq_len = _image_seq_len(spec)

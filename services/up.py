@@ -30,7 +30,6 @@ from ectransfer.security import SecurityConfig
 from ectransfer.shm import cleanup_orphans
 from services.certs import make_certs, make_token
 
-
 _rng = random.Random()  # its own generator: a test that seeds ``random`` must not make ports repeat
 _handed_out: set[int] = set()
 
@@ -84,7 +83,7 @@ class Service:
     def argv(self) -> list[str]:
         return self.command or [sys.executable, "-m", "services.cli", *self.args]
 
-    def start(self, env: dict[str, str] | None = None) -> "Service":
+    def start(self, env: dict[str, str] | None = None) -> Service:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True)  # env None: this process's environment
@@ -279,7 +278,7 @@ class Deployment:
         if not self.quiet:
             print(msg, end=end, flush=True)
 
-    def start(self, timeout: float = 300.0) -> "Deployment":
+    def start(self, timeout: float = 300.0) -> Deployment:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self._say(f"epd up: model {self.model}; logs in {self.log_dir}")
         t0 = time.monotonic()
@@ -316,7 +315,7 @@ class Deployment:
             svc.stop()
         cleanup_orphans()
 
-    def __enter__(self) -> "Deployment":
+    def __enter__(self) -> Deployment:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -21,16 +21,16 @@ from __future__ import annotations
 
 from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
 
-_MANAGERS: dict[str, "EPDEncoderCacheManager"] = {}
+_MANAGERS: dict[str, EPDEncoderCacheManager] = {}
 
 
-def manager_for(engine_id: str) -> "EPDEncoderCacheManager | None":
+def manager_for(engine_id: str) -> EPDEncoderCacheManager | None:
     return _MANAGERS.get(engine_id)
 
 
 class EPDEncoderCacheManager(EncoderCacheManager):
     @classmethod
-    def create_manager(cls, *, cache_size: int, vllm_config) -> "EPDEncoderCacheManager":
+    def create_manager(cls, *, cache_size: int, vllm_config) -> EPDEncoderCacheManager:
         manager = cls(cache_size=cache_size)
         if vllm_config.ec_transfer_config is not None:
             _MANAGERS[vllm_config.ec_transfer_config.engine_id] = manager

@@ -95,7 +95,7 @@ class ConnectorConfig:
         return TransferLimits(**{f.name: getattr(self, f.name) for f in fields(TransferLimits)})
 
     @classmethod
-    def from_extra(cls, extra: dict[str, Any]) -> "ConnectorConfig":
+    def from_extra(cls, extra: dict[str, Any]) -> ConnectorConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(extra) - known)
         if unknown:

@@ -29,14 +29,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
 from ectransfer import factory, tensors
-from ectransfer.security import SecurityConfig
 from ectransfer.client import Fetch, TransferClient
 from ectransfer.connector.common import compat_for, worker_device
 from ectransfer.connector.config import ConnectorConfig
 from ectransfer.connector.metadata import EPDConnectorMetadata, EPDWorkerMetadata, LoadSpec
 from ectransfer.pool import Slot
 from ectransfer.protocol import ItemTransfer, TransferState
+from ectransfer.security import SecurityConfig
 from ectransfer.shm import Mappings, ShmPool
 
 logger = logging.getLogger(__name__)

@@ -64,7 +64,7 @@ class EPDWorkerMetadata(ECConnectorWorkerMetadata):
     loaded: list[str] = field(default_factory=list)
     """Consumer: items injected into vLLM's encoder cache this step."""
 
-    def aggregate(self, other: ECConnectorWorkerMetadata) -> "EPDWorkerMetadata":
+    def aggregate(self, other: ECConnectorWorkerMetadata) -> EPDWorkerMetadata:
         # Every TP rank injects the same items.
         assert isinstance(other, EPDWorkerMetadata)
         return EPDWorkerMetadata(sorted(set(self.loaded) | set(other.loaded)))

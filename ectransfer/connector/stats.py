@@ -31,7 +31,7 @@ class EPDConnectorStats(ECConnectorStats):
     def reset(self) -> None:
         self.data = {}
 
-    def aggregate(self, other: ECConnectorStats) -> "EPDConnectorStats":
+    def aggregate(self, other: ECConnectorStats) -> EPDConnectorStats:
         return EPDConnectorStats(data={**self.data, **other.data})
 
     def reduce(self) -> dict[str, int | float]:

@@ -77,7 +77,7 @@ class GatewayConfig:
         if self.fetch_max_redirects < 0 or self.affinity_spill < 0:
             raise ValueError("fetch_max_redirects and affinity_spill must be >= 0")
         try:
-            self.allowed_networks
+            _ = self.allowed_networks  # parses --fetch-allow-networks
         except ValueError as e:
             raise ValueError(f"fetch_allow_networks: {e} (expected CIDRs such as 10.1.0.0/16)") from None
 

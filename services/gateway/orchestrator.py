@@ -37,11 +37,11 @@ from dataclasses import dataclass, field
 import grpc
 from prometheus_client import Counter
 
+from ectransfer.security import SecurityConfig
 from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
 from epd.lm.v1 import lm_pb2, lm_pb2_grpc
 from services.common.errors import FAULT_ENDPOINT_KEY, FAULT_KEY
 from services.gateway.config import GatewayConfig
-from ectransfer.security import SecurityConfig
 from services.gateway.instances import Instance, InstancePool
 from services.gateway.routing import LeastOutstanding, pick_encoder
 
@@ -387,7 +387,7 @@ class Orchestrator:
                     raise rpc_error(grpc.StatusCode.INTERNAL, f"encoder {g.inst.address} ended the stream after "
                                                               f"{seen} metadata and {encoded} encoded events "
                                                               f"for {len(items)} item(s)")
-            except Exception as e:  # noqa: BLE001 - every failure of this stream blames this encoder
+            except Exception as e:
                 if not isinstance(e, grpc.aio.AioRpcError):
                     logger.exception("request %s: encoder %s stream failed", req.request_id, g.inst.address)
                     e = rpc_error(grpc.StatusCode.INTERNAL, f"encoder {g.inst.address}: {e!r}")

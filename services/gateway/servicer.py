@@ -11,8 +11,15 @@ from epd.lm.v1 import lm_pb2
 from services.common.errors import BadInput, EPDError, PeerUnavailable
 from services.gateway.config import GatewayConfig
 from services.gateway.fetch import MediaFetcher
-from services.gateway.openai_api import (REQUEST_ID_HEADER, REQUEST_ID_RE, check_sampling, engine_request_id,
-                                        finished, from_grpc, load_media)
+from services.gateway.openai_api import (
+    REQUEST_ID_HEADER,
+    REQUEST_ID_RE,
+    check_sampling,
+    engine_request_id,
+    finished,
+    from_grpc,
+    load_media,
+)
 from services.gateway.orchestrator import Media, Orchestrator, Timings
 
 

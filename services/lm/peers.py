@@ -13,7 +13,6 @@ import logging
 from dataclasses import dataclass, field
 
 import grpc
-
 from prometheus_client import Gauge
 
 from ectransfer.base import ConsumerTransport
@@ -82,7 +81,7 @@ class EncoderAllowList:
     networks: list = field(default_factory=list)
 
     @classmethod
-    def parse(cls, spec: str, trusted_callers: bool) -> "EncoderAllowList":
+    def parse(cls, spec: str, trusted_callers: bool) -> EncoderAllowList:
         entries = [e.strip() for e in spec.split(",") if e.strip()]
         if not entries:
             return cls(any=True) if trusted_callers else cls(networks=[ipaddress.ip_network("127.0.0.0/8"),

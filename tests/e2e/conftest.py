@@ -12,7 +12,6 @@ import pytest
 
 from services.reference import run_subprocess
 from services.up import Deployment
-
 from tests.e2e.helpers import image_chat, text_chat
 
 # Every request whose tokens a test compares with plain vLLM.

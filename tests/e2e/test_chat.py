@@ -112,7 +112,9 @@ def test_curl_chat_streaming_and_one_request_id_through_every_service(deployment
     # The client's id names the request in the gateway's and the encoder's logs (the
     # encoder logs when its engine is done, which may be just after the answer).
     for name in ("gateway.log", "encoder.log"):
-        def logged(path=os.path.join(deployment.log_dir, name)) -> bool:
+        path = os.path.join(deployment.log_dir, name)
+
+        def logged(path: str = path) -> bool:
             with open(path, errors="replace") as f:
                 return rid in f.read()
         assert settled(logged, True), name

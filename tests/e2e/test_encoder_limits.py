@@ -70,7 +70,8 @@ def test_a_cancelled_encode_frees_the_items_it_left_in_the_pool(dep):
                      for i in range(8)]
             call = stub.Encode(encoder_pb2.EncodeRequest(request_id=f"cancelled-{attempt}", items=items), timeout=60)
             events = []
-            reader = threading.Thread(target=lambda: events.extend(_drain(call)), daemon=True)
+            reader = threading.Thread(target=lambda call=call, events=events: events.extend(_drain(call)),
+                                      daemon=True)
             reader.start()
             deadline = time.monotonic() + 30
             while producer_stats(dep)["items_held"] == 0:  # the first outputs are in the pool

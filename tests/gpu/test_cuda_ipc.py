@@ -30,10 +30,9 @@ def _start(mode: str, n: int):
 def test_two_processes_one_gpu_100_random_tensors_bit_identical_pool_mapped_once():
     import torch
 
+    from ectransfer import cuda_ipc
     from ectransfer.cuda_ipc import CudaIpcConsumer
     from epd.common.v1 import common_pb2
-
-    from ectransfer import cuda_ipc
 
     proc, items = _start("--raw", 100)
     consumer = CudaIpcConsumer()
@@ -54,12 +53,10 @@ def test_two_processes_one_gpu_100_random_tensors_bit_identical_pool_mapped_once
 def test_cuda_ipc_through_the_transfer_protocol_is_chosen_and_exact():
     import torch
 
-    from ectransfer import tensors
+    from ectransfer import cuda_ipc, tensors
     from ectransfer.loopback import Consumer
     from ectransfer.protocol import TransferState
     from tests.gpu.ipc_producer import random_tensors
-
-    from ectransfer import cuda_ipc
 
     proc, lines = _start("--serve", 20)
     consumer = Consumer(transports=("cuda_ipc",), staging_bytes=256 << 20, device="cuda")

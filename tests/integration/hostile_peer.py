@@ -37,7 +37,7 @@ class RawStream:
         self.offer: encoder_pb2.TransportOffer | None = None
 
     @classmethod
-    async def open(cls, endpoint: str, transport: str = "grpc", select: bool = True) -> "RawStream":
+    async def open(cls, endpoint: str, transport: str = "grpc", select: bool = True) -> RawStream:
         channel = grpc.aio.insecure_channel(endpoint, options=TRANSFER_GRPC_OPTIONS)
         stream = cls(channel, chunkwire.transfer_call(channel)())
         consumer = factory.make_consumer(transport)

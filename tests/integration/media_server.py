@@ -36,7 +36,7 @@ class MediaServer:
     def url(self, path: str, host: str = "127.0.0.1") -> str:
         return f"http://{host}:{self.port}{path}"
 
-    def start(self) -> "MediaServer":
+    def start(self) -> MediaServer:
         self._thread.start()
         asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
         return self

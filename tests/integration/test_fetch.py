@@ -14,7 +14,6 @@ from services.common.errors import MediaError
 from services.common.images import make_image
 from services.gateway.config import GatewayConfig
 from services.gateway.fetch import MediaFetcher, load_images
-
 from tests.integration.media_server import MediaServer
 
 pytestmark = pytest.mark.integration

@@ -56,7 +56,7 @@ class Gateway:
         self.http: aiohttp.ClientSession | None = None
         self.channel: grpc.aio.Channel | None = None
 
-    async def __aenter__(self) -> "Gateway":
+    async def __aenter__(self) -> Gateway:
         listening: asyncio.Future[tuple[int, int]] = asyncio.get_running_loop().create_future()
         self.task = asyncio.create_task(serve(self.cfg, self.stop, self.security,
                                               on_listening=lambda *ports: listening.set_result(ports)))

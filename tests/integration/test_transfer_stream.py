@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from ectransfer import tensors
-from ectransfer.protocol import TransferState
 from ectransfer.loopback import Consumer, Producer, compat
+from ectransfer.protocol import TransferState
 from tests.integration.connector_fakes import steps_until
 
 pytestmark = pytest.mark.integration

@@ -14,8 +14,17 @@ from services.common.errors import BadInput, MediaError
 from services.common.images import bomb_png
 from services.common.media import IMAGE_FORMATS, check_image
 from services.gateway.config import GatewayConfig
-from services.gateway.fetch import (GuardResolver, HostRefused, MediaFetcher, address_refusal, check_format,
-                                    check_url, decode_data_url, load_images, sniff_image_format)
+from services.gateway.fetch import (
+    GuardResolver,
+    HostRefused,
+    MediaFetcher,
+    address_refusal,
+    check_format,
+    check_url,
+    decode_data_url,
+    load_images,
+    sniff_image_format,
+)
 from services.gateway.servicer import GatewayServicer
 
 pytestmark = pytest.mark.unit

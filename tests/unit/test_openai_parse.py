@@ -8,11 +8,20 @@ import grpc
 import pytest
 from helpers import data_url, image_bytes
 
-from services.gateway.config import GatewayConfig
-from services.common.errors import MediaError
 from epd.lm.v1 import lm_pb2
-from services.gateway.openai_api import (ApiError, check_sampling, engine_request_id, from_grpc, load_media,
-                                         loads_strict, media_api_error, parse_chat, parse_completion)
+from services.common.errors import MediaError
+from services.gateway.config import GatewayConfig
+from services.gateway.openai_api import (
+    ApiError,
+    check_sampling,
+    engine_request_id,
+    from_grpc,
+    load_media,
+    loads_strict,
+    media_api_error,
+    parse_chat,
+    parse_completion,
+)
 
 pytestmark = pytest.mark.unit
 

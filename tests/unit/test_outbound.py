@@ -1,6 +1,7 @@
 """The encoder's outbound store: slots in, acks/cancels/leases free them."""
 
 import time
+
 import pytest
 import torch
 from helpers import assert_bit_identical
