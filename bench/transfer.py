@@ -16,6 +16,18 @@ measured in the same run on the same tensors:
 
     python bench/transfer.py --quick --json bench/results/transfer-cpu.json --plot bench/results/transfer-cpu.png
 
+With ``--hosts`` (root; network namespaces) the run re-starts itself inside a
+"consumer" host and starts a second producer inside a "producer" host, two
+network namespaces joined by veth pairs through a bridge
+(``tests/multihost/hosts.py``, addresses in 10.77.0.0/24 that route nowhere
+else, default MTU 1500), and times gRPC chunks over that link next to the
+same transports on loopback in the same run (rows labelled ``grpc (veth)`` and
+``grpc (loopback)``). Only gRPC crosses hosts: the hosts have separate
+/dev/shm, so shm's probe fails by design.
+
+    python bench/transfer.py --quick --hosts --no-ec-example --transports grpc \
+        --json bench/results/transfer-cpu-hosts.json --plot bench/results/transfer-cpu-hosts.png
+
 Targets (docs/benchmarks.md): shm >= 80% of memcpy from 4 MiB, gRPC chunks
 >= 1 GB/s at 16 MiB, CUDA IPC >= 80% of d2d from 8 MiB, <= 100 us p50 control
 overhead on shm/IPC, every transport >= 10x ec_example.
@@ -35,11 +47,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-import torch  # noqa: E402
+import torch
+from machine import machine_info, pct
 
-from ectransfer.loopback import Consumer, Producer  # noqa: E402
-from ectransfer.protocol import TransferState  # noqa: E402
-from machine import machine_info, pct  # noqa: E402  (bench/machine.py)
+from ectransfer.loopback import Consumer, Producer
+from ectransfer.protocol import TransferState
+from ectransfer.security import SecurityConfig
 
 # (rows, width) bf16 embeddings: 64 KiB ... 256 MiB
 SHAPES_QUICK = [(32, 1024), (512, 1024), (1024, 2048), (2048, 4096), (4096, 8192)]
@@ -63,12 +76,16 @@ class ProducerPeer:
     ``time.perf_counter()`` of that adoption (CLOCK_MONOTONIC: comparable
     across processes on one host)."""
 
-    def __init__(self, transports: str, pool_bytes: int, chunk_nbytes: int, lane: bool = True) -> None:
+    def __init__(self, transports: str, pool_bytes: int, chunk_nbytes: int, lane: bool = True,
+                 wrap: list[str] = (), bind: str = "127.0.0.1") -> None:
+        """``wrap``: an argv prefix that runs the peer elsewhere (``Host.wrap([])``:
+        inside another network namespace); ``bind``: the address it serves on."""
         import subprocess
 
         self.proc = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--producer-peer", "--transports", transports,
-             "--pool-bytes", str(pool_bytes), "--chunk-nbytes", str(chunk_nbytes)] + ([] if lane else ["--no-lane"]),
+            [*wrap, sys.executable, os.path.abspath(__file__), "--producer-peer", "--transports", transports,
+             "--pool-bytes", str(pool_bytes), "--chunk-nbytes", str(chunk_nbytes), "--peer-bind", bind]
+            + ([] if lane else ["--no-lane"]),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
         self.endpoint = self._reply()
 
@@ -110,8 +127,10 @@ def serve_producer(args) -> int:
 
     torch.set_num_threads(1)
     transports = tuple(t for t in args.transports.split(",") if t)
+    # Plain gRPC on the private bridge too: every host there is this benchmark's own.
+    security = None if args.peer_bind.startswith("127.") else SecurityConfig(insecure=True)
     producer = Producer(pool_bytes=args.pool_bytes, chunk_nbytes=args.chunk_nbytes, transports=transports,
-                        lane=not args.no_lane)
+                        lane=not args.no_lane, host=args.peer_bind, security=security)
     device = producer.pool.buffer.device
     loop = producer.server._loop
     sources: dict = {}
@@ -144,7 +163,7 @@ def serve_producer(args) -> int:
             done = threading.Event()
             stamp = []
 
-            def adopt(ident=ident, slot=slot, shape=(rows, width), dtype=dtype):
+            def adopt(ident=ident, slot=slot, shape=(rows, width), dtype=dtype, stamp=stamp, done=done):
                 producer.store.adopt(ident, slot, shape, dtype)  # the report, on the server's loop
                 stamp.append(time.perf_counter())
                 done.set()
@@ -275,23 +294,34 @@ def main() -> int:
     ap.add_argument("--no-ec-example", action="store_true", help="skip vLLM's ECExampleConnector baseline")
     ap.add_argument("--no-lane", action="store_true",
                     help="keep item messages on the gRPC stream (no same-host control lane), for comparison")
+    ap.add_argument("--hosts", action="store_true",
+                    help="also time grpc from a producer in another network namespace, over a veth link "
+                         "through a bridge (needs root); the other transports stay on loopback")
     ap.add_argument("--producer-peer", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--pool-bytes", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--chunk-nbytes", type=int, default=4 << 20, help=argparse.SUPPRESS)
+    # Set by --hosts for its re-run inside the consumer host: the producer host's argv prefix and address.
+    ap.add_argument("--peer-wrap", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--peer-bind", default="127.0.0.1", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.producer_peer:
         return serve_producer(args)
+    names = [t for t in args.transports.split(",") if t]
+    if args.hosts:
+        if "grpc" not in names:
+            ap.error("--hosts times grpc across hosts: include grpc in --transports")
+        return run_in_hosts()
     # One thread per copy on both sides, so the baseline is one memcpy and the
     # numbers do not depend on OpenMP threads waking up.
     torch.set_num_threads(1)
 
     shapes = SHAPES_QUICK if args.quick else SHAPES_FULL
     max_bytes = max(r * w for r, w in shapes) * 2
-    names = [t for t in args.transports.split(",") if t]
     pool_bytes = 2 * max_bytes + (16 << 20)
-    # One producer process for the host transports, one for CUDA IPC (its pool is on the GPU).
-    peers: dict[str, ProducerPeer] = {}
-    host = ",".join(n for n in names if n != "cuda_ipc")
+    # (transport, link): every transport on loopback; grpc once more across hosts under --hosts.
+    runs = [(name, "loopback") for name in names]
+    if args.peer_wrap:
+        runs.append(("grpc", "veth"))
     ec = None
     if not args.no_ec_example:
         from services.cli import default_model
@@ -299,6 +329,10 @@ def main() -> int:
         ec = ECExample(args.model or default_model())
     rows = []
     baseline_name = "d2d" if torch.cuda.is_available() else "memcpy"
+    # One producer process per link for the host transports, one for CUDA IPC (its pool is on the GPU).
+    peers: dict[tuple[str, str], ProducerPeer] = {}
+    lanes: list[tuple[str, str, str, ProducerPeer, Consumer]] = []  # (label, transport, link, producer, consumer)
+    host = ",".join(n for n in names if n != "cuda_ipc")
     try:
         base = {}
         for shape in shapes:
@@ -310,31 +344,39 @@ def main() -> int:
             if ec is not None:
                 ec_lat = ec.time(shape, max(3, iters // 4))
                 rows.append(_row("ec_example", nbytes, shape, ec_lat, baseline_name, base[shape]))
-        for name in names:
-            group = "cuda_ipc" if name == "cuda_ipc" else host
-            if group not in peers:
-                peers[group] = ProducerPeer(group, pool_bytes, 4 << 20, lane=not args.no_lane)
-            producer = peers[group]
+        for name, link in runs:
+            key = ("cuda_ipc" if name == "cuda_ipc" else host if link == "loopback" else name, link)
+            if key not in peers:
+                cross = link != "loopback"
+                peers[key] = ProducerPeer(key[0], pool_bytes, 4 << 20, lane=not args.no_lane,
+                                          wrap=json.loads(args.peer_wrap) if cross else (),
+                                          bind=args.peer_bind if cross else "127.0.0.1")
             consumer = Consumer(transports=(name,), staging_bytes=max_bytes + (16 << 20), timeout_s=120,
                                 device="cuda" if name == "cuda_ipc" else "cpu")
-            try:
-                n_ctl = 200 if args.quick else 1000
-                ctl_bytes = CONTROL_SHAPE[0] * CONTROL_SHAPE[1] * 2
-                rows.append(_row(name, ctl_bytes, CONTROL_SHAPE,
-                                 time_transport(name, CONTROL_SHAPE, n_ctl, producer, consumer), None, None,
-                                 kind="control_rtt"))
-                rows.append(_row(name, ctl_bytes, CONTROL_SHAPE,
-                                 time_transport(name, CONTROL_SHAPE, n_ctl // 2, producer, consumer, reserve_first=True), None, None,
-                                 kind="control_push"))
-                for shape in shapes:
-                    nbytes = shape[0] * shape[1] * 2
-                    lat = time_transport(name, shape, iters_for(nbytes, args.quick), producer, consumer)
-                    rows.append(_row(name, nbytes, shape, lat, baseline_name, base[shape]))
-            finally:
-                consumer.close()
+            label = f"{name} ({link})" if args.peer_wrap else name
+            lanes.append((label, name, link, peers[key], consumer))
+        n_ctl = 200 if args.quick else 1000
+        ctl_bytes = CONTROL_SHAPE[0] * CONTROL_SHAPE[1] * 2
+        for label, name, link, producer, consumer in lanes:
+            rows.append(_row(label, ctl_bytes, CONTROL_SHAPE,
+                             time_transport(name, CONTROL_SHAPE, n_ctl, producer, consumer), None, None,
+                             kind="control_rtt", link=link))
+            rows.append(_row(label, ctl_bytes, CONTROL_SHAPE,
+                             time_transport(name, CONTROL_SHAPE, n_ctl // 2, producer, consumer, reserve_first=True),
+                             None, None, kind="control_push", link=link))
+        # Sizes outer, transports inner: a slow patch of a shared machine hits every transport alike.
+        for shape in shapes:
+            nbytes = shape[0] * shape[1] * 2
+            for label, name, link, producer, consumer in lanes:
+                lat = time_transport(name, shape, iters_for(nbytes, args.quick), producer, consumer)
+                rows.append(_row(label, nbytes, shape, lat, baseline_name, base[shape], link=link))
     finally:
+        for lane in lanes:
+            lane[4].close()
         for peer in peers.values():
             peer.close()
+    order = {name: i for i, name in enumerate(dict.fromkeys(r["transport"] for r in rows))}
+    rows.sort(key=lambda r: order[r["transport"]])  # stable: sizes stay in order within a transport
     ec_by_size = {r["nbytes"]: r["gbps"] for r in rows if r["transport"] == "ec_example"}
     for r in rows:
         if r["transport"] not in ("memcpy", "d2d", "ec_example") and r["kind"] == "bandwidth":
@@ -344,6 +386,10 @@ def main() -> int:
     result = {"machine": machine(), "quick": args.quick, "lane": not args.no_lane,
               "method": "producer in its own process; latency = consumer fetch (or producer adoption, "
                         "control_push) -> LANDED recorded on the consumer's transfer thread", "rows": rows}
+    if args.peer_wrap:
+        result["hosts"] = {"link": "two network namespaces, each with a veth pair into one bridge; plain gRPC "
+                                   "(no TLS); loopback rows in the consumer's namespace",
+                           "producer": args.peer_bind, "mtu": _mtu("eth0")}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
@@ -352,17 +398,60 @@ def main() -> int:
     return 0
 
 
-def _row(transport, nbytes, shape, lat, baseline, baseline_gbps, kind="bandwidth") -> dict:
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def run_in_hosts() -> int:
+    """``--hosts``: makes two hosts (``tests/multihost/hosts.py``), re-runs this
+    command inside "consumer" (its network; it keeps the root's /dev/shm, so the
+    producer host's own /dev/shm stays reachable for its bind) with the
+    "producer" host's argv prefix and address, and deletes both namespaces
+    whatever happens (SIGTERM included;
+    after a SIGKILL the next run's ``sweep_stale`` does it)."""
+    import signal
+    import subprocess
+
+    from tests.multihost.hosts import Network, Unavailable, check_available, sweep_stale
+
+    try:
+        check_available()
+    except Unavailable as e:
+        print(f"--hosts needs network namespaces: {e}", file=sys.stderr)
+        return 2
+    sweep_stale()
+    net = Network()
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        net.start()
+        consumer, producer = net.add_host("consumer"), net.add_host("producer")
+        argv = [sys.executable, os.path.abspath(__file__), *(a for a in sys.argv[1:] if a != "--hosts"),
+                "--peer-wrap", json.dumps(producer.wrap([])), "--peer-bind", producer.ip]
+        return subprocess.run(consumer.wrap_net(argv), cwd=os.getcwd(), check=False).returncode
+    finally:
+        net.close()
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _mtu(dev: str) -> int | None:
+    try:
+        with open(f"/sys/class/net/{dev}/mtu") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def _row(transport, nbytes, shape, lat, baseline, baseline_gbps, kind="bandwidth", link=None) -> dict:
     p50 = statistics.median(lat)
     gbps = nbytes / p50 / 1e9
-    return {"transport": transport, "kind": kind, "nbytes": nbytes, "shape": list(shape), "iters": len(lat),
+    return {"transport": transport, "link": link, "kind": kind, "nbytes": nbytes, "shape": list(shape), "iters": len(lat),
             "gbps": round(gbps, 3), "p50_us": round(p50 * 1e6, 1), "p99_us": round(pct(lat, 0.99) * 1e6, 1),
             "baseline": baseline, "baseline_gbps": round(baseline_gbps, 3) if baseline_gbps else None,
             "vs_baseline": round(gbps / baseline_gbps, 3) if baseline_gbps else None}
 
 
 def _print(rows: list[dict]) -> None:
-    hdr = f"{'transport':<11}{'size':>10}{'GB/s':>9}{'p50 us':>11}{'p99 us':>11}{'vs base':>9}{'vs ECEx':>9}"
+    hdr = f"{'transport':<16}{'size':>10}{'GB/s':>9}{'p50 us':>11}{'p99 us':>11}{'vs base':>9}{'vs ECEx':>9}"
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
@@ -373,7 +462,7 @@ def _print(rows: list[dict]) -> None:
             size += "**"
         vb = f"{r['vs_baseline']:.0%}" if r.get("vs_baseline") else ""
         ve = f"{r['vs_ec_example']:.0f}x" if r.get("vs_ec_example") else ""
-        print(f"{r['transport']:<11}{size:>10}{r['gbps']:>9.2f}{r['p50_us']:>11.1f}{r['p99_us']:>11.1f}{vb:>9}{ve:>9}")
+        print(f"{r['transport']:<16}{size:>10}{r['gbps']:>9.2f}{r['p50_us']:>11.1f}{r['p99_us']:>11.1f}{vb:>9}{ve:>9}")
     print("*  256-byte item, item ready before the Reserve: a full Reserve -> header round trip")
     print("** 256-byte item, Reserve outstanding (as in serving): item adopted by the producer -> landed "
           "= per-item control overhead")
