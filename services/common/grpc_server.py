@@ -17,6 +17,10 @@ logger = logging.getLogger(__name__)
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", 256 << 20),
     ("grpc.max_receive_message_length", 256 << 20),
+    # Servers accept the gateway's keepalive pings (every 10 s, also between calls)
+    # instead of answering them with GOAWAY "too_many_pings".
+    ("grpc.http2.min_ping_interval_without_data_ms", 5000),
+    ("grpc.keepalive_permit_without_calls", 1),
 ]
 
 
