@@ -46,3 +46,12 @@ def steps_until(predicate, timeout: float = 10.0) -> bool:
 
 def embedding(n: int, seed: int, width: int = WIDTH) -> torch.Tensor:
     return torch.randn(n, width, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+
+
+def schedule(sched, req):
+    """vLLM's scheduler once ``ensure_cache_available`` says yes: allocate the
+    items that landed, then build the worker's metadata for the step."""
+    for i, feat in enumerate(req.mm_features):
+        if sched.has_cache_item(feat.identifier):
+            sched.update_state_after_alloc(req, i)
+    return sched.build_meta(SimpleNamespace(scheduled_encoder_inputs={}, total_num_scheduled_tokens=0))

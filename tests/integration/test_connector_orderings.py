@@ -15,7 +15,7 @@ from ectransfer.connector.config import ConnectorConfig
 from ectransfer.connector.consumer import ConsumerScheduler, ConsumerWorker
 from ectransfer.connector.producer import ProducerScheduler, ProducerWorker
 from ectransfer.loopback import Producer
-from tests.integration.connector_fakes import embedding, request, steps_until, vllm_config
+from tests.integration.connector_fakes import embedding, request, schedule, steps_until, vllm_config
 
 pytestmark = pytest.mark.integration
 
@@ -27,30 +27,6 @@ def producer():
     p = Producer(pool_bytes=1 << 20, ttl_s=60)
     yield p
     p.close()
-
-
-@pytest.fixture
-def consumer():
-    """Makes consumer scheduler halves; shuts each down after the test."""
-    made: list[ConsumerScheduler] = []
-
-    def make(staging_bytes: int = 1 << 20, timeout_s: float = 10.0, **kw) -> ConsumerScheduler:
-        cfg = ConnectorConfig(staging_bytes=staging_bytes, transfer_timeout_s=timeout_s, model_name="test-model",
-                              **kw)
-        made.append(ConsumerScheduler(vllm_config("lm-1"), cfg))
-        return made[-1]
-
-    yield make
-    for sched in made:
-        sched.shutdown()
-
-
-def schedule(sched: ConsumerScheduler, req):
-    """vLLM's scheduler once ensure_cache_available says yes: allocate, queue the loads."""
-    for i, feat in enumerate(req.mm_features):
-        if sched.has_cache_item(feat.identifier):
-            sched.update_state_after_alloc(req, i)
-    return sched.build_meta(SimpleNamespace(scheduled_encoder_inputs={}, total_num_scheduled_tokens=0))
 
 
 def inject(sched: ConsumerScheduler, req, meta=None) -> dict:

@@ -17,6 +17,7 @@ can take it, and one process never hands it out twice."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from typing import Any
@@ -136,6 +137,19 @@ def tokens(body: dict) -> list[int]:
 
 # --- start in any order -----------------------------------------------------------------------------------------
 
+
+
+@contextlib.asynccontextmanager
+async def admitted_gateway():
+    """A gateway (``Gateway``) whose one fake LM is admitted: yields (gateway, lm)."""
+    lm = FakeLM("lm-X", World())
+    server, addr = await serve_fake(lm)
+    try:
+        async with Gateway(lms=addr) as gw:
+            await gw.poll(lambda: gw.get("/health"), lambda r: r[0] == 200, 10, "the LM is admitted")
+            yield gw, lm
+    finally:
+        await server.stop(0)
 
 def test_a_gateway_started_before_its_lm_answers_503_with_the_reason_then_serves_once_the_lm_is_up():
     async def body():
@@ -306,70 +320,49 @@ def test_an_lm_serving_another_model_than_the_first_admitted_is_never_routed_to(
 ], ids=["nan", "infinity", "float32-overflow", "n-not-integer", "stream-options-string", "stream-options-list"])
 def test_bad_sampling_and_stream_options_are_400_before_any_stream_starts(raw, param):
     async def body():
-        world = World()
-        lm = FakeLM("lm-X", world)
-        server, addr = await serve_fake(lm)
-        try:
-            async with Gateway(lms=addr) as gw:
-                await gw.poll(lambda: gw.get("/health"), lambda r: r[0] == 200, 10, "the LM is admitted")
-                status, err, headers = await gw.post("/v1/chat/completions", raw,
-                                                     {"Content-Type": "application/json"})
-                assert status == 400 and headers["Content-Type"].startswith("application/json"), (status, err)
-                assert err["error"]["param"] == param and err["error"]["type"] == "invalid_request_error"
-                assert lm.requests == []
-        finally:
-            await server.stop(0)
+        async with admitted_gateway() as (gw, lm):
+            status, err, headers = await gw.post("/v1/chat/completions", raw,
+                                                 {"Content-Type": "application/json"})
+            assert status == 400 and headers["Content-Type"].startswith("application/json"), (status, err)
+            assert err["error"]["param"] == param and err["error"]["type"] == "invalid_request_error"
+            assert lm.requests == []
 
     run(body)
 
 
 def test_two_requests_with_one_x_request_id_reach_the_lm_under_distinct_ids_and_the_client_sees_its_own():
     async def body():
-        world = World()
-        lm = FakeLM("lm-X", world)
-        server, addr = await serve_fake(lm)
-        try:
-            async with Gateway(lms=addr) as gw:
-                await gw.poll(lambda: gw.get("/health"), lambda r: r[0] == 200, 10, "the LM is admitted")
-                hdr = {"X-Request-Id": "same-id"}
-                (s1, b1, h1), (s2, b2, h2) = await asyncio.gather(
-                    gw.post("/v1/chat/completions", chat(), hdr), gw.post("/v1/completions", {"prompt": "x"}, hdr))
-                assert (s1, s2) == (200, 200)
-                assert h1["X-Request-Id"] == h2["X-Request-Id"] == b1["id"] == b2["id"] == "same-id"
-                sent = [r.request_id for r in lm.requests]
-                assert len(set(sent)) == 2 and all(r.startswith("same-id-") for r in sent), sent
-                status, out, headers = await gw.post("/v1/chat/completions", chat(stream=True), hdr)
-                assert status == 200 and headers["X-Request-Id"] == "same-id"
-                events = [json.loads(line[6:]) for line in out["sse"].splitlines()
-                          if line.startswith("data: {")]
-                assert {e["id"] for e in events} == {"same-id"}
-                assert len({r.request_id for r in lm.requests}) == 3
-        finally:
-            await server.stop(0)
+        async with admitted_gateway() as (gw, lm):
+            hdr = {"X-Request-Id": "same-id"}
+            (s1, b1, h1), (s2, b2, h2) = await asyncio.gather(
+                gw.post("/v1/chat/completions", chat(), hdr), gw.post("/v1/completions", {"prompt": "x"}, hdr))
+            assert (s1, s2) == (200, 200)
+            assert h1["X-Request-Id"] == h2["X-Request-Id"] == b1["id"] == b2["id"] == "same-id"
+            sent = [r.request_id for r in lm.requests]
+            assert len(set(sent)) == 2 and all(r.startswith("same-id-") for r in sent), sent
+            status, out, headers = await gw.post("/v1/chat/completions", chat(stream=True), hdr)
+            assert status == 200 and headers["X-Request-Id"] == "same-id"
+            events = [json.loads(line[6:]) for line in out["sse"].splitlines()
+                      if line.startswith("data: {")]
+            assert {e["id"] for e in events} == {"same-id"}
+            assert len({r.request_id for r in lm.requests}) == 3
 
     run(body)
 
 
 def test_the_grpc_api_refuses_a_nan_temperature():
     async def body():
-        world = World()
-        lm = FakeLM("lm-X", world)
-        server, addr = await serve_fake(lm)
-        try:
-            async with Gateway(lms=addr) as gw:
-                await gw.poll(lambda: gw.get("/health"), lambda r: r[0] == 200, 10, "the LM is admitted")
-                stub = gateway_pb2_grpc.GatewayServiceStub(gw.channel)
-                req = gateway_pb2.ChatCompletionRequest(
-                    messages=[gateway_pb2.GatewayMessage(role="user", content=[
-                        gateway_pb2.GatewayContentPart(text="hi")])])
-                req.sampling.temperature = float("nan")
-                with pytest.raises(grpc.aio.AioRpcError) as e:
-                    async for _ in stub.ChatCompletion(req, timeout=10):
-                        pass
-                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in e.value.details()
-                assert lm.requests == []
-        finally:
-            await server.stop(0)
+        async with admitted_gateway() as (gw, lm):
+            stub = gateway_pb2_grpc.GatewayServiceStub(gw.channel)
+            req = gateway_pb2.ChatCompletionRequest(
+                messages=[gateway_pb2.GatewayMessage(role="user", content=[
+                    gateway_pb2.GatewayContentPart(text="hi")])])
+            req.sampling.temperature = float("nan")
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                async for _ in stub.ChatCompletion(req, timeout=10):
+                    pass
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in e.value.details()
+            assert lm.requests == []
 
     run(body)
 
@@ -377,22 +370,15 @@ def test_the_grpc_api_refuses_a_nan_temperature():
 
 def test_two_grpc_calls_with_one_request_id_reach_the_lm_under_distinct_ids_and_chunks_carry_the_clients():
     async def body():
-        world = World()
-        lm = FakeLM("lm-X", world)
-        server, addr = await serve_fake(lm)
-        try:
-            async with Gateway(lms=addr) as gw:
-                await gw.poll(lambda: gw.get("/health"), lambda r: r[0] == 200, 10, "the LM is admitted")
-                stub = gateway_pb2_grpc.GatewayServiceStub(gw.channel)
-                req = gateway_pb2.ChatCompletionRequest(messages=[gateway_pb2.GatewayMessage(
-                    role="user", content=[gateway_pb2.GatewayContentPart(text="hi")])])
-                for _ in range(2):
-                    chunks = [c async for c in stub.ChatCompletion(req, timeout=10,
-                                                                   metadata=(("x-request-id", "g-id"),))]
-                    assert {c.id for c in chunks} == {"g-id"}
-                sent = [r.request_id for r in lm.requests]
-                assert len(set(sent)) == 2 and all(r.startswith("g-id-") for r in sent), sent
-        finally:
-            await server.stop(0)
+        async with admitted_gateway() as (gw, lm):
+            stub = gateway_pb2_grpc.GatewayServiceStub(gw.channel)
+            req = gateway_pb2.ChatCompletionRequest(messages=[gateway_pb2.GatewayMessage(
+                role="user", content=[gateway_pb2.GatewayContentPart(text="hi")])])
+            for _ in range(2):
+                chunks = [c async for c in stub.ChatCompletion(req, timeout=10,
+                                                               metadata=(("x-request-id", "g-id"),))]
+                assert {c.id for c in chunks} == {"g-id"}
+            sent = [r.request_id for r in lm.requests]
+            assert len(set(sent)) == 2 and all(r.startswith("g-id-") for r in sent), sent
 
     run(body)

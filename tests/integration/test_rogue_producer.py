@@ -12,41 +12,18 @@ from types import SimpleNamespace
 
 import pytest
 
-from ectransfer.connector.config import ConnectorConfig
 from ectransfer.connector.consumer import ConsumerScheduler
 from ectransfer.connector.metadata import EPDWorkerMetadata
 from ectransfer.loopback import Consumer, Producer
 from ectransfer.protocol import TransferState
 from ectransfer.shm import ShmSegment
 from epd.common.v1 import common_pb2
-from tests.integration.connector_fakes import embedding, request, steps_until, vllm_config
+from tests.integration.connector_fakes import embedding, request, schedule, steps_until
 from tests.integration.rogue_producer import RogueProducer, fifo_at, release_fifo, secret_segment
 
 pytestmark = pytest.mark.integration
 
 NB = 16 * 128 * 2  # bytes of one 16-row bfloat16 item
-
-
-@pytest.fixture
-def consumer():
-    made: list[ConsumerScheduler] = []
-
-    def make(**kw) -> ConsumerScheduler:
-        cfg = ConnectorConfig(staging_bytes=1 << 20, transfer_timeout_s=10, model_name="test-model", **kw)
-        made.append(ConsumerScheduler(vllm_config("lm-1"), cfg))
-        return made[-1]
-
-    yield make
-    for sched in made:
-        sched.shutdown()
-
-
-def step_meta(sched: ConsumerScheduler, req):
-    """vLLM's scheduler for one step: queue what landed, build the worker's metadata."""
-    for i, feat in enumerate(req.mm_features):
-        if sched.has_cache_item(feat.identifier):
-            sched.update_state_after_alloc(req, i)
-    return sched.build_meta(SimpleNamespace(scheduled_encoder_inputs={}, total_num_scheduled_tokens=0))
 
 
 def fails(sched: ConsumerScheduler, req) -> bool:
@@ -82,7 +59,7 @@ def test_a_header_unlike_the_items_metadata_fails_its_request_and_never_reaches_
         req = request("r1", [("a", 16)], rogue.endpoint)
         assert fails(sched, req)
         assert not sched.has_cache_item("a")
-        assert step_meta(sched, req).loads == []  # nothing for vLLM's worker to inject
+        assert schedule(sched, req).loads == []  # nothing for vLLM's worker to inject
         error = sched.request_finished(req)["error"]
         assert reason in error and "item a" in error, error
         assert sched.staging.stats()["used_bytes"] == 0
@@ -103,7 +80,7 @@ def test_an_in_place_item_in_another_segment_is_refused_before_anything_reads_it
         rogue.store.put("b", embedding(16, 2))
         req = request("r1", [("b", 16)], rogue.endpoint)
         assert fails(sched, req)
-        assert step_meta(sched, req).loads == []
+        assert schedule(sched, req).loads == []
         assert "proved" in sched.request_finished(req)["error"]
     finally:
         rogue.close()
@@ -122,7 +99,7 @@ def test_an_in_place_offset_outside_the_segment_is_refused(consumer, offset):
         rogue.store.put("c", embedding(16, 3))
         req = request("r1", [("c", 16)], rogue.endpoint)
         assert fails(sched, req)
-        assert step_meta(sched, req).loads == []
+        assert schedule(sched, req).loads == []
         assert "outside" in sched.request_finished(req)["error"]
     finally:
         rogue.close()
@@ -193,7 +170,7 @@ def test_the_same_image_twice_in_one_request_is_fetched_once_and_frees_all_stagi
         req = request("r1", [("same", 16), ("other", 16), ("same", 16)], producer.endpoint)
         producer.store.put("other", embedding(16, 6))
         assert steps_until(lambda: sched.ensure_cache_available(req, 0))
-        meta = step_meta(sched, req)
+        meta = schedule(sched, req)
         assert sorted(s.identifier for s in meta.loads) == ["other", "same"]  # one load per identifier
         sched.update_connector_output(SimpleNamespace(ec_connector_worker_meta=EPDWorkerMetadata(["same", "other"])))
         sched.request_finished(req)

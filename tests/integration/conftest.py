@@ -1,0 +1,26 @@
+"""Fixtures shared by the integration tests."""
+
+from __future__ import annotations
+
+import pytest
+
+from ectransfer.connector.config import ConnectorConfig
+from ectransfer.connector.consumer import ConsumerScheduler
+from tests.integration.connector_fakes import vllm_config
+
+
+@pytest.fixture
+def consumer():
+    """Makes consumer scheduler halves (the LM engine's side of the connector,
+    without vLLM); shuts each down after the test."""
+    made: list[ConsumerScheduler] = []
+
+    def make(staging_bytes: int = 1 << 20, timeout_s: float = 10.0, **kw) -> ConsumerScheduler:
+        cfg = ConnectorConfig(staging_bytes=staging_bytes, transfer_timeout_s=timeout_s, model_name="test-model",
+                              **kw)
+        made.append(ConsumerScheduler(vllm_config("lm-1"), cfg))
+        return made[-1]
+
+    yield make
+    for sched in made:
+        sched.shutdown()
