@@ -64,6 +64,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
 
     async def Encode(self, request, context):
         from vllm import SamplingParams
+        from vllm.exceptions import VLLMClientError
 
         t0 = time.perf_counter()
         status = "error"
@@ -97,7 +98,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             try:
                 engine_req = await self.engine.input_processor.process_inputs_async(
                     rid, prompt, params, supported_tasks=await self.engine.get_supported_tasks())
-            except ValueError as e:
+            except (ValueError, VLLMClientError) as e:  # VLLMValidationError is no ValueError in vLLM 0.32
                 raise BadInput(f"input rejected by the encoder's processor: {e}") from None
             finally:
                 del images, prompt  # the processor's tensors replace the decoded images

@@ -165,6 +165,8 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
                         {"image": ranges}, prompt=prompt)
 
     async def Generate(self, request, context):
+        from vllm.exceptions import VLLMClientError
+
         t0 = time.perf_counter()
         rid = request.request_id or uuid.uuid4().hex
         status = "error"
@@ -211,7 +213,7 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
                         n_out += len(c.token_ids)
                         if not out.finished:
                             yield lm_pb2.GenerateResponse(request_id=rid, token_ids=c.token_ids, text=c.text)
-            except ValueError as e:  # vLLM's input validation
+            except (ValueError, VLLMClientError) as e:  # vLLM's input validation (a prompt too long, ...)
                 raise BadInput(str(e)) from None
             ec = (final.ec_transfer_params if final is not None else None) or {}
             c = final.outputs[0]
