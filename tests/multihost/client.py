@@ -54,9 +54,17 @@ def get(url: str) -> dict:
 
 
 def health(address: str, service: str = "") -> dict:
-    from services.up import grpc_serving
+    # Not services.up.grpc_serving: importing services.up imports torch (seconds of CPU per probe
+    # while the engines start on the same cores); this needs only grpc.
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    return {"serving": grpc_serving(address, 2.0, _security(), service)}
+    try:
+        with _security().channel(address) as ch:
+            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=2.0)
+            return {"serving": resp.status == health_pb2.HealthCheckResponse.SERVING}
+    except grpc.RpcError:
+        return {"serving": False}
 
 
 def stats(encoder_addr: str) -> dict:

@@ -194,6 +194,11 @@ class Cluster:
             svc.start(self.env())
         wait_ready({svc: (lambda g=n[3:]: self.client.get(self.url(g) + "/health")[0] == 200)
                     for n, svc in self.services.items() if n.startswith("gw-")}, t0 + timeout, poll_s=0.5)
+        # Ready is not admitted: a request posted before its gateway admits the encoder would be
+        # encoded by the LM itself.
+        for gname, (encs, lms) in {"three": ([self.enc2], [self.lm2]), "pod": ([self.enc1], [self.lm1]),
+                                   "dns": (self.encoder_hosts, self.lm_hosts)}.items():
+            self.wait_admitted(gname, encs, lms, timeout=max(60.0, t0 + timeout - time.monotonic()))
         return self
 
     def restart(self, name: str) -> None:

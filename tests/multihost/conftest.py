@@ -7,12 +7,16 @@ namespaces cannot be made (not root, or a sandbox that forbids them)."""
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 import signal
+import subprocess
+import sys
 import threading
 
 import pytest
 
-from services.reference import run_subprocess
 from tests.e2e.helpers import image_chat
 from tests.multihost.cluster import Cluster
 from tests.multihost.hosts import Network, Unavailable, check_available, sweep_stale
@@ -65,17 +69,24 @@ def network():
 
 
 class _Reference:
-    """Reference tokens computed in a background thread (a plain vLLM subprocess)."""
+    """Reference tokens computed in the background: a plain vLLM subprocess (``services.reference``,
+    in its own session) whose output a thread collects; ``close()`` kills it if it still runs."""
 
     def __init__(self, model: str) -> None:
         self._names = list(REQUESTS)
         self._result: dict | BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(model,), name="mh-reference", daemon=True)
+        self._proc = subprocess.Popen([sys.executable, "-m", "services.reference", "--model", model],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True, start_new_session=True)
+        self._thread = threading.Thread(target=self._run, name="mh-reference", daemon=True)
         self._thread.start()
 
-    def _run(self, model: str) -> None:
+    def _run(self) -> None:
         try:
-            self._result = dict(zip(self._names, run_subprocess(model, [REQUESTS[n] for n in self._names])))
+            out, err = self._proc.communicate(json.dumps([REQUESTS[n] for n in self._names]))
+            if self._proc.returncode != 0:
+                raise RuntimeError(f"reference run failed ({self._proc.returncode}):\n{err[-3000:]}")
+            self._result = dict(zip(self._names, json.loads(out.strip().splitlines()[-1])))
         except BaseException as e:  # noqa: BLE001 - raised in the test that asks
             self._result = e
 
@@ -86,17 +97,33 @@ class _Reference:
         assert self._result is not None, "the reference run did not finish"
         return self._result[name]
 
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            try:
+                os.killpg(self._proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self._thread.join(30)
+
 
 @pytest.fixture(scope="package")
-def mh_reference(tiny_model, network) -> _Reference:
-    return _Reference(tiny_model)
+def mh_reference(tiny_model, network):
+    ref = _Reference(tiny_model)
+    try:
+        yield ref
+    finally:
+        ref.close()
 
 
 @pytest.fixture(scope="package")
-def cluster(tiny_model, network, mh_reference):
+def cluster(request, tiny_model, network, mh_reference):
+    failed, started = request.session.testsfailed, False
     c = Cluster(network, tiny_model)
     try:
         c.start()
+        started = True
         yield c
     finally:
         c.stop()
+        if started and request.session.testsfailed == failed:  # kept after a failure: the services' logs
+            shutil.rmtree(c.log_dir, ignore_errors=True)  # it holds the CA key and the token

@@ -43,6 +43,8 @@ SUBNET = "10.77.0"
 SHM_ROOT = "/dev/shm"
 ETC_NETNS = "/etc/netns"
 _NAME = re.compile(rf"^{PREFIX}(\d+)-([a-z0-9]+)$")
+# Namespace suffixes this module uses itself (the bridge, check_available, netem_unavailable).
+_RESERVED = frozenset({"br", "probe", "netem"})
 
 # Bind the host's /dev/shm directory, then become the program.
 _ENTER = 'mount --bind "$0" /dev/shm && exec "$@"'
@@ -99,11 +101,18 @@ def _namespaces() -> list[str]:
 
 def sweep_stale() -> list[str]:
     """Removes the namespaces, hosts files and /dev/shm directories of earlier
-    runs whose pytest process no longer exists. Returns the names removed."""
+    runs whose pytest process no longer exists. Returns the names removed.
+    Call it before this process makes its ``Network``: names carrying this
+    process's own pid are stale too (a killed run whose pid was reused)."""
+    me = os.getpid()
+
+    def stale(pid: str) -> bool:
+        return int(pid) == me or not _pid_alive(int(pid))
+
     removed = []
     for ns in _namespaces():
         m = _NAME.match(ns)
-        if m and not _pid_alive(int(m.group(1))):
+        if m and stale(m.group(1)):
             _remove_ns(ns)
             removed.append(ns)
     for root in (ETC_NETNS, SHM_ROOT):
@@ -113,7 +122,7 @@ def sweep_stale() -> list[str]:
             continue
         for name in names:
             m = _NAME.match(name) or re.match(rf"^{PREFIX}(\d+)$", name)
-            if m and not _pid_alive(int(m.group(1))):
+            if m and stale(m.group(1)):
                 shutil.rmtree(os.path.join(root, name), ignore_errors=True)
                 removed.append(os.path.join(root, name))
     try:
@@ -217,16 +226,26 @@ class Host:
             subprocess.run(["ip", "netns", "exec", self.ns, "tc", "qdisc", "del", "dev", "eth0", "root"],
                            capture_output=True, check=False, timeout=30)
 
-    def throttle_port(self, sport: int, rate: str) -> None:
+    def throttle_port(self, sport: int, rate: str, *, drop: bool = False) -> None:
         """Slows only what this host sends from TCP port ``sport`` to ``rate`` (an htb class with a
-        u32 filter); everything else it sends goes at full speed. ``set_qdisc()`` undoes it."""
+        u32 filter); everything else it sends goes at full speed. ``drop``: drops all of it instead
+        (a pfifo of limit 0 under that class; no extra kernel module). ``set_qdisc()`` undoes it.
+        A slow rate is not a slow transfer: veth hands htb large segments and htb lets a whole one
+        out while its bucket is positive."""
         dev = ["dev", "eth0"]
         self.ip_cmd("tc", "qdisc", "replace", *dev, "root", "handle", "1:", "htb", "default", "10")
         self.ip_cmd("tc", "class", "add", *dev, "parent", "1:", "classid", "1:10", "htb", "rate", "10gbit")
         self.ip_cmd("tc", "class", "add", *dev, "parent", "1:", "classid", "1:20", "htb", "rate", rate,
                     "burst", "1600")
+        if drop:  # before the filter, so nothing slips through meanwhile
+            self.ip_cmd("tc", "qdisc", "add", *dev, "parent", "1:20", "handle", "20:", "pfifo", "limit", "0")
         self.ip_cmd("tc", "filter", "add", *dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
                     "match", "ip", "sport", str(sport), "0xffff", "flowid", "1:20")
+
+    def black_hole_port(self, sport: int) -> None:
+        """Drops everything this host sends from TCP port ``sport`` (no reset: the peer's calls on
+        it hang); everything else goes at full speed. ``set_qdisc()`` undoes it."""
+        self.throttle_port(sport, "8kbit", drop=True)
 
     def set_hosts(self, names: dict[str, list[str]]) -> None:
         """This host's /etc/hosts: localhost plus ``name -> addresses``. Written
@@ -235,10 +254,12 @@ class Host:
         lines = ["127.0.0.1 localhost", "::1 localhost"]
         lines += [f"{addr} {name}" for name, addrs in names.items() for addr in addrs]
         path = os.path.join(ETC_NETNS, self.ns, "hosts")
+        # Overwrite, then cut the tail: never empty for a concurrent reader. No temp file and rename:
+        # running processes see the bind-mounted inode, not the path.
         with open(path, "r+" if os.path.exists(path) else "w") as f:
             f.seek(0)
-            f.truncate()
             f.write("\n".join(lines) + "\n")
+            f.truncate()
 
     def pids(self) -> list[int]:
         return _ns_pids(self.ns)
@@ -279,8 +300,8 @@ class Network:
     def add_host(self, name: str, shm_with: Host | None = None) -> Host:
         """A new host on the bridge, with the next free address. ``shm_with``:
         share that host's /dev/shm (two containers of one pod)."""
-        if not re.match(r"^[a-z0-9]{1,10}$", name) or name in self.hosts or name == "br":
-            raise ValueError(f"host name {name!r}: 1-10 of a-z0-9, unique")
+        if not re.match(r"^[a-z0-9]{1,10}$", name) or name in self.hosts or name in _RESERVED:
+            raise ValueError(f"host name {name!r}: 1-10 of a-z0-9, unique, not one of {sorted(_RESERVED)}")
         ip = f"{SUBNET}.{10 + len(self.hosts)}"
         shm_dir = shm_with.shm_dir if shm_with else os.path.join(self.shm_root, name)
         os.makedirs(shm_dir, mode=0o1777, exist_ok=True)

@@ -27,7 +27,8 @@ pytestmark = pytest.mark.multihost
 FAILOVER_BOUND_S = max(ENCODE_TIMEOUT_S, TRANSFER_TIMEOUT_S) + 20
 # Unacked outputs of a failed transfer are freed by their lease at the latest.
 RELEASE_BOUND_S = LEASE_S + 15
-ADMIT_S = 30.0
+# Re-admission after the link cut waits on TCP retransmit backoff of the gateway's channels.
+ADMIT_S = 60.0
 
 _used: set[str] = set()
 
@@ -85,6 +86,8 @@ def test_a_slow_link_to_an_encoder_costs_time_not_tokens(cluster, mh_reference, 
         c.enc2.set_qdisc()
     _check_exact(mh_reference, results)
     assert elapsed < FAILOVER_BOUND_S, elapsed  # served over the slow link, or failed over in bound
+    assert any(body["epd"]["encoders"] == [c.encoder_addr(c.enc2)] for _, body, _ in results.values()), \
+        "none was served over the slow link"
     c.wait_no_reservations(RELEASE_BOUND_S)
 
 
@@ -95,20 +98,22 @@ def test_a_link_cut_during_a_transfer_fails_over_to_the_other_encoder(cluster, m
     url = c.url("dns") + "/v1/chat/completions"
     retries = _gateway_metric(c, "epd_gateway_retries_total")
     lm_errors = sum(c.client.metric(c.metrics_url(h), "epd_lm_requests_total", status="error") for h in c.lm_hosts)
-    # What enc2 sends from its Transfer port crawls at 1 KB/s (its API answers at full speed, so
-    # the encodes finish and the LMs are sent Generate): the three 4 KiB items (plus TLS and
-    # gRPC framing) take seconds to cross, and the cut below lands while the LMs pull them.
-    c.enc2.throttle_port(TRANSFER_PORT, "8kbit")
     try:
+        # What enc2 sends from its Transfer port is dropped (its API answers at full speed, so the
+        # encodes finish and the LMs are sent Generate): no item crosses, so each LM's pull is still
+        # waiting whenever the cut below lands, and fails (at the latest at its transfer timeout).
+        c.enc2.black_hole_port(TRANSFER_PORT)
         with ThreadPoolExecutor(len(names)) as pool:
             futures = {n: pool.submit(c.client.post, url, REQUESTS[n]) for n in names}
-            # The encodes finish at once; the LMs' Generate calls then wait on the slow transfers.
+            # Cut once an LM has a request and no Encode is in flight at enc2 (a cut during an encode
+            # would be an encode timeout, not a transfer failure).
             deadline = time.monotonic() + 30
-            while sum(_gateway_metric(c, "epd_gateway_instance_outstanding", role="lm", instance=c.lm_addr(h))
-                      for h in c.lm_hosts) < 1:
-                assert time.monotonic() < deadline, "no LM ever got the requests"
+            while (sum(_gateway_metric(c, "epd_gateway_instance_outstanding", role="lm", instance=c.lm_addr(h))
+                       for h in c.lm_hosts) < 1
+                   or _gateway_metric(c, "epd_gateway_instance_outstanding", role="encoder",
+                                      instance=c.encoder_addr(c.enc2)) > 0):
+                assert time.monotonic() < deadline, "no LM ever got the requests with their encodes done"
                 time.sleep(0.05)
-            time.sleep(0.5)
             c.enc2.set_link(False)
             t0 = time.monotonic()
             results = {n: f.result(timeout=FAILOVER_BOUND_S + 60) for n, f in futures.items()}
@@ -135,10 +140,16 @@ def test_an_encoder_host_whose_processes_all_die_fails_over_to_the_other_encoder
     names = _victim_images(c, 3)
     url = c.url("dns") + "/v1/chat/completions"
     retries = _gateway_metric(c, "epd_gateway_retries_total")
-    # Frozen first, so its encodes are surely in flight when the host dies.
-    frozen = c.enc2.pids()
+    # Its engine processes frozen first, so its encodes are surely in flight when the host dies. Not
+    # the service itself: it still answers health checks, so enc2 stays admitted until it dies.
+    service = c.services["enc2"].proc.pid
+    frozen = [pid for pid in c.enc2.pids() if pid != service]
+    assert frozen, "enc2 has no engine process"
     for pid in frozen:
-        os.kill(pid, signal.SIGSTOP)
+        try:
+            os.kill(pid, signal.SIGSTOP)
+        except ProcessLookupError:
+            pass
     with ThreadPoolExecutor(len(names)) as pool:
         futures = {n: pool.submit(c.client.post, url, REQUESTS[n]) for n in names}
         _wait_in_flight_at(c, c.enc2)
