@@ -5,8 +5,8 @@ releases what it held."""
 from __future__ import annotations
 
 import json
+import socket
 import time
-import urllib.request
 
 import pytest
 
@@ -36,30 +36,45 @@ def test_reuse_same_image_is_encoded_once_and_transferred_once(deployment, refer
     assert second["epd"]["transferred_items"] == 0
 
 
-def test_abort_client_disconnecting_mid_stream_releases_everything(deployment):
-    cancelled = metric(deployment.lm_metrics, "epd_lm_requests_total", status="cancelled")
-    done = metric(deployment.lm_metrics, "epd_lm_requests_total", status="ok")
-    # Near the tiny model's context (1024): seconds of decoding, so the LM is surely
-    # still streaming when the gateway notices the client is gone.
-    body = dict(image_chat(1003, max_tokens=900), stream=True)
-    req = urllib.request.Request(deployment.url + "/v1/chat/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    resp = urllib.request.urlopen(req, timeout=60)
-    assert resp.readline().startswith(b"data: ")  # the stream started
-    resp.close()  # the client goes away mid-stream
+def _stream_and_hang_up(deployment, seed: int) -> None:
+    """Starts a long streamed image chat and closes the connection the moment
+    its first event arrives (a raw socket: the gateway sees the end at once)."""
+    body = json.dumps(dict(image_chat(seed, max_tokens=900), stream=True)).encode()
+    host, port = deployment.url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        seen = b""
+        while b"data: " not in seen:  # the stream started
+            chunk = sock.recv(4096)
+            assert chunk, seen
+            seen += chunk
+        sock.shutdown(socket.SHUT_RDWR)
 
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        stats = producer_stats(deployment)
-        gone = metric(deployment.lm_metrics, "epd_lm_requests_total", status="cancelled") > cancelled
-        if gone and stats["items_held"] == 0 and stats["reserved_bytes"] == 0:
+
+def test_abort_client_disconnecting_mid_stream_releases_everything(deployment):
+    # Near the tiny model's context (1024): seconds of decoding, so the LM is
+    # normally still streaming when the gateway notices the client is gone. On a
+    # busy machine the gateway may notice only after the LM finished; then there
+    # was nothing to abort, and the scenario is tried again with a fresh image.
+    for seed in (1003, 1004, 1005):
+        cancelled = metric(deployment.lm_metrics, "epd_lm_requests_total", status="cancelled")
+        done = metric(deployment.lm_metrics, "epd_lm_requests_total", status="ok")
+        _stream_and_hang_up(deployment, seed)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            stats = producer_stats(deployment)
+            gone = metric(deployment.lm_metrics, "epd_lm_requests_total", status="cancelled") > cancelled
+            finished = metric(deployment.lm_metrics, "epd_lm_requests_total", status="ok") > done
+            if (gone or finished) and stats["items_held"] == 0 and stats["reserved_bytes"] == 0:
+                break
+            time.sleep(0.2)
+        # Either way nothing stays held, on either side.
+        assert stats["reserved_bytes"] == 0 and stats["pending_reservations"] == 0 and stats["items_held"] == 0, stats
+        assert metric(deployment.lm_metrics, "epd_ec_reserved_bytes", role="consumer") == 0
+        assert metric(deployment.lm_metrics, "epd_ec_pending_reservations", role="consumer") == 0
+        if gone:
             break
-        time.sleep(0.2)
-    assert gone, ("the abort reached the LM", stats, cancelled,
-                  metric(deployment.lm_metrics, "epd_lm_requests_total", status="cancelled"),
-                  "finished instead:", metric(deployment.lm_metrics, "epd_lm_requests_total", status="ok") - done)
-    assert stats["reserved_bytes"] == 0 and stats["pending_reservations"] == 0 and stats["items_held"] == 0, stats
-    assert metric(deployment.lm_metrics, "epd_ec_reserved_bytes", role="consumer") == 0
-    assert metric(deployment.lm_metrics, "epd_ec_pending_reservations", role="consumer") == 0
+    assert gone, "in three tries the gateway never cancelled an LM call still streaming"
     status, _ = post(deployment.url + "/v1/chat/completions", REFERENCE_REQUESTS["image0"])
     assert status == 200
