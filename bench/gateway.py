@@ -4,12 +4,19 @@ Text-only chat requests, closed loop at several concurrencies, all in one run.
 Per request, latency is send -> last message (gRPC: the stream has ended;
 REST: the last byte of the body). Paths, each measured at every concurrency:
 
-* ``direct``: grpc.aio client -> ``epd.lm.v1.LMService/Generate`` (the baseline);
+* ``direct``: grpc.aio client -> ``epd.lm.v1.LMService/Generate`` with the chat body (the
+  baseline of ``rest``: the LM answers in one message);
+* ``direct-stream``: the same with ``stream: true`` (the baseline of ``rest-stream`` and ``grpc``:
+  one server-sent event per LM message);
 * ``rest``: aiohttp client (keep-alive pool) -> gateway ``POST /v1/chat/completions``;
 * ``rest-stream``: the same with ``stream: true``, timed to the last byte (``[DONE]``);
-* ``grpc``: grpc.aio client -> gateway ``epd.gateway.v1.GatewayService/ChatCompletion``.
+* ``grpc``: grpc.aio client -> gateway ``epd.gateway.v1.GatewayService/ChatCompletion`` with the
+  streaming body (one chunk per message), timed to the end of the stream.
 
-``added`` = path - direct, same concurrency, same run. Paths are interleaved:
+Every body is the same OpenAI chat request (the streaming ones with
+``stream_options.include_usage``, whose usage chunk says how many tokens came).
+
+``added`` = path - its baseline, same concurrency, same run. Paths are interleaved:
 each concurrency runs ``--rounds`` rounds, each round every path (in a rotated
 order) for its share of the requests, so drift hits all paths alike.
 
@@ -54,7 +61,9 @@ from epd.lm.v1 import lm_pb2, lm_pb2_grpc
 from services.up import Service, free_port, grpc_serving, http_ok, wait_ready
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PATHS = ("direct", "rest", "rest-stream", "grpc")
+PATHS = ("direct", "direct-stream", "rest", "rest-stream", "grpc")
+# What each gateway path is compared with: the LM called directly with the same body.
+BASELINE = {"rest": "direct", "rest-stream": "direct-stream", "grpc": "direct-stream"}
 PROMPT = ("Summarize in one sentence: the river runs past the stone bridge and the quiet market, "
           "under a silver evening cloud, toward the harbor.")
 TARGET_US = 1000.0
@@ -150,10 +159,8 @@ class Clients:
         self.gw = gateway_pb2_grpc.GatewayServiceStub(self.gw_channel)
         self.url = f"http://127.0.0.1:{port}/v1/chat/completions"
         self.models_url = f"http://127.0.0.1:{port}/v1/models"
-        self.sampling = lm_pb2.SamplingOptions(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        self.chat = lm_pb2.ChatInput(messages=[
-            lm_pb2.ChatMessage(role="user", content=[lm_pb2.ContentPart(text=PROMPT)])])
-        self.fns = {"direct": self.direct, "rest": self.rest, "rest-stream": self.rest_stream, "grpc": self.grpc}
+        self.fns = {"direct": self.direct, "direct-stream": self.direct_stream, "rest": self.rest,
+                    "rest-stream": self.rest_stream, "grpc": self.grpc}
 
     async def setup(self) -> str:
         async with self.session.get(self.models_url) as r:
@@ -162,10 +169,8 @@ class Clients:
                 "temperature": 0, "ignore_eos": True}
         # Bodies serialized once: the client's JSON encoding is not the gateway's cost.
         self.body = json.dumps(body).encode()
-        self.body_stream = json.dumps(dict(body, stream=True)).encode()
-        self.gw_req = gateway_pb2.ChatCompletionRequest(
-            model=model, sampling=self.sampling,
-            messages=[gateway_pb2.GatewayMessage(role="user", content=[gateway_pb2.GatewayContentPart(text=PROMPT)])])
+        self.body_stream = json.dumps(dict(body, stream=True, stream_options={"include_usage": True})).encode()
+        self.gw_req = gateway_pb2.OpenAIRequest(body=self.body_stream)
         return model
 
     async def close(self) -> None:
@@ -177,23 +182,70 @@ class Clients:
         if n != self.max_tokens or finish != "length":
             raise RuntimeError(f"incomplete answer: {n} tokens, finish_reason {finish!r}")
 
-    async def _drain(self, stream) -> float:
-        """Reads a gRPC token stream to its end; returns when the last message arrived."""
-        n, last = 0, None
-        async for msg in stream:
-            n += len(msg.token_ids)
-            last = msg
-        t = time.perf_counter()
-        self._check(n, last.finish_reason if last else "")
-        return t
+    def _check_chunks(self, chunks: list[bytes]) -> None:
+        """A streamed answer (chat.completion.chunk JSON objects) is whole: its usage chunk counts
+        ``max_tokens`` tokens and a choice finished with "length"."""
+        n, finish = -1, ""
+        for raw in chunks:
+            chunk = json.loads(raw)
+            if "error" in chunk:
+                raise RuntimeError(f"error in the stream: {raw[:200]!r}")
+            if chunk.get("usage"):
+                n = chunk["usage"]["completion_tokens"]
+            for choice in chunk.get("choices") or []:
+                finish = choice.get("finish_reason") or finish
+        self._check(n, finish)
+
+    @staticmethod
+    def _sse_data(payload: bytes) -> list[bytes]:
+        """The JSON objects of server-sent events (comments and [DONE] left out)."""
+        return [line[6:] for line in payload.split(b"\n") if line.startswith(b"data: {")]
 
     async def direct(self) -> float:
+        return await self._direct(self.body)
+
+    async def direct_stream(self) -> float:
+        return await self._direct(self.body_stream)
+
+    async def _direct(self, body: bytes) -> float:
         # A fresh request id each time: vLLM refuses two live requests with the same id.
-        req = lm_pb2.GenerateRequest(request_id=uuid.uuid4().hex, chat=self.chat, sampling=self.sampling)
-        return await self._drain(self.lm.Generate(req, timeout=120))
+        req = lm_pb2.GenerateRequest(request_id=uuid.uuid4().hex, openai=lm_pb2.OpenAIRequest(api="chat", body=body))
+        events, first, last = [], None, None
+        async for msg in self.lm.Generate(req, timeout=120):
+            if first is None:
+                first = msg
+            if msg.openai:
+                events.append(msg.openai)
+            else:
+                last = msg
+        t = time.perf_counter()
+        if first is None or first.http_status != 200:
+            raise RuntimeError(f"LM answered {first.http_status if first else 'nothing'}: "
+                               f"{first.openai[:200] if first else b''!r}")
+        if last is None or not last.HasField("timings"):
+            raise RuntimeError("the LM's answer did not end with a last message with timings")
+        if body is self.body:
+            if len(events) != 1:
+                raise RuntimeError(f"the LM answered a non-streaming request in {len(events)} messages")
+            out = json.loads(events[0])
+            self._check(out["usage"]["completion_tokens"], out["choices"][0]["finish_reason"])
+        elif events[-1] != b"data: [DONE]\n\n":
+            raise RuntimeError(f"the LM's stream did not end with [DONE]: {events[-1][:200]!r}")
+        else:
+            self._check_chunks([d for e in events for d in self._sse_data(e)])
+        return t
 
     async def grpc(self) -> float:
-        return await self._drain(self.gw.ChatCompletion(self.gw_req, timeout=120))
+        bodies, epd = [], b""
+        async for msg in self.gw.ChatCompletion(self.gw_req, timeout=120):
+            if msg.body:
+                bodies.append(msg.body)
+            epd = msg.epd or epd
+        t = time.perf_counter()
+        if not epd:
+            raise RuntimeError("the gateway's stream did not end with the epd facts")
+        self._check_chunks(bodies)
+        return t
 
     async def rest(self) -> float:
         async with self.session.post(self.url, data=self.body, headers=JSON_HEADERS) as r:
@@ -211,11 +263,9 @@ class Clients:
             data = await r.read()  # to the end of the chunked body: time to last byte
             t = time.perf_counter()
             status = r.status
-        if status != 200 or not data.endswith(b"data: [DONE]\n\n") or b'"error"' in data:
+        if status != 200 or not data.endswith(b"data: [DONE]\n\n"):
             raise RuntimeError(f"HTTP {status}: bad stream {data[-200:]!r}")
-        n = sum(len(json.loads(line[6:])["choices"][0].get("token_ids") or [])
-                for line in data.split(b"\n\n") if line.startswith(b"data: {") and b'"choices": [{' in line)
-        self._check(n, "length" if b'"finish_reason": "length"' in data else "")
+        self._check_chunks(self._sse_data(data))
         return t
 
 
@@ -272,8 +322,8 @@ def rows_from(acc: dict, paths: list[str], concurrencies: list[int], backend: st
     us = lambda x: round(x * 1e6, 1)  # noqa: E731
     rows = []
     for c in concurrencies:
-        base = acc.get(("direct", c))
         for p in paths:
+            base = acc.get((BASELINE.get(p, p), c))
             a = acc[(p, c)]
             lat = a["lat"]
             row = {"path": p, "concurrency": c, "max_tokens": max_tokens, "n": len(lat),
@@ -293,18 +343,19 @@ def rows_from(acc: dict, paths: list[str], concurrencies: list[int], backend: st
 
 
 def print_table(rows: list[dict]) -> None:
-    hdr = (f"{'path':<12}{'tok':>4}{'conc':>5}{'n':>6}{'p50 us':>10}{'p99 us':>10}{'mean us':>10}{'req/s':>9}"
+    hdr = (f"{'path':<14}{'tok':>4}{'conc':>5}{'n':>6}{'p50 us':>10}{'p99 us':>10}{'mean us':>10}{'req/s':>9}"
            f"{'+p50 us':>10}{'+p99 us':>10}{'err':>5}   cpu us/req: client / lm / gateway")
     print(hdr)
     print("-" * len(hdr))
     fmt = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
     for r in rows:
-        print(f"{r['path']:<12}{r['max_tokens']:>4}{r['concurrency']:>5}{r['n']:>6}"
+        print(f"{r['path']:<14}{r['max_tokens']:>4}{r['concurrency']:>5}{r['n']:>6}"
               f"{fmt(r['p50_us']):>10}{fmt(r['p99_us']):>10}"
               f"{fmt(r['mean_us']):>10}{fmt(r['rps']):>9}{fmt(r['added_p50_us']):>10}{fmt(r['added_p99_us']):>10}"
               f"{r['errors']:>5}   {' / '.join(fmt(v) for v in r['cpu_us_per_req'].values())}")
-    print(f"tok = tokens per answer (LM messages per request); latency = send -> last message (REST: last byte);\n"
-          f"+p50/+p99 = path - direct at the same concurrency and tokens; target: +p50 <= {TARGET_US:.0f} us;\n"
+    print(f"tok = tokens per answer (streamed: LM messages per request, plus 4); latency = send -> last message (REST: last byte);\n"
+          f"+p50/+p99 = path - its baseline (rest: direct; rest-stream, grpc: direct-stream) at the same "
+          f"concurrency and tokens; target: +p50 <= {TARGET_US:.0f} us;\n"
           f"cpu us/req: CPU time each process spent per request (schedstat), health checks included")
 
 
@@ -334,15 +385,15 @@ def plot(rows: list[dict], path: str, info: dict, backend: str) -> None:
                         key=lambda r: r["concurrency"])
             xs, label = [r["concurrency"] for r in rs], f"{p}, {k} tok"
             axes[0].plot(xs, [r["p50_us"] / 1e3 for r in rs], style[k], color=color[p], label=label, ms=4)
-            if p == "direct":
+            if p not in BASELINE:
                 continue
             axes[1].plot(xs, [r["added_p50_us"] / 1e3 for r in rs], style[k], color=color[p], label=label, ms=4)
             axes[2].plot(xs, [r["added_p99_us"] / 1e3 for r in rs], style[k], color=color[p], label=label, ms=4)
     low = min([0.0] + [r[k] / 1e3 for r in rows for k in ("added_p50_us", "added_p99_us") if r[k] is not None])
     axes[0].set_title("latency p50 (ms), send -> last message")
     axes[0].set_yscale("log")
-    axes[1].set_title("added p50 (ms) = path - direct")
-    axes[2].set_title("added p99 (ms) = path - direct")
+    axes[1].set_title("added p50 (ms) = path - its direct baseline")
+    axes[2].set_title("added p99 (ms) = path - its direct baseline")
     for ax in axes[1:]:
         ax.axhline(TARGET_US / 1e3, color="red", ls=":", label="1 ms (p50 target)")
         ax.axhline(0, color="grey", lw=0.8)
@@ -372,7 +423,7 @@ def main() -> int:
                     help="warm-up requests per (path, concurrency), at least the concurrency "
                          "(default: 50 stub, 8 real LM)")
     ap.add_argument("--max-tokens", default="1,16",
-                    help="tokens per answer (= LM messages per request), comma-separated: 1 isolates the per-request "
+                    help="tokens per answer (streamed: an LM message each, plus 4), comma-separated: 1 isolates the per-request "
                          "cost, more adds the per-message relay")
     ap.add_argument("--quick", action="store_true", help="fewer requests (about 2 minutes on 2 CPU cores)")
     ap.add_argument("--json", help="write rows here")
@@ -380,8 +431,9 @@ def main() -> int:
     args = ap.parse_args()
 
     paths = [p for p in args.paths.split(",") if p]
-    if "direct" not in paths or any(p not in PATHS for p in paths):
-        ap.error(f"--paths must include direct and name only {', '.join(PATHS)}")
+    if any(p not in PATHS for p in paths) or any(BASELINE[p] not in paths for p in paths if p in BASELINE):
+        ap.error(f"--paths must name only {', '.join(PATHS)}, with each path's baseline "
+                 f"({', '.join(f'{p}: {b}' for p, b in BASELINE.items())})")
     concurrencies = [int(c) for c in args.concurrency.split(",") if c]
     n = args.requests or {(False, False): 3000, (False, True): 1000, (True, False): 256, (True, True): 128}[
         (args.real_lm, args.quick)]

@@ -1,13 +1,20 @@
 """A stub LM service for the gateway benchmark: the real LMService protocol,
 no engine.
 
-``Generate`` streams ``max_tokens`` GenerateResponse messages as fast as
-grpc.aio sends them (one token each; the last has finish_reason "length",
-usage and timings set), so ``bench/gateway.py`` measures the gateway's own
-cost and not vLLM's scheduling noise. ``GetInfo`` answers model "stub-lm".
-The server is the services' own ``GrpcServer`` (grpc.health.v1 with "" and the
-service name SERVING, reflection, the error interceptor), so the gateway and a
-direct client see what they would see from ``epd lm``.
+``Generate`` answers the OpenAI request in ``openai.body`` the way the LM's
+vLLM serving classes do, with ``max_completion_tokens`` / ``max_tokens``
+(default 16) tokens " tok" and finish_reason "length", as fast as grpc.aio
+sends it: a non-streaming request gets one message (http_status 200, the whole
+chat.completion / text_completion JSON), a streaming one one server-sent event
+per message ("data: {chunk}\n\n": the role chunk, one chunk per token, the
+usage chunk when ``stream_options.include_usage``, then "data: [DONE]\n\n");
+both end with a message that has no ``openai`` but ``timings``, finish_reason
+and usage set. So ``bench/gateway.py`` measures the gateway's own cost and not
+vLLM's scheduling noise. A body that is not a JSON object is answered 400 with
+an OpenAI error body. ``GetInfo`` answers model "stub-lm". The server is the
+services' own ``GrpcServer`` (grpc.health.v1 with "" and the service name
+SERVING, reflection, the error interceptor), so the gateway and a direct client
+see what they would see from ``epd lm``.
 
     python bench/stub_lm.py --port 50099
 """
@@ -16,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import signal
@@ -32,23 +40,84 @@ logger = logging.getLogger(__name__)
 
 MODEL = "stub-lm"
 DEFAULT_MAX_TOKENS = 16
+TOKEN = " tok"
+PROMPT_TOKENS = 16  # a fixed prompt length: the stub does not tokenize, and the gateway does not care
+
+
+def _error(status: int, message: str) -> bytes:
+    return json.dumps({"error": {"message": message, "type": "BadRequestError", "param": None,
+                                 "code": status}}).encode()
+
+
+def _event(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+def _usage(n: int) -> dict:
+    return {"prompt_tokens": PROMPT_TOKENS, "total_tokens": PROMPT_TOKENS + n, "completion_tokens": n}
+
+
+def answer(request_id: str, api: str, body: dict, n: int) -> tuple[bytes, list[bytes]]:
+    """vLLM's answer to ``body``: (the whole JSON, []) or (b"", the SSE events) when it streams."""
+    chat = api == "chat"
+    created = int(time.time())
+    head = {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": created,
+            "model": body.get("model") or MODEL}
+    if body.get("stream") is not True:
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": TOKEN * n, "tool_calls": []},
+                      "logprobs": None, "finish_reason": "length", "stop_reason": None}
+        else:
+            choice = {"index": 0, "text": TOKEN * n, "logprobs": None, "finish_reason": "length",
+                      "stop_reason": None}
+        return json.dumps({**head, "choices": [choice], "usage": _usage(n)}).encode(), []
+    if chat:
+        head["object"] = "chat.completion.chunk"
+        def choice(delta, finish=None):
+            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        events = [_event({**head, "choices": [choice({"role": "assistant", "content": ""})]})]
+        token = choice({"content": TOKEN})
+        last = choice({"content": TOKEN}, "length")
+    else:
+        def token_choice(finish=None):
+            return {"index": 0, "text": TOKEN, "logprobs": None, "finish_reason": finish, "stop_reason": None}
+        events, token, last = [], token_choice(), token_choice("length")
+    # The n - 1 chunks before the last are the same bytes: serialized once.
+    events += [_event({**head, "choices": [token]})] * (n - 1) + [_event({**head, "choices": [last]})]
+    options = body.get("stream_options")
+    if isinstance(options, dict) and options.get("include_usage") is True:
+        events.append(_event({**head, "choices": [], "usage": _usage(n)}))
+    events.append(b"data: [DONE]\n\n")
+    return b"", events
 
 
 class StubLM(lm_pb2_grpc.LMServiceServicer):
-    """Answers every Generate with ``max_tokens`` one-token messages, no waiting."""
+    """Answers every Generate with ``max_tokens`` tokens, no waiting."""
 
     async def GetInfo(self, request, context):
         return lm_pb2.LMInfo(model=MODEL, compat=common_pb2.CompatInfo(model=MODEL))
 
     async def Generate(self, request, context):
         t0 = time.perf_counter()
-        n = request.sampling.max_tokens or DEFAULT_MAX_TOKENS
-        # A fixed prompt length: the stub does not tokenize, and the gateway does not care.
-        for i in range(n - 1):
-            yield lm_pb2.GenerateResponse(request_id=request.request_id, token_ids=[1000 + i % 1000], text=" tok")
+        rid = request.request_id
+        try:
+            body = json.loads(request.openai.body)
+        except (ValueError, UnicodeDecodeError) as e:
+            body = e
+        if not isinstance(body, dict) or request.openai.api not in ("chat", "completions"):
+            yield lm_pb2.GenerateResponse(request_id=rid, http_status=400,
+                                          openai=_error(400, "openai.body must be a JSON object of api chat "
+                                                             f"or completions (api {request.openai.api!r})"))
+            return
+        limit = body.get("max_completion_tokens") or body.get("max_tokens")
+        n = limit if isinstance(limit, int) and limit > 0 else DEFAULT_MAX_TOKENS
+        whole, events = answer(rid, request.openai.api, body, n)
+        if whole:
+            yield lm_pb2.GenerateResponse(request_id=rid, http_status=200, openai=whole)
+        for i, event in enumerate(events):
+            yield lm_pb2.GenerateResponse(request_id=rid, http_status=0 if i else 200, openai=event)
         yield lm_pb2.GenerateResponse(
-            request_id=request.request_id, token_ids=[1000 + (n - 1) % 1000], text=" tok", finish_reason="length",
-            usage=lm_pb2.Usage(prompt_tokens=16, completion_tokens=n),
+            request_id=rid, finish_reason="length", usage=lm_pb2.Usage(prompt_tokens=PROMPT_TOKENS, completion_tokens=n),
             timings=lm_pb2.Timings(transfer_ms=0.0, ttft_ms=(time.perf_counter() - t0) * 1e3))
 
 

@@ -22,9 +22,10 @@ def main() -> int:
     requests = [
         {"messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": image}},
-            {"type": "text", "text": "What is in this picture?"}]}], "max_tokens": 24, "temperature": 0},
+            {"type": "text", "text": "What is in this picture?"}]}], "max_tokens": 24, "temperature": 0,
+         "return_token_ids": True},
         {"messages": [{"role": "user", "content": "Write one sentence about the sea."}],
-         "max_tokens": 24, "temperature": 0},
+         "max_tokens": 24, "temperature": 0, "return_token_ids": True},
     ]
     print("The built-in tiny model has random weights: its words are random, by design.\n"
           "What matters is that epd-serve returns exactly the tokens plain vLLM returns.\n")
@@ -34,7 +35,8 @@ def main() -> int:
         served = client.models.list().data[0].id
         for label, body in zip(("image + text", "text only"), requests):
             t0 = time.perf_counter()
-            resp = client.chat.completions.create(model=served, **body)
+            fields = {k: v for k, v in body.items() if k != "return_token_ids"}
+            resp = client.chat.completions.create(model=served, extra_body={"return_token_ids": True}, **fields)
             wall = (time.perf_counter() - t0) * 1e3
             extra = resp.model_extra.get("epd", {})
             t = extra.get("timings", {})

@@ -1,8 +1,8 @@
 """Plain vLLM on the same model, prompt and image: the oracle for exactness.
 
 Runs each request alone through ``vllm.LLM`` with the engine settings the
-services use (``EngineConfig`` defaults), rendering chats exactly as the LM
-service does. Run it as a subprocess so its engine never shares a process with
+services use (``EngineConfig`` defaults); chats go through vLLM's own chat
+rendering (``LLM.chat``), as ``vllm serve`` renders them. Run it as a subprocess so its engine never shares a process with
 anything else::
 
     python -m services.reference --model DIR < requests.json > tokens.json
@@ -15,7 +15,6 @@ list of token-id lists, one per request.
 from __future__ import annotations
 
 import argparse
-import base64
 import json
 import os
 import sys
@@ -25,25 +24,17 @@ def run(model: str, requests: list[dict]) -> list[list[int]]:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams
 
-    from services.common.chat import openai_to_hf, render_chat
     from services.common.engine import EngineConfig, engine_kwargs  # sets the offline env first
-    from services.common.media import decode_image
 
     llm = LLM(**engine_kwargs(EngineConfig(model=model)))
-    tokenizer = llm.get_tokenizer()
     results = []
     for body in requests:
         params = SamplingParams(temperature=body.get("temperature", 0.0), max_tokens=body.get("max_tokens", 16),
                                 seed=body.get("seed"))
         if "messages" in body:
-            hf, urls = openai_to_hf(body["messages"])
-            prompt: dict = {"prompt": render_chat(tokenizer, hf)}
-            if urls:
-                prompt["multi_modal_data"] = {
-                    "image": [decode_image(base64.b64decode(u.partition(",")[2])) for u in urls]}
+            out = llm.chat(body["messages"], params, use_tqdm=False)
         else:
-            prompt = {"prompt": body["prompt"]}
-        out = llm.generate(prompt, params, use_tqdm=False)
+            out = llm.generate({"prompt": body["prompt"]}, params, use_tqdm=False)
         results.append(list(out[0].outputs[0].token_ids))
     return results
 

@@ -99,9 +99,10 @@ def check_image(data: bytes, max_pixels: int) -> tuple[str, int, int]:
 
 @dataclass
 class MediaConfig:
-    """Decoding limits of a service that decodes images (the encoder, and the LM
-    for prompts it lays out itself). The services' config dataclasses inherit it,
-    so each field is a flag of both."""
+    """Decoding limits of the service that decodes images: the encoder (the LM decodes
+    none for the items an encoder laid out; an image it processes itself is vLLM's to
+    decode, after the gateway's header checks). ``EncoderServiceConfig`` inherits it,
+    so each field is one of its flags."""
 
     max_image_pixels: int = MAX_IMAGE_PIXELS
     """Largest image in pixels, read from its header before decoding (decompression-bomb guard)."""

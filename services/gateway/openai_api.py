@@ -1,15 +1,22 @@
-"""OpenAI-compatible REST: request parsing, responses, SSE, and the one
-function that maps gRPC status codes to OpenAI-style HTTP errors."""
+"""OpenAI REST (and the request half of the native gRPC API): the gateway reads
+only what disaggregation needs from a request, its images, and passes the body
+on to an LM, whose vLLM serving classes validate and answer it exactly as
+``vllm serve`` does; their bytes come back unchanged (non-streaming responses
+get an ``epd`` object added, streams an ``: epd`` SSE comment before
+``[DONE]``). Also the one function that maps gRPC status codes to OpenAI-style
+HTTP errors."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import copy
 import json
 import logging
-import math
 import re
 import time
 import uuid
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -77,89 +84,6 @@ def loads_strict(raw: bytes) -> Any:
         raise ApiError(400, f"request body is not valid JSON: {e}") from None
 
 
-def _integer(body: dict[str, Any], name: str, minimum: int | None, param: str | None = None) -> int | None:
-    """``body[name]`` when it is an integer (not a bool, not a float such as 1.9 or 2.0) of at least
-    ``minimum``; None when absent or null. Raises ApiError (400)."""
-    v = body.get(name)
-    if v is None:
-        return None
-    if not isinstance(v, int) or isinstance(v, bool) or (minimum is not None and v < minimum):
-        need = "an integer" if minimum is None else ("a positive integer" if minimum == 1 else
-                                                      f"an integer >= {minimum}")
-        raise ApiError(400, f"{name} must be {need}, got {json.dumps(v)}", param=param or name)
-    return v
-
-
-# Allowed ranges of the float sampling fields, as vLLM checks them: (low, low inclusive, high).
-_FLOAT_RANGES = {"temperature": (0.0, True, math.inf), "top_p": (0.0, False, 1.0)}
-
-
-def check_sampling(s: lm_pb2.SamplingOptions) -> tuple[str, str] | None:
-    """The first problem with ``s`` as (field, message), or None. Shared by the REST parser and the gRPC
-    API, whose SamplingOptions arrive as they are: a NaN or infinite temperature or top_p (JSON bodies
-    can carry the literals; a float32 overflows to infinity) must not reach the engine."""
-    for name, (low, inclusive, high) in _FLOAT_RANGES.items():
-        if not s.HasField(name):
-            continue
-        v = getattr(s, name)
-        if not math.isfinite(v):
-            return name, f"{name} must be a finite number, got {v}"
-        if v < low or (v == low and not inclusive) or v > high:
-            bounds = f"{'[' if inclusive else '('}{low:g}, {high:g}]" if math.isfinite(high) else f">= {low:g}"
-            return name, f"{name} must be in {bounds}, got {v:g}"
-    if s.HasField("n") and s.n < 1:
-        return "n", f"n must be a positive integer, got {s.n}"
-    return None
-
-
-def _sampling(body: dict[str, Any]) -> lm_pb2.SamplingOptions:
-    s = lm_pb2.SamplingOptions()
-    tokens_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    try:
-        max_tokens = _integer(body, tokens_field, 1, param="max_tokens")
-        if max_tokens is not None:
-            s.max_tokens = max_tokens
-        for name in ("temperature", "top_p"):
-            if body.get(name) is not None:
-                if not isinstance(body[name], (int, float)) or isinstance(body[name], bool):
-                    raise ApiError(400, f"{name} must be a number", param=name)
-                setattr(s, name, float(body[name]))
-        seed = _integer(body, "seed", None)
-        if seed is not None:
-            s.seed = seed
-        n = _integer(body, "n", 1)
-        if n is not None:
-            s.n = n
-        s.ignore_eos = body.get("ignore_eos") is True
-    except (TypeError, ValueError) as e:
-        raise ApiError(400, f"bad sampling parameter: {e}") from None
-    problem = check_sampling(s)
-    if problem is not None:
-        raise ApiError(400, problem[1], param=problem[0])
-    stop = body.get("stop")
-    if isinstance(stop, str):
-        s.stop.append(stop)
-    elif isinstance(stop, list) and all(isinstance(x, str) for x in stop):
-        s.stop.extend(stop)
-    elif stop is not None:
-        raise ApiError(400, "stop must be a string or a list of strings", param="stop")
-    return s
-
-
-def _check_stream(body: dict[str, Any]) -> None:
-    """``stream`` a boolean and ``stream_options`` an object (``include_usage`` a boolean), checked
-    before the response starts: a bad value found mid-stream could only break the stream."""
-    if body.get("stream") is not None and not isinstance(body["stream"], bool):
-        raise ApiError(400, "stream must be a boolean", param="stream")
-    opts = body.get("stream_options")
-    if opts is None:
-        return
-    if not isinstance(opts, dict):
-        raise ApiError(400, f"stream_options must be an object, got {type(opts).__name__}", param="stream_options")
-    if opts.get("include_usage") is not None and not isinstance(opts["include_usage"], bool):
-        raise ApiError(400, "stream_options.include_usage must be a boolean", param="stream_options")
-
-
 def engine_request_id(client_id: str, prefix: str) -> str:
     """The id the encoders and the LM see for one request: the client's ``X-Request-Id`` with a random
     suffix (clients may send the same id twice; an engine needs unique ones, and the client's id still
@@ -168,81 +92,113 @@ def engine_request_id(client_id: str, prefix: str) -> str:
 
 
 def media_api_error(e: MediaError) -> ApiError:
-    """A refused image as the REST API answers it (``OpenAIRoutes.chat``): 400 or 413, param image_url."""
+    """A refused image as the REST API answers it: 400 or 413, param image_url."""
     return ApiError(e.status, str(e), param="image_url")
 
 
-async def load_media(req: lm_pb2.GenerateRequest, sources: list[str | bytes], cfg: GatewayConfig,
+# Content part types that carry media other than images: not served (the LM would have to process them).
+UNSERVED_MEDIA = frozenset({"input_audio", "audio_url", "video_url", "image_embeds", "audio_embeds",
+                            "video_embeds", "image_pil", "file"})
+MEDIA_REF = "epd-media:"  # gRPC API: an image_url that names OpenAIRequest.media[N]
+
+
+@dataclass
+class OpenAICall:
+    """One OpenAI request on its way through the gateway: the client's body (never changed; each LM
+    attempt gets a copy from ``lm_body``), where its image parts are, and the images' sources."""
+
+    api: str  # "chat" | "completions"
+    body: dict[str, Any]
+    stream: bool
+    parts: list[tuple[int, int]] = field(default_factory=list)  # (message, part) of each image, in order
+    sources: list[str | bytes] = field(default_factory=list)  # the image URLs (or gRPC media bytes)
+    request_id: str = ""
+    """The request's id in the LM's body: vLLM names its response ``chatcmpl-<id>`` / ``cmpl-<id>``
+    from it. As with ``vllm serve``, the client's X-Request-Id wins (``id_given``); else the body's
+    own ``request_id``; else this one, made by the gateway."""
+    id_given: bool = False
+
+    def lm_body(self, req: lm_pb2.GenerateRequest, media: list[Media]) -> bytes:
+        """The body for one LM attempt: each image an encoder laid out becomes a uuid-only part (the
+        LM never sees its bytes); any other image a data: URL of the bytes the gateway read (the LM
+        never downloads), with its content hash as uuid when an encoder has its embedding."""
+        body = copy.deepcopy(self.body) if self.parts else dict(self.body)
+        if self.request_id and (self.id_given or not body.get("request_id")):
+            body["request_id"] = self.request_id
+        for (i, j), item, m in zip(self.parts, req.items, media):
+            part: dict[str, Any] = {"type": "image_url", "uuid": item.identifier}
+            if item.source.placeholder_token_ids:
+                part["image_url"] = None
+            else:
+                part["image_url"] = {"url": "data:image/png;base64," + base64.b64encode(m.data).decode()}
+                if not item.HasField("source"):
+                    del part["uuid"]  # the LM encodes it itself and hashes it as vLLM does
+            body["messages"][i]["content"][j] = part
+        return json.dumps(body, ensure_ascii=False).encode()
+
+
+def parse_openai(api: str, raw: bytes, cfg: GatewayConfig, media: list[bytes] | None = None) -> OpenAICall:
+    """Reads what the gateway needs from a request body, without I/O: whether it streams, and where its
+    images are. Everything else is vLLM's to validate (on the LM). ``media``: the gRPC API's raw images,
+    named by ``epd-media:N`` URLs. Raises ApiError."""
+    body = loads_strict(raw)
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    call = OpenAICall(api, body, body.get("stream") is True)
+    messages = body.get("messages") if api == "chat" else None
+    for i, m in enumerate(messages if isinstance(messages, list) else []):
+        content = m.get("content") if isinstance(m, dict) else None
+        for j, part in enumerate(content if isinstance(content, list) else []):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in UNSERVED_MEDIA:
+                raise ApiError(400, f"messages[{i}].content[{j}]: {kind} parts are not served by epd-serve "
+                                    "(images only)", param="messages")
+            if kind != "image_url":
+                continue
+            url = part.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else url
+            if not isinstance(url, str) or not url:
+                raise ApiError(400, f"messages[{i}].content[{j}].image_url.url is required (epd-serve names "
+                                    "images by their content; a uuid alone cannot name one)", param="messages")
+            if len(call.parts) >= cfg.max_images:
+                raise ApiError(400, f"at most {cfg.max_images} images per request", param="messages")
+            if url.startswith(MEDIA_REF):
+                k = url[len(MEDIA_REF):]
+                if media is None or not k.isdigit() or int(k) >= len(media):
+                    raise ApiError(400, f"messages[{i}].content[{j}]: {url!r} names no media item",
+                                   param="messages")
+                call.sources.append(media[int(k)])
+            else:
+                call.sources.append(url)
+            call.parts.append((i, j))
+    return call
+
+
+async def load_media(call: OpenAICall, req: lm_pb2.GenerateRequest, cfg: GatewayConfig,
                      fetcher: MediaFetcher | None) -> list[Media]:
-    """The second, async half of parsing (``OpenAIRoutes.chat`` after ``parse_chat``, and
-    ``GatewayServicer``): loads every image source (data: decoded, http(s) fetched concurrently,
-    every header checked), appends the items to ``req`` in order and returns them as Media.
-    Raises MediaError; REST callers turn it into ApiError, gRPC lets the error boundary map it."""
+    """Loads every image of ``call`` (data: decoded, http(s) fetched concurrently, every header
+    checked), adds one item per image to ``req`` in order and returns them as Media. Raises
+    MediaError."""
     try:
-        images = await load_images(sources, cfg, fetcher)
+        images = await load_images(call.sources, cfg, fetcher)
     except MediaError as e:
         logger.info("request %s: image refused (%d): %s", req.request_id, e.status, e)
         raise
     media = []
     for data in images:
         ident = content_id(data)
-        req.items.add(modality="image", identifier=ident, data=data)
+        req.items.add(modality="image", identifier=ident)
         media.append(Media(data, ident))
     return media
 
 
-def parse_chat(body: Any, cfg: GatewayConfig, request_id: str = "") -> tuple[lm_pb2.GenerateRequest, list[str]]:
-    """Validates a chat body and builds the LM request without any I/O (``OpenAIRoutes.chat``).
-    Image parts become ``item_index`` placeholders; their URLs are returned in order for
-    ``load_media``, which adds the items themselves. ``request_id``: the client's, made unique for
-    the engines (``engine_request_id``). Raises ApiError."""
-    if not isinstance(body, dict):
-        raise ApiError(400, "request body must be a JSON object")
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "'messages' is required and must be a non-empty list", param="messages")
-    _check_stream(body)
-    req = lm_pb2.GenerateRequest(request_id=engine_request_id(request_id, "chatcmpl"), sampling=_sampling(body))
-    urls: list[str] = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise ApiError(400, f"messages[{i}] must be an object with a 'role'", param="messages")
-        msg = req.chat.messages.add(role=m["role"])
-        content = m.get("content")
-        if isinstance(content, str):
-            msg.content.add(text=content)
-            continue
-        if not isinstance(content, list):
-            raise ApiError(400, f"messages[{i}].content must be a string or a list of parts", param="messages")
-        for j, part in enumerate(content):
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind == "text" and isinstance(part.get("text"), str):
-                msg.content.add(text=part["text"])
-            elif kind == "image_url":
-                url = part.get("image_url")
-                url = url.get("url") if isinstance(url, dict) else url
-                if not isinstance(url, str):
-                    raise ApiError(400, f"messages[{i}].content[{j}].image_url.url is required", param="messages")
-                if len(urls) >= cfg.max_images:
-                    raise ApiError(400, f"at most {cfg.max_images} images per request", param="messages")
-                msg.content.add(item_index=len(urls))
-                urls.append(url)
-            else:
-                raise ApiError(400, f"messages[{i}].content[{j}]: unsupported part type {kind!r}", param="messages")
-    return req, urls
-
-
-def parse_completion(body: Any, request_id: str = "") -> lm_pb2.GenerateRequest:
-    if not isinstance(body, dict):
-        raise ApiError(400, "request body must be a JSON object")
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if not isinstance(prompt, str):
-        raise ApiError(400, "'prompt' is required and must be a string", param="prompt")
-    _check_stream(body)
-    return lm_pb2.GenerateRequest(request_id=engine_request_id(request_id, "cmpl"), prompt=prompt,
-                                  sampling=_sampling(body))
+def epd_facts(timings: Timings, last: lm_pb2.GenerateResponse | None) -> dict[str, Any]:
+    """What the gateway adds to a response as ``epd``."""
+    return {"timings": timings.as_dict(),
+            "local_encoder_runs": last.local_encoder_runs if last else 0,
+            "transferred_items": last.transferred_items if last else 0,
+            "transports": timings.transports, "encoders": timings.encoders, "lm": timings.lm,
+            "retries": timings.retries}
 
 
 class OpenAIRoutes:
@@ -267,15 +223,6 @@ class OpenAIRoutes:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
 
-    async def _json(self, request: web.Request) -> Any:
-        return loads_strict(await request.read())
-
-    def _check_model(self, body: dict) -> None:
-        model = body.get("model")
-        if model not in (None, "", self.model):
-            raise ApiError(404, f"model {model!r} does not exist; this gateway serves {self.model!r}",
-                           "not_found_error", "model")
-
     async def models(self, request: web.Request) -> web.Response:
         """The served model; 503 (as every request, so clients retry) while it is not known yet."""
         if self.orch.model is None:
@@ -294,36 +241,31 @@ class OpenAIRoutes:
                                   "out": self.orch.not_admitted()}, status=200 if ok else 503)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        try:
-            body = await self._json(request)
-            req, urls = parse_chat(body, self.cfg, request.get(REQUEST_ID_KEY, ""))
-            self._check_ready()
-            self._check_model(body)
-            media = await load_media(req, urls, self.cfg, self.fetcher)
-        except (ApiError, MediaError) as e:
-            err = e if isinstance(e, ApiError) else media_api_error(e)
-            metrics.REQUESTS.labels("chat", str(err.status)).inc()
-            return error_response(err)
-        return await self._run(request, req, media, body, chat=True)
+        return await self._serve(request, "chat", "chatcmpl")
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        try:
-            body = await self._json(request)
-            req = parse_completion(body, request.get(REQUEST_ID_KEY, ""))
-            self._check_ready()
-            self._check_model(body)
-        except ApiError as e:
-            metrics.REQUESTS.labels("completions", str(e.status)).inc()
-            return error_response(e)
-        return await self._run(request, req, [], body, chat=False)
+        return await self._serve(request, "completions", "cmpl")
 
-    async def _run(self, request, req, media, body, chat: bool) -> web.StreamResponse:
-        timings = Timings(start=request.get(ARRIVAL_KEY) or time.perf_counter())
-        stream = body.get("stream") is True
-        created = int(time.time())
-        gen = self.orch.generate(req, media, timings)
+    async def _serve(self, request: web.Request, api: str, prefix: str) -> web.StreamResponse:
+        given = request.get(REQUEST_ID_KEY)
+        rid = given or uuid.uuid4().hex
+        request[REQUEST_ID_KEY] = rid
+        req = lm_pb2.GenerateRequest(request_id=engine_request_id(rid, prefix))
+        req.openai.api = api
         try:
-            return await self._respond(request, req, media, body, chat, stream, created, gen, timings)
+            call = parse_openai(api, await request.read(), self.cfg)
+            call.request_id, call.id_given = rid, bool(given)
+            self._check_ready()
+            media = await load_media(call, req, self.cfg, self.fetcher)
+        except (ApiError, MediaError) as e:
+            err = e if isinstance(e, ApiError) else media_api_error(e)
+            metrics.REQUESTS.labels(api, str(err.status)).inc()
+            return error_response(err, {REQUEST_ID_HEADER: rid})
+        timings = Timings(start=request.get(ARRIVAL_KEY) or time.perf_counter())
+        gen = self.orch.generate(req, media, timings, prepare=lambda r: setattr(r.openai, "body",
+                                                                                call.lm_body(r, media)))
+        try:
+            return await self._respond(request, req, call, len(media), gen, timings)
         except (ConnectionResetError, asyncio.CancelledError):
             logger.info("request %s: the client went away after %.0f ms; cancelling its LM call",
                         req.request_id, timings.since_start_ms())
@@ -333,78 +275,66 @@ class OpenAIRoutes:
             # which aborts the engine request and frees what it holds.
             await gen.aclose()
 
-    async def _respond(self, request, req, media, body, chat, stream, created, gen, timings) -> web.StreamResponse:
-        route = "chat" if chat else "completions"
+    async def _respond(self, request, req, call: OpenAICall, n_media: int, gen, timings) -> web.StreamResponse:
+        route = call.api
         # The client's id (X-Request-Id) answers and logs; the engines saw it made unique (req.request_id).
         rid = request.get(REQUEST_ID_KEY) or req.request_id
         headers = {REQUEST_ID_HEADER: rid}
-        if not stream:
-            text, ids, final = [], [], None
+        try:
+            first = await anext(gen, None)
+        except grpc.aio.AioRpcError as e:
+            err = from_grpc(e)
+            finished(route, err.status, rid, timings, n_media, err.message, engine_id=req.request_id)
+            return error_response(err, headers)
+        if first is None or first.http_status != 200:
+            status = first.http_status if first is not None else 502
+            payload = first.openai if first is not None else json.dumps(
+                error_body(ApiError(502, "the LM sent no answer", "server_error"))).encode()
+            finished(route, status, rid, timings, n_media, payload[:200].decode(errors="replace"),
+                     engine_id=req.request_id)
+            return web.Response(body=payload, status=status, content_type="application/json", headers=headers)
+        if not call.stream:
+            last = None
             try:
                 async for resp in gen:
-                    text.append(resp.text)
-                    ids.extend(resp.token_ids)
-                    final = resp
+                    last = resp
             except grpc.aio.AioRpcError as e:
                 err = from_grpc(e)
-                finished(route, err.status, rid, timings, len(media), err.message, engine_id=req.request_id)
+                finished(route, err.status, rid, timings, n_media, err.message, engine_id=req.request_id)
                 return error_response(err, headers)
-            finished(route, 200, rid, timings, len(media), engine_id=req.request_id)
-            return web.json_response(self._full(rid, created, "".join(text), ids, final, timings, chat),
-                                     headers=headers)
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                               **headers})
+            out = json.loads(first.openai)
+            out["epd"] = epd_facts(timings, last)
+            finished(route, 200, rid, timings, n_media, engine_id=req.request_id)
+            return web.json_response(out, headers=headers, dumps=lambda o: json.dumps(o, ensure_ascii=False))
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
+                                               "Cache-Control": "no-cache", **headers})
         await response.prepare(request)
-        first = True
+        done, last = b"", None
         try:
-            async for resp in gen:
-                if chat and first:
-                    await _sse(response, self._chunk(rid, created, {"role": "assistant", "content": ""},
-                                                     None, chat))
-                    first = False
-                if resp.text or resp.token_ids or resp.finish_reason:
-                    delta = {"content": resp.text} if chat else resp.text
-                    await _sse(response, self._chunk(rid, created, delta, resp.finish_reason or None,
-                                                     chat, list(resp.token_ids)))
-                if resp.finish_reason and (body.get("stream_options") or {}).get("include_usage") is True:
-                    await _sse(response, {"id": rid, "object": _obj(chat, True), "created": created,
-                                          "model": self.model, "choices": [], "usage": _usage(resp)})
-            finished(route, 200, rid, timings, len(media), engine_id=req.request_id)
+            resp = first
+            async for resp in _chain(first, gen):
+                if resp.openai.startswith(b"data: [DONE]"):
+                    done = resp.openai  # after the epd comment
+                elif resp.openai:
+                    await response.write(resp.openai)
+                else:
+                    last = resp
+            finished(route, 200, rid, timings, n_media, engine_id=req.request_id)
         except grpc.aio.AioRpcError as e:
-            # Past the first token there is no retry: the stream ends with an error event.
+            # Past the first event there is no retry: the stream ends with an error event.
             err = from_grpc(e)
-            finished(route, err.status, rid, timings, len(media), err.message, engine_id=req.request_id)
-            await _sse(response, error_body(err))
-        await response.write(b"data: [DONE]\n\n")
+            finished(route, err.status, rid, timings, n_media, err.message, engine_id=req.request_id)
+            await response.write(b"data: " + json.dumps(error_body(err)).encode() + b"\n\n")
+        await response.write(b": epd " + json.dumps(epd_facts(timings, last)).encode() + b"\n\n")
+        await response.write(done or b"data: [DONE]\n\n")
         await response.write_eof()
         return response
 
-    def _chunk(self, rid, created, delta, finish, chat, token_ids=None) -> dict:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
-        if chat:
-            choice["delta"] = delta
-        else:
-            choice["text"] = delta
-        if token_ids is not None:
-            choice["token_ids"] = token_ids
-        return {"id": rid, "object": _obj(chat, True), "created": created, "model": self.model, "choices": [choice]}
 
-    def _full(self, rid, created, text, ids, final, timings: Timings, chat: bool) -> dict:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": final.finish_reason if final else "stop",
-                                  "token_ids": ids}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        return {
-            "id": rid, "object": _obj(chat, False), "created": created, "model": self.model,
-            "choices": [choice], "usage": _usage(final),
-            "epd": {"timings": timings.as_dict(),
-                    "local_encoder_runs": final.local_encoder_runs if final else 0,
-                    "transferred_items": final.transferred_items if final else 0,
-                    "transports": timings.transports, "encoders": timings.encoders, "lm": timings.lm,
-                    "retries": timings.retries},
-        }
+async def _chain(first, rest):
+    yield first
+    async for x in rest:
+        yield x
 
 
 def finished(route: str, status: int, rid: str, timings: Timings, media: int, error: str = "",
@@ -435,17 +365,3 @@ async def request_context(request: web.Request, handler):
             return error_response(ApiError(400, f"{REQUEST_ID_HEADER} must match {REQUEST_ID_RE.pattern}"))
         request[REQUEST_ID_KEY] = rid
     return await handler(request)
-
-
-def _obj(chat: bool, chunk: bool) -> str:
-    return ("chat.completion" if chat else "text_completion") + (".chunk" if chunk and chat else "")
-
-
-def _usage(final) -> dict[str, int]:
-    p = final.usage.prompt_tokens if final else 0
-    c = final.usage.completion_tokens if final else 0
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-
-
-async def _sse(response: web.StreamResponse, payload: dict) -> None:
-    await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")

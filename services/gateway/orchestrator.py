@@ -31,7 +31,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -212,10 +212,13 @@ class Orchestrator:
         return {k: {a: f"{i.state.value}: {i.reason}" for a, i in p.instances.items() if not i.healthy}
                 for k, p in pools.items() if p is not None}
 
-    async def generate(self, req: lm_pb2.GenerateRequest, media: list[Media],
-                       timings: Timings) -> AsyncIterator[lm_pb2.GenerateResponse]:
+    async def generate(self, req: lm_pb2.GenerateRequest, media: list[Media], timings: Timings,
+                       prepare: Callable[[lm_pb2.GenerateRequest], None] | None = None,
+                       ) -> AsyncIterator[lm_pb2.GenerateResponse]:
         """Yields the LM's responses. Raises grpc.aio.AioRpcError (from either
-        service, or made here) once retries are exhausted or not allowed."""
+        service, or made here) once retries are exhausted or not allowed.
+        ``prepare(req)`` runs before each LM call, once the attempt's items have
+        their sources (the OpenAI routes write the LM's body there)."""
         deadline = time.monotonic() + self.cfg.request_timeout_s
         excluded = {"encoder": set(), "lm": set()}
         base_id = req.request_id
@@ -228,7 +231,8 @@ class Orchestrator:
                     req.request_id = f"{base_id}-retry{attempt - 1}"
                 sent = False
                 try:
-                    async with contextlib.aclosing(self._attempt(req, media, timings, deadline, excluded)) as gen:
+                    async with contextlib.aclosing(self._attempt(req, media, timings, deadline, excluded,
+                                                                 prepare)) as gen:
                         async for resp in gen:
                             sent = True
                             yield resp
@@ -267,11 +271,10 @@ class Orchestrator:
     def _remaining(self, deadline: float) -> float:
         return max(0.001, deadline - time.monotonic())
 
-    async def _attempt(self, req, media, timings: Timings, deadline: float, excluded: dict[str, set[str]]):
-        for item, m in zip(req.items, media):
+    async def _attempt(self, req, media, timings: Timings, deadline: float, excluded: dict[str, set[str]],
+                       prepare=None):
+        for item in req.items:
             item.ClearField("source")
-            if not item.data:  # left out for the last attempt's LM: this one may need it
-                item.data = m.data
         timings.encoders = []
         groups: list[_EncodeGroup] = []
         answered = False
@@ -289,6 +292,8 @@ class Orchestrator:
                 why = self.lm_wait_reason() or "no healthy LM instance"
                 raise _Failure(rpc_error(grpc.StatusCode.UNAVAILABLE, why), "lm", [], retryable=False)
             timings.lm = lm.address
+            if prepare is not None:
+                prepare(req)
             # aclosing: a caller that stops early (client gone) cancels the LM call now,
             # not whenever the garbage collector finalizes the generator.
             async with contextlib.aclosing(self._generate(lm, req, groups, timings, deadline)) as lm_stream:
@@ -353,9 +358,6 @@ class Orchestrator:
         waits = [g.task for g in groups] if self.cfg.dispatch == "sequential" else [g.metadata for g in groups]
         await asyncio.gather(*waits)
         timings.metadata_ms = timings.since_start_ms()  # of the attempt that goes on
-        if all(item.source.placeholder_token_ids for item in req.items):
-            for item in req.items:  # the LM lays its prompt out from the layouts, not the images
-                item.ClearField("data")
 
     async def _encode(self, g: _EncodeGroup, req, media, timings: Timings, enc_deadline: float) -> None:
         """One Encode stream: fills sources from the metadata, then drains the
@@ -402,10 +404,10 @@ class Orchestrator:
                 call.cancel()
 
     async def _generate(self, lm: Instance, req, groups: list[_EncodeGroup], timings: Timings, deadline: float):
-        first_at = last_at = 0.0
-        n_tokens = 0
+        first_at = 0.0
         stopped: BaseException | None = None  # the encode failure that stopped this call
         with lm.track():
+            call_ms = timings.since_start_ms()
             call = lm.stub.Generate(req, timeout=self._remaining(deadline))
 
             def on_encode_done(task: asyncio.Task) -> None:
@@ -420,13 +422,12 @@ class Orchestrator:
                 g.task.add_done_callback(on_encode_done)
             try:
                 async for resp in call:
-                    if resp.token_ids:
-                        last_at = time.perf_counter()
-                        if not first_at:
-                            first_at = last_at
-                            timings.ttft_ms = timings.since_start_ms()
-                        n_tokens += len(resp.token_ids)
-                    if resp.finish_reason:
+                    # The LM's first message comes with the first token (or is the whole answer):
+                    # from then on the encodes are moot and no failure is retried.
+                    first_at = first_at or time.perf_counter()
+                    if resp.HasField("timings"):  # the last message: the request's facts
+                        timings.ttft_ms = call_ms + resp.timings.ttft_ms
+                        timings.tpot_ms = resp.timings.tpot_ms
                         timings.transfer_ms = resp.timings.transfer_ms
                         timings.lm_queue_ms = resp.timings.lm_queue_ms
                         timings.transports = list(resp.transports)
@@ -444,8 +445,6 @@ class Orchestrator:
                 raise _Failure(e, "lm", [lm]) from None
             finally:
                 call.cancel()
-        if n_tokens > 1:
-            timings.tpot_ms = (last_at - first_at) * 1e3 / (n_tokens - 1)
 
     @staticmethod
     def _blame(groups: list[_EncodeGroup], req, trailers: list[tuple[str, str]]) -> list[Instance]:

@@ -1,7 +1,14 @@
-"""Native gRPC API (GatewayService.ChatCompletion): same path as the REST API."""
+"""Native gRPC API (GatewayService): the OpenAI API over gRPC, on the REST path.
+
+A request is the REST body (``parse_openai``), with raw image bytes allowed as
+``epd-media:N``; the answer is what REST sends: vLLM's JSON, one chunk per
+message when streaming. An error status the REST API would send becomes the
+matching gRPC code with vLLM's message.
+"""
 
 from __future__ import annotations
 
+import json
 import uuid
 
 import grpc
@@ -14,21 +21,39 @@ from services.gateway.fetch import MediaFetcher
 from services.gateway.openai_api import (
     REQUEST_ID_HEADER,
     REQUEST_ID_RE,
-    check_sampling,
+    ApiError,
     engine_request_id,
+    epd_facts,
     finished,
     from_grpc,
     load_media,
+    parse_openai,
 )
-from services.gateway.orchestrator import Media, Orchestrator, Timings
+from services.gateway.orchestrator import Orchestrator, Timings
+
+# HTTP statuses of REST answers as gRPC codes (the inverse of openai_api's mapping).
+_GRPC_CODE = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
+              403: grpc.StatusCode.PERMISSION_DENIED, 404: grpc.StatusCode.NOT_FOUND,
+              413: grpc.StatusCode.RESOURCE_EXHAUSTED, 422: grpc.StatusCode.INVALID_ARGUMENT,
+              429: grpc.StatusCode.RESOURCE_EXHAUSTED, 499: grpc.StatusCode.CANCELLED,
+              501: grpc.StatusCode.UNIMPLEMENTED, 503: grpc.StatusCode.UNAVAILABLE,
+              504: grpc.StatusCode.DEADLINE_EXCEEDED}
 
 
-class _Relay(EPDError):
-    """Carries an upstream gRPC status through the error boundary unchanged."""
+class _Status(EPDError):
+    """Ends the call with ``code`` and ``message`` (an upstream status, or an HTTP error's)."""
 
-    def __init__(self, e: grpc.aio.AioRpcError) -> None:
-        super().__init__(e.details())
-        self.code = e.code()
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _http_error(status: int, payload: bytes) -> _Status:
+    try:
+        message = json.loads(payload)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = payload.decode(errors="replace")
+    return _Status(_GRPC_CODE.get(status, grpc.StatusCode.INTERNAL), message)
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
@@ -37,52 +62,60 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         refused."""
         self.cfg, self.orch, self.fetcher = cfg, orch, fetcher
 
-    async def _convert(self, request: gateway_pb2.ChatCompletionRequest) -> tuple[lm_pb2.GenerateRequest,
-                                                                                  list[Media]]:
-        """The LM request and its media; images load as on the REST path (``load_media``: data:
-        and http(s) URLs or raw bytes, every header checked). Raises BadInput (MediaError for
-        images), which the error boundary answers with INVALID_ARGUMENT."""
-        if not request.messages:
-            raise BadInput("messages is required")
-        problem = check_sampling(request.sampling)
-        if problem is not None:
-            raise BadInput(problem[1])
-        req = lm_pb2.GenerateRequest(request_id=f"chatcmpl-{uuid.uuid4().hex}", sampling=request.sampling)
-        sources: list[str | bytes] = []
-        for m in request.messages:
-            msg = req.chat.messages.add(role=m.role or "user")
-            for part in m.content:
-                if part.WhichOneof("part") == "text":
-                    msg.content.add(text=part.text)
-                    continue
-                img = part.image
-                if len(sources) >= self.cfg.max_images:
-                    raise BadInput(f"at most {self.cfg.max_images} images per request")
-                msg.content.add(item_index=len(sources))
-                sources.append(img.data if img.WhichOneof("source") == "data" else img.url)
-        return req, await load_media(req, sources, self.cfg, self.fetcher)
-
     async def ChatCompletion(self, request, context):
+        async for out in self._serve(request, context, "chat", "chatcmpl"):
+            yield out
+
+    async def Completion(self, request, context):
+        async for out in self._serve(request, context, "completions", "cmpl"):
+            yield out
+
+    async def _serve(self, request: gateway_pb2.OpenAIRequest, context, api: str, prefix: str):
         timings = Timings()
-        rid = dict(context.invocation_metadata() or ()).get(REQUEST_ID_HEADER.lower(), "")
+        # OpenAIRequest.request_id, else the x-request-id call metadata (REST's header).
+        rid = request.request_id or dict(context.invocation_metadata() or ()).get(REQUEST_ID_HEADER.lower(), "")
         if rid and not REQUEST_ID_RE.fullmatch(rid):
-            raise BadInput(f"{REQUEST_ID_HEADER.lower()} metadata must match {REQUEST_ID_RE.pattern}")
+            raise BadInput(f"request_id ({REQUEST_ID_HEADER}) must match {REQUEST_ID_RE.pattern}")
         why = self.orch.lm_wait_reason()
         if why is not None:  # before any image is loaded: nothing could take the request
             raise PeerUnavailable(why)
-        req, media = await self._convert(request)
-        # The client's id names the chunks and the log line; the engines get it made unique.
-        req.request_id = engine_request_id(rid, "chatcmpl") if rid else req.request_id
-        rid = rid or req.request_id
         try:
-            async for resp in self.orch.generate(req, media, timings):
-                yield gateway_pb2.ChatCompletionChunk(
-                    id=rid, text=resp.text, token_ids=resp.token_ids,
-                    finish_reason=resp.finish_reason, usage=resp.usage if resp.finish_reason else None)
+            call = parse_openai(api, request.body, self.cfg, list(request.media))
+        except ApiError as e:
+            raise _Status(_GRPC_CODE.get(e.status, grpc.StatusCode.INVALID_ARGUMENT), e.message) from None
+        call.request_id, call.id_given = rid or uuid.uuid4().hex, bool(rid)
+        rid = call.request_id
+        req = lm_pb2.GenerateRequest(request_id=engine_request_id(rid, prefix))
+        req.openai.api = api
+        media = await load_media(call, req, self.cfg, self.fetcher)  # MediaError: INVALID_ARGUMENT
+        route = "grpc"
+        last = None
+        try:
+            async for resp in self.orch.generate(req, media, timings,
+                                                 prepare=lambda r: setattr(r.openai, "body", call.lm_body(r, media))):
+                if resp.http_status and resp.http_status != 200:
+                    finished(route, resp.http_status, rid, timings, len(media), resp.openai[:200].decode(errors="replace"),
+                             engine_id=req.request_id)
+                    raise _http_error(resp.http_status, resp.openai)
+                if not resp.openai:
+                    last = resp
+                    continue
+                for event in _events(resp.openai, call.stream):
+                    yield gateway_pb2.OpenAIResponse(body=event)
         except grpc.aio.AioRpcError as e:
-            finished("grpc", from_grpc(e).status, rid, timings, len(media), e.details() or "",
+            finished(route, from_grpc(e).status, rid, timings, len(media), e.details() or "",
                      engine_id=req.request_id)
-            raise _Relay(e) from None
-        finished("grpc", 200, rid, timings, len(media), engine_id=req.request_id)
+            raise _Status(e.code(), e.details() or e.code().name) from None
+        finished(route, 200, rid, timings, len(media), engine_id=req.request_id)
+        yield gateway_pb2.OpenAIResponse(epd=json.dumps(epd_facts(timings, last)).encode())
 
 
+def _events(payload: bytes, stream: bool) -> list[bytes]:
+    """The JSON objects in one LM message: the whole body, or the data of its server-sent events."""
+    if not stream:
+        return [payload]
+    out = []
+    for line in payload.split(b"\n"):
+        if line.startswith(b"data: ") and line[6:].strip() != b"[DONE]":
+            out.append(line[6:])
+    return out

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.common.media import MediaConfig
+from services.lm.frontend import FrontendConfig
 
 
 @dataclass
-class LMServiceConfig(MediaConfig):
-    """The service's own fields; the image decoding limits come from ``MediaConfig``."""
+class LMServiceConfig(FrontendConfig):
+    """The service's own fields; ``FrontendConfig`` adds ``vllm serve``'s front-end flags
+    (chat template, tool-call and reasoning parsers, served model name, ...)."""
 
     host: str = "127.0.0.1"
     """Address of the API port (Generate, GetInfo, health; reflection with --reflection)."""
@@ -27,14 +28,11 @@ class LMServiceConfig(MediaConfig):
     """An item with no data from its encoder within this time fails its request."""
     handshake_timeout_s: float = 5.0
     """Compatibility handshake with a new encoder endpoint."""
-    default_max_tokens: int = 256
-    """max_tokens when the request sets none."""
     allowed_encoders: str = ""
     """Encoder Transfer endpoints this LM may fetch embeddings from, comma-separated: host:port, a host or
     address (any port), a CIDR such as 10.0.0.0/8, or * (any). Empty: any endpoint when callers must
     authenticate (--auth-token-file or mutual TLS: the gateway's word is trusted), else loopback only."""
 
     def __post_init__(self) -> None:
-        super().__post_init__()
         if self.staging_mib <= 0:
             raise ValueError(f"staging_mib must be > 0, got {self.staging_mib}")

@@ -13,8 +13,8 @@ from ectransfer.shm import cleanup_orphans
 from epd.lm.v1 import lm_pb2, lm_pb2_grpc
 from services.common.engine import EngineConfig, build_async_engine, serve_until_stopped
 from services.common.grpc_server import GrpcServer
-from services.common.media import ImageDecoder
 from services.lm.config import LMServiceConfig
+from services.lm.frontend import build_frontend
 from services.lm.peers import EncoderAllowList, OfferedCudaIpc, PeerChecker
 from services.lm.servicer import LMServicer
 
@@ -58,10 +58,10 @@ async def serve(cfg: LMServiceConfig, engine_cfg: EngineConfig, stop: asyncio.Ev
     # a cache entry it lost (MultiModalCacheMissError).
     engine = build_async_engine(engine_cfg, _ec_config(cfg, engine_cfg, security), ec_manager_config={
         "encoder_cache_manager_cls": "ectransfer.connector.cache_manager.EPDEncoderCacheManager"},
-        mm_processor_cache_gb=0)
+        mm_processor_cache_gb=0, **cfg.engine_args())
     server = None
-    decoder = ImageDecoder(cfg)
     try:
+        frontend = await build_frontend(engine, cfg, engine_cfg.model)
         compat = compat_for(engine.vllm_config, engine_cfg.model)
         # The service process checks compatibility and reachability; it never
         # opens a CUDA IPC handle itself (that would put a CUDA context in it):
@@ -71,10 +71,10 @@ async def serve(cfg: LMServiceConfig, engine_cfg: EngineConfig, stop: asyncio.Ev
         peers = PeerChecker(compat, engine.vllm_config.ec_transfer_config.engine_id, transports,
                             cfg.handshake_timeout_s, security=security,
                             allowed=allowed)
-        info = lm_pb2.LMInfo(model=engine_cfg.model, compat=compat)
+        info = lm_pb2.LMInfo(model=frontend.models.model_name(), compat=compat)
         server = GrpcServer(cfg.host, cfg.port, security)
         server.add(lm_pb2_grpc.add_LMServiceServicer_to_server,
-                   LMServicer(engine, info, peers, cfg.default_max_tokens, decoder),
+                   LMServicer(engine, info, peers, frontend),
                    lm_pb2.DESCRIPTOR.services_by_name["LMService"].full_name)
         port = await server.start()
         if cfg.metrics_port:
@@ -88,7 +88,6 @@ async def serve(cfg: LMServiceConfig, engine_cfg: EngineConfig, stop: asyncio.Ev
         if server is not None:
             await server.stop()
         engine.shutdown()
-        decoder.close()
         # The engine process may be gone before its connector's shutdown ran
         # (vLLM stops the executor first, and the client kills stragglers):
         # remove the segments it owned, now that its pid is dead.

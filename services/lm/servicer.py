@@ -1,30 +1,35 @@
 """LMService handlers: Generate and GetInfo.
 
-Generate hands vLLM the prompt, laid out from the encoders' metadata (no
-image processing here; the items carry no data) or, for items without a
-layout, with the media for vLLM's processor, and, per item, the encoder it
-comes from (``ec_transfer_params``); the consumer connector inside the engine
-pulls the embeddings. A cancelled call aborts the engine request, which releases its
-staging reservations through the connector's ``request_finished``.
+Generate answers an OpenAI request (``GenerateRequest.openai``) with vLLM's own
+serving classes (``services.lm.frontend``): the same validation, sampling
+parameters, chat rendering, structured outputs, tool and reasoning parsing,
+logprobs and streaming as ``vllm serve``, and vLLM's response bytes are passed on
+unchanged. What epd adds: each item's encoder (``items``), so the consumer
+connector in the engine pulls its embedding and the prompt is laid out from the
+encoder's metadata (no image processing here), and a last message with the
+request's timings. A cancelled call closes vLLM's generator, which aborts the
+engine request and releases its staging reservations through the connector's
+``request_finished``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import contextlib
+import json
 import logging
 import time
-import uuid
 
 from prometheus_client import Counter, Histogram
 
 from ectransfer import tensors
 from epd.lm.v1 import lm_pb2, lm_pb2_grpc
-from services.common.chat import render_chat
-from services.common.engine import tokenize_async
-from services.common.errors import BadInput, EncoderUnavailable, EPDError
-from services.common.layout import ItemLayout, splice
-from services.common.media import ImageDecoder, content_id
+from services.common.errors import BadInput, EPDError
+from services.common.layout import ItemLayout
+from services.common.media import content_id
+from services.lm.frontend import CURRENT, Frontend, RequestContext
 from services.lm.peers import PeerChecker
 
 logger = logging.getLogger(__name__)
@@ -39,219 +44,203 @@ TTFT = Histogram("epd_lm_ttft_seconds", "Arrival at the LM to first token",
 TRANSFER = Histogram("epd_lm_transfer_seconds", "Time a request waited for encoder outputs",
                      buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5))
 
+_APIS = ("chat", "completions")
+
+
+def validation_error(frontend: Frontend, exc) -> tuple[int, bytes]:
+    """A pydantic ValidationError of a request body as vLLM's server answers it (400, the
+    errors listed as its validation handler lists them)."""
+    from vllm.entrypoints.serve.exception_handling.handlers.validation import _format_error
+
+    errors = exc.errors()
+    message = f"{len(errors)} validation error{'s' if len(errors) != 1 else ''}:\n" + "".join(
+        f"  {_format_error(e)}\n" for e in errors[:10])
+    err = frontend.chat.create_error_response(message.rstrip())
+    return err.error.code, _dumps(err)
+
+
+def _dumps(model) -> bytes:
+    # As vLLM's server sends a model: JSONResponse(model.model_dump()).
+    return json.dumps(model.model_dump(), ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+
+def check_media(body: dict, items: dict[str, lm_pb2.MMItem]) -> int:
+    """Refuses media the LM must not touch; returns the number of images with data.
+
+    An image part is either uuid-only (an item with a source: an encoder has it) or a
+    data: URL, whose uuid, when it has one, is the content hash of its bytes (so no
+    caller can label one image's bytes with another's identifier in vLLM's caches).
+    The LM never downloads: any other URL is refused."""
+    with_data = 0
+    messages = body.get("messages")
+    for m in messages if isinstance(messages, list) else []:
+        content = m.get("content") if isinstance(m, dict) else None
+        for part in content if isinstance(content, list) else []:
+            if not isinstance(part, dict) or part.get("type") in (None, "text"):
+                continue
+            kind, uuid = part.get("type"), part.get("uuid")
+            if kind != "image_url":
+                raise BadInput(f"content part type {kind!r} is not served here (images only)")
+            url = part.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else url
+            if not url:
+                if uuid not in items or not items[uuid].HasField("source"):
+                    raise BadInput(f"image {str(uuid)[:16]!r}... has no data and no encoder")
+                continue
+            if not isinstance(url, str) or not url.startswith("data:"):
+                raise BadInput("the LM takes images as data: URLs only (the gateway fetches URLs)")
+            with_data += 1
+            if uuid is not None:
+                try:
+                    data = base64.b64decode(url.partition(",")[2], validate=True)
+                except (binascii.Error, ValueError):
+                    raise BadInput("image data: URL is not valid base64") from None
+                if uuid != content_id(data):
+                    raise BadInput(f"image uuid {str(uuid)[:16]!r}... is not the content hash of its bytes")
+    return with_data
+
 
 class LMServicer(lm_pb2_grpc.LMServiceServicer):
-    def __init__(self, engine, info: lm_pb2.LMInfo, peers: PeerChecker, default_max_tokens: int,
-                 decoder: ImageDecoder) -> None:
+    def __init__(self, engine, info: lm_pb2.LMInfo, peers: PeerChecker, frontend: Frontend) -> None:
         self.engine = engine
-        self.decoder = decoder
-        self.max_images = engine.model_config.multimodal_config.get_limit_per_prompt("image")
         self.info = info
         self.peers = peers
-        self.default_max_tokens = default_max_tokens
-        self.max_model_len = engine.model_config.max_model_len
+        self.frontend = frontend
 
     async def GetInfo(self, request, context):
         return self.info
 
-    def _sampling(self, s: lm_pb2.SamplingOptions, sources: dict):
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
+    def _context(self, request: lm_pb2.GenerateRequest) -> RequestContext:
+        ctx = RequestContext()
+        for item in request.items:
+            if not item.identifier or not item.HasField("source"):
+                continue
+            src = item.source
+            ctx.sources[item.identifier] = {
+                "endpoint": src.transfer_endpoint,
+                "embed_width": src.embed_width,
+                "dtype": tensors.dtype_name(tensors.dtype_from_proto(src.dtype)),
+            }
+            if src.placeholder_token_ids:
+                lay = ItemLayout(tuple(src.placeholder_token_ids), tuple(src.prompt_token_ids), src.is_embed)
+                if (lay.is_embed and len(lay.is_embed) != len(lay.tokens)) or lay.num_embeds != src.num_embeds:
+                    raise BadInput(f"item {item.identifier}: its prompt layout does not match its "
+                                   f"{src.num_embeds} embedding rows")
+                ctx.layouts[item.identifier] = lay
+        return ctx
 
-        if s.HasField("n") and s.n != 1:
-            raise BadInput(f"n={s.n} is not supported (only 1)")
-        temperature = s.temperature if s.HasField("temperature") else 1.0
-        if temperature < 0:
-            raise BadInput(f"temperature must be >= 0, got {temperature}")
-        top_p = s.top_p if s.HasField("top_p") else 1.0
-        if not 0 < top_p <= 1:
-            raise BadInput(f"top_p must be in (0, 1], got {top_p}")
-        max_tokens = s.max_tokens or self.default_max_tokens
-        if max_tokens >= self.max_model_len:
-            raise BadInput(f"max_tokens={max_tokens} exceeds the model's context ({self.max_model_len})")
-        return SamplingParams(
-            temperature=temperature, top_p=top_p, max_tokens=max_tokens,
-            seed=s.seed if s.HasField("seed") else None, stop=list(s.stop) or None, ignore_eos=s.ignore_eos,
-            output_kind=RequestOutputKind.DELTA,
-            extra_args={"ec_transfer_params": {"items": sources}} if sources else None,
-        )
-
-    async def _prompt(self, request: lm_pb2.GenerateRequest) -> tuple[str, list[int]]:
-        """Prompt text and the item indices in prompt order."""
-        kind = request.WhichOneof("input")
-        if kind == "prompt":
-            return request.prompt, list(range(len(request.items)))
-        if kind != "chat" or not request.chat.messages:
-            raise BadInput("GenerateRequest needs chat messages or a prompt")
-        order, messages = [], []
-        for m in request.chat.messages:
-            parts = []
-            for p in m.content:
-                if p.WhichOneof("part") == "text":
-                    parts.append({"type": "text", "text": p.text})
-                else:
-                    if p.item_index >= len(request.items):
-                        raise BadInput(f"content refers to item {p.item_index}, request has {len(request.items)}")
-                    order.append(p.item_index)
-                    parts.append({"type": "image"})
-            messages.append({"role": m.role or "user", "content": parts})
-        try:
-            return render_chat(self.engine.get_tokenizer(), messages), order
-        except Exception as e:  # noqa: BLE001 - template errors are the caller's input
-            raise BadInput(f"chat template failed: {e}") from None
-
-    async def _processed(self, prompt: str, items, order: list[int], params, rid: str):
-        """The request run through vLLM's processor, which lays out the prompt
-        from the images (items without a layout from an encoder). Each item's
-        identifier, vLLM's mm_hash, is the content hash of its bytes, computed
-        here: a caller's identifier that differs is refused, so no request can
-        label one image's bytes with another's hash in vLLM's caches. The decoded
-        images hold the decode budget only until the processor has its tensors
-        (released here, also on failure), not while the request queues in the engine."""
+    async def _answer(self, request: lm_pb2.GenerateRequest, ctx: RequestContext):
+        """vLLM's answer to the request: (status, body) once, or an async generator of SSE events."""
+        from pydantic import ValidationError
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
         from vllm.exceptions import VLLMClientError
 
-        idents = []
-        for i, item in zip(order, items):
-            if not item.data:
-                raise BadInput(f"item {i}: no media bytes, and no prompt layout from an encoder")
-            ident = content_id(item.data)
-            if item.identifier and item.identifier != ident:
-                raise BadInput(f"item {i}: identifier {item.identifier[:16]!r}... is not the content hash of "
-                               f"its bytes")
-            idents.append(ident)
-        engine_prompt: dict = {"prompt": prompt}
-        lease = None
-        if items:
-            images, lease = await self.decoder.decode([item.data for item in items], self.max_images, rid)
-            engine_prompt["multi_modal_data"] = {"image": images}
-            engine_prompt["multi_modal_uuids"] = {"image": idents}
-            del images
+        api = request.openai.api
+        if api not in _APIS:
+            raise BadInput(f"openai.api must be one of {', '.join(_APIS)}; got {api!r}")
         try:
-            return await self.engine.input_processor.process_inputs_async(
-                rid, engine_prompt, params, supported_tasks=await self.engine.get_supported_tasks())
-        except (ValueError, VLLMClientError) as e:  # vLLM's input validation: the caller's input
-            raise BadInput(str(e)) from None
-        finally:
-            del engine_prompt  # the processor's tensors replace the decoded images
-            if lease is not None:
-                lease.release()
-
-    async def _laid_out(self, prompt: str, items):
-        """The prompt laid out from the encoders' metadata (``services.common.layout``):
-        tokenized as vLLM tokenizes it, each placeholder replaced by its item's
-        tokens. The items carry no data: the connector loads every embedding
-        (a failed load fails the request, it never falls back to the vision tower)."""
-        import torch
-        from vllm.inputs import mm_input
-        from vllm.multimodal.inputs import PlaceholderRange
-
-        layouts = []
-        for item in items:
-            src = item.source
-            lay = ItemLayout(tuple(src.placeholder_token_ids), tuple(src.prompt_token_ids), src.is_embed)
-            if (lay.is_embed and len(lay.is_embed) != len(lay.tokens)) or lay.num_embeds != src.num_embeds:
-                raise BadInput(f"item {item.identifier}: its prompt layout does not match its {src.num_embeds} "
-                               f"embedding rows")
-            layouts.append(lay)
+            body = json.loads(request.openai.body)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise BadInput(f"openai.body is not JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise BadInput("openai.body must be a JSON object")
+        if api == "chat":
+            check_media(body, {item.identifier: item for item in request.items})
+        serving = self.frontend.chat if api == "chat" else self.frontend.completion
         try:
-            ids, positions = splice(await tokenize_async(self.engine.renderer, prompt), layouts)
-        except ValueError as e:  # LayoutError, or vLLM's validation of the text
-            raise BadInput(str(e)) from None
-        ranges = [PlaceholderRange(offset=off, length=length,
-                                   is_embed=torch.frombuffer(bytearray(lay.is_embed), dtype=torch.uint8).bool()
-                                   if lay.is_embed else None)
-                  for (off, length), lay in zip(positions, layouts)]
-        return mm_input(ids, {"image": [None] * len(items)}, {"image": [it.identifier for it in items]},
-                        {"image": ranges}, prompt=prompt)
+            req = (ChatCompletionRequest if api == "chat" else CompletionRequest).model_validate(body)
+        except ValidationError as e:
+            return validation_error(self.frontend, e)
+        except VLLMClientError as e:  # vLLM's own validators raise these through pydantic
+            err = serving.create_error_response(e)
+            return err.error.code, _dumps(err)
+        try:
+            out = await (serving.create_chat_completion(req) if api == "chat" else serving.create_completion(req))
+        except (ValueError, VLLMClientError) as e:  # vLLM's input validation, as its server answers it
+            if ctx.encoder_failure is not None:
+                raise ctx.encoder_failure from None
+            out = serving.create_error_response(e)
+        if ctx.encoder_failure is not None:
+            raise ctx.encoder_failure
+        if isinstance(out, ErrorResponse):
+            return out.error.code, _dumps(out)
+        if hasattr(out, "model_dump"):
+            if getattr(out, "ec_transfer_params", None) is not None:
+                out.ec_transfer_params = None  # the connector's report is for the service (timings), not the client
+            return 200, _dumps(out)
+        return out
 
     async def Generate(self, request, context):
-        from vllm.exceptions import VLLMClientError
+        from vllm.exceptions import GenerationError
 
-        t0 = time.perf_counter()
-        rid = request.request_id or uuid.uuid4().hex
+        ctx = self._context(request)
+        rid = request.request_id
         status = "error"
+        # Set in this call's own task (grpc runs each call in one), never reset: a generator closed
+        # from another task could not reset it there.
+        CURRENT.set(ctx)
         try:
-            prompt, order = await self._prompt(request)
-            items = [request.items[i] for i in order]
-            if len(items) > self.max_images:
-                raise BadInput(f"{len(items)} images in one prompt; this LM allows at most {self.max_images} "
-                               "(--max-images-per-prompt)")
-            sources = {}
-            for item in items:
-                if item.HasField("source") and item.identifier:
-                    src = item.source
-                    sources[item.identifier] = {
-                        "endpoint": src.transfer_endpoint,
-                        "embed_width": src.embed_width,
-                        "dtype": tensors.dtype_name(tensors.dtype_from_proto(src.dtype)),
-                    }
-            params = self._sampling(request.sampling, sources)
-            if items and all(it.identifier and it.source.placeholder_token_ids for it in items):
-                engine_prompt = await self._laid_out(prompt, items)
-                LAYOUTS.labels("encoder").inc()
-            else:
-                engine_prompt = await self._processed(prompt, items, order, params, rid)
-                if items:
-                    LAYOUTS.labels("processor").inc()
-            for endpoint in {s["endpoint"] for s in sources.values()}:
+            for endpoint in {s["endpoint"] for s in ctx.sources.values()}:
                 await self.peers.check(endpoint)
-            n_out, first, final = 0, None, None
             try:
-                # aclosing: if the client goes away while we sit at a yield, grpc
-                # closes this handler (GeneratorExit); closing vLLM's generator
-                # right then aborts the engine request and frees its reservations.
-                async with contextlib.aclosing(self.engine.generate(engine_prompt, params, rid,
-                                                                    prompt_text=prompt)) as outputs:
-                    async for out in outputs:
-                        final = out
-                        c = out.outputs[0]
-                        if c.finish_reason == "error":
-                            break
-                        if first is None and c.token_ids:
-                            first = time.perf_counter()
-                            TTFT.observe(first - t0)
-                        n_out += len(c.token_ids)
-                        if not out.finished:
-                            yield lm_pb2.GenerateResponse(request_id=rid, token_ids=c.token_ids, text=c.text)
-            except (ValueError, VLLMClientError) as e:  # vLLM's input validation (a prompt too long, ...)
-                raise BadInput(str(e)) from None
-            ec = (final.ec_transfer_params if final is not None else None) or {}
-            c = final.outputs[0]
-            if c.finish_reason == "error":
-                endpoints = sorted({s["endpoint"] for s in sources.values()})
-                if not endpoints:
-                    raise EPDError(f"request {rid}: the engine failed the request")
-                for endpoint in endpoints:
-                    self.peers.forget(endpoint)
-                # vLLM drops the connector's ec_transfer_params when it fails a request
-                # (take_unavailable_requests), so without them every encoder the request
-                # used is named: the gateway re-encodes elsewhere rather than retry blind.
-                failed = ec.get("failed_endpoints") or endpoints
-                raise EncoderUnavailable(ec.get("error") or f"request {rid}: an embedding from encoder(s) "
-                                         f"{', '.join(failed)} could not be obtained", failed)
-            LOCAL_ENCODER_RUNS.inc(ec.get("local_encoder_runs", 0))
-            TRANSFERRED.inc(ec.get("transferred_items", 0))
-            if ec.get("transfer_ms"):
-                TRANSFER.observe(ec["transfer_ms"] / 1e3)
-            yield lm_pb2.GenerateResponse(
-                request_id=rid, token_ids=c.token_ids, text=c.text, finish_reason=c.finish_reason or "stop",
-                usage=lm_pb2.Usage(prompt_tokens=len(final.prompt_token_ids or []), completion_tokens=n_out),
-                timings=lm_pb2.Timings(transfer_ms=ec.get("transfer_ms", 0.0),
-                                       ttft_ms=((first or time.perf_counter()) - t0) * 1e3,
-                                       lm_queue_ms=_queue_ms(final, ec.get("transfer_ms", 0.0))),
-                local_encoder_runs=ec.get("local_encoder_runs", 0),
-                transferred_items=ec.get("transferred_items", 0),
-                transports=[(ec.get("transports") or {}).get(s["endpoint"]) or self.peers.transport.get(s["endpoint"], "")
-                            for s in sources.values()]
-                if ec.get("transferred_items") else [],
-            )
+                answer = await self._answer(request, ctx)
+                if isinstance(answer, tuple):
+                    code, payload = answer
+                    yield lm_pb2.GenerateResponse(request_id=rid, openai=payload, http_status=code)
+                else:
+                    # aclosing: if the client goes away while we sit at a yield, grpc closes this
+                    # handler (GeneratorExit); closing vLLM's generator right then aborts the
+                    # engine request and frees its reservations.
+                    async with contextlib.aclosing(answer) as events:
+                        first = True
+                        async for event in events:
+                            if ctx.encoder_failure is not None:  # vLLM made an error event of it
+                                raise ctx.encoder_failure
+                            yield lm_pb2.GenerateResponse(request_id=rid, openai=event.encode(),
+                                                          http_status=200 if first else 0)
+                            first = False
+            except GenerationError as e:  # the engine failed the request: vLLM's server answers 500
+                if ctx.encoder_failure is not None:
+                    raise ctx.encoder_failure from None
+                raise EPDError(f"request {rid}: {e}") from None
+            yield self._last(rid, ctx)
             status = "ok"
         except (asyncio.CancelledError, GeneratorExit):
             status = "cancelled"
-            await self.engine.abort(rid)
             raise
         finally:
             REQUESTS.labels(status).inc()
+
+    def _last(self, rid: str, ctx: RequestContext) -> lm_pb2.GenerateResponse:
+        final = ctx.final
+        ec = (final.ec_transfer_params if final is not None else None) or {}
+        if ctx.laid_out:
+            LAYOUTS.labels("encoder").inc()
+        elif ec.get("local_encoder_runs"):
+            LAYOUTS.labels("processor").inc()
+        LOCAL_ENCODER_RUNS.inc(ec.get("local_encoder_runs", 0))
+        TRANSFERRED.inc(ec.get("transferred_items", 0))
+        if ec.get("transfer_ms"):
+            TRANSFER.observe(ec["transfer_ms"] / 1e3)
+        ttft_ms = ((ctx.first_token_at or time.perf_counter()) - ctx.start) * 1e3
+        if ctx.first_token_at:
+            TTFT.observe(ttft_ms / 1e3)
+        outputs = final.outputs if final is not None else []
+        tpot = (ctx.last_token_at - ctx.first_token_at) * 1e3 / (ctx.first_choice_tokens - 1) \
+            if ctx.first_choice_tokens > 1 else 0.0
+        return lm_pb2.GenerateResponse(
+            request_id=rid, finish_reason=(outputs[0].finish_reason or "") if outputs else "",
+            usage=lm_pb2.Usage(prompt_tokens=len((final.prompt_token_ids if final is not None else None) or []),
+                               completion_tokens=ctx.completion_tokens),
+            timings=lm_pb2.Timings(transfer_ms=ec.get("transfer_ms", 0.0), ttft_ms=ttft_ms, tpot_ms=tpot,
+                                   lm_queue_ms=_queue_ms(final, ec.get("transfer_ms", 0.0))),
+            local_encoder_runs=ec.get("local_encoder_runs", 0),
+            transferred_items=ec.get("transferred_items", 0),
+            transports=[(ec.get("transports") or {}).get(s["endpoint"]) or self.peers.transport.get(s["endpoint"], "")
+                        for s in ctx.sources.values()] if ec.get("transferred_items") else [],
+        )
 
 
 def _queue_ms(output, transfer_ms: float) -> float:

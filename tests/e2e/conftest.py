@@ -30,7 +30,9 @@ REFERENCE_REQUESTS = {
 
 @pytest.fixture(scope="session")
 def deployment(tiny_model):
-    dep = Deployment(model=tiny_model, quiet=True, security="tls")
+    # vLLM's front-end flags for tool calls, as tests/e2e/test_openai_parity.py gives `vllm serve`.
+    dep = Deployment(model=tiny_model, quiet=True, security="tls",
+                     lm_args=["--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
     dep.start()
     yield dep
     dep.stop()

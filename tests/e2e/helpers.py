@@ -15,7 +15,8 @@ def image_chat(seed: int, text: str = "What is in this picture?", max_tokens: in
                size: tuple[int, int] = (112, 112)) -> dict:
     return {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": data_url(make_image(seed, size))}},
-        {"type": "text", "text": text}]}], "max_tokens": max_tokens, "temperature": 0}
+        {"type": "text", "text": text}]}], "max_tokens": max_tokens, "temperature": 0,
+            "return_token_ids": True}
 
 
 def image_bytes(body: dict) -> bytes:
@@ -30,7 +31,8 @@ def image_bytes(body: dict) -> bytes:
 
 
 def text_chat(text: str, max_tokens: int = 12) -> dict:
-    return {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "temperature": 0}
+    return {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "temperature": 0,
+            "return_token_ids": True}
 
 
 def post(url: str, body: bytes | dict, timeout: float = 60) -> tuple[int, dict]:

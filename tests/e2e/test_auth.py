@@ -32,7 +32,7 @@ def _calls(dep) -> dict[str, tuple[str, callable]]:
         "encoder GetInfo": (dep.encoder_addr, lambda ch: encoder_pb2_grpc.EncoderServiceStub(ch).GetInfo(
             encoder_pb2.GetInfoRequest(), timeout=10)),
         "lm Generate": (dep.lm_addr, lambda ch: list(lm_pb2_grpc.LMServiceStub(ch).Generate(
-            lm_pb2.GenerateRequest(prompt="hi"), timeout=10))),
+            lm_pb2.GenerateRequest(openai=lm_pb2.OpenAIRequest(api="completions", body=b'{"prompt": "hi"}')), timeout=10))),
         "transfer Stats": (transfer, lambda ch: encoder_pb2_grpc.TransferServiceStub(ch).Stats(
             encoder_pb2.StatsRequest(), timeout=10)),
         "transfer Reserve": (transfer, reserve),

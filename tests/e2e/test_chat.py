@@ -19,7 +19,9 @@ pytestmark = pytest.mark.e2e
 
 
 def _create(client, name: str, **kw):
-    return client.chat.completions.create(model="", **REFERENCE_REQUESTS[name], **kw)
+    body = dict(REFERENCE_REQUESTS[name])
+    extra = {"return_token_ids": body.pop("return_token_ids")}  # vLLM's field, not the client's
+    return client.chat.completions.create(model="", extra_body=extra, **body, **kw)
 
 
 def test_image_chat_matches_plain_vllm_and_encodes_once_remotely(client, deployment, reference):
@@ -96,7 +98,7 @@ def test_curl_chat_streaming_and_one_request_id_through_every_service(deployment
                           deployment.url + "/v1/chat/completions")
     assert headers["x-request-id"] == rid
     full = json.loads(text)
-    assert full["id"] == rid and full["choices"][0]["token_ids"] == reference["image1"]
+    assert full["id"] == f"chatcmpl-{rid}" and full["choices"][0]["token_ids"] == reference["image1"]
 
     stream_body = json.dumps(dict(REFERENCE_REQUESTS["image1"], stream=True))
     headers, text = _curl("-N", "-H", "Content-Type: application/json", "-d", stream_body,
@@ -105,7 +107,7 @@ def test_curl_chat_streaming_and_one_request_id_through_every_service(deployment
     events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
-    assert {c["id"] for c in chunks} == {headers["x-request-id"]}
+    assert {c["id"] for c in chunks} == {f"chatcmpl-{headers['x-request-id']}"}
     tokens = [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids") or []]
     assert tokens == reference["image1"]
 

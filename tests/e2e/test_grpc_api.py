@@ -1,6 +1,8 @@
-"""The native gRPC API mirrors chat completions; every service has health; reflection is off unless asked for."""
+"""The native gRPC API is the OpenAI API over gRPC; every service has health; reflection is off unless asked for."""
 
 from __future__ import annotations
+
+import json
 
 import grpc
 import pytest
@@ -8,32 +10,50 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from epd.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from epd.lm.v1 import lm_pb2
 from services.common.images import make_image
 from tests.e2e.conftest import REFERENCE_REQUESTS
 
 pytestmark = pytest.mark.e2e
 
 
-def test_native_grpc_chat_streams_the_same_tokens_as_rest(deployment, reference):
-    body = REFERENCE_REQUESTS["image0"]
-    req = gateway_pb2.ChatCompletionRequest(sampling=lm_pb2.SamplingOptions(max_tokens=body["max_tokens"],
-                                                                            temperature=0))
-    msg = req.messages.add(role="user")
-    msg.content.add(image=gateway_pb2.ImagePart(data=make_image(0)))
-    msg.content.add(text=body["messages"][0]["content"][1]["text"])
+def _grpc(deployment, method: str, body: dict, media: list[bytes] = ()) -> list[gateway_pb2.OpenAIResponse]:
+    req = gateway_pb2.OpenAIRequest(body=json.dumps(body).encode(), media=list(media))
     with grpc.insecure_channel(deployment.gateway_grpc) as ch:
-        chunks = list(gateway_pb2_grpc.GatewayServiceStub(ch).ChatCompletion(req, timeout=60))
-    assert [t for c in chunks for t in c.token_ids] == reference["image0"]
-    assert chunks[-1].finish_reason and chunks[-1].usage.completion_tokens == len(reference["image0"])
+        return list(getattr(gateway_pb2_grpc.GatewayServiceStub(ch), method)(req, timeout=60))
+
+
+def test_native_grpc_chat_streams_the_same_tokens_as_rest(deployment, reference):
+    """The OpenAI body over gRPC, its image as raw bytes (epd-media:0): the chunks REST streams."""
+    body = json.loads(json.dumps(REFERENCE_REQUESTS["image0"]))
+    body["messages"][0]["content"][0]["image_url"]["url"] = "epd-media:0"
+    out = _grpc(deployment, "ChatCompletion", dict(body, stream=True, stream_options={"include_usage": True}),
+                [make_image(0)])
+    chunks = [json.loads(m.body) for m in out if m.body]
+    tokens = [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids") or []]
+    assert tokens == reference["image0"]
+    assert chunks[-1]["usage"]["completion_tokens"] == len(reference["image0"])
+    epd = json.loads(out[-1].epd)
+    assert epd["encoders"] == [deployment.encoder_addr] and epd["local_encoder_runs"] == 0
+
+
+def test_native_grpc_completion_and_full_response(deployment, reference):
+    out = _grpc(deployment, "ChatCompletion", REFERENCE_REQUESTS["text"])
+    assert json.loads(out[0].body)["choices"][0]["token_ids"] == reference["text"] and out[-1].epd
+    out = _grpc(deployment, "Completion", {"prompt": "Once upon a time", "max_tokens": 4})
+    assert json.loads(out[0].body)["object"] == "text_completion"
 
 
 def test_native_grpc_bad_image_is_invalid_argument(deployment):
-    req = gateway_pb2.ChatCompletionRequest()
-    req.messages.add(role="user").content.add(image=gateway_pb2.ImagePart(data=b"not an image"))
-    with grpc.insecure_channel(deployment.gateway_grpc) as ch, pytest.raises(grpc.RpcError) as e:
-        list(gateway_pb2_grpc.GatewayServiceStub(ch).ChatCompletion(req, timeout=60))
+    body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "epd-media:0"}}]}]}
+    with pytest.raises(grpc.RpcError) as e:
+        _grpc(deployment, "ChatCompletion", body, [b"not an image"])
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "image" in e.value.details()
+
+
+def test_native_grpc_bad_value_is_vllms_error(deployment):
+    with pytest.raises(grpc.RpcError) as e:
+        _grpc(deployment, "ChatCompletion", {"messages": [{"role": "user", "content": "hi"}], "temperature": -1})
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in e.value.details()
 
 
 @pytest.mark.parametrize("which,service", [("encoder_addr", "epd.encoder.v1.EncoderService"),

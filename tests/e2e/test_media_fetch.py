@@ -99,8 +99,8 @@ def test_default_gateway_refuses_with_the_openai_client(client, media_server, ca
 
 
 def test_default_gateway_refuses_over_native_grpc(deployment):
-    req = gateway_pb2.ChatCompletionRequest()
-    req.messages.add(role="user").content.add(image=gateway_pb2.ImagePart(url="http://169.254.169.254/"))
+    req = gateway_pb2.OpenAIRequest(body=json.dumps({"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://169.254.169.254/"}}]}]}).encode())
     with grpc.insecure_channel(deployment.gateway_grpc) as ch, pytest.raises(grpc.RpcError) as e:
         list(gateway_pb2_grpc.GatewayServiceStub(ch).ChatCompletion(req, timeout=30))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and GUARD in e.value.details()

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
+import uuid
 from collections.abc import Callable
 
 import grpc
@@ -113,15 +115,35 @@ class FakeEncoder(encoder_pb2_grpc.EncoderServiceServicer):
 
 
 class FakeLM(lm_pb2_grpc.LMServiceServicer):
-    """Records each request, streams tokens [1, 2], [3], then "stop"; GetInfo
-    names ``model``. Scripted modes: unavailable, encoder_unavailable, invalid,
-    forbidden (PERMISSION_DENIED, as an LM whose encoder allow-list lacks the
-    item's encoder), fail_after_first, block (until cancelled), first_then_block."""
+    """Records each request and answers it as the real LM does (vLLM's OpenAI bytes, then a last
+    message with the timings): tokens [1, 2] ("ab") then [3] ("c"), then "stop" (fewer, and "length",
+    under a smaller ``max_tokens``). Without ``"stream": true`` the first message is the whole
+    chat.completion (or text_completion) body with http_status 200; with it, one SSE chunk per
+    message (the first with http_status 200), then "data: [DONE]". As vLLM with return_token_ids,
+    each choice carries its "token_ids"; ids are vLLM's ("chatcmpl-"/"cmpl-" + the body's "request_id") and
+    "model" is the request's, else ``model``. GetInfo names ``model``. Scripted modes: unavailable,
+    encoder_unavailable, encoder_unavailable_unnamed, invalid, forbidden (PERMISSION_DENIED, as an
+    LM whose encoder allow-list lacks the item's encoder), bad_request:<param> (an HTTP 400 answer as
+    vLLM's error body, as vLLM answers a bad sampling parameter), fail_after_first, block (until
+    cancelled), first_then_block."""
 
     def __init__(self, name: str, world: World, model: str = "fake-model") -> None:
         self.name, self.world, self.model = name, world, model
         self.requests: list[lm_pb2.GenerateRequest] = []
         self.cancelled: list[str] = []
+
+    @staticmethod
+    def body(request: lm_pb2.GenerateRequest) -> dict:
+        """The OpenAI body a request carries (refused as the real LM refuses a malformed one)."""
+        if request.openai.api not in ("chat", "completions"):
+            raise BadInput(f"openai.api must be one of chat, completions; got {request.openai.api!r}")
+        try:
+            body = json.loads(request.openai.body)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise BadInput(f"openai.body is not JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise BadInput("openai.body must be a JSON object")
+        return body
 
     async def Generate(self, request, context):
         got = lm_pb2.GenerateRequest()
@@ -131,6 +153,7 @@ class FakeLM(lm_pb2_grpc.LMServiceServicer):
         self.world.log.append((self.name, "generate", rid))
         self.world.lm_arrived(rid).set()
         mode = self.world.lm_script.pop(0) if self.world.lm_script else "ok"
+        body = self.body(request)
         if mode == "unavailable":
             raise PeerUnavailable(f"{self.name} is draining")
         if mode == "encoder_unavailable":  # as the real LM: names the encoder of the item it could not get
@@ -142,13 +165,68 @@ class FakeLM(lm_pb2_grpc.LMServiceServicer):
             raise BadInput("prompt too long")
         if mode == "forbidden":
             raise Forbidden(f"{self.name} may not fetch from that encoder")
+        if mode.startswith("bad_request:"):
+            param = mode.partition(":")[2]
+            err = {"error": {"message": f"{param}: bad value", "type": "BadRequestError", "param": param,
+                             "code": 400}}
+            yield lm_pb2.GenerateResponse(request_id=rid, openai=json.dumps(err).encode(), http_status=400)
+            return
         if mode == "block":
             try:
                 await asyncio.sleep(30)
             except asyncio.CancelledError:
                 self.cancelled.append(rid)
                 raise
-        yield lm_pb2.GenerateResponse(request_id=rid, token_ids=[1, 2], text="ab")
+        chat = request.openai.api == "chat"
+        steps = [([1, 2], "ab"), ([3], "c")]
+        max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or 3
+        if max_tokens < 3:
+            steps = [([1, 2][:max_tokens], "ab"[:max_tokens])]
+        finish = "stop" if max_tokens >= 3 else "length"
+        n_out = sum(len(t) for t, _ in steps)
+        usage = {"prompt_tokens": 5, "total_tokens": 5 + n_out, "completion_tokens": n_out}
+        # As vLLM: the body's request_id (the client's, which the gateway puts there) names the response.
+        head = {"id": ("chatcmpl-" if chat else "cmpl-") + str(body.get("request_id") or uuid.uuid4().hex),
+                "created": int(time.time()),
+                "model": body.get("model") or self.model}
+        if body.get("stream") is True:
+            for k, (toks, text) in enumerate(steps):
+                last = k == len(steps) - 1
+                choice = {"index": 0, "logprobs": None, "finish_reason": finish if last else None,
+                          "token_ids": toks}
+                if chat:
+                    choice["delta"] = {"role": "assistant", "content": text} if k == 0 else {"content": text}
+                else:
+                    choice["text"] = text
+                chunk = {**head, "object": "chat.completion.chunk" if chat else "text_completion",
+                         "choices": [choice]}
+                yield lm_pb2.GenerateResponse(request_id=rid, openai=_sse(chunk), http_status=200 if k == 0 else 0)
+                if k == 0:
+                    await self._after_first(mode, rid)
+            options = body.get("stream_options")
+            if isinstance(options, dict) and options.get("include_usage"):
+                yield lm_pb2.GenerateResponse(request_id=rid, openai=_sse(
+                    {**head, "object": "chat.completion.chunk" if chat else "text_completion", "choices": [],
+                     "usage": usage}))
+            yield lm_pb2.GenerateResponse(request_id=rid, openai=b"data: [DONE]\n\n")
+        else:
+            toks, text = [t for s in steps for t in s[0]], "".join(s[1] for s in steps)
+            choice = {"index": 0, "logprobs": None, "finish_reason": finish, "stop_reason": None, "token_ids": toks}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            out = {**head, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
+                   "usage": usage}
+            yield lm_pb2.GenerateResponse(request_id=rid, openai=json.dumps(out).encode(), http_status=200)
+            await self._after_first(mode, rid)
+        yield lm_pb2.GenerateResponse(
+            request_id=rid, finish_reason=finish,
+            usage=lm_pb2.Usage(prompt_tokens=usage["prompt_tokens"], completion_tokens=n_out),
+            timings=lm_pb2.Timings(ttft_ms=1.0, tpot_ms=0.5),
+            transferred_items=sum(1 for i in request.items if i.HasField("source")))
+
+    async def _after_first(self, mode: str, rid: str) -> None:
         if mode == "fail_after_first":
             raise PeerUnavailable(f"{self.name} crashed mid-stream")
         if mode == "first_then_block":
@@ -157,13 +235,13 @@ class FakeLM(lm_pb2_grpc.LMServiceServicer):
             except asyncio.CancelledError:
                 self.cancelled.append(rid)
                 raise
-        yield lm_pb2.GenerateResponse(request_id=rid, token_ids=[3], text="c")
-        yield lm_pb2.GenerateResponse(request_id=rid, finish_reason="stop",
-                                      usage=lm_pb2.Usage(prompt_tokens=5, completion_tokens=3),
-                                      transferred_items=sum(1 for i in request.items if i.HasField("source")))
 
     async def GetInfo(self, request, context):
         return lm_pb2.LMInfo(model=self.model)
+
+
+def _sse(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
 
 async def serve_fake(fake: FakeEncoder | FakeLM, port: int = 0,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 import time
 from collections.abc import Awaitable, Callable
 
@@ -21,9 +22,11 @@ from epd.encoder.v1 import encoder_pb2
 from epd.lm.v1 import lm_pb2, lm_pb2_grpc
 from services.certs import make_token
 from services.common.grpc_server import GrpcServer
+from services.common.images import data_url
 from services.gateway import routing
 from services.gateway.config import GatewayConfig
 from services.gateway.instances import InstancePool
+from services.gateway.openai_api import MEDIA_REF, parse_openai
 from services.gateway.orchestrator import Media, Orchestrator, Timings
 from tests.integration.gateway_fakes import FakeEncoder, FakeLM, World, serve_fake, wait_until
 
@@ -99,20 +102,55 @@ def run_cluster(body: Callable[[Cluster], Awaitable[None]], **cluster_kw) -> Non
     asyncio.run(main())
 
 
-def request(rid: str, identifiers: list[str]) -> tuple[lm_pb2.GenerateRequest, list[Media]]:
-    req = lm_pb2.GenerateRequest(request_id=rid, prompt="describe",
-                                 items=[lm_pb2.MMItem(modality="image", identifier=i, data=b"x")
-                                        for i in identifiers])
+def request(rid: str, identifiers: list[str], stream: bool = False) -> tuple[lm_pb2.GenerateRequest, list[Media]]:
+    """A chat request with one image (bytes ``b"x"``) per identifier, as the gateway's APIs hand it to the
+    orchestrator: the client's OpenAI body in ``openai.body`` (images as gRPC ``epd-media:N`` parts; each
+    LM attempt gets its own body from ``prepare``) and one item per image."""
+    content = [{"type": "image_url", "image_url": {"url": f"{MEDIA_REF}{n}"}} for n in range(len(identifiers))]
+    body = {"messages": [{"role": "user", "content": [*content, {"type": "text", "text": "describe"}]}],
+            "max_tokens": 3, "stream": stream}
+    req = lm_pb2.GenerateRequest(request_id=rid, items=[lm_pb2.MMItem(modality="image", identifier=i)
+                                                        for i in identifiers])
+    req.openai.api = "chat"
+    req.openai.body = json.dumps(body).encode()
     return req, [Media(data=b"x", identifier=i) for i in identifiers]
+
+
+def prepare(orch: Orchestrator, req: lm_pb2.GenerateRequest,
+            media: list[Media]) -> Callable[[lm_pb2.GenerateRequest], None]:
+    """What the gateway's APIs pass as ``generate(prepare=...)``: each LM attempt's body from the client's."""
+    call = parse_openai(req.openai.api, req.openai.body, orch.cfg, [m.data for m in media])
+    return lambda r: setattr(r.openai, "body", call.lm_body(r, media))
+
+
+def generate(orch: Orchestrator, req, media, timings: Timings):
+    return orch.generate(req, media, timings, prepare=prepare(orch, req, media))
 
 
 async def collect(orch: Orchestrator, req, media, timings: Timings | None = None) -> list[lm_pb2.GenerateResponse]:
     timings = timings if timings is not None else Timings()
-    return [r async for r in orch.generate(req, media, timings)]
+    return [r async for r in generate(orch, req, media, timings)]
 
 
 def tokens(responses: list[lm_pb2.GenerateResponse]) -> list[int]:
-    return [t for r in responses for t in r.token_ids]
+    """The first choice's token ids in the LM's OpenAI answers (vLLM's "token_ids"): a whole body, or
+    the chunks of its server-sent events."""
+    out = []
+    for r in responses:
+        if r.openai.startswith(b"data: "):
+            bodies = [json.loads(line[6:]) for line in r.openai.split(b"\n")
+                      if line.startswith(b"data: ") and line[6:].strip() != b"[DONE]"]
+        else:
+            bodies = [json.loads(r.openai)] if r.openai else []
+        out += [t for b in bodies for c in b["choices"][:1] for t in c.get("token_ids") or []]
+    return out
+
+
+def image_parts(req: lm_pb2.GenerateRequest) -> list[dict]:
+    """The image parts of the OpenAI body an LM received, in order."""
+    body = json.loads(req.openai.body)
+    return [p for m in body["messages"] if isinstance(m["content"], list) for p in m["content"]
+            if p["type"] == "image_url"]
 
 
 def retries(role: str, code: str) -> float:
@@ -190,9 +228,11 @@ def test_sequential_starts_the_lm_only_after_every_item_is_encoded():
 def test_a_text_only_request_goes_straight_to_an_lm():
     async def body(c: Cluster):
         orch = await c.start()
-        out = await collect(orch, lm_pb2.GenerateRequest(request_id="r-text", prompt="hi"), [])
+        out = await collect(orch, *request("r-text", []))
         assert tokens(out) == [1, 2, 3]
         assert c.encode_calls() == 0 and len(c.lm_requests()) == 1
+        (lm_req,) = c.lm_requests()
+        assert list(lm_req.items) == [] and image_parts(lm_req) == []
 
     run_cluster(body)
 
@@ -313,9 +353,13 @@ def test_the_lm_gets_no_image_bytes_with_a_layout_and_a_retry_without_one_gets_t
         req, media = request("r-layout", [ident])
         assert tokens(await collect(orch, req, media)) == [1, 2, 3]
         first, second = c.lm_requests()
-        assert first.items[0].data == b"" and list(first.items[0].source.placeholder_token_ids) == [9]
+        assert list(first.items[0].source.placeholder_token_ids) == [9]
         assert list(first.items[0].source.prompt_token_ids) == [5] * 16
-        assert second.items[0].data == b"x" and not second.items[0].source.placeholder_token_ids
+        # Laid out by the encoder: a uuid-only part, no bytes.
+        assert image_parts(first) == [{"type": "image_url", "image_url": None, "uuid": ident}]
+        # No layout: the LM processes the image, so it gets the bytes (named by the content hash).
+        assert not second.items[0].source.placeholder_token_ids and second.items[0].HasField("source")
+        assert image_parts(second) == [{"type": "image_url", "image_url": {"url": data_url(b"x")}, "uuid": ident}]
 
     run_cluster(body)
 
@@ -412,12 +456,12 @@ def test_an_lm_failing_after_the_first_token_ends_the_stream_without_retry():
     async def body(c: Cluster):
         orch = await c.start()
         c.world.lm_script = ["fail_after_first"]
-        req, media = request("r-late", ids(1, "7"))
+        req, media = request("r-late", ids(1, "7"), stream=True)
         timings = Timings()
         seen: list[int] = []
         with pytest.raises(grpc.aio.AioRpcError) as e:
-            async for resp in orch.generate(req, media, timings):
-                seen.extend(resp.token_ids)
+            async for resp in generate(orch, req, media, timings):
+                seen.extend(tokens([resp]))
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
         assert seen == [1, 2]
         assert len(c.lm_requests()) == 1 and c.encode_calls() == 1 and timings.retries == 0
@@ -564,7 +608,8 @@ def test_with_every_encoder_down_the_lm_encodes_locally():
         assert tokens(out) == [1, 2, 3]
         (lm_req,) = c.lm_requests()
         assert len(lm_req.items) == 2 and not any(it.HasField("source") for it in lm_req.items)
-        assert [it.data for it in lm_req.items] == [b"x", b"x"]
+        # The LM encodes them itself: it gets the bytes, and hashes them as vLLM does (no uuid).
+        assert image_parts(lm_req) == [{"type": "image_url", "image_url": {"url": data_url(b"x")}}] * 2
         assert c.encode_calls() == 0 and fallbacks() - before == 1
 
     run_cluster(body)
@@ -771,7 +816,7 @@ def test_a_caller_cancelling_after_an_encoder_failure_sees_a_cancellation():
         got: list[lm_pb2.GenerateResponse] = []
 
         async def consume():
-            async for r in orch.generate(req, media, Timings()):
+            async for r in generate(orch, req, media, Timings()):
                 got.append(r)
 
         task = asyncio.create_task(consume())

@@ -98,10 +98,10 @@ class Gateway:
             return r.status, (json.loads(text) if r.content_type == "application/json" else {"sse": text}), \
                 r.headers.copy()
 
-    async def grpc_chat(self, text: str = "hi") -> list[gateway_pb2.ChatCompletionChunk]:
+    async def grpc_chat(self, text: str = "hi", request_id: str = "") -> list[gateway_pb2.OpenAIResponse]:
+        """A streaming chat over the gRPC API: every message (chunks, then the one with ``epd``)."""
         stub = gateway_pb2_grpc.GatewayServiceStub(self.channel)
-        req = gateway_pb2.ChatCompletionRequest(messages=[gateway_pb2.GatewayMessage(
-            role="user", content=[gateway_pb2.GatewayContentPart(text=text)])])
+        req = gateway_pb2.OpenAIRequest(body=json.dumps(chat(text, stream=True)).encode(), request_id=request_id)
         return [c async for c in stub.ChatCompletion(req, timeout=10)]
 
     @staticmethod
@@ -133,6 +133,11 @@ def image_chat(seed: int = 0) -> dict:
 
 def tokens(body: dict) -> list[int]:
     return body["choices"][0]["token_ids"]
+
+
+def chunks_of(messages: list[gateway_pb2.OpenAIResponse]) -> list[dict]:
+    """The JSON chunks of a gRPC stream (the last message carries only ``epd``)."""
+    return [json.loads(m.body) for m in messages if m.body]
 
 
 # --- start in any order -----------------------------------------------------------------------------------------
@@ -179,8 +184,12 @@ def test_a_gateway_started_before_its_lm_answers_503_with_the_reason_then_serves
                 assert status == 200 and tokens(out) == [1, 2, 3] and out["model"] == "fake-model"
                 status, models = await gw.get("/v1/models")
                 assert status == 200 and [m["id"] for m in models["data"]] == ["fake-model"]
-                chunks = await gw.grpc_chat()
-                assert [t for c in chunks for t in c.token_ids] == [1, 2, 3]
+                messages = await gw.grpc_chat()
+                chunks = chunks_of(messages)
+                assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == [1, 2, 3]
+                assert {c["model"] for c in chunks} == {"fake-model"}
+                assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+                assert not messages[-1].body and json.loads(messages[-1].epd)["lm"] == f"127.0.0.1:{lm_port}"
                 assert len(lm.requests) == 2
             finally:
                 await server.stop(0)
@@ -311,14 +320,9 @@ def test_an_lm_serving_another_model_than_the_first_admitted_is_never_routed_to(
 @pytest.mark.parametrize("raw, param", [
     (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', None),
     (b'{"messages": [{"role": "user", "content": "hi"}], "top_p": Infinity}', None),
-    (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": 1e39}', "temperature"),
-    (b'{"messages": [{"role": "user", "content": "hi"}], "n": 1.9}', "n"),
-    (b'{"messages": [{"role": "user", "content": "hi"}], "stream": true, "stream_options": "yes"}',
-     "stream_options"),
-    (b'{"messages": [{"role": "user", "content": "hi"}], "stream": true, "stream_options": [true]}',
-     "stream_options"),
-], ids=["nan", "infinity", "float32-overflow", "n-not-integer", "stream-options-string", "stream-options-list"])
-def test_bad_sampling_and_stream_options_are_400_before_any_stream_starts(raw, param):
+], ids=["nan", "infinity"])
+def test_json_that_is_not_json_is_400_at_the_gateway_before_any_lm_call(raw, param):
+    """NaN and Infinity are no JSON numbers: the gateway refuses the body itself."""
     async def body():
         async with admitted_gateway() as (gw, lm):
             status, err, headers = await gw.post("/v1/chat/completions", raw,
@@ -330,6 +334,33 @@ def test_bad_sampling_and_stream_options_are_400_before_any_stream_starts(raw, p
     run(body)
 
 
+@pytest.mark.parametrize("raw, param", [
+    (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": 1e39}', "temperature"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "n": 1.9}', "n"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "stream": true, "stream_options": "yes"}',
+     "stream_options"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "stream": true, "stream_options": [true]}',
+     "stream_options"),
+], ids=["float32-overflow", "n-not-integer", "stream-options-string", "stream-options-list"])
+def test_bad_sampling_and_stream_options_are_400_before_any_stream_starts(raw, param):
+    """Sampling and stream options are vLLM's to validate (on the LM): its 400 answer comes back as a
+    plain JSON error with vLLM's body, never as a started stream, even for "stream": true."""
+    async def body():
+        async with admitted_gateway() as (gw, lm):
+            lm.world.lm_script = [f"bad_request:{param}"]
+            status, err, headers = await gw.post("/v1/chat/completions", raw,
+                                                 {"Content-Type": "application/json"})
+            assert status == 400 and headers["Content-Type"].startswith("application/json"), (status, err)
+            assert err == {"error": {"message": f"{param}: bad value", "type": "BadRequestError", "param": param,
+                                     "code": 400}}
+            (sent,) = lm.requests
+            sent_body = json.loads(sent.openai.body)
+            assert sent.openai.api == "chat" and sent_body.pop("request_id")
+            assert sent_body == json.loads(raw)  # passed on as the client sent it (and its id added)
+
+    run(body)
+
+
 def test_two_requests_with_one_x_request_id_reach_the_lm_under_distinct_ids_and_the_client_sees_its_own():
     async def body():
         async with admitted_gateway() as (gw, lm):
@@ -337,14 +368,16 @@ def test_two_requests_with_one_x_request_id_reach_the_lm_under_distinct_ids_and_
             (s1, b1, h1), (s2, b2, h2) = await asyncio.gather(
                 gw.post("/v1/chat/completions", chat(), hdr), gw.post("/v1/completions", {"prompt": "x"}, hdr))
             assert (s1, s2) == (200, 200)
-            assert h1["X-Request-Id"] == h2["X-Request-Id"] == b1["id"] == b2["id"] == "same-id"
+            # The bodies are vLLM's, named from the client's id as `vllm serve` names them from X-Request-Id.
+            assert h1["X-Request-Id"] == h2["X-Request-Id"] == "same-id"
+            assert (b1["id"], b2["id"]) == ("chatcmpl-same-id", "cmpl-same-id")
             sent = [r.request_id for r in lm.requests]
             assert len(set(sent)) == 2 and all(r.startswith("same-id-") for r in sent), sent
             status, out, headers = await gw.post("/v1/chat/completions", chat(stream=True), hdr)
             assert status == 200 and headers["X-Request-Id"] == "same-id"
             events = [json.loads(line[6:]) for line in out["sse"].splitlines()
                       if line.startswith("data: {")]
-            assert {e["id"] for e in events} == {"same-id"}
+            assert events and {e["id"] for e in events} == {"chatcmpl-same-id"}
             assert len({r.request_id for r in lm.requests}) == 3
 
     run(body)
@@ -354,30 +387,24 @@ def test_the_grpc_api_refuses_a_nan_temperature():
     async def body():
         async with admitted_gateway() as (gw, lm):
             stub = gateway_pb2_grpc.GatewayServiceStub(gw.channel)
-            req = gateway_pb2.ChatCompletionRequest(
-                messages=[gateway_pb2.GatewayMessage(role="user", content=[
-                    gateway_pb2.GatewayContentPart(text="hi")])])
-            req.sampling.temperature = float("nan")
+            req = gateway_pb2.OpenAIRequest(
+                body=b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}')
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 async for _ in stub.ChatCompletion(req, timeout=10):
                     pass
-            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in e.value.details()
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "NaN" in e.value.details()
             assert lm.requests == []
 
     run(body)
 
 
 
-def test_two_grpc_calls_with_one_request_id_reach_the_lm_under_distinct_ids_and_chunks_carry_the_clients():
+def test_two_grpc_calls_with_one_request_id_reach_the_lm_under_distinct_ids_and_chunks_carry_them():
     async def body():
         async with admitted_gateway() as (gw, lm):
-            stub = gateway_pb2_grpc.GatewayServiceStub(gw.channel)
-            req = gateway_pb2.ChatCompletionRequest(messages=[gateway_pb2.GatewayMessage(
-                role="user", content=[gateway_pb2.GatewayContentPart(text="hi")])])
             for _ in range(2):
-                chunks = [c async for c in stub.ChatCompletion(req, timeout=10,
-                                                               metadata=(("x-request-id", "g-id"),))]
-                assert {c.id for c in chunks} == {"g-id"}
+                chunks = chunks_of(await gw.grpc_chat(request_id="g-id"))
+                assert chunks and {c["id"] for c in chunks} == {"chatcmpl-g-id"}  # vLLM's, from the client's id
             sent = [r.request_id for r in lm.requests]
             assert len(set(sent)) == 2 and all(r.startswith("g-id-") for r in sent), sent
 

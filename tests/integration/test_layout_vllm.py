@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from services.common.chat import render_chat
 from services.common.engine import tokenize
 from services.common.layout import item_layouts, mask_bytes, placeholder_ranges, splice
 
@@ -83,7 +82,9 @@ def test_laid_out_prompt_equals_vllms_processing(proc, n_images):
         content = [{"type": "text", "text": "Compare"}]
         for k in range(n_images):
             content += [{"type": "image"}, {"type": "text", "text": f" and{k}\n"}]
-        prompts = [render_chat(proc.get_tokenizer(), [{"role": "user", "content": content}]),
+        chat = proc.get_tokenizer().apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                                         add_generation_prompt=True)
+        prompts = [chat,
                    "x" + placeholder * n_images + "y",  # placeholders back to back, text glued on
                    placeholder * n_images]
         for prompt in prompts:

@@ -3,14 +3,16 @@ resolver filter, the header check (decompression bombs) and the gRPC API's conve
 
 import asyncio
 import ipaddress
+import json
 import socket
 
 import grpc
 import pytest
-from helpers import image_bytes
+from helpers import data_url, image_bytes
 
 from epd.gateway.v1 import gateway_pb2
-from services.common.errors import BadInput, MediaError
+from epd.lm.v1 import lm_pb2
+from services.common.errors import BadInput, EPDError, MediaError
 from services.common.images import bomb_png
 from services.common.media import IMAGE_FORMATS, check_image
 from services.gateway.config import GatewayConfig
@@ -199,20 +201,80 @@ def test_fetcher_refuses_guarded_urls_before_opening_a_session():
     assert "scheme 'file'" in asyncio.run(go("file:///etc/passwd"))
 
 
-def _grpc_request(*images: gateway_pb2.ImagePart) -> gateway_pb2.ChatCompletionRequest:
-    parts = [gateway_pb2.GatewayContentPart(image=i) for i in images]
-    parts.append(gateway_pb2.GatewayContentPart(text="hi"))
-    return gateway_pb2.ChatCompletionRequest(messages=[gateway_pb2.GatewayMessage(role="user", content=parts)])
+class _FakeOrch:
+    """Stands in for the Orchestrator: records what reached it and answers like an LM that found no
+    encoder for the items (one whole body, then the last message)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def lm_wait_reason(self):
+        return None
+
+    async def generate(self, req, media, timings, prepare=None):
+        if prepare is not None:
+            prepare(req)
+        self.calls.append((req, media))
+        yield lm_pb2.GenerateResponse(request_id=req.request_id, http_status=200, openai=b'{"object": "chat.completion"}')
+        yield lm_pb2.GenerateResponse(request_id=req.request_id, finish_reason="stop", timings=lm_pb2.Timings())
 
 
-def test_grpc_convert_loads_bytes_and_refuses_guarded_urls_as_bad_input():
-    svc = GatewayServicer(CFG, orch=None, fetcher=MediaFetcher(CFG))
+class _Context:
+    """The part of a grpc.aio servicer context the gateway's servicer reads."""
+
+    def invocation_metadata(self):
+        return ()
+
+
+def _grpc_request(*images: str | bytes) -> gateway_pb2.OpenAIRequest:
+    """A gRPC chat request with one image part per image (a URL, or raw bytes sent as media) and a text part."""
+    media, parts = [], []
+    for img in images:
+        if isinstance(img, bytes):
+            media.append(img)
+            img = f"epd-media:{len(media) - 1}"
+        parts.append({"type": "image_url", "image_url": {"url": img}})
+    parts.append({"type": "text", "text": "hi"})
+    body = {"messages": [{"role": "user", "content": parts}]}
+    return gateway_pb2.OpenAIRequest(body=json.dumps(body).encode(), media=media)
+
+
+def _grpc_call(svc: GatewayServicer, request: gateway_pb2.OpenAIRequest) -> list[gateway_pb2.OpenAIResponse]:
+    async def go():
+        return [r async for r in svc.ChatCompletion(request, _Context())]
+    return asyncio.run(go())
+
+
+def test_grpc_api_loads_media_bytes_and_refuses_guarded_urls_as_bad_input():
+    orch = _FakeOrch()
+    svc = GatewayServicer(CFG, orch=orch, fetcher=MediaFetcher(CFG))
     png = image_bytes("PNG")
-    req, media = asyncio.run(svc._convert(_grpc_request(gateway_pb2.ImagePart(data=png))))
-    assert [m.data for m in media] == [png] and req.items[0].data == png
-    assert [p.WhichOneof("part") for p in req.chat.messages[0].content] == ["item_index", "text"]
+    out = _grpc_call(svc, _grpc_request(png))
+    assert json.loads(out[0].body) == {"object": "chat.completion"} and json.loads(out[-1].epd)["retries"] == 0
+    (req, media), = orch.calls
+    assert [m.data for m in media] == [png]
+    assert [(i.modality, i.identifier) for i in req.items] == [("image", media[0].identifier)]
+    # No encoder laid it out: the LM gets the bytes the gateway read as a data: URL, in the part's place.
+    content = json.loads(req.openai.body)["messages"][0]["content"]
+    assert [p["type"] for p in content] == ["image_url", "text"]
+    assert content[0]["image_url"]["url"] == data_url(png)
     with pytest.raises(BadInput) as e:
-        asyncio.run(svc._convert(_grpc_request(gateway_pb2.ImagePart(url="http://169.254.169.254/"))))
+        _grpc_call(svc, _grpc_request("http://169.254.169.254/"))
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "link-local" in str(e.value)
-    with pytest.raises(BadInput, match="decompression.bomb"):
-        asyncio.run(svc._convert(_grpc_request(gateway_pb2.ImagePart(data=bomb_png(10000)))))
+    with pytest.raises(BadInput, match="decompression.bomb") as e:
+        _grpc_call(svc, _grpc_request(bomb_png(10000)))
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert len(orch.calls) == 1  # refused images never reach the LM
+
+
+def test_grpc_api_refuses_a_media_ref_that_names_nothing_as_invalid_argument():
+    orch = _FakeOrch()
+    svc = GatewayServicer(CFG, orch=orch)
+    req = _grpc_request(image_bytes("PNG"))
+    del req.media[:]
+    with pytest.raises(EPDError) as e:
+        _grpc_call(svc, req)
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "'epd-media:0' names no media item" in str(e.value)
+    with pytest.raises(MediaError, match="no media fetcher"):  # http(s) needs the server's fetcher
+        _grpc_call(svc, _grpc_request("https://example.com/cat.png"))
+    assert orch.calls == []

@@ -1,0 +1,324 @@
+"""The LM's OpenAI front end: vLLM's own serving classes, as ``vllm serve`` builds them.
+
+``build_frontend`` makes vLLM's ``OpenAIServingChat`` and ``OpenAIServingCompletion``
+(their request validation, ``to_sampling_params``, structured outputs, tool-call and
+reasoning parsers, logprobs, streaming and usage) over the LM's engine, configured
+from vLLM's own serve flags (``make_arg_parser``), so every request and every error is
+answered by the code ``vllm serve`` runs. epd-serve adds two things, both by
+composition on the objects vLLM takes as arguments (no subclass of a serving class,
+no patch):
+
+- ``LaidOutRenderer`` wraps the engine's renderer. vLLM renders the chat (its chat
+  template, tools, chat-template kwargs) and tokenizes it as always; for the images an
+  encoder processed, which arrive as vLLM's uuid-only items (``{"type": "image_url",
+  "image_url": null, "uuid": id}``), it splices in each item's prompt layout from the
+  encoder's metadata instead of running the image processor. The LM never decodes or
+  preprocesses such an image. Anything else (text, or images with data when no encoder
+  was used) goes to vLLM's renderer unchanged.
+- ``ConsumerEngine`` wraps the engine client: each request's ``SamplingParams`` get the
+  ``ec_transfer_params`` naming the encoder of each item (the consumer connector pulls
+  the embeddings), and the engine outputs are recorded for the service's timings and
+  its failover signal (an item the encoder could not deliver).
+
+Both read the request's ``RequestContext`` from a context variable the servicer sets
+around each call: vLLM's serving code runs in the servicer's task, so the context
+reaches the renderer and the engine call of that request and no other.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.common.errors import BadInput, EncoderUnavailable
+from services.common.layout import ItemLayout, splice
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestContext:
+    """One Generate call's epd state, shared with vLLM's serving code through ``CURRENT``.
+
+    ``layouts``/``sources``: per item identifier, the prompt layout and the encoder
+    (``{"endpoint", "embed_width", "dtype"}``) from the encoders' metadata; empty for a
+    request without encoder items. Written by the servicer before the call; read by
+    ``LaidOutRenderer`` and ``ConsumerEngine``."""
+
+    layouts: dict[str, ItemLayout] = field(default_factory=dict)
+    sources: dict[str, dict[str, Any]] = field(default_factory=dict)
+    start: float = field(default_factory=time.perf_counter)
+    first_token_at: float = 0.0
+    last_token_at: float = 0.0
+    tokens: dict[int, int] = field(default_factory=dict)
+    """Output tokens so far per choice index."""
+    final: Any = None
+    """The last engine output (vLLM ``RequestOutput``) of the request."""
+    encoder_failure: EncoderUnavailable | None = None
+    """Set when the engine failed the request because an item's embedding could not be
+    obtained: the servicer turns it into the ``epd-fault: encoder`` status (the gateway
+    re-encodes elsewhere) instead of passing vLLM's error chunk on."""
+    laid_out: int = 0
+    """Prompts of this call laid out from encoder metadata (0 or 1)."""
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(self.tokens.values())
+
+    @property
+    def first_choice_tokens(self) -> int:
+        return self.tokens.get(0, 0)
+
+
+CURRENT: contextvars.ContextVar[RequestContext | None] = contextvars.ContextVar("epd_lm_request", default=None)
+
+
+class LaidOutRenderer:
+    """vLLM's renderer (``engine.renderer``) with one change: a chat whose images are
+    uuid-only items that the current request's ``RequestContext`` lays out is rendered
+    and tokenized by vLLM, then each item's placeholder is replaced by the encoder's
+    layout (``services.common.layout.splice``) instead of running the processor.
+    Every other attribute is the wrapped renderer's."""
+
+    def __init__(self, inner) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+    async def render_chat_async(self, conversations, chat_params, tok_params=None, *, prompt_extras=None,
+                                skip_mm_cache: bool = False):
+        ctx = CURRENT.get()
+        if ctx is None or not ctx.layouts:
+            return await self._inner.render_chat_async(conversations, chat_params, tok_params,
+                                                       prompt_extras=prompt_extras, skip_mm_cache=skip_mm_cache)
+        arrival = time.time()
+        if tok_params is None:
+            tok_params = self._inner.default_chat_tok_params
+        convs, inputs = [], []
+        for messages in conversations:
+            conv, prompt = await self._inner.render_messages_async(messages, chat_params)
+            (tok,) = await self._inner.tokenize_prompts_async([prompt], tok_params)
+            engine_input = _lay_out(tok, ctx)
+            if (salt := (prompt_extras or {}).get("cache_salt")) is not None:
+                engine_input["cache_salt"] = salt
+            engine_input["arrival_time"] = arrival
+            convs.append(conv)
+            inputs.append(engine_input)
+        ctx.laid_out += 1
+        return convs, inputs
+
+
+def _lay_out(tok_prompt: dict, ctx: RequestContext) -> dict:
+    """vLLM's tokenized chat prompt (placeholders not expanded; uuid-only images) as an
+    engine input whose images are laid out from the encoders' metadata."""
+    import torch
+    from vllm.inputs import mm_input
+    from vllm.multimodal.inputs import PlaceholderRange
+
+    data = dict(tok_prompt.get("multi_modal_data") or {})
+    uuids = dict(tok_prompt.get("multi_modal_uuids") or {})
+    images = data.pop("image", None) or []
+    idents = list(uuids.pop("image", None) or [])
+    if data or any(v for v in uuids.values()):
+        raise BadInput(f"only image items can come from an encoder; got {sorted(set(data) | set(uuids))}")
+    if any(img is not None for img in images) or len(idents) != len(images):
+        raise BadInput("a request with encoder items may not carry image data as well")
+    layouts = []
+    for ident in idents:
+        lay = ctx.layouts.get(ident) if ident else None
+        if lay is None:
+            raise BadInput(f"image {str(ident)[:16]!r}... has no encoder metadata")
+        layouts.append(lay)
+    try:
+        ids, positions = splice(list(tok_prompt["prompt_token_ids"]), layouts)
+    except ValueError as e:  # LayoutError: placeholders and items do not match
+        raise BadInput(str(e)) from None
+    ranges = [PlaceholderRange(offset=off, length=length,
+                               is_embed=torch.frombuffer(bytearray(lay.is_embed), dtype=torch.uint8).bool()
+                               if lay.is_embed else None)
+              for (off, length), lay in zip(positions, layouts)]
+    return mm_input(ids, {"image": [None] * len(layouts)}, {"image": idents}, {"image": ranges},
+                    prompt=tok_prompt.get("prompt"))
+
+
+class ConsumerEngine:
+    """The LM's ``AsyncLLM`` as vLLM's serving classes see it: ``renderer`` is the
+    ``LaidOutRenderer``; ``generate`` adds the current request's ``ec_transfer_params``
+    and records its outputs in the ``RequestContext``. Every other attribute is the
+    engine's."""
+
+    def __init__(self, engine) -> None:
+        self._engine = engine
+        self.renderer = LaidOutRenderer(engine.renderer)
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+    def generate(self, prompt, sampling_params, request_id, *args, **kwargs):
+        ctx = CURRENT.get()
+        extra = dict(sampling_params.extra_args or {})
+        # Only the gateway's items name encoders: a client's own ec_transfer_params (a request field
+        # vLLM forwards, or vllm_xargs) would make the LM dial what the caller chose.
+        extra.pop("ec_transfer_params", None)
+        if ctx is not None and ctx.sources:
+            extra["ec_transfer_params"] = {"items": ctx.sources}
+        sampling_params.extra_args = extra or None
+        gen = self._engine.generate(prompt, sampling_params, request_id, *args, **kwargs)
+        if ctx is None:
+            return gen
+        from vllm.sampling_params import RequestOutputKind
+
+        return _recorded(gen, ctx, request_id, delta=sampling_params.output_kind == RequestOutputKind.DELTA)
+
+
+async def _recorded(gen, ctx: RequestContext, request_id: str, delta: bool):
+    try:
+        async for out in gen:
+            ctx.final = out
+            failed = [c for c in out.outputs if c.finish_reason == "error"]
+            if failed and ctx.sources:
+                ec = out.ec_transfer_params or {}
+                endpoints = sorted({s["endpoint"] for s in ctx.sources.values()})
+                # vLLM drops the connector's ec_transfer_params when it fails a request
+                # (take_unavailable_requests): without them every encoder the request used is named.
+                named = ec.get("failed_endpoints") or endpoints
+                ctx.encoder_failure = EncoderUnavailable(
+                    ec.get("error") or f"request {request_id}: an embedding from encoder(s) {', '.join(named)} "
+                    "could not be obtained", named)
+                raise ctx.encoder_failure
+            if any(c.token_ids for c in out.outputs):
+                ctx.last_token_at = time.perf_counter()
+                ctx.first_token_at = ctx.first_token_at or ctx.last_token_at
+            for c in out.outputs:
+                ctx.tokens[c.index] = (ctx.tokens.get(c.index, 0) if delta else 0) + len(c.token_ids)
+            yield out
+    finally:
+        await gen.aclose()
+
+
+@dataclass
+class FrontendConfig:
+    """``vllm serve``'s front-end flags that mean something here (the same names and meaning)."""
+
+    served_model_name: str = ""
+    """Model name(s) the API answers to, comma-separated (default: the --model value)."""
+    chat_template: str = ""
+    """Chat template (a file or the template itself; default: the model's)."""
+    chat_template_content_format: str = "auto"
+    """How message content is given to the chat template: auto, string or openai (vLLM's flag)."""
+    enable_auto_tool_choice: bool = False
+    """Let the model choose tool calls (tool_choice "auto"); needs --tool-call-parser."""
+    tool_call_parser: str = ""
+    """vLLM tool-call parser for the model's output (e.g. hermes, llama3_json)."""
+    reasoning_parser: str = ""
+    """vLLM reasoning parser (e.g. deepseek_r1, qwen3); also gates structured outputs."""
+    default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Chat-template kwargs every request gets unless it sets them (JSON)."""
+    generation_config: str = "auto"
+    """Sampling defaults: "auto" (the model's generation_config.json), "vllm" (vLLM's), or a folder."""
+    enable_prompt_tokens_details: bool = False
+    """Report cached prompt tokens in usage (vLLM's flag)."""
+    enable_force_include_usage: bool = False
+    """Usage in every streamed response (vLLM's flag)."""
+    return_tokens_as_token_ids: bool = False
+    """Logprob tokens as "token_id:N" (vLLM's flag)."""
+
+    def engine_args(self) -> dict[str, Any]:
+        """The part vLLM keeps in the engine's config (sampling defaults, reasoning, names)."""
+        kw: dict[str, Any] = {"generation_config": self.generation_config}
+        if self.reasoning_parser:
+            kw["reasoning_parser"] = self.reasoning_parser
+        if self.served_model_name:
+            kw["served_model_name"] = [n for n in self.served_model_name.split(",") if n]
+        return kw
+
+    def serve_argv(self, model: str) -> list[str]:
+        argv = ["--model", model, "--chat-template-content-format", self.chat_template_content_format]
+        if self.served_model_name:
+            argv += ["--served-model-name", *[n for n in self.served_model_name.split(",") if n]]
+        if self.chat_template:
+            argv += ["--chat-template", self.chat_template]
+        if self.enable_auto_tool_choice:
+            argv.append("--enable-auto-tool-choice")
+        if self.tool_call_parser:
+            argv += ["--tool-call-parser", self.tool_call_parser]
+        if self.default_chat_template_kwargs:
+            import json
+
+            argv += ["--default-chat-template-kwargs", json.dumps(self.default_chat_template_kwargs)]
+        for flag in ("enable_prompt_tokens_details", "enable_force_include_usage", "return_tokens_as_token_ids"):
+            if getattr(self, flag):
+                argv.append("--" + flag.replace("_", "-"))
+        return argv
+
+
+@dataclass
+class Frontend:
+    chat: Any
+    completion: Any
+    models: Any
+    engine: ConsumerEngine
+
+
+def serve_args(cfg: FrontendConfig, model: str):
+    """``cfg`` parsed by ``vllm serve``'s own argument parser (every other flag at its default)."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(cfg.serve_argv(model))
+    validate_parsed_serve_args(args)
+    return args
+
+
+async def build_frontend(engine, cfg: FrontendConfig, model: str) -> Frontend:
+    """vLLM's chat and completion serving objects over ``engine`` (wrapped in a
+    ``ConsumerEngine``), built as vLLM's ``init_app_state`` builds them."""
+    from vllm.entrypoints.launchers.cli_args import resolve_default_chat_template_kwargs
+    from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+    from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+    from vllm.entrypoints.openai.models.protocol import BaseModelPath
+    from vllm.entrypoints.openai.models.serving import OpenAIServingModels
+    from vllm.renderers.chat_utils import load_chat_template
+    from vllm.renderers.online_renderer import OnlineRenderer
+
+    args = serve_args(cfg, model)
+    client = ConsumerEngine(engine)
+    names = args.served_model_name or [args.model]
+    models = OpenAIServingModels(engine_client=client,
+                                 base_model_paths=[BaseModelPath(name=n, model_path=args.model) for n in names])
+    await models.init_static_loras()
+    template = load_chat_template(args.chat_template)
+    template_kwargs = resolve_default_chat_template_kwargs(args)
+    reasoning = engine.vllm_config.structured_outputs_config.reasoning_parser or None
+    renderer = OnlineRenderer(
+        model_config=client.model_config, renderer=client.renderer, request_logger=None,
+        chat_template=template, chat_template_content_format=args.chat_template_content_format,
+        trust_request_chat_template=args.trust_request_chat_template,
+        trust_request_mm_kwargs=args.trust_request_mm_kwargs,
+        enable_auto_tools=args.enable_auto_tool_choice,
+        exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+        tool_parser=args.tool_call_parser, tool_strict_level=args.tool_strict_level,
+        reasoning_parser=reasoning, default_chat_template_kwargs=template_kwargs,
+        log_error_stack=args.log_error_stack)
+    chat = OpenAIServingChat(
+        engine_client=client, models=models, response_role=args.response_role, online_renderer=renderer,
+        request_logger=None, chat_template=template,
+        chat_template_content_format=args.chat_template_content_format,
+        default_chat_template_kwargs=template_kwargs,
+        trust_request_chat_template=args.trust_request_chat_template,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+        enable_auto_tools=args.enable_auto_tool_choice,
+        exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+        tool_parser=args.tool_call_parser, tool_strict_level=args.tool_strict_level,
+        reasoning_parser=reasoning, enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        enable_force_include_usage=args.enable_force_include_usage)
+    completion = OpenAIServingCompletion(
+        client, models, online_renderer=renderer, request_logger=None,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        enable_force_include_usage=args.enable_force_include_usage)
+    return Frontend(chat=chat, completion=completion, models=models, engine=client)

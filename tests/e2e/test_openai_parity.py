@@ -1,0 +1,279 @@
+"""Issue 11 must-show: epd-serve answers OpenAI requests as ``vllm serve`` does.
+
+vLLM's own OpenAI server (``python -m vllm.entrypoints.openai.api_server``) and the
+session's epd-serve deployment run the tiny model with the same engine settings and
+the same front-end flags (``--enable-auto-tool-choice --tool-call-parser hermes``).
+One matrix of requests goes to both, as raw HTTP and through the official ``openai``
+client; the answers must agree: status class, texts, token ids, finish reasons,
+logprobs (rounded to 2 decimals), usage, tool calls, streamed text and stream usage.
+What may differ: ids, timestamps, and the ``epd`` object epd-serve adds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from services.common.engine import EngineConfig
+from services.common.images import data_url, make_image
+from services.up import free_port
+
+pytestmark = pytest.mark.e2e
+
+FRONTEND_FLAGS = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+
+
+def _engine_flags(model: str) -> list[str]:
+    """The flags that give ``vllm serve`` the engine ``EngineConfig``'s defaults give the services."""
+    e = EngineConfig(model=model)
+    flags = ["--model", model, "--dtype", e.dtype, "--max-num-seqs", str(e.max_num_seqs), "--seed", str(e.seed),
+             "--kv-cache-memory-bytes", str(e.kv_cache_bytes),
+             "--limit-mm-per-prompt", json.dumps({"image": e.max_images_per_prompt})]
+    return flags + (["--enforce-eager"] if e.enforce_eager else [])
+
+
+@pytest.fixture(scope="module")
+def vllm_serve(tiny_model, tmp_path_factory):
+    port = free_port()
+    log = tmp_path_factory.mktemp("vllm-serve") / "server.log"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
+               VLLM_WORKER_MULTIPROC_METHOD="spawn")
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1",
+                                 "--port", str(port), *_engine_flags(tiny_model), *FRONTEND_FLAGS],
+                                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited:\n{log.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"vllm serve not ready:\n{log.read_text()[-3000:]}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+IMG_A = data_url(make_image(31, (112, 112)))
+IMG_B = data_url(make_image(32, (200, 150)))
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+def _image(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def _user(*parts) -> dict:
+    return {"role": "user", "content": [p if isinstance(p, dict) else {"type": "text", "text": p} for p in parts]}
+
+
+CHAT = {
+    "image and text": {"messages": [_user(_image(IMG_A), "What is in this picture?")], "max_tokens": 12},
+    "multi-turn with system": {"messages": [
+        {"role": "system", "content": "You answer briefly."}, _user(_image(IMG_B), "Describe it."),
+        {"role": "assistant", "content": "A picture."}, _user("And the colours?")], "max_tokens": 10},
+    "several images": {"messages": [_user("Compare", _image(IMG_A), "with", _image(IMG_B))], "max_tokens": 10},
+    "same image twice": {"messages": [_user(_image(IMG_A), "and again", _image(IMG_A))], "max_tokens": 10},
+    "text only": {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 12},
+    "logprobs": {"messages": [_user(_image(IMG_A), "Hi")], "max_tokens": 6, "logprobs": True, "top_logprobs": 3},
+    "seeded n=2": {"messages": [_user(_image(IMG_B), "Go")], "max_tokens": 8, "temperature": 1.0, "seed": 7,
+                   "n": 2},
+    "penalties": {"messages": [_user("Repeat after me: a a a a")], "max_tokens": 12, "presence_penalty": 0.8,
+                  "frequency_penalty": 0.5, "repetition_penalty": 1.3},
+    "vllm sampling extras": {"messages": [_user(_image(IMG_A), "Go")], "max_tokens": 10, "temperature": 0.8,
+                             "seed": 3, "top_k": 5, "min_p": 0.1, "min_tokens": 6},
+    "stop strings": {"messages": [_user("Say something")], "max_tokens": 16, "stop": ["e", "a"]},
+    "max_completion_tokens": {"messages": [_user("Say something")], "max_completion_tokens": 5},
+    "json_object": {"messages": [_user("Give JSON")], "max_tokens": 20, "response_format": {"type": "json_object"}},
+    "json_schema": {"messages": [_user(_image(IMG_A), "Give JSON")], "max_tokens": 30, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "answer", "schema": {
+            "type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}}}},
+    "named tool_choice": {"messages": [_user("Weather in Paris?")], "max_tokens": 30, "tools": TOOLS,
+                          "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+    "auto tool choice": {"messages": [_user(_image(IMG_B), "Weather?")], "max_tokens": 12, "tools": TOOLS,
+                         "tool_choice": "auto"},
+    "return_token_ids": {"messages": [_user(_image(IMG_A), "Hi")], "max_tokens": 6, "return_token_ids": True},
+}
+CHAT_STREAM = {
+    "stream with usage": {"messages": [_user(_image(IMG_A), "Hi")], "max_tokens": 10,
+                          "stream_options": {"include_usage": True}},
+    "stream text logprobs": {"messages": [_user("Hi")], "max_tokens": 8, "logprobs": True, "top_logprobs": 2},
+    "stream n=2 seeded": {"messages": [_user(_image(IMG_B), "Go")], "max_tokens": 6, "n": 2, "temperature": 1.0,
+                          "seed": 11, "stream_options": {"include_usage": True}},
+}
+COMPLETIONS = {
+    "completion logprobs echo": {"prompt": "Once upon a time", "max_tokens": 8, "logprobs": 2, "echo": True},
+    "completion seeded n=2": {"prompt": "The sea", "max_tokens": 6, "n": 2, "temperature": 1.0, "seed": 5},
+}
+COMPLETIONS_STREAM = {
+    "completion stream": {"prompt": "Hello", "max_tokens": 8, "stream_options": {"include_usage": True}},
+}
+BAD = {
+    "negative temperature": ("chat", {"messages": [_user("hi")], "temperature": -1}),
+    "too many top_logprobs": ("chat", {"messages": [_user("hi")], "logprobs": True, "top_logprobs": 50}),
+    "max_tokens beyond the context": ("chat", {"messages": [_user("hi")], "max_tokens": 100000}),
+    "unknown model": ("chat", {"messages": [_user("hi")], "model": "no-such-model"}),
+    "empty messages": ("chat", {"messages": []}),
+    "n=0": ("chat", {"messages": [_user("hi")], "n": 0}),
+    "completion without prompt": ("completions", {"max_tokens": 4}),
+}
+
+_VOLATILE = {"id", "created", "system_fingerprint", "epd"}
+
+
+def _normal(x, key: str = ""):
+    """A response with what may differ between two servers taken out: ids and timestamps
+    (also of tool calls), and floats rounded to 2 decimals."""
+    if isinstance(x, dict):
+        return {k: _normal(v, k) for k, v in x.items() if k not in _VOLATILE}
+    if isinstance(x, list):
+        return [_normal(v) for v in x]
+    if isinstance(x, float):
+        return round(x, 2)
+    return x
+
+
+def _http(url: str, body: dict, timeout: float = 300) -> tuple[int, bytes]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def _events(raw: bytes) -> list[dict]:
+    out = []
+    for line in raw.decode().splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            out.append(json.loads(line[6:]))
+    return out
+
+
+def _stream_summary(events: list[dict], chat: bool) -> dict:
+    """A stream as what a client reads from it: per choice its text, tokens' logprobs, finish
+    reason; and the usage chunks."""
+    choices: dict[int, dict] = {}
+    usage = []
+    for ev in events:
+        if ev.get("usage"):
+            usage.append(ev["usage"])
+        for c in ev.get("choices") or []:
+            s = choices.setdefault(c["index"], {"text": "", "role": None, "finish_reason": None, "logprobs": []})
+            if chat:
+                delta = c.get("delta") or {}
+                s["text"] += delta.get("content") or ""
+                s["role"] = s["role"] or delta.get("role")
+                if (c.get("logprobs") or {}).get("content"):
+                    s["logprobs"] += c["logprobs"]["content"]
+            else:
+                s["text"] += c.get("text") or ""
+                if c.get("logprobs"):
+                    s["logprobs"].append(c["logprobs"])
+            s["finish_reason"] = c.get("finish_reason") or s["finish_reason"]
+    return _normal({"choices": [choices[i] for i in sorted(choices)], "usage": usage})
+
+
+@pytest.fixture(scope="module")
+def servers(vllm_serve, deployment):
+    model = json.loads(urllib.request.urlopen(vllm_serve + "/v1/models", timeout=10).read())["data"][0]["id"]
+    ours = json.loads(urllib.request.urlopen(deployment.url + "/v1/models", timeout=10).read())["data"][0]["id"]
+    assert ours == model  # the same served name
+    return {"vllm": vllm_serve, "epd": deployment.url, "model": model}
+
+
+def _both(servers, path: str, body: dict) -> dict[str, tuple[int, bytes]]:
+    # Greedy unless a case samples with a seed: unseeded sampling draws from each engine's own
+    # random stream, which two servers with different histories are at different points of.
+    body = {"model": servers["model"], "temperature": 0, **body}
+    return {name: _http(servers[name] + path, body) for name in ("vllm", "epd")}
+
+
+@pytest.mark.parametrize("case", list(CHAT))
+def test_chat_matches_vllm_serve(servers, case):
+    got = _both(servers, "/v1/chat/completions", CHAT[case])
+    (sv, bv), (se, be) = got["vllm"], got["epd"]
+    assert sv == se == 200, (bv[:500], be[:500])
+    want, ours = json.loads(bv), json.loads(be)
+    assert "epd" in ours
+    assert _normal(ours) == _normal(want)
+
+
+@pytest.mark.parametrize("case", list(CHAT_STREAM))
+def test_chat_stream_matches_vllm_serve(servers, case):
+    got = _both(servers, "/v1/chat/completions", dict(CHAT_STREAM[case], stream=True))
+    (sv, bv), (se, be) = got["vllm"], got["epd"]
+    assert sv == se == 200, (bv[:500], be[:500])
+    assert be.rstrip().endswith(b"data: [DONE]") and b"\n: epd " in be
+    assert _stream_summary(_events(be), chat=True) == _stream_summary(_events(bv), chat=True)
+
+
+@pytest.mark.parametrize("case", list(COMPLETIONS))
+def test_completion_matches_vllm_serve(servers, case):
+    got = _both(servers, "/v1/completions", COMPLETIONS[case])
+    (sv, bv), (se, be) = got["vllm"], got["epd"]
+    assert sv == se == 200, (bv[:500], be[:500])
+    assert _normal(json.loads(be)) == _normal(json.loads(bv))
+
+
+@pytest.mark.parametrize("case", list(COMPLETIONS_STREAM))
+def test_completion_stream_matches_vllm_serve(servers, case):
+    got = _both(servers, "/v1/completions", dict(COMPLETIONS_STREAM[case], stream=True))
+    (sv, bv), (se, be) = got["vllm"], got["epd"]
+    assert sv == se == 200, (bv[:500], be[:500])
+    assert _stream_summary(_events(be), chat=False) == _stream_summary(_events(bv), chat=False)
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_values_get_the_same_status_class_and_error_type(servers, case):
+    api, body = BAD[case]
+    got = _both(servers, "/v1/chat/completions" if api == "chat" else "/v1/completions", body)
+    (sv, bv), (se, be) = got["vllm"], got["epd"]
+    assert sv // 100 == se // 100 == 4, (sv, bv[:300], se, be[:300])
+    want, ours = json.loads(bv), json.loads(be)
+    assert ours["error"]["type"] == want["error"]["type"], (want, ours)
+    assert ours["error"]["message"]
+
+
+def test_the_openai_client_sees_the_same(servers):
+    """The official client, streaming with usage and seeded n=2, against both servers."""
+    from openai import OpenAI
+
+    out = {}
+    for name in ("vllm", "epd"):
+        client = OpenAI(base_url=servers[name] + "/v1", api_key="unused", max_retries=0, timeout=300)
+        stream = client.chat.completions.create(
+            model=servers["model"], messages=[_user(_image(IMG_A), "Hi")], max_tokens=8, n=2, temperature=1.0,
+            seed=21, stream=True, stream_options={"include_usage": True})
+        texts, usage = {}, None
+        for chunk in stream:
+            usage = chunk.usage or usage
+            for c in chunk.choices:
+                texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+        full = client.chat.completions.create(model=servers["model"], messages=[_user(_image(IMG_B), "Go")],
+                                              max_tokens=8, logprobs=True, top_logprobs=2, temperature=0)
+        out[name] = (texts, usage.model_dump() if usage else None, full.choices[0].message.content,
+                     [round(t.logprob, 2) for t in full.choices[0].logprobs.content])
+    assert out["epd"] == out["vllm"]
