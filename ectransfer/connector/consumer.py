@@ -53,6 +53,10 @@ class _Inbound:
     fetch: Fetch
     requests: set[str] = field(default_factory=set)
     queued: bool = False
+    owner: str = ""  # the request whose copy this fetch reads
+    others: list[str] = field(default_factory=list)
+    """Endpoints of the copies made for the other requests that share this fetch (each request's
+    encode may have made its own copy of the image): cancelled once this copy is loaded."""
 
 
 @dataclass
@@ -131,8 +135,13 @@ class ConsumerScheduler:
         if missing and not self._start_all(request, missing):
             return False
         ready = True
-        for _, feat, _ in needed.values():
+        for _, feat, src in needed.values():
             item = self._items[feat.identifier]
+            if rid != item.owner and rid not in item.requests:
+                # This request shares another's fetch; the copy its own encode makes (unless the
+                # encoder reused the one being fetched) would wait out its lease: cancelled once
+                # the shared copy is loaded (and acked), when a Cancel cannot hit the copy in use.
+                item.others.append(src["endpoint"])
             item.requests.add(rid)
             lost = item.fetch.stream_lost
             if lost and not item.queued:  # landed in place, then its stream closed: fail it here
@@ -183,7 +192,7 @@ class ConsumerScheduler:
             transfer = ItemTransfer(feat.identifier, n, on_change=self._progress.set)
             fetch = self.client.fetch(transfer, src["endpoint"], self.staging.view(slot), request.request_id,
                                       in_place=self.cfg.read_in_place, shape=shape, dtype=dtype)
-            self._items[feat.identifier] = _Inbound(transfer, src["endpoint"], slot, fetch)
+            self._items[feat.identifier] = _Inbound(transfer, src["endpoint"], slot, fetch, owner=request.request_id)
         return True
 
     def _fail(self, item: _Inbound) -> None:
@@ -292,6 +301,9 @@ class ConsumerScheduler:
                     self.client.ack(item.endpoint, ident)
                 item.transfer.try_advance(TransferState.DONE)
                 self._drop(item)
+                for endpoint in item.others:  # after the ack: the copies of the requests that shared it
+                    self.client.cancel(endpoint, ident)
+                    self._counts["cancels"] += 1
             self._injected[ident] = None
             self._injected.move_to_end(ident)
             while len(self._injected) > _INJECTED_MEMORY:

@@ -89,6 +89,26 @@ def test_prealloc_cancel_because_the_prefix_cache_covers_the_item(producer, cons
     assert producer.store.stats.cancels == 1
 
 
+def test_two_requests_share_one_fetch_and_the_second_ones_own_copy_is_cancelled_after_the_load(producer, consumer):
+    """r2 (same image, its own encode) arrives while r1's copy is in flight: it shares r1's fetch.
+    The copy r2's encode makes after r1's was acked would wait out its lease (nobody asks for it):
+    the LM cancels it once the shared copy is loaded."""
+    sched = consumer()
+    r1, r2 = request("r1", [("s", 16)], producer.endpoint), request("r2", [("s", 16)], producer.endpoint)
+    assert not sched.ensure_cache_available(r1, 0)
+    assert not sched.ensure_cache_available(r2, 0)  # shares r1's fetch: no second reserve
+    producer.store.put("s", embedding(16, 9))  # r1's copy
+    assert steps_until(lambda: sched.ensure_cache_available(r1, 0) and sched.ensure_cache_available(r2, 0))
+    inject(sched, r1)
+    assert steps_until(lambda: not producer.store.contains("s"))  # r1's copy acked
+    producer.store.put("s", embedding(16, 9))  # r2's encode ends now: a second copy
+    assert steps_until(lambda: not producer.store.contains("s"))  # cancelled, not held for a lease
+    assert producer.store.stats.acks == 1 and producer.store.stats.expired == 0
+    sched.request_finished(r1)
+    sched.request_finished(r2)
+    assert used(sched) == 0
+
+
 def test_backpressure_staging_full_defers_whole_requests_then_proceeds(producer, consumer):
     sched = consumer(staging_bytes=NB + 512)  # room for one item
     producer.store.put("e1", embedding(16, 5))
