@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from services.common.media import MAX_IMAGE_PIXELS
 
 DISPATCH_MODES = ("overlap", "sequential")
+PLACEMENTS = ("auto", "encoder", "local")
 
 
 @dataclass
@@ -49,6 +50,22 @@ class GatewayConfig:
     affinity_spill: int = 4
     """Cache affinity: an image goes to the encoder its content hash maps to (rendezvous hashing) unless that
     encoder has this many more outstanding requests than the least-loaded healthy encoder."""
+    placement: str = "encoder"
+    """Where an image request's images are encoded: encoder (the encoder service), local (the LM encodes them
+    itself, as colocated vLLM does) or auto (per request: local when an LM has no request in flight and
+    every healthy encoder is busy (--placement-busy-encodes), so the LM's idle cores encode instead of the
+    request queueing; else encoder). auto is not the default yet: see docs/benchmarks.md."""
+    placement_busy_encodes: int = 2
+    """--placement auto: an encoder with this many requests in flight counts as busy (one encoding, one
+    queued behind it)."""
+    lm_max_outstanding: int = 64
+    """Admission control: requests in flight per healthy LM; more wait for a place (0: no admission control)."""
+    encoder_max_outstanding: int = 32
+    """Admission control: requests encoding per healthy encoder; more wait for a place (0: no limit)."""
+    admission_queue: int = 1024
+    """Requests that may wait for admission; a request beyond it is refused at once with 429 and Retry-After."""
+    admission_wait_s: float = 60.0
+    """Longest wait for admission; then 503 with Retry-After. An admitted request is never refused later."""
     max_image_bytes: int = 20 << 20
     """Largest accepted encoded image (data: URL or fetched)."""
     max_image_pixels: int = MAX_IMAGE_PIXELS
@@ -66,6 +83,12 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         if not self.lm_list:
             raise ValueError("at least one LM address is needed (--lms host:port[,host:port])")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}")
+        if min(self.lm_max_outstanding, self.encoder_max_outstanding, self.admission_queue) < 0 \
+                or self.admission_wait_s <= 0:
+            raise ValueError("lm_max_outstanding, encoder_max_outstanding and admission_queue must be >= 0, "
+                             "admission_wait_s > 0")
         if self.dispatch not in DISPATCH_MODES:
             raise ValueError(f"dispatch must be one of {', '.join(DISPATCH_MODES)}, got {self.dispatch!r}")
         if self.max_attempts < 1:

@@ -26,6 +26,7 @@ from epd.lm.v1 import lm_pb2
 from services.common.errors import MediaError
 from services.common.media import content_id
 from services.gateway import metrics
+from services.gateway.admission import AdmissionRefused
 from services.gateway.config import GatewayConfig
 from services.gateway.fetch import MediaFetcher, load_images
 from services.gateway.orchestrator import Media, Orchestrator, Timings
@@ -198,7 +199,8 @@ def epd_facts(timings: Timings, last: lm_pb2.GenerateResponse | None) -> dict[st
             "local_encoder_runs": last.local_encoder_runs if last else 0,
             "transferred_items": last.transferred_items if last else 0,
             "transports": timings.transports, "encoders": timings.encoders, "lm": timings.lm,
-            "retries": timings.retries}
+            "retries": timings.retries, "placement": timings.placement,
+            "placement_reason": timings.placement_reason}
 
 
 class OpenAIRoutes:
@@ -252,18 +254,33 @@ class OpenAIRoutes:
         request[REQUEST_ID_KEY] = rid
         req = lm_pb2.GenerateRequest(request_id=engine_request_id(rid, prefix))
         req.openai.api = api
+        headers = {REQUEST_ID_HEADER: rid}
+        ticket = None
         try:
             call = parse_openai(api, await request.read(), self.cfg)
             call.request_id, call.id_given = rid, bool(given)
             self._check_ready()
+            # Admission before any image is fetched: past capacity the request waits its turn or is
+            # refused now (429/503 with Retry-After), never half-way through.
+            ticket = await self.orch.admission.admit(self.orch.encodes_remotely(len(call.parts)))
             media = await load_media(call, req, self.cfg, self.fetcher)
-        except (ApiError, MediaError) as e:
-            err = e if isinstance(e, ApiError) else media_api_error(e)
+        except (ApiError, MediaError, AdmissionRefused) as e:
+            if ticket is not None:
+                ticket.release()
+            if isinstance(e, AdmissionRefused):
+                headers["Retry-After"] = str(e.retry_after_s)
+                err = ApiError(e.status, e.message, "rate_limit_error" if e.status == 429 else "server_error")
+            else:
+                err = e if isinstance(e, ApiError) else media_api_error(e)
             metrics.REQUESTS.labels(api, str(err.status)).inc()
-            return error_response(err, {REQUEST_ID_HEADER: rid})
+            return error_response(err, headers)
+        except BaseException:  # the client went away during a fetch, or a bug: the place goes back
+            if ticket is not None:
+                ticket.release()
+            raise
         timings = Timings(start=request.get(ARRIVAL_KEY) or time.perf_counter())
-        gen = self.orch.generate(req, media, timings, prepare=lambda r: setattr(r.openai, "body",
-                                                                                call.lm_body(r, media)))
+        gen = self.orch.generate(req, media, timings, ticket=ticket,
+                                 prepare=lambda r: setattr(r.openai, "body", call.lm_body(r, media)))
         try:
             return await self._respond(request, req, call, len(media), gen, timings)
         except (ConnectionResetError, asyncio.CancelledError):
@@ -274,6 +291,7 @@ class OpenAIRoutes:
             # A client that went away (or any error) must cancel the LM call now,
             # which aborts the engine request and frees what it holds.
             await gen.aclose()
+            ticket.release()
 
     async def _respond(self, request, req, call: OpenAICall, n_media: int, gen, timings) -> web.StreamResponse:
         route = call.api

@@ -41,6 +41,7 @@ from ectransfer.security import SecurityConfig
 from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
 from epd.lm.v1 import lm_pb2, lm_pb2_grpc
 from services.common.errors import FAULT_ENDPOINT_KEY, FAULT_KEY
+from services.gateway.admission import Admission, Ticket
 from services.gateway.config import GatewayConfig
 from services.gateway.instances import Instance, InstancePool
 from services.gateway.routing import LeastOutstanding, pick_encoder
@@ -51,6 +52,8 @@ RETRIES = Counter("epd_gateway_retries_total", "Attempts retried before the firs
                   ["role", "code"])
 LOCAL_FALLBACK = Counter("epd_gateway_local_encode_fallback_total",
                          "Requests whose items the LM encoded itself because no encoder was healthy")
+PLACEMENT = Counter("epd_gateway_placement_total", "Where image requests were encoded, and why",
+                    ["choice", "reason"])
 
 # Codes that say the request itself is wrong (or the pair incompatible): retrying cannot help.
 _FINAL = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND,
@@ -86,6 +89,8 @@ class Timings:
     tpot_ms: float = 0.0
     total_ms: float = 0.0
     retries: int = 0
+    placement: str = ""  # "encoder" or "local" (the LM encoded the images), for image requests
+    placement_reason: str = ""
     transports: list[str] = field(default_factory=list)
     encoders: list[str] = field(default_factory=list)
     lm: str = ""
@@ -150,6 +155,10 @@ class Orchestrator:
         """The served model name: ``--model-name``, else learned from the first LM admitted; None until then."""
         self._lm_policy = LeastOutstanding()
         self._draining: set[asyncio.Task] = set()  # encode streams of answered requests, ending on their own
+        self.admission = Admission(
+            cfg.lm_max_outstanding, cfg.encoder_max_outstanding if self.encoders is not None else 0,
+            cfg.admission_queue, cfg.admission_wait_s, healthy_lms=lambda: len(self.lms.healthy(set())),
+            healthy_encoders=lambda: len(self.encoders.healthy(set())) if self.encoders is not None else 0)
 
     async def start(self) -> None:
         await asyncio.gather(*(p.start() for p in (self.encoders, self.lms) if p is not None))
@@ -212,13 +221,19 @@ class Orchestrator:
         return {k: {a: f"{i.state.value}: {i.reason}" for a, i in p.instances.items() if not i.healthy}
                 for k, p in pools.items() if p is not None}
 
+    def encodes_remotely(self, n_media: int) -> bool:
+        """Whether a request with ``n_media`` images may encode on an encoder (for admission)."""
+        return bool(n_media) and self.encoders is not None and self.cfg.placement != "local"
+
     async def generate(self, req: lm_pb2.GenerateRequest, media: list[Media], timings: Timings,
                        prepare: Callable[[lm_pb2.GenerateRequest], None] | None = None,
-                       ) -> AsyncIterator[lm_pb2.GenerateResponse]:
+                       ticket: Ticket | None = None) -> AsyncIterator[lm_pb2.GenerateResponse]:
         """Yields the LM's responses. Raises grpc.aio.AioRpcError (from either
         service, or made here) once retries are exhausted or not allowed.
         ``prepare(req)`` runs before each LM call, once the attempt's items have
-        their sources (the OpenAI routes write the LM's body there)."""
+        their sources (the OpenAI routes write the LM's body there). ``ticket``:
+        the request's admission (its encoder slot is given back when the
+        images are encoded on the LM)."""
         deadline = time.monotonic() + self.cfg.request_timeout_s
         excluded = {"encoder": set(), "lm": set()}
         base_id = req.request_id
@@ -232,7 +247,7 @@ class Orchestrator:
                 sent = False
                 try:
                     async with contextlib.aclosing(self._attempt(req, media, timings, deadline, excluded,
-                                                                 prepare)) as gen:
+                                                                 prepare, ticket)) as gen:
                         async for resp in gen:
                             sent = True
                             yield resp
@@ -272,7 +287,7 @@ class Orchestrator:
         return max(0.001, deadline - time.monotonic())
 
     async def _attempt(self, req, media, timings: Timings, deadline: float, excluded: dict[str, set[str]],
-                       prepare=None):
+                       prepare=None, ticket: Ticket | None = None):
         for item in req.items:
             item.ClearField("source")
         timings.encoders = []
@@ -281,10 +296,17 @@ class Orchestrator:
         # Queued until the first attempt dispatches (planning below does no I/O).
         timings.queue_ms = timings.queue_ms or timings.since_start_ms()
         try:
-            if media and self.encoders is not None:
-                groups = self._plan(media, excluded["encoder"], req.request_id)
-                if groups:
-                    await self._start_encodes(req, media, groups, timings, deadline)
+            if media:
+                timings.placement, timings.placement_reason = self._placement(excluded)
+                if timings.placement == "encoder":
+                    groups = self._plan(media, excluded["encoder"], req.request_id)
+                    if groups:
+                        await self._start_encodes(req, media, groups, timings, deadline)
+                    else:
+                        timings.placement, timings.placement_reason = "local", "no healthy encoder"
+                PLACEMENT.labels(timings.placement, timings.placement_reason).inc()
+                if timings.placement == "local" and ticket is not None:
+                    ticket.drop_encoder()
             # All ejected (a health blip on a busy host): try the ejected ones rather than fail outright.
             # Never one that was not admitted yet: its model is unknown.
             lm = self._lm_policy.pick(self.lms.healthy(excluded["lm"]) or self.lms.ejected(excluded["lm"]))
@@ -324,6 +346,24 @@ class Orchestrator:
                 t.exception()  # retrieved: the request is answered
 
         task.add_done_callback(done)
+
+    def _placement(self, excluded: dict[str, set[str]]) -> tuple[str, str]:
+        """Where this attempt's images are encoded ("encoder" or "local": the LM encodes them
+        itself), and why (a short, fixed reason: the metric's label). ``--placement auto``
+        encodes on the LM only when that stalls no one: an LM has no request in flight (no decode
+        stream to pause) while every healthy encoder is busy (the encode would queue)."""
+        if self.encoders is None:
+            return "local", "no encoders"
+        if self.cfg.placement != "auto":
+            return self.cfg.placement, "configured"
+        encoders = self.encoders.healthy(excluded["encoder"])
+        if not encoders:
+            return "encoder", "no healthy encoder"  # _plan decides: local fallback or 503
+        lms = self.lms.healthy(excluded["lm"])
+        if lms and min(i.outstanding for i in lms) == 0 \
+                and min(i.outstanding for i in encoders) >= max(1, self.cfg.placement_busy_encodes):
+            return "local", "lm idle, encoders busy"
+        return "encoder", "auto"
 
     def _plan(self, media: list[Media], excluded: set[str], rid: str) -> list[_EncodeGroup]:
         """Items grouped by the encoder each one maps to; none when no encoder

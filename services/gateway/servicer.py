@@ -16,6 +16,7 @@ import grpc
 from epd.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from epd.lm.v1 import lm_pb2
 from services.common.errors import BadInput, EPDError, PeerUnavailable
+from services.gateway.admission import AdmissionRefused
 from services.gateway.config import GatewayConfig
 from services.gateway.fetch import MediaFetcher
 from services.gateway.openai_api import (
@@ -87,11 +88,22 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         rid = call.request_id
         req = lm_pb2.GenerateRequest(request_id=engine_request_id(rid, prefix))
         req.openai.api = api
+        try:
+            ticket = await self.orch.admission.admit(self.orch.encodes_remotely(len(call.parts)))
+        except AdmissionRefused as e:  # 429: RESOURCE_EXHAUSTED, 503: UNAVAILABLE (retry later)
+            raise _Status(_GRPC_CODE[e.status], e.message) from None
+        try:
+            async for out in self._run(call, req, rid, timings, ticket):
+                yield out
+        finally:
+            ticket.release()
+
+    async def _run(self, call, req, rid: str, timings: Timings, ticket):
         media = await load_media(call, req, self.cfg, self.fetcher)  # MediaError: INVALID_ARGUMENT
         route = "grpc"
         last = None
         try:
-            async for resp in self.orch.generate(req, media, timings,
+            async for resp in self.orch.generate(req, media, timings, ticket=ticket,
                                                  prepare=lambda r: setattr(r.openai, "body", call.lm_body(r, media))):
                 if resp.http_status and resp.http_status != 200:
                     finished(route, resp.http_status, rid, timings, len(media), resp.openai[:200].decode(errors="replace"),

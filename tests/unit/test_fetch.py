@@ -206,12 +206,18 @@ class _FakeOrch:
     encoder for the items (one whole body, then the last message)."""
 
     def __init__(self):
+        from services.gateway.admission import Admission
+
         self.calls = []
+        self.admission = Admission(0, 0, 0, 1.0, lambda: 1, lambda: 1)  # off
 
     def lm_wait_reason(self):
         return None
 
-    async def generate(self, req, media, timings, prepare=None):
+    def encodes_remotely(self, n_media: int) -> bool:
+        return False
+
+    async def generate(self, req, media, timings, prepare=None, ticket=None):
         if prepare is not None:
             prepare(req)
         self.calls.append((req, media))

@@ -1,0 +1,168 @@
+"""Admission control: past capacity, a request waits its turn or is refused at once,
+with a status the client can act on; it never times out half-way through.
+
+Each healthy LM takes at most ``--lm-max-outstanding`` admitted requests at once,
+and each healthy encoder at most ``--encoder-max-outstanding`` admitted requests
+that encode on it (``capacity``). A request that finds no room waits in one FIFO
+queue (at most ``--admission-queue`` requests, each at most ``--admission-wait-s``);
+a full queue is 429, a wait that runs out is 503, both with ``Retry-After``. An
+admitted request holds its place until its answer ends (``Ticket.release``, also
+on failure or a client that goes away), so what the LMs and encoders have in
+flight stays bounded and every admitted request is served within the limits the
+engines were sized for. ``--lm-max-outstanding 0`` turns admission off.
+
+Owner: the orchestrator creates one ``Admission``; the REST and gRPC front ends
+call ``admit`` before any image is fetched and release the ticket when the
+response is done. Everything runs on the gateway's event loop (no locks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from prometheus_client import Counter, Gauge
+
+ADMISSIONS = Counter("epd_gateway_admission_total", "Admission decisions",
+                     ["outcome"])  # admitted | queued | refused_full | refused_wait
+WAITING = Gauge("epd_gateway_admission_waiting", "Requests waiting for admission")
+ADMITTED = Gauge("epd_gateway_admission_in_flight", "Admitted requests in flight, by what they hold", ["holds"])
+
+
+class AdmissionRefused(Exception):
+    """The request was not admitted: ``status`` 429 (the queue is full) or 503 (it waited
+    ``admission_wait_s`` in vain); ``retry_after_s`` goes into ``Retry-After``."""
+
+    def __init__(self, status: int, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.status, self.message, self.retry_after_s = status, message, retry_after_s
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One admitted request's place: an LM slot, and an encoder slot if it encodes remotely."""
+
+    admission: Admission
+    encoder: bool
+    released: bool = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.admission._release(self)
+
+    def drop_encoder(self) -> None:
+        """The request will not encode on an encoder after all (placement chose the LM, or no
+        encoder is healthy): its encoder slot goes back now."""
+        if self.encoder and not self.released:
+            self.encoder = False
+            self.admission._release_encoder()
+
+
+@dataclass(eq=False)
+class _Waiter:
+    encoder: bool
+    future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+class Admission:
+    def __init__(self, lm_slots: int, encoder_slots: int, queue: int, wait_s: float,
+                 healthy_lms: Callable[[], int], healthy_encoders: Callable[[], int]) -> None:
+        """``lm_slots``/``encoder_slots``: admitted requests per healthy instance (0: no limit);
+        ``healthy_*``: how many instances are admitted now (read at every decision)."""
+        self.lm_slots, self.encoder_slots = lm_slots, encoder_slots
+        self.queue, self.wait_s = queue, wait_s
+        self._healthy_lms, self._healthy_encoders = healthy_lms, healthy_encoders
+        self.in_flight = 0
+        self.encoding = 0
+        self._waiting: collections.deque[_Waiter] = collections.deque()
+
+    @property
+    def enabled(self) -> bool:
+        return self.lm_slots > 0
+
+    def capacity(self) -> tuple[float, float]:
+        """(LM, encoder) requests that may be in flight now."""
+        lms = self.lm_slots * max(1, self._healthy_lms()) if self.lm_slots else math.inf
+        encoders = (self.encoder_slots * max(1, self._healthy_encoders())) if self.encoder_slots else math.inf
+        return lms, encoders
+
+    def _fits(self, encoder: bool) -> bool:
+        lms, encoders = self.capacity()
+        return self.in_flight < lms and (not encoder or self.encoding < encoders)
+
+    async def admit(self, encoder: bool) -> Ticket:
+        """A ticket for a request (``encoder``: it will encode on an encoder), at once or after
+        waiting its turn. Raises AdmissionRefused."""
+        if not self.enabled:
+            return self._take(encoder)
+        if not self._waiting and self._fits(encoder):
+            ADMISSIONS.labels("admitted").inc()
+            return self._take(encoder)
+        if len(self._waiting) >= self.queue:
+            ADMISSIONS.labels("refused_full").inc()
+            raise AdmissionRefused(429, f"the gateway is at capacity ({self.in_flight} requests in flight, "
+                                        f"{len(self._waiting)} waiting); retry later", 1)
+        waiter = _Waiter(encoder)
+        self._waiting.append(waiter)
+        WAITING.set(len(self._waiting))
+        ADMISSIONS.labels("queued").inc()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.wait_s
+        try:
+            while True:
+                # Re-checked every second: capacity grows when an instance is admitted. (asyncio.wait,
+                # not wait_for: a cancel that meets an admission in the same tick is not lost.)
+                await asyncio.wait([waiter.future], timeout=max(0.0, min(1.0, deadline - loop.time())))
+                if waiter.future.done():
+                    return waiter.future.result()
+                if loop.time() >= deadline:
+                    break
+                self._wake()
+            ADMISSIONS.labels("refused_wait").inc()
+            raise AdmissionRefused(503, f"the gateway is at capacity: not admitted within {self.wait_s:g}s; "
+                                        "retry later", max(1, int(self.wait_s)))
+        except asyncio.CancelledError:  # the client went away while waiting
+            if waiter.future.done() and not waiter.future.cancelled():
+                waiter.future.result().release()
+            raise
+        finally:
+            if waiter in self._waiting:
+                self._waiting.remove(waiter)
+                WAITING.set(len(self._waiting))
+                self._wake()
+
+    def _take(self, encoder: bool) -> Ticket:
+        self.in_flight += 1
+        self.encoding += encoder
+        self._gauges()
+        return Ticket(self, encoder)
+
+    def _release(self, ticket: Ticket) -> None:
+        self.in_flight -= 1
+        self.encoding -= ticket.encoder
+        self._gauges()
+        self._wake()
+
+    def _release_encoder(self) -> None:
+        self.encoding -= 1
+        self._gauges()
+        self._wake()
+
+    def _wake(self) -> None:
+        """Admits waiters in arrival order while they fit (FIFO: a request that needs an encoder
+        slot is not overtaken by text requests behind it)."""
+        while self._waiting and self._fits(self._waiting[0].encoder):
+            waiter = self._waiting.popleft()
+            WAITING.set(len(self._waiting))
+            if not waiter.future.done():
+                ADMISSIONS.labels("admitted").inc()
+                waiter.future.set_result(self._take(waiter.encoder))
+
+    def _gauges(self) -> None:
+        ADMITTED.labels("lm").set(self.in_flight)
+        ADMITTED.labels("encoder").set(self.encoding)
+
