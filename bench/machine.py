@@ -20,7 +20,16 @@ def machine_info() -> dict:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    info = {"cpu": cpu, "cores": len(os.sched_getaffinity(0)), "python": platform.python_version(),
+    isa = []
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next(line.split(":", 1)[1].split() for line in f if line.startswith("flags"))
+        # What decides CPU inference speed here (bf16 matmuls): capacity differs several-fold between
+        # hosts of one machine kind with and without these.
+        isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
+    except (OSError, StopIteration):
+        pass
+    info = {"cpu": cpu, "isa": isa, "cores": len(os.sched_getaffinity(0)), "python": platform.python_version(),
             "platform": platform.platform(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     try:

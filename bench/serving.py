@@ -92,25 +92,35 @@ def workload(n: int, rate: float, image_fraction: Fraction, prompt_words: int, i
 async def one(session, url: str, body: dict, max_tokens: int, t_send: float) -> dict:
     # return_token_ids: vLLM's own server (vllm-ec) then puts token_ids in every chunk, as the gateway does.
     body = dict(body, max_tokens=max_tokens, temperature=0, ignore_eos=True, return_token_ids=True)
-    arrivals, n = [], 0
-    async with session.post(url, json=body) as resp:
-        status = resp.status
-        async for raw in resp.content:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                status = chunk["error"].get("code", 500)
-                continue
-            for c in chunk.get("choices", []):
-                k = len(c.get("token_ids") or [])
-                if k:
-                    arrivals.append((time.perf_counter(), k))
-                    n += k
+    arrivals, n, error = [], 0, ""
     image = isinstance(body["messages"][0]["content"], list)
+    try:
+        async with session.post(url, json=body) as resp:
+            status = resp.status
+            if status != 200:  # refused before streaming: the body is the error
+                error = (await resp.text())[:300]
+            else:
+                async for raw in resp.content:
+                    line = raw.decode().strip()
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:  # failed after the stream started
+                        status = chunk["error"].get("code", 500)
+                        error = str(chunk["error"].get("message", ""))[:300]
+                        continue
+                    for c in chunk.get("choices", []):
+                        k = len(c.get("token_ids") or [])
+                        if k:
+                            arrivals.append((time.perf_counter(), k))
+                            n += k
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:  # the connection broke or timed out
+        status, error = 0, repr(e)[:300]
     if status != 200 or not arrivals:
-        return {"ok": False, "image": image}
+        # Every failure is recorded with its status and message: a refusal at admission (429/503)
+        # is load shed, anything after the stream started is a failure of an admitted request.
+        return {"ok": False, "image": image, "status": status, "error": error or "no tokens",
+                "started": bool(arrivals)}
     ttft = arrivals[0][0] - t_send
     itls = [b[0] - a[0] for a, b in zip(arrivals, arrivals[1:])]
     e2e = arrivals[-1][0] - t_send
@@ -350,6 +360,7 @@ def summarize(system: str, rate: float, fraction: Fraction, results: list[dict],
     return {
         "system": system, "rate": rate, "image_fraction": float(fraction), "requests": len(results),
         "image_requests": sum(r["image"] for r in results), "failed": len(results) - len(ok),
+        "failures": _failures([r for r in results if not r["ok"]]),
         "duration_s": round(duration, 2), "req_per_s": round(len(ok) / duration, 3),
         "out_tok_per_s": round(sum(r["tokens"] for r in ok) / duration, 1),
         "ttft_ms": stats(ok, "ttft"), "tpot_ms": stats(ok, "tpot"),
@@ -361,6 +372,18 @@ def summarize(system: str, rate: float, fraction: Fraction, results: list[dict],
                 "ttft": [r["ttft"] for r in ok], "text_ttft": [r["ttft"] for r in text],
                 "image_ttft": [r["ttft"] for r in image]},
     }
+
+
+def _failures(failed: list[dict]) -> dict:
+    """Failed requests by status (0: connection broken or timed out), with a few messages, and how
+    many failed after their first token (admitted requests that broke half-way)."""
+    by: dict[str, dict] = {}
+    for r in failed:
+        entry = by.setdefault(str(r["status"]), {"count": 0, "messages": []})
+        entry["count"] += 1
+        if r["error"] not in entry["messages"] and len(entry["messages"]) < 3:
+            entry["messages"].append(r["error"])
+    return {"by_status": by, "after_first_token": sum(r["started"] for r in failed)}
 
 
 def print_table(rows: list[dict]) -> None:
@@ -377,6 +400,9 @@ def print_table(rows: list[dict]) -> None:
               f"{s(r['text_tpot_ms']['p99']):>10}{s(r['text_ttft_ms']['median']):>10}"
               f"{s(r['image_ttft_ms']['median']):>10}{r['failed']:>5}")
     print("times in ms; TPOT = mean inter-token time after the first token; txt*/img* = text-only/image requests")
+    for r in rows:
+        for status, entry in (r.get("failures") or {}).get("by_status", {}).items():
+            print(f"  {r['system']} @ {r['rate']}: {entry['count']} x status {status}: {entry['messages'][0]}")
     print("\nmean per stage (ms; gateway histograms; vllm-ec: the proxy's producer round trip as encode)")
     print(f"{'system':<14}{'rate':>5}{'img%':>5}" + "".join(f"{st:>10}" for st in STAGES))
     for r in rows:
