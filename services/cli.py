@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--port", type=int, default=8000, help="gateway HTTP port")
     u.add_argument("--host", default="127.0.0.1")
     u.add_argument("--vllm-args", default="{}", help="extra vLLM engine arguments for both engines (JSON)")
+    for role in ("encoder", "lm", "gateway"):
+        u.add_argument(f"--{role}-args", default="", help=f"more flags for the {role} service, one string "
+                       f"(e.g. --lm-args '--enable-auto-tool-choice --tool-call-parser hermes')")
     u.add_argument("--security", default="token", choices=["token", "tls", "none"],
                    help="how the services prove themselves to each other: a fresh shared token (default), mutual "
                         "TLS with a private CA plus the token, or nothing (loopback only)")
@@ -156,10 +159,13 @@ def _main(argv: list[str] | None = None) -> int:
         print(json.dumps(make_certs(ns.dir, [h for h in ns.hosts.split(",") if h]), indent=2))
         return 0
     if ns.cmd == "up":
+        import shlex
+
         from services.up import run_up
 
         return run_up(model=ns.model or default_model(), host=ns.host, port=ns.port, engine_args=ns.vllm_args,
-                      security=ns.security)
+                      security=ns.security, encoder_args=shlex.split(ns.encoder_args),
+                      lm_args=shlex.split(ns.lm_args), gateway_args=shlex.split(ns.gateway_args))
     return 2
 
 

@@ -322,8 +322,11 @@ class Deployment:
         self.stop()
 
 
-def run_up(model: str, host: str, port: int, engine_args: str, security: str = "token") -> int:
-    dep = Deployment(model=model, host=host, port=port, engine_args=engine_args, security=security)
+def run_up(model: str, host: str, port: int, engine_args: str, security: str = "token",
+           encoder_args: list[str] | None = None, lm_args: list[str] | None = None,
+           gateway_args: list[str] | None = None) -> int:
+    dep = Deployment(model=model, host=host, port=port, engine_args=engine_args, security=security,
+                     encoder_args=encoder_args or [], lm_args=lm_args or [], gateway_args=gateway_args or [])
     stop = {"now": False}
 
     def on_signal(signum, frame):
