@@ -10,7 +10,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.epd-installed-$(EXTRA)
 PYTEST_ARGS ?=
 
-.PHONY: install protos model demo up test test-all test-unit bench-transfer bench-transfer-hosts bench-serving bench-gateway clean
+.PHONY: install protos model demo up test test-all test-unit bench-transfer bench-transfer-hosts bench-serving bench-capacity bench-gateway clean
 
 install: $(STAMP) protos
 
@@ -57,6 +57,13 @@ bench-transfer-hosts: install  # needs root: two network namespaces joined by ve
 	$(PY) -m pip install -q "matplotlib>=3.8"
 	$(PY) bench/transfer.py --quick --hosts --no-ec-example --transports grpc \
 		--json bench/results/transfer-cpu-hosts.json --plot bench/results/transfer-cpu-hosts.png
+
+bench-capacity: model  # vllm bench serve against colocated, epd and epd-auto; about 25 min on 2 cores
+	$(PY) -m pip install -q "matplotlib>=3.8"
+	$(PY) bench/capacity.py --systems colocated,epd,epd-auto --rates 0.5,1,2,4,6,8 --workload random-mm \
+		--json bench/results/capacity-cpu-random-mm.json --plot bench/results/capacity-cpu-random-mm.png
+	$(PY) bench/capacity.py --systems colocated,epd,epd-auto --rates 1,2,4,8 --workload mixed --image-every 10 \
+		--json bench/results/capacity-cpu-mixed.json --plot bench/results/capacity-cpu-mixed.png
 
 bench-serving: install
 	$(PY) -m pip install -q "matplotlib>=3.8"

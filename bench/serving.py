@@ -68,7 +68,7 @@ from services.up import Service, free_port, grpc_serving, http_ok, wait_ready
 
 WORDS = ("the river light stone cloud north window garden silver market evening paper quiet "
          "engine summer letter mountain bridge winter forest harbor lantern orchard").split()
-SYSTEMS = ("colocated", "colocated-dp2", "epd", "vllm-ec")
+SYSTEMS = ("colocated", "colocated-dp2", "epd", "epd-auto", "vllm-ec")
 STAGES = ("queue", "metadata", "encode", "transfer", "lm_queue", "ttft", "tpot", "total")
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -169,7 +169,8 @@ def _halves(cores: list[int]) -> tuple[list[int], list[int]]:
 # (vLLM's gpu_memory_utilization) instead of cores; an encoder-only engine holds weights and its
 # encoder cache but no KV cache. Each system's slices sum to 0.85.
 GPU_SHARES = {"colocated": {"lm": 0.85}, "colocated-dp2": {"lm0": 0.42, "lm1": 0.42},
-              "epd": {"encoder": 0.2, "lm": 0.65}, "vllm-ec": {"producer": 0.2, "consumer": 0.65}}
+              "epd": {"encoder": 0.2, "lm": 0.65}, "epd-auto": {"encoder": 0.2, "lm": 0.65},
+              "vllm-ec": {"producer": 0.2, "consumer": 0.65}}
 
 
 def engine_args_for(name: str, tag: str, device: str, vllm_args: dict) -> dict:
@@ -261,10 +262,11 @@ class System:
             lms, encoders = [epd_service("lm", "lm", cores)], []
         elif name == "colocated-dp2":
             lms, encoders = [epd_service("lm", "lm0", a), epd_service("lm", "lm1", b)], []
-        else:  # epd
+        else:  # epd, epd-auto (the gateway's --placement auto)
             encoders, lms = [epd_service("encoder", "encoder", a)], [epd_service("lm", "lm", b)]
         self.front = Service("gateway", ["gateway", "--port", str(self.port), "--lms", ",".join(lms),
-                                         "--encoders", ",".join(encoders)], log("gateway"))
+                                         "--encoders", ",".join(encoders),
+                                         *(["--placement", "auto"] if name == "epd-auto" else [])], log("gateway"))
 
     @property
     def url(self) -> str:

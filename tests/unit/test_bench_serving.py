@@ -28,7 +28,7 @@ def _flag(args: list[str], name: str):
     return args[args.index(name) + 1] if name in args else None
 
 
-@pytest.mark.parametrize("name", ["colocated", "colocated-dp2", "epd", "vllm-ec"])
+@pytest.mark.parametrize("name", ["colocated", "colocated-dp2", "epd", "epd-auto", "vllm-ec"])
 def test_cuda_systems_share_one_gpu_by_memory_slices_not_cores(serving, tmp_path, name):
     system = serving.System(name, "/models/m", [0, 1, 2, 3], str(tmp_path), json.dumps({"max_num_seqs": 64}),
                             device="cuda")
@@ -57,3 +57,9 @@ def test_cpu_systems_split_cores_and_keep_the_fixed_kv_cache(serving, tmp_path):
 def test_an_unknown_device_is_refused(serving, tmp_path):
     with pytest.raises(ValueError, match="cpu or cuda"):
         serving.System("epd", "/models/m", [0], str(tmp_path), "{}", device="tpu")
+
+
+def test_epd_auto_is_epd_with_the_gateways_auto_placement(serving, tmp_path):
+    auto = serving.System("epd-auto", "/models/m", [0, 1], str(tmp_path), "{}")
+    plain = serving.System("epd", "/models/m", [0, 1], str(tmp_path), "{}")
+    assert _flag(auto.front.argv, "--placement") == "auto" and "--placement" not in plain.front.argv

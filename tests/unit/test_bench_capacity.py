@@ -1,0 +1,61 @@
+"""bench/capacity.py: what it asks vLLM's benchmark client for, the knee it reports, and the
+mixed workload it writes (no engines: the sweep itself runs by hand, see docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(scope="module")
+def capacity():
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    spec = importlib.util.spec_from_file_location("bench_capacity", os.path.join(ROOT, "bench", "capacity.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    yield mod
+
+
+def _args(**kw):
+    base = dict(model="/m", num_prompts=30, workload="random-mm", input_len=64, output_len=32, image_size=224,
+                image_every=10, slo_ttft_ms=2000.0, slo_tpot_ms=100.0, warmups=3)
+    return argparse.Namespace(**{**base, **kw})
+
+
+def _flag(argv: list[str], name: str):
+    return argv[argv.index(name) + 1]
+
+
+def test_the_client_runs_openai_chat_with_goodput_and_a_seed_per_rate(capacity, tmp_path):
+    argv = capacity.bench_args(_args(), "http://h:1", "served", 2.0, str(tmp_path / "r.json"), "", seed=2000)
+    assert _flag(argv, "--backend") == "openai-chat" and _flag(argv, "--request-rate") == "2.0"
+    assert _flag(argv, "--seed") == "2000" and _flag(argv, "--dataset-name") == "random-mm"
+    assert argv[argv.index("--goodput") + 1:argv.index("--goodput") + 3] == ["ttft:2000.0", "tpot:100.0"]
+    assert json.loads(_flag(argv, "--random-mm-limit-mm-per-prompt")) == {"image": 1, "video": 0}
+    mixed = capacity.bench_args(_args(workload="mixed"), "http://h:1", "s", 1.0, str(tmp_path / "r.json"), "d", 1)
+    assert _flag(mixed, "--dataset-name") == "custom_image" and "--custom-ensure-client-side-data" in mixed
+
+
+@pytest.mark.parametrize("attainments, knee", [([1.0, 1.0, 0.95, 0.5], 4), ([1.0, 0.5, 1.0, 1.0], 1),
+                                               ([0.2, 1.0, 1.0, 1.0], None), ([1.0] * 4, 8)])
+def test_the_knee_is_the_last_rate_before_attainment_first_drops(capacity, attainments, knee):
+    rows = [{"rate": r, "attainment": a} for r, a in zip([1, 2, 4, 8], attainments)]
+    assert capacity.knee(rows, 0.9) == knee
+
+
+def test_the_mixed_workload_has_an_image_every_nth_request_and_differs_per_rate(capacity, tmp_path):
+    capacity._mixed_dataset(str(tmp_path / "a.jsonl"), 20, 10, 32, offset=0)
+    capacity._mixed_dataset(str(tmp_path / "b.jsonl"), 20, 10, 32, offset=1)
+    a = [json.loads(line) for line in open(tmp_path / "a.jsonl")]
+    b = [json.loads(line) for line in open(tmp_path / "b.jsonl")]
+    with_image = [i for i, row in enumerate(a) if row["content"][0]["type"] == "image"]
+    assert with_image == [9, 19] and all(os.path.exists(r["content"][0]["image"]) for r in (a[9], a[19]))
+    assert a[0]["content"] != b[0]["content"]  # no rate finds another rate's prompts in a cache
