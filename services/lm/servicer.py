@@ -64,6 +64,20 @@ def _dumps(model) -> bytes:
     return json.dumps(model.model_dump(), ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
 
 
+def openai_body(request: lm_pb2.GenerateRequest) -> dict:
+    """The OpenAI body a GenerateRequest carries, as a dict; BadInput for an unknown ``api`` or a
+    body that is not a JSON object (everything inside it is vLLM's to validate)."""
+    if request.openai.api not in _APIS:
+        raise BadInput(f"openai.api must be one of {', '.join(_APIS)}; got {request.openai.api!r}")
+    try:
+        body = json.loads(request.openai.body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise BadInput(f"openai.body is not JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise BadInput("openai.body must be a JSON object")
+    return body
+
+
 def check_media(body: dict, items: dict[str, lm_pb2.MMItem]) -> int:
     """Refuses media the LM must not touch; returns the number of images with data.
 
@@ -138,14 +152,7 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
         from vllm.exceptions import VLLMClientError
 
         api = request.openai.api
-        if api not in _APIS:
-            raise BadInput(f"openai.api must be one of {', '.join(_APIS)}; got {api!r}")
-        try:
-            body = json.loads(request.openai.body)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise BadInput(f"openai.body is not JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise BadInput("openai.body must be a JSON object")
+        body = openai_body(request)
         if api == "chat":
             check_media(body, {item.identifier: item for item in request.items})
         serving = self.frontend.chat if api == "chat" else self.frontend.completion

@@ -21,6 +21,7 @@ from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
 from epd.lm.v1 import lm_pb2, lm_pb2_grpc
 from services.common.errors import BadInput, EncoderUnavailable, Forbidden, PeerUnavailable
 from services.common.grpc_server import GrpcServer
+from services.lm.servicer import openai_body
 
 ENCODER_SERVICE = "epd.encoder.v1.EncoderService"
 LM_SERVICE = "epd.lm.v1.LMService"
@@ -135,15 +136,7 @@ class FakeLM(lm_pb2_grpc.LMServiceServicer):
     @staticmethod
     def body(request: lm_pb2.GenerateRequest) -> dict:
         """The OpenAI body a request carries (refused as the real LM refuses a malformed one)."""
-        if request.openai.api not in ("chat", "completions"):
-            raise BadInput(f"openai.api must be one of chat, completions; got {request.openai.api!r}")
-        try:
-            body = json.loads(request.openai.body)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise BadInput(f"openai.body is not JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise BadInput("openai.body must be a JSON object")
-        return body
+        return openai_body(request)
 
     async def Generate(self, request, context):
         got = lm_pb2.GenerateRequest()
