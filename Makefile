@@ -10,7 +10,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.epd-installed-$(EXTRA)
 PYTEST_ARGS ?=
 
-.PHONY: install protos model demo up test test-all test-unit bench-transfer bench-transfer-hosts bench-serving bench-capacity bench-gateway clean
+.PHONY: install protos model demo up test test-all test-unit bench-transfer bench-transfer-cuda bench-transfer-hosts bench-serving bench-capacity bench-gateway clean
 
 install: $(STAMP) protos
 
@@ -52,6 +52,10 @@ test-unit: install
 bench-transfer: install
 	$(PY) -m pip install -q "matplotlib>=3.8"
 	$(PY) bench/transfer.py --quick --json bench/results/transfer-cpu.json --plot bench/results/transfer-cpu.png
+
+bench-transfer-cuda: install  # a GPU host with EXTRA=cuda: CUDA IPC against one device-to-device copy
+	$(PY) -m pip install -q "matplotlib>=3.8"
+	$(PY) bench/transfer.py --device cuda --quick --json bench/results/transfer-cuda.json --plot bench/results/transfer-cuda.png
 
 bench-transfer-hosts: install  # needs root: two network namespaces joined by veth pairs through a bridge
 	$(PY) -m pip install -q "matplotlib>=3.8"

@@ -289,7 +289,11 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="fewer sizes and iterations (< 2 minutes on CPU)")
     ap.add_argument("--json", help="write rows here")
     ap.add_argument("--plot", help="write a PNG plot here")
-    ap.add_argument("--transports", default="shm,grpc", help="comma-separated (cuda_ipc, shm, grpc)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: the baseline is one device-to-device copy and the transports default to "
+                         "cuda_ipc,shm,grpc (CUDA IPC lands in a GPU tensor; shm and grpc in host staging)")
+    ap.add_argument("--transports", default="", help="comma-separated (cuda_ipc, shm, grpc); default shm,grpc "
+                                                     "(cuda_ipc,shm,grpc with --device cuda)")
     ap.add_argument("--model", default="", help="model dir for the ECExampleConnector baseline (default: tiny)")
     ap.add_argument("--no-ec-example", action="store_true", help="skip vLLM's ECExampleConnector baseline")
     ap.add_argument("--no-lane", action="store_true",
@@ -306,7 +310,10 @@ def main() -> int:
     args = ap.parse_args()
     if args.producer_peer:
         return serve_producer(args)
-    names = [t for t in args.transports.split(",") if t]
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: torch sees no CUDA device")
+    names = [t for t in (args.transports or ("cuda_ipc,shm,grpc" if args.device == "cuda" else "shm,grpc"))
+             .split(",") if t]
     if args.hosts:
         if "grpc" not in names:
             ap.error("--hosts times grpc across hosts: include grpc in --transports")
@@ -324,11 +331,19 @@ def main() -> int:
         runs.append(("grpc", "veth"))
     ec = None
     if not args.no_ec_example:
-        from services.cli import default_model
+        try:
+            import vllm  # noqa: F401
+        except ImportError as e:  # a GPU host with torch but no vLLM: the other rows still mean something
+            print(f"ec_example baseline skipped: vLLM is not importable ({e})", file=sys.stderr)
+        else:
+            from services.cli import default_model
 
-        ec = ECExample(args.model or default_model())
+            ec = ECExample(args.model or default_model())
     rows = []
-    baseline_name = "d2d" if torch.cuda.is_available() else "memcpy"
+    cuda = args.device == "cuda"
+    # The floor for each transport: CUDA IPC lands in GPU memory (one device-to-device copy), shm and
+    # gRPC in host staging (one memcpy); --device cuda measures both.
+    floors = ["memcpy"] + (["d2d"] if cuda else [])
     # One producer process per link for the host transports, one for CUDA IPC (its pool is on the GPU).
     peers: dict[tuple[str, str], ProducerPeer] = {}
     lanes: list[tuple[str, str, str, ProducerPeer, Consumer]] = []  # (label, transport, link, producer, consumer)
@@ -338,12 +353,13 @@ def main() -> int:
         for shape in shapes:
             nbytes = shape[0] * shape[1] * 2
             iters = iters_for(nbytes, args.quick)
-            lat = time_d2d(shape, iters) if torch.cuda.is_available() else time_memcpy(shape, iters)
-            base[shape] = nbytes / statistics.median(lat) / 1e9
-            rows.append(_row("memcpy" if baseline_name == "memcpy" else "d2d", nbytes, shape, lat, None, None))
+            for floor in floors:
+                lat = time_d2d(shape, iters) if floor == "d2d" else time_memcpy(shape, iters)
+                base[floor, shape] = nbytes / statistics.median(lat) / 1e9
+                rows.append(_row(floor, nbytes, shape, lat, None, None))
             if ec is not None:
                 ec_lat = ec.time(shape, max(3, iters // 4))
-                rows.append(_row("ec_example", nbytes, shape, ec_lat, baseline_name, base[shape]))
+                rows.append(_row("ec_example", nbytes, shape, ec_lat, "memcpy", base["memcpy", shape]))
         for name, link in runs:
             key = ("cuda_ipc" if name == "cuda_ipc" else host if link == "loopback" else name, link)
             if key not in peers:
@@ -369,7 +385,8 @@ def main() -> int:
             nbytes = shape[0] * shape[1] * 2
             for label, name, link, producer, consumer in lanes:
                 lat = time_transport(name, shape, iters_for(nbytes, args.quick), producer, consumer)
-                rows.append(_row(label, nbytes, shape, lat, baseline_name, base[shape], link=link))
+                floor = "d2d" if name == "cuda_ipc" else "memcpy"
+                rows.append(_row(label, nbytes, shape, lat, floor, base[floor, shape], link=link))
     finally:
         for lane in lanes:
             lane[4].close()
@@ -383,7 +400,7 @@ def main() -> int:
             r["ec_example_gbps"] = ec_by_size.get(r["nbytes"])
             r["vs_ec_example"] = round(r["gbps"] / r["ec_example_gbps"], 1) if r["ec_example_gbps"] else None
     _print(rows)
-    result = {"machine": machine(), "quick": args.quick, "lane": not args.no_lane,
+    result = {"machine": machine(), "device": args.device, "quick": args.quick, "lane": not args.no_lane,
               "method": "producer in its own process; latency = consumer fetch (or producer adoption, "
                         "control_push) -> LANDED recorded on the consumer's transfer thread", "rows": rows}
     if args.peer_wrap:

@@ -363,7 +363,7 @@ class TransferClient:
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
-        self._loop.create_task(self._watchdog())
+        self._watchdog_task = self._loop.create_task(self._watchdog())
         self._loop.run_forever()
 
     async def _watchdog(self) -> None:
@@ -424,6 +424,7 @@ class TransferClient:
             return
 
         async def _close() -> None:
+            self._watchdog_task.cancel()
             for peer in list(self._peers.values()):
                 peer.task.cancel()
             await asyncio.sleep(0)
