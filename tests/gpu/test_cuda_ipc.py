@@ -76,6 +76,33 @@ def test_cuda_ipc_through_the_transfer_protocol_is_chosen_and_exact():
         proc.wait(timeout=30)
 
 
+def test_cuda_ipc_into_host_staging_is_exact():
+    """The other copy path (``_copy_and_wait``'s torch fallback): an LM whose
+    staging is host memory, as when an in-place item is demoted to staging,
+    gets the same bytes through a device-to-host copy."""
+    import torch
+
+    from ectransfer import tensors
+    from ectransfer.loopback import Consumer
+    from ectransfer.protocol import TransferState
+    from tests.gpu.ipc_producer import random_tensors
+
+    proc, lines = _start("--serve", 10)
+    consumer = Consumer(transports=("cuda_ipc",), staging_bytes=64 << 20, device="cpu")
+    try:
+        for ident, t in random_tensors(10):
+            nbytes = t.numel() * t.element_size()
+            transfer, fetch, slot = consumer.start(lines[0]["endpoint"], ident, nbytes)
+            assert consumer.wait(transfer) is TransferState.LANDED, transfer.error
+            assert not consumer.staging.view(slot).is_cuda
+            assert torch.equal(consumer.staging.view(slot).clone(), tensors.as_bytes(t)), ident
+            consumer.staging.free(slot)
+    finally:
+        consumer.close()
+        proc.stdin.close()
+        proc.wait(timeout=30)
+
+
 def test_in_place_read_from_another_process_is_one_device_copy_and_exact():
     """What the LM's worker does with an in-place CUDA IPC item: locate (the
     client), then ``copy_out`` straight into a tensor on its device, then ack."""
