@@ -1,0 +1,143 @@
+"""Property test of the producer's item lifecycle (issue 14): random interleavings of
+publications, Reserve -> header (an in-place read begins), Ack, Cancel, stream loss and
+lease expiry, for two consumers of one item, driven the way ``ectransfer.session``
+drives ``OutboundStore`` (a session's hold is the copy whose header it sent; Ack and
+Cancel release that copy and end the read; a lost stream ends its reads with the lease
+restarted). After every step: no slot anyone still reads was freed, and no slot was
+freed twice; at the end, once every consumer is gone and the leases have run out,
+every slot was freed exactly once and the pool is empty."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from ectransfer.outbound import OutboundStore
+from ectransfer.pool import Pool
+
+pytestmark = pytest.mark.unit
+
+ID = "item-1"
+CONSUMERS = (0, 1)
+
+
+class _CountingPool(Pool):
+    """A host pool that records every free: a second free of one slot is the bug. Slots are
+    told apart by identity (one ``Slot`` object per allocation), not by value: the allocator
+    hands the same offset out again once it is free."""
+
+    def __init__(self) -> None:
+        super().__init__(1 << 20)
+        self.allocated: list = []
+        self.freed: list = []
+
+    def alloc(self, nbytes, timeout=None):
+        slot = super().alloc(nbytes, timeout)
+        self.allocated.append(slot)
+        return slot
+
+    def was_freed(self, slot) -> bool:
+        return any(s is slot for s in self.freed)
+
+    def free(self, slot) -> None:
+        assert not self.was_freed(slot), f"slot {slot} freed twice"
+        assert any(s is slot for s in self.allocated), f"slot {slot} was never allocated"
+        self.freed.append(slot)
+        super().free(slot)
+
+
+class Lifecycle(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = _CountingPool()
+        self.store = OutboundStore(self.pool, ttl_s=60.0)
+        self.holds: dict[int, object] = {}  # consumer -> the copy (OutboundItem) it reads in place
+        self.clock = time.monotonic()
+
+    # -- the encoder ---------------------------------------------------------------
+
+    @rule()
+    def publish(self) -> None:
+        """The encoder reserves a slot for a new copy, its worker writes it, the scheduler adopts it."""
+        self.store.expect(ID)
+        slot = self.pool.alloc(1024)
+        self.store.adopt(ID, slot, (4, 128), torch.bfloat16)
+
+    @rule()
+    def publish_unwanted(self) -> None:
+        """A copy whose every encode request was aborted before it landed."""
+        self.store.expect(ID)
+        slot = self.pool.alloc(1024)
+        self.store.adopt(ID, slot, (4, 128), torch.bfloat16, unwanted=True)
+
+    @rule()
+    def requests_aborted(self) -> None:
+        """Every request that encoded the held copy was aborted: freed unless someone asked for it."""
+        self.store.release_unwanted(ID)
+
+    # -- a consumer's session ----------------------------------------------------------
+
+    @rule(c=st.sampled_from(CONSUMERS))
+    def header(self, c: int) -> None:
+        """Reserve served: the header goes out and the consumer reads the slot in place."""
+        if c in self.holds:
+            return  # a duplicate Reserve while one is held: the session ignores it
+        item = self.store.begin_send(ID)
+        if item is not None:
+            self.holds[c] = item
+
+    @rule(c=st.sampled_from(CONSUMERS), kind=st.sampled_from(["ack", "cancel"]))
+    def release(self, c: int, kind: str) -> None:
+        """Ack (read done) or Cancel (not wanted); both name the item, the session knows the copy."""
+        held = self.holds.pop(c, None)
+        self.store.release(ID, kind, held)
+        if held is not None:
+            self.store.end_send(held)
+
+    @rule(c=st.sampled_from(CONSUMERS))
+    def lose_stream(self, c: int) -> None:
+        """The consumer's stream breaks: its reads end, the lease restarts (it may still copy)."""
+        held = self.holds.pop(c, None)
+        if held is not None:
+            self.store.end_send(held, restart_lease=True)
+
+    @precondition(lambda self: not self.holds)
+    @rule()
+    def lease_runs_out(self) -> None:
+        """Time passes beyond the lease with nobody reading."""
+        self.clock += self.store.ttl_s + 1
+        self.store.expire(now=self.clock)
+
+    @rule(dt=st.sampled_from([0.0, 0.3, 1.0, 11.0]))
+    def sweep(self, dt: float) -> None:
+        """The producer's sweeper, a little later (past a stale Cancel's grace, past the memory of Cancels)."""
+        self.clock += dt
+        self.store.expire(now=self.clock)
+
+    # -- what must hold -----------------------------------------------------------------
+
+    @invariant()
+    def nothing_read_was_freed(self) -> None:
+        for c, item in self.holds.items():
+            assert not self.pool.was_freed(item.slot), f"consumer {c} still reads {item.slot}, which was freed"
+
+    def teardown(self) -> None:
+        for c in list(self.holds):
+            self.lose_stream(c)
+        for _ in range(2):  # lost readers keep their copy a lease; then everything goes
+            self.clock += self.store.ttl_s + 1
+            self.store.expire(now=self.clock)
+        leaked = [s for s in self.pool.allocated if not self.pool.was_freed(s)]
+        assert not leaked, f"never freed: {leaked}"
+        assert self.pool.stats()["used_bytes"] == 0
+        assert not self.store.contains(ID)
+
+
+Lifecycle.TestCase.settings = settings(max_examples=400, stateful_step_count=40, deadline=None,
+                                       suppress_health_check=[HealthCheck.too_slow])
+test_item_lifecycle_frees_every_copy_once_and_never_one_being_read = Lifecycle.TestCase
