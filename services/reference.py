@@ -21,10 +21,11 @@ import sys
 
 
 def run(model: str, requests: list[dict]) -> list[list[int]]:
+    from services.common.engine import EngineConfig, configure_process_env, engine_kwargs
+
+    configure_process_env()  # before vLLM is imported
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams
-
-    from services.common.engine import EngineConfig, engine_kwargs  # sets the offline env first
 
     llm = LLM(**engine_kwargs(EngineConfig(model=model)))
     results = []

@@ -88,8 +88,9 @@ class EPDConnector(ECConnectorBase):
         return self._half.take_unavailable()
 
     def request_finished(self, request) -> tuple[bool, dict[str, Any] | None]:
-        # Never delay_free: in vLLM 0.32 that leaks the request.
-        return False, self._half.request_finished(request)
+        # Never delay_free: in vLLM 0.32 that leaks the request. The half's typed
+        # result (metadata.ConsumerFinished / ProducerFinished) travels as its dict.
+        return False, self._half.request_finished(request).to_dict() or None
 
     # -- stats (vLLM carries these to the service's Prometheus registry) ----
 

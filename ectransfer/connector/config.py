@@ -16,9 +16,8 @@ class ConnectorConfig:
     advertise_host: str = ""
     """Producer: address LMs dial (default: transfer_host; set the pod IP on Kubernetes)."""
     transfer_port: int = 0
-    """Producer: Transfer server port; 0 picks a free one (reported via endpoint_file)."""
-    endpoint_file: str = ""
-    """Producer: file the bound ``host:port`` is written to once the server listens."""
+    """Producer: Transfer server port; 0 picks a free one, which only the log names (the
+    encoder service passes the port it reserved, so it knows the endpoint up front)."""
     outbound_pool_bytes: int = 256 << 20
     """Producer: bytes of encoder outputs held until acked (backpressure beyond)."""
     staging_bytes: int = 256 << 20

@@ -1,7 +1,7 @@
 """Consumer halves (LM engine, ``ec_role=ec_consumer``).
 
 Scheduler half (vLLM's scheduler thread): for each request whose
-``ec_transfer_params`` name an encoder, ``ensure_cache_available`` reserves
+``ec_transfer_params`` (``ECTransferParams``) name an encoder, ``ensure_cache_available`` reserves
 inbound staging and asks the encoder for each item (the request is deferred,
 not failed, until every item landed); ``has_cache_item`` says yes for landed
 items so vLLM loads them instead of encoding; ``update_state_after_alloc``
@@ -34,7 +34,15 @@ from ectransfer import factory, tensors
 from ectransfer.client import Fetch, TransferClient
 from ectransfer.connector.common import compat_for, worker_device
 from ectransfer.connector.config import ConnectorConfig
-from ectransfer.connector.metadata import EPDConnectorMetadata, EPDWorkerMetadata, LoadSpec
+from ectransfer.connector.metadata import (
+    ConsumerFinished,
+    ECTransferParams,
+    EPDConnectorMetadata,
+    EPDWorkerMetadata,
+    ItemSource,
+    LoadSpec,
+    TransferReport,
+)
 from ectransfer.pool import Slot
 from ectransfer.protocol import ItemTransfer, TransferState
 from ectransfer.security import SecurityConfig
@@ -101,10 +109,16 @@ class ConsumerScheduler:
     # -- scheduling -----------------------------------------------------------
 
     def ensure_cache_available(self, request, num_computed_tokens: int) -> bool:
-        sources = (request.ec_transfer_params or {}).get("items")
+        rid = request.request_id
+        try:
+            sources = ECTransferParams.from_dict(request.ec_transfer_params).items
+        except ValueError as e:  # never raised into vLLM's step: the request fails instead
+            logger.error("request %s: malformed ec_transfer_params: %s", rid, e)
+            self._errors[rid] = f"malformed ec_transfer_params: {e}"
+            self._unavailable.add(rid)
+            return False
         if not sources:
             return True
-        rid = request.request_id
         stats = self._stats[rid]
         if not stats.wait_started:
             stats.wait_started = time.monotonic()
@@ -112,8 +126,8 @@ class ConsumerScheduler:
         # One copy per identifier: an image that appears twice in the prompt is
         # fetched (and its staging reserved and freed) once, under its first
         # placeholder still to compute; it is cancelled only if no placeholder needs it.
-        needed: dict[str, tuple[int, Any, dict]] = {}
-        not_needed: dict[str, dict] = {}
+        needed: dict[str, tuple[int, Any, ItemSource]] = {}
+        not_needed: dict[str, ItemSource] = {}
         for index, feat in enumerate(request.mm_features):
             src = sources.get(feat.identifier)
             if src is None:
@@ -128,7 +142,7 @@ class ConsumerScheduler:
             # tell the encoder it is not needed (it frees the slot now).
             if ident not in needed and ident not in skipped and ident not in self._items:
                 skipped.add(ident)
-                self.client.cancel(src["endpoint"], ident)
+                self.client.cancel(src.endpoint, ident)
                 self._counts["cancels"] += 1
                 self._counts["reuse_hits"] += self._in_vllm_cache(ident)
         missing = [n for ident, n in needed.items() if ident not in self._items]
@@ -141,7 +155,7 @@ class ConsumerScheduler:
                 # This request shares another's fetch; the copy its own encode makes (unless the
                 # encoder reused the one being fetched) would wait out its lease: cancelled once
                 # the shared copy is loaded (and acked), when a Cancel cannot hit the copy in use.
-                item.others.append(src["endpoint"])
+                item.others.append(src.endpoint)
             item.requests.add(rid)
             lost = item.fetch.stream_lost
             if lost and not item.queued:  # landed in place, then its stream closed: fail it here
@@ -162,8 +176,8 @@ class ConsumerScheduler:
         Each item must arrive as the metadata promised: ``[num_embeds,
         embed_width]`` (num_embeds from the prompt's placeholder) in ``dtype``;
         the transfer client refuses any other header."""
-        kinds = [((request.get_num_encoder_embeds(index), int(src["embed_width"])),
-                  tensors.dtype_from_name(src["dtype"])) for index, _, src in missing]
+        kinds = [((request.get_num_encoder_embeds(index), src.embed_width), tensors.dtype_from_name(src.dtype))
+                 for index, _, src in missing]
         sizes = [tensors.nbytes_of(shape, dtype) for shape, dtype in kinds]
         if sum(sizes) > self.staging.capacity:
             msg = (f"the request's encoder outputs need {sum(sizes)} bytes, more than the LM's staging "
@@ -190,9 +204,9 @@ class ConsumerScheduler:
             slots.append(slot)
         for (_, feat, src), slot, n, (shape, dtype) in zip(missing, slots, sizes, kinds):
             transfer = ItemTransfer(feat.identifier, n, on_change=self._progress.set)
-            fetch = self.client.fetch(transfer, src["endpoint"], self.staging.view(slot), request.request_id,
+            fetch = self.client.fetch(transfer, src.endpoint, self.staging.view(slot), request.request_id,
                                       in_place=self.cfg.read_in_place, shape=shape, dtype=dtype)
-            self._items[feat.identifier] = _Inbound(transfer, src["endpoint"], slot, fetch, owner=request.request_id)
+            self._items[feat.identifier] = _Inbound(transfer, src.endpoint, slot, fetch, owner=request.request_id)
         return True
 
     def _fail(self, item: _Inbound) -> None:
@@ -327,7 +341,7 @@ class ConsumerScheduler:
         out, self._unavailable = self._unavailable, set()
         return out
 
-    def request_finished(self, request) -> dict[str, Any] | None:
+    def request_finished(self, request) -> ConsumerFinished:
         rid = request.request_id
         for item in list(self._items.values()):
             item.requests.discard(rid)
@@ -342,19 +356,17 @@ class ConsumerScheduler:
                     item.transfer.try_advance(TransferState.CANCELLED)
                 self._drop(item)
         self._skipped.pop(rid, None)
-        error = self._errors.pop(rid, None)
-        endpoints = sorted(self._failed_endpoints.pop(rid, ()))
+        error = self._errors.pop(rid, "")
+        failed = tuple(sorted(self._failed_endpoints.pop(rid, ())))  # the gateway re-encodes these elsewhere
         stats = self._stats.pop(rid, None)
-        out: dict[str, Any] = {"error": error} if error else {}
-        if endpoints:
-            out["failed_endpoints"] = endpoints  # the gateway re-encodes these items elsewhere
+        report = None
         if stats is not None and request.mm_features:
-            out.update(local_encoder_runs=stats.local_encoder_runs, transferred_items=stats.transferred_items,
-                       transfer_ms=stats.transfer_ms)
-            if stats.transferred_items:  # what the engine negotiated with each encoder
-                endpoints = {s["endpoint"] for s in ((request.ec_transfer_params or {}).get("items") or {}).values()}
-                out["transports"] = {e: self.client.transport_of(e) for e in sorted(endpoints)}
-        return out or None
+            transports = {}
+            if stats.transferred_items:  # what the engine negotiated with each encoder (params parsed before)
+                endpoints = ECTransferParams.from_dict(request.ec_transfer_params).endpoints()
+                transports = {e: self.client.transport_of(e) for e in endpoints}
+            report = TransferReport(stats.local_encoder_runs, stats.transferred_items, stats.transfer_ms, transports)
+        return ConsumerFinished(error, failed, report)
 
     def shutdown(self) -> None:
         self.client.close()

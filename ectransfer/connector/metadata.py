@@ -1,11 +1,33 @@
-"""Plain picklable metadata between the connector's scheduler and worker halves.
+"""What the connector exchanges, as plain dataclasses.
 
-Built fresh every engine step; no sockets, locks or tensors inside.
+- Between its scheduler and worker halves (``LoadSpec``, ``SaveSpec``,
+  ``EPDConnectorMetadata``, ``EPDWorkerMetadata``): picklable, built fresh every
+  engine step; no sockets, locks or tensors inside.
+- With the services, through the dicts vLLM carries unchanged on its request and
+  output objects (frozen, each with one ``to_dict`` and one ``from_dict``):
+
+  ``ECTransferParams``   LM service -> consumer scheduler half, as
+                         ``SamplingParams.extra_args["ec_transfer_params"]`` (vLLM
+                         copies it to ``Request.ec_transfer_params``): the encoder
+                         of each item. Written only by ``services.lm.frontend``
+                         (a caller's own is dropped there), read by
+                         ``ConsumerScheduler``.
+  ``ConsumerFinished``   consumer scheduler half -> LM service, returned by
+                         ``request_finished`` (``RequestOutput.ec_transfer_params``):
+                         the request's error and timings.
+  ``ProducerFinished``   producer scheduler half -> encoder service, the same way:
+                         the request's items and vision-encoder runs.
+
+``from_dict`` checks every key and type and raises ``ValueError`` naming what is
+wrong; a reader that must not raise (a hook inside vLLM's engine step) turns that
+into a failed request.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorMetadata, ECConnectorWorkerMetadata
 
@@ -68,3 +90,200 @@ class EPDWorkerMetadata(ECConnectorWorkerMetadata):
         # Every TP rank injects the same items.
         assert isinstance(other, EPDWorkerMetadata)
         return EPDWorkerMetadata(sorted(set(self.loaded) | set(other.loaded)))
+
+
+# -- contracts with the services (dicts vLLM carries) --------------------------
+
+
+def _mapping(value: Any, what: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{what} must be a mapping, got {type(value).__name__}")
+    return value
+
+
+def _keys(d: Mapping[str, Any], what: str, allowed: tuple[str, ...], required: tuple[str, ...] = ()) -> None:
+    unknown = sorted(str(k) for k in d if k not in allowed)
+    if unknown:
+        raise ValueError(f"{what}: unknown keys {unknown}; allowed: {sorted(allowed)}")
+    missing = [k for k in required if k not in d]
+    if missing:
+        raise ValueError(f"{what}: missing keys {missing}")
+
+
+def _str(value: Any, what: str, nonempty: bool = False) -> str:
+    if not isinstance(value, str) or (nonempty and not value):
+        raise ValueError(f"{what} must be a {'non-empty ' if nonempty else ''}string, got {value!r}")
+    return value
+
+
+def _int(value: Any, what: str, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{what} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _float(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise ValueError(f"{what} must be a number >= 0, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class ItemSource:
+    """Where the consumer pulls one item's embedding from, and the shape it must arrive in.
+    Checked on construction (``ValueError``), however it is built."""
+
+    endpoint: str
+    """The encoder's Transfer server, ``host:port`` (the LM service checked it is allowed)."""
+    embed_width: int
+    """Columns of the embedding; its rows are the prompt's placeholder embeds."""
+    dtype: str
+    """Element type by name (``ectransfer.tensors.dtype_from_name``), e.g. ``bfloat16``."""
+
+    def __post_init__(self) -> None:
+        from ectransfer import tensors
+
+        _str(self.endpoint, "endpoint", nonempty=True)
+        _int(self.embed_width, "embed_width", minimum=1)
+        tensors.dtype_from_name(_str(self.dtype, "dtype", nonempty=True))  # ValueError listing the allowed names
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"endpoint": self.endpoint, "embed_width": self.embed_width, "dtype": self.dtype}
+
+    @classmethod
+    def from_dict(cls, d: Any, what: str = "item source") -> ItemSource:
+        d = _mapping(d, what)
+        _keys(d, what, ("endpoint", "embed_width", "dtype"), required=("endpoint", "embed_width", "dtype"))
+        try:
+            return cls(d["endpoint"], d["embed_width"], d["dtype"])
+        except ValueError as e:
+            raise ValueError(f"{what}: {e}") from None
+
+
+@dataclass(frozen=True)
+class ECTransferParams:
+    """A request's ``ec_transfer_params`` on the LM: the encoder of each item, by
+    identifier (vLLM's ``mm_hash``). Items not named here are encoded by the LM."""
+
+    items: Mapping[str, ItemSource] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"items": {ident: src.to_dict() for ident, src in self.items.items()}}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> ECTransferParams:
+        """``None`` (a request without params) is no items."""
+        if d is None:
+            return cls()
+        d = _mapping(d, "ec_transfer_params")
+        _keys(d, "ec_transfer_params", ("items",))
+        items = _mapping(d.get("items") or {}, "ec_transfer_params.items")
+        return cls({_str(ident, "an item identifier", nonempty=True): ItemSource.from_dict(src, f"item {ident!r}")
+                    for ident, src in items.items()})
+
+    def endpoints(self) -> list[str]:
+        """The encoders named, each once, sorted."""
+        return sorted({src.endpoint for src in self.items.values()})
+
+
+@dataclass(frozen=True)
+class TransferReport:
+    """What the LM's engine did for a multimodal request's items (none for a text-only one)."""
+
+    local_encoder_runs: int = 0
+    """Items vLLM encoded on the LM itself."""
+    transferred_items: int = 0
+    """Items whose embedding arrived from an encoder."""
+    transfer_ms: float = 0.0
+    """How long the request was deferred for its embeddings."""
+    transports: Mapping[str, str] = field(default_factory=dict)
+    """Per encoder endpoint, the transport the engine negotiated (only with transferred items)."""
+
+
+@dataclass(frozen=True)
+class ConsumerFinished:
+    """The consumer half's ``request_finished`` result. As a dict, keys are left out
+    when empty (a text-only request that went well gives ``{}``, which the facade
+    hands vLLM as ``None``)."""
+
+    error: str = ""
+    """Why the request's encoder outputs could not be had (empty: they could)."""
+    failed_endpoints: tuple[str, ...] = ()
+    """Encoders that failed it, sorted: the gateway re-encodes those items elsewhere."""
+    report: TransferReport | None = None
+    """Per-request counts and timings; None for a request without multimodal items."""
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"error": self.error} if self.error else {}
+        if self.failed_endpoints:
+            out["failed_endpoints"] = list(self.failed_endpoints)
+        if self.report is not None:
+            r = self.report
+            out.update(local_encoder_runs=r.local_encoder_runs, transferred_items=r.transferred_items,
+                       transfer_ms=r.transfer_ms)
+            if r.transports:
+                out["transports"] = dict(r.transports)
+        return out
+
+    @classmethod
+    def from_dict(cls, d: Any) -> ConsumerFinished:
+        """``None`` (vLLM drops the params of a request it failed) is nothing to report."""
+        if d is None:
+            return cls()
+        what = "consumer finished info"
+        d = _mapping(d, what)
+        _keys(d, what, ("error", "failed_endpoints", "local_encoder_runs", "transferred_items", "transfer_ms",
+                        "transports"))
+        failed = d.get("failed_endpoints", [])
+        if not isinstance(failed, (list, tuple)):
+            raise ValueError(f"{what}: failed_endpoints must be a list, got {failed!r}")
+        report = None
+        if any(k in d for k in ("local_encoder_runs", "transferred_items", "transfer_ms", "transports")):
+            transports = _mapping(d.get("transports", {}), f"{what}: transports")
+            report = TransferReport(
+                _int(d.get("local_encoder_runs", 0), f"{what}: local_encoder_runs"),
+                _int(d.get("transferred_items", 0), f"{what}: transferred_items"),
+                _float(d.get("transfer_ms", 0.0), f"{what}: transfer_ms"),
+                {_str(e, f"{what}: a transports endpoint"): _str(t, f"{what}: transport of {e!r}")
+                 for e, t in transports.items()})
+        return cls(_str(d.get("error", ""), f"{what}: error"),
+                   tuple(_str(e, f"{what}: a failed endpoint", nonempty=True) for e in failed), report)
+
+
+@dataclass(frozen=True)
+class FinishedItem:
+    num_embeds: int
+    """Embedding rows of the item."""
+    modality: str
+    """vLLM's modality name, e.g. ``image``."""
+
+
+@dataclass(frozen=True)
+class ProducerFinished:
+    """The producer half's ``request_finished`` result."""
+
+    items: Mapping[str, FinishedItem] = field(default_factory=dict)
+    """The request's items by identifier."""
+    encoder_runs: int = 0
+    """Items the vision encoder ran for (the rest were already held)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"items": {i: {"num_embeds": it.num_embeds, "modality": it.modality} for i, it in self.items.items()},
+                "encoder_runs": self.encoder_runs}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> ProducerFinished:
+        """``None`` (vLLM drops the params of a request it failed) is nothing to report."""
+        if d is None:
+            return cls()
+        what = "producer finished info"
+        d = _mapping(d, what)
+        _keys(d, what, ("items", "encoder_runs"))
+        items = {}
+        for ident, it in _mapping(d.get("items", {}), f"{what}: items").items():
+            it = _mapping(it, f"{what}: item {ident!r}")
+            _keys(it, f"{what}: item {ident!r}", ("num_embeds", "modality"), required=("num_embeds", "modality"))
+            items[_str(ident, f"{what}: an item identifier", nonempty=True)] = FinishedItem(
+                _int(it["num_embeds"], f"{what}: item {ident!r} num_embeds"),
+                _str(it["modality"], f"{what}: item {ident!r} modality"))
+        return cls(items, _int(d.get("encoder_runs", 0), f"{what}: encoder_runs"))

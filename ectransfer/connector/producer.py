@@ -47,7 +47,6 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-import os
 import secrets
 import socket
 import threading
@@ -59,7 +58,7 @@ from typing import Any
 from ectransfer import factory, tensors
 from ectransfer.connector.common import compat_for
 from ectransfer.connector.config import ConnectorConfig
-from ectransfer.connector.metadata import EPDConnectorMetadata, SaveSpec
+from ectransfer.connector.metadata import EPDConnectorMetadata, FinishedItem, ProducerFinished, SaveSpec
 from ectransfer.outbound import OutboundStore
 from ectransfer.pool import PoolFullError, Slot
 from ectransfer.security import SecurityConfig
@@ -121,13 +120,6 @@ class ProducerScheduler:
         logger.info("EPD transfer server on %s, outbound pool %s (%d MiB, transports %s)", endpoint,
                     self.pool.pool_id if self.cuda_pool is not None else self.pool.name,
                     cfg.outbound_pool_bytes >> 20, ",".join(names))
-        if cfg.endpoint_file:
-            # 0600, and the service puts it in a 0700 directory of its own: no other
-            # user can read it, plant one first or swap it for another endpoint.
-            tmp = cfg.endpoint_file + ".tmp"
-            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
-                f.write(endpoint)
-            os.replace(tmp, cfg.endpoint_file)
         self._reserved: dict[str, _Reserved] = {}
         self._failed = 0
         self._seen: set[str] = set()  # requests whose reservation succeeded (reuse counted once)
@@ -283,7 +275,7 @@ class ProducerScheduler:
             out, self._unavailable = self._unavailable, set()
         return out
 
-    def request_finished(self, request) -> dict[str, Any]:
+    def request_finished(self, request) -> ProducerFinished:
         rid = request.request_id
         with self._lock:
             unwanted = self._finished(request, _ended_unread(request))
@@ -298,9 +290,8 @@ class ProducerScheduler:
         freed = [i for i in held if self.store.release_unwanted(i)]
         if freed:
             logger.info("request %s ended unread: %d encoder output(s) no consumer asked for freed", rid, len(freed))
-        items = {f.identifier: {"num_embeds": f.mm_position.get_num_embeds(), "modality": f.modality}
-                 for f in request.mm_features}
-        return {"items": items, "encoder_runs": self._encoder_runs.pop(rid, 0)}
+        items = {f.identifier: FinishedItem(f.mm_position.get_num_embeds(), f.modality) for f in request.mm_features}
+        return ProducerFinished(items, self._encoder_runs.pop(rid, 0))
 
     def shutdown(self) -> None:
         self.server.stop()

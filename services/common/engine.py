@@ -6,20 +6,43 @@ import asyncio
 import json
 import logging
 import os
+import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
-# Before vLLM is imported anywhere: nothing at run time may reach a model hub, and
-# vLLM's engine and worker processes are spawned, not forked: our services have
-# gRPC running before the engine starts, and gRPC does not survive fork() (the
-# child's channels intermittently never connect).
-for _k, _v in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-               "VLLM_DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false",
-               "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}.items():
-    os.environ.setdefault(_k, _v)
+SERVICE_ENV: dict[str, str] = {
+    # huggingface_hub reads these once, when it is first imported (vLLM imports it):
+    # nothing at run time may reach a model hub.
+    "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+    # vLLM reads these when it uses them (its usage reporter, its executor); its
+    # EngineCore and workers inherit them when they are spawned.
+    "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1",
+    # vLLM's engine and worker processes are spawned, not forked: our services have
+    # gRPC running before the engine starts, and gRPC does not survive fork() (the
+    # child's channels intermittently never connect).
+    "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+"""The environment a service process runs vLLM under; a variable already set wins."""
+
+
+def configure_process_env() -> None:
+    """Sets ``SERVICE_ENV`` in ``os.environ`` where unset (the operator's own value
+    wins). Called first thing by each entry point that runs vLLM in this process
+    (``services.encoder.server.serve``, ``services.lm.server.serve``,
+    ``services.reference.run``), before anything imports vLLM: huggingface_hub
+    fixes its offline flag when first imported. Those modules therefore import
+    vLLM only inside their functions; called later, the offline setting would
+    reach only the engine processes vLLM spawns, which is logged."""
+    late = "huggingface_hub" in sys.modules and "HF_HUB_OFFLINE" not in os.environ
+    for key, value in SERVICE_ENV.items():
+        os.environ.setdefault(key, value)
+    if late:
+        logger.warning("huggingface_hub was imported before the service environment was set: offline mode "
+                       "applies to vLLM's engine processes, not to this one")
 
 
 @dataclass

@@ -1,26 +1,24 @@
 """Encoder service wiring and lifecycle.
 
-Start: build the producer engine (its connector binds the Transfer server in
-the engine process and writes the bound endpoint to a file), then serve
-EncoderService + health + reflection. Stop: NOT_SERVING, stop gRPC, then shut
-the engine down (which stops the Transfer server and frees the pool).
+Start: reserve the Transfer port (``reserve_port``), build the producer engine
+(its connector binds the Transfer server on that port in the engine process),
+then serve EncoderService + health + reflection. Stop: NOT_SERVING, stop gRPC,
+then shut the engine down (which stops the Transfer server and frees the pool).
+
+vLLM is imported only inside ``serve``, after ``configure_process_env``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import shutil
 import signal
-import tempfile
-import time
+import socket
 
-from ectransfer.connector.common import compat_for
 from ectransfer.security import SecurityConfig
 from ectransfer.shm import cleanup_orphans
 from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
-from services.common.engine import EngineConfig, build_async_engine, serve_until_stopped
+from services.common.engine import EngineConfig, build_async_engine, configure_process_env, serve_until_stopped
 from services.common.grpc_server import GrpcServer
 from services.common.media import ImageDecoder
 from services.encoder.config import EncoderServiceConfig
@@ -29,7 +27,7 @@ from services.encoder.servicer import EncoderServicer, dtype_enum
 logger = logging.getLogger(__name__)
 
 
-def _ec_config(cfg: EncoderServiceConfig, engine_cfg: EngineConfig, endpoint_file: str,
+def _ec_config(cfg: EncoderServiceConfig, engine_cfg: EngineConfig, transfer_port: int,
                security: SecurityConfig) -> dict:
     return {
         "ec_connector": "EPDConnector",
@@ -38,8 +36,7 @@ def _ec_config(cfg: EncoderServiceConfig, engine_cfg: EngineConfig, endpoint_fil
         "ec_connector_extra_config": {
             "transfer_host": cfg.transfer_host,
             "advertise_host": cfg.advertise_host,
-            "transfer_port": cfg.transfer_port,
-            "endpoint_file": endpoint_file,
+            "transfer_port": transfer_port,
             "outbound_pool_bytes": int(cfg.outbound_pool_mib * (1 << 20)),
             "transports": [t for t in cfg.transports.split(",") if t],
             "lease_s": cfg.lease_s,
@@ -60,6 +57,33 @@ def _placeholder(engine) -> str:
     return ph
 
 
+def reserve_port(host: str, port: int = 0) -> socket.socket:
+    """A TCP socket bound (not listening) to ``host:port`` with SO_REUSEPORT; port 0
+    picks a free one. It holds the port for the engine's Transfer server, which vLLM
+    builds in its EngineCore process, where the service cannot read the port back:
+    told the port up front, the engine binds it too (gRPC servers set SO_REUSEPORT,
+    and the kernel lets only the same user share the port), so the service knows its
+    endpoint before the engine starts, and no other program can take the port in the
+    seconds the engine takes to start. A socket that does not listen receives no
+    connections. The caller closes it once the engine is up (the server listens
+    then). A fixed port is first bound without SO_REUSEPORT, so one that any socket
+    holds (another encoder's Transfer server too) is refused with OSError instead of
+    being shared; bind(0) picks a port nobody holds."""
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                      flags=socket.AI_PASSIVE)[0]
+    if port:
+        with socket.socket(family, kind, proto) as probe:
+            probe.bind(addr)  # OSError (EADDRINUSE) when the port is in use
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind(addr)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def check(cfg: EncoderServiceConfig, security: SecurityConfig) -> None:
     """Refuses (ValueError) a configuration before an engine start is spent on
     it: an unauthenticated non-loopback bind."""
@@ -76,22 +100,22 @@ async def serve(cfg: EncoderServiceConfig, engine_cfg: EngineConfig, stop: async
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    # The engine writes its Transfer endpoint here: a 0700 directory of our own
-    # (mkdtemp), so no other user can plant a file under the name first.
-    private_dir = tempfile.mkdtemp(prefix="epd-encoder-")
-    endpoint_file = os.path.join(private_dir, "transfer.endpoint")
-    engine = build_async_engine(engine_cfg, _ec_config(cfg, engine_cfg, endpoint_file, security))
+    configure_process_env()  # before vLLM is imported in this process
+    from ectransfer.connector.common import compat_for
+
+    try:
+        reserved = reserve_port(cfg.transfer_host, cfg.transfer_port)
+    except OSError as e:
+        raise RuntimeError(f"cannot bind the Transfer port {cfg.transfer_host}:{cfg.transfer_port}: {e}") from None
+    try:
+        transfer_port = reserved.getsockname()[1]
+        engine = build_async_engine(engine_cfg, _ec_config(cfg, engine_cfg, transfer_port, security))
+    finally:
+        reserved.close()  # the engine's Transfer server listens on the port now (or the engine failed)
+    transfer_endpoint = f"{cfg.advertise_host or cfg.transfer_host}:{transfer_port}"
     server = None
     decoder = ImageDecoder(cfg)
     try:
-        deadline = time.monotonic() + 30
-        while not os.path.exists(endpoint_file):  # noqa: ASYNC240 - a stat every 50 ms at start-up
-            if time.monotonic() > deadline:
-                raise RuntimeError("the engine's transfer server did not report its endpoint")
-            await asyncio.sleep(0.05)
-        with open(endpoint_file) as f:  # noqa: ASYNC230 - a few bytes on a private tmpfs file, once
-            transfer_endpoint = f.read().strip()
-        os.unlink(endpoint_file)
         mc = engine.model_config
         info = encoder_pb2.EncoderInfo(
             encoder_id=engine.vllm_config.ec_transfer_config.engine_id,
@@ -122,4 +146,3 @@ async def serve(cfg: EncoderServiceConfig, engine_cfg: EngineConfig, stop: async
         # (vLLM stops the executor first, and the client kills stragglers):
         # remove the segments it owned, now that its pid is dead.
         cleanup_orphans()
-        shutil.rmtree(private_dir, ignore_errors=True)

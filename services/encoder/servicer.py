@@ -66,6 +66,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         from vllm import SamplingParams
         from vllm.exceptions import VLLMClientError
 
+        from ectransfer.connector.metadata import ProducerFinished
+
         t0 = time.perf_counter()
         status = "error"
 
@@ -125,7 +127,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
                 raise EPDError(f"request {rid}: the encoder engine returned no result")
             if final.outputs and final.outputs[0].finish_reason not in (None, "stop", "length"):
                 raise EPDError(f"request {rid}: encoding failed ({final.outputs[0].finish_reason})")
-            runs = (final.ec_transfer_params or {}).get("encoder_runs", 0)
+            runs = ProducerFinished.from_dict(final.ec_transfer_params).encoder_runs
             ENCODER_RUNS.inc(runs)
             encode_ms = (time.perf_counter() - t0) * 1e3
             # Counted and logged before the last events go out: a caller that has

@@ -31,10 +31,14 @@ import contextvars
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from services.common.errors import BadInput, EncoderUnavailable
 from services.common.layout import ItemLayout, splice
+
+if TYPE_CHECKING:  # imported where used: ectransfer.connector imports vLLM, which this module's importers
+    # (the CLI's parser, the gateway's tests) must not pay for
+    from ectransfer.connector.metadata import ItemSource
 
 logger = logging.getLogger(__name__)
 
@@ -44,12 +48,12 @@ class RequestContext:
     """One Generate call's epd state, shared with vLLM's serving code through ``CURRENT``.
 
     ``layouts``/``sources``: per item identifier, the prompt layout and the encoder
-    (``{"endpoint", "embed_width", "dtype"}``) from the encoders' metadata; empty for a
-    request without encoder items. Written by the servicer before the call; read by
+    (``ItemSource``: endpoint, embedding width and dtype) from the encoders' metadata;
+    empty for a request without encoder items. Written by the servicer before the call; read by
     ``LaidOutRenderer`` and ``ConsumerEngine``."""
 
     layouts: dict[str, ItemLayout] = field(default_factory=dict)
-    sources: dict[str, dict[str, Any]] = field(default_factory=dict)
+    sources: dict[str, ItemSource] = field(default_factory=dict)
     start: float = field(default_factory=time.perf_counter)
     first_token_at: float = 0.0
     last_token_at: float = 0.0
@@ -159,13 +163,15 @@ class ConsumerEngine:
         return getattr(self._engine, name)
 
     def generate(self, prompt, sampling_params, request_id, *args, **kwargs):
+        from ectransfer.connector.metadata import ECTransferParams
+
         ctx = CURRENT.get()
         extra = dict(sampling_params.extra_args or {})
         # Only the gateway's items name encoders: a client's own ec_transfer_params (a request field
         # vLLM forwards, or vllm_xargs) would make the LM dial what the caller chose.
         extra.pop("ec_transfer_params", None)
         if ctx is not None and ctx.sources:
-            extra["ec_transfer_params"] = {"items": ctx.sources}
+            extra["ec_transfer_params"] = ECTransferParams(ctx.sources).to_dict()
         sampling_params.extra_args = extra or None
         gen = self._engine.generate(prompt, sampling_params, request_id, *args, **kwargs)
         if ctx is None:
@@ -176,18 +182,19 @@ class ConsumerEngine:
 
 
 async def _recorded(gen, ctx: RequestContext, request_id: str, delta: bool):
+    from ectransfer.connector.metadata import ConsumerFinished, ECTransferParams
+
     try:
         async for out in gen:
             ctx.final = out
             failed = [c for c in out.outputs if c.finish_reason == "error"]
             if failed and ctx.sources:
-                ec = out.ec_transfer_params or {}
-                endpoints = sorted({s["endpoint"] for s in ctx.sources.values()})
+                info = ConsumerFinished.from_dict(out.ec_transfer_params)
                 # vLLM drops the connector's ec_transfer_params when it fails a request
                 # (take_unavailable_requests): without them every encoder the request used is named.
-                named = ec.get("failed_endpoints") or endpoints
+                named = list(info.failed_endpoints) or ECTransferParams(ctx.sources).endpoints()
                 ctx.encoder_failure = EncoderUnavailable(
-                    ec.get("error") or f"request {request_id}: an embedding from encoder(s) {', '.join(named)} "
+                    info.error or f"request {request_id}: an embedding from encoder(s) {', '.join(named)} "
                     "could not be obtained", named)
                 raise ctx.encoder_failure
             if any(c.token_ids for c in out.outputs):

@@ -1,4 +1,6 @@
-"""LM service wiring and lifecycle: consumer engine + LMService + health."""
+"""LM service wiring and lifecycle: consumer engine + LMService + health.
+
+vLLM is imported only inside ``serve``, after ``configure_process_env``."""
 
 from __future__ import annotations
 
@@ -7,11 +9,10 @@ import logging
 import signal
 
 from ectransfer import factory
-from ectransfer.connector.common import compat_for
 from ectransfer.security import SecurityConfig
 from ectransfer.shm import cleanup_orphans
 from epd.lm.v1 import lm_pb2, lm_pb2_grpc
-from services.common.engine import EngineConfig, build_async_engine, serve_until_stopped
+from services.common.engine import EngineConfig, build_async_engine, configure_process_env, serve_until_stopped
 from services.common.grpc_server import GrpcServer
 from services.lm.config import LMServiceConfig
 from services.lm.frontend import build_frontend
@@ -53,6 +54,9 @@ async def serve(cfg: LMServiceConfig, engine_cfg: EngineConfig, stop: asyncio.Ev
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    configure_process_env()  # before vLLM is imported in this process
+    from ectransfer.connector.common import compat_for
+
     # No processor cache: a prompt laid out from an encoder's metadata carries its
     # items without data, which vLLM's engine-side processor cache would take for
     # a cache entry it lost (MultiModalCacheMissError).

@@ -125,16 +125,18 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
         return self.info
 
     def _context(self, request: lm_pb2.GenerateRequest) -> RequestContext:
+        from ectransfer.connector.metadata import ItemSource
+
         ctx = RequestContext()
         for item in request.items:
             if not item.identifier or not item.HasField("source"):
                 continue
             src = item.source
-            ctx.sources[item.identifier] = {
-                "endpoint": src.transfer_endpoint,
-                "embed_width": src.embed_width,
-                "dtype": tensors.dtype_name(tensors.dtype_from_proto(src.dtype)),
-            }
+            try:
+                ctx.sources[item.identifier] = ItemSource(
+                    src.transfer_endpoint, src.embed_width, tensors.dtype_name(tensors.dtype_from_proto(src.dtype)))
+            except ValueError as e:
+                raise BadInput(f"item {item.identifier}: {e}") from None
             if src.placeholder_token_ids:
                 lay = ItemLayout(tuple(src.placeholder_token_ids), tuple(src.prompt_token_ids), src.is_embed)
                 if (lay.is_embed and len(lay.is_embed) != len(lay.tokens)) or lay.num_embeds != src.num_embeds:
@@ -189,7 +191,7 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
         # from another task could not reset it there.
         CURRENT.set(ctx)
         try:
-            for endpoint in {s["endpoint"] for s in ctx.sources.values()}:
+            for endpoint in {s.endpoint for s in ctx.sources.values()}:
                 await self.peers.check(endpoint)
             try:
                 answer = await self._answer(request, ctx)
@@ -221,16 +223,19 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
             REQUESTS.labels(status).inc()
 
     def _last(self, rid: str, ctx: RequestContext) -> lm_pb2.GenerateResponse:
+        from ectransfer.connector.metadata import ConsumerFinished, TransferReport
+
         final = ctx.final
-        ec = (final.ec_transfer_params if final is not None else None) or {}
+        ec = ConsumerFinished.from_dict(final.ec_transfer_params if final is not None else None).report \
+            or TransferReport()
         if ctx.laid_out:
             LAYOUTS.labels("encoder").inc()
-        elif ec.get("local_encoder_runs"):
+        elif ec.local_encoder_runs:
             LAYOUTS.labels("processor").inc()
-        LOCAL_ENCODER_RUNS.inc(ec.get("local_encoder_runs", 0))
-        TRANSFERRED.inc(ec.get("transferred_items", 0))
-        if ec.get("transfer_ms"):
-            TRANSFER.observe(ec["transfer_ms"] / 1e3)
+        LOCAL_ENCODER_RUNS.inc(ec.local_encoder_runs)
+        TRANSFERRED.inc(ec.transferred_items)
+        if ec.transfer_ms:
+            TRANSFER.observe(ec.transfer_ms / 1e3)
         ttft_ms = ((ctx.first_token_at or time.perf_counter()) - ctx.start) * 1e3
         if ctx.first_token_at:
             TTFT.observe(ttft_ms / 1e3)
@@ -241,12 +246,12 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
             request_id=rid, finish_reason=(outputs[0].finish_reason or "") if outputs else "",
             usage=lm_pb2.Usage(prompt_tokens=len((final.prompt_token_ids if final is not None else None) or []),
                                completion_tokens=ctx.completion_tokens),
-            timings=lm_pb2.Timings(transfer_ms=ec.get("transfer_ms", 0.0), ttft_ms=ttft_ms, tpot_ms=tpot,
-                                   lm_queue_ms=_queue_ms(final, ec.get("transfer_ms", 0.0))),
-            local_encoder_runs=ec.get("local_encoder_runs", 0),
-            transferred_items=ec.get("transferred_items", 0),
-            transports=[(ec.get("transports") or {}).get(s["endpoint"]) or self.peers.transport.get(s["endpoint"], "")
-                        for s in ctx.sources.values()] if ec.get("transferred_items") else [],
+            timings=lm_pb2.Timings(transfer_ms=ec.transfer_ms, ttft_ms=ttft_ms, tpot_ms=tpot,
+                                   lm_queue_ms=_queue_ms(final, ec.transfer_ms)),
+            local_encoder_runs=ec.local_encoder_runs,
+            transferred_items=ec.transferred_items,
+            transports=[ec.transports.get(s.endpoint) or self.peers.transport.get(s.endpoint, "")
+                        for s in ctx.sources.values()] if ec.transferred_items else [],
         )
 
 

@@ -56,7 +56,7 @@ def test_prealloc_request_before_encode_lands_exactly_and_frees_staging(producer
     assert torch.equal(cache["a"].view(torch.int16), t.view(torch.int16))
     assert used(sched) == 0
     assert steps_until(lambda: not producer.store.contains("a"))  # acked
-    assert sched.request_finished(req)["transferred_items"] == 1
+    assert sched.request_finished(req).report.transferred_items == 1
 
 
 def test_prealloc_encode_before_request(producer, consumer):
@@ -129,7 +129,7 @@ def test_backpressure_a_request_larger_than_staging_fails_cleanly_with_a_reason(
     req = request("r1", [("f", 16)], producer.endpoint)
     assert not sched.ensure_cache_available(req, 0)
     assert sched.take_unavailable() == {"r1"}
-    assert "staging" in sched.request_finished(req)["error"]
+    assert "staging" in sched.request_finished(req).error
 
 
 def test_lease_an_item_nobody_produces_fails_its_request_with_a_reason(consumer):
@@ -139,7 +139,7 @@ def test_lease_an_item_nobody_produces_fails_its_request_with_a_reason(consumer)
         req = request("r1", [("never", 16)], p.endpoint)
         assert steps_until(lambda: (sched.ensure_cache_available(req, 0), sched.take_unavailable())[1] == {"r1"})
         assert used(sched) == 0
-        assert "not encoded" in sched.request_finished(req)["error"]
+        assert "not encoded" in sched.request_finished(req).error
     finally:
         p.close()
 
@@ -186,7 +186,7 @@ def test_prealloc_producer_halves_reserve_save_and_serve(producer, consumer):
         for ident in ("p1", "p2"):
             pw.save(outputs, ident)  # vLLM calls this right after each encode
         assert steps_until(lambda: ps.store.contains("p1") and ps.store.contains("p2"))
-        assert ps.request_finished(r1)["encoder_runs"] == 2
+        assert ps.request_finished(r1).encoder_runs == 2
         req = request("l1", [("p1", 16), ("p2", 16)], endpoint)
         assert steps_until(lambda: sched.ensure_cache_available(req, 0))
         cache = inject(sched, req)
@@ -277,7 +277,7 @@ def test_in_place_an_encoder_that_goes_away_before_the_load_fails_the_request_an
         assert steps_until(lambda: (sched.ensure_cache_available(req, 0), sched.take_unavailable())[1] == {"r1"})
         assert not sched.has_cache_item("i4")
         assert ("shm", segment) in sched.build_meta(SimpleNamespace(scheduled_encoder_inputs={}, total_num_scheduled_tokens=0)).unmap
-        assert "error" in sched.request_finished(req)
+        assert sched.request_finished(req).error
     finally:
         sched.shutdown()
 
@@ -294,3 +294,13 @@ def test_in_place_an_item_vllm_does_not_take_in_time_moves_to_staging_and_frees_
     assert meta.loads[0].segment == sched.staging.name  # loaded from staging now
     assert torch.equal(inject(sched, req, meta)["i5"].view(torch.int16), t.view(torch.int16))
     assert used(sched) == 0
+
+
+def test_malformed_ec_transfer_params_fail_the_request_without_dialing_or_raising(consumer):
+    sched = consumer()
+    req = request("r1", [("a", 16)])
+    req.ec_transfer_params = {"items": {"a": {"endpoint": "enc-1:5000", "embed_width": "128", "dtype": "bfloat16"}}}
+    assert not sched.ensure_cache_available(req, 0)  # refused, not raised into vLLM's step
+    assert sched.take_unavailable() == {"r1"}
+    assert used(sched) == 0 and not sched.has_cache_item("a")
+    assert "embed_width" in sched.request_finished(req).error

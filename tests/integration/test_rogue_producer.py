@@ -60,7 +60,7 @@ def test_a_header_unlike_the_items_metadata_fails_its_request_and_never_reaches_
         assert fails(sched, req)
         assert not sched.has_cache_item("a")
         assert schedule(sched, req).loads == []  # nothing for vLLM's worker to inject
-        error = sched.request_finished(req)["error"]
+        error = sched.request_finished(req).error
         assert reason in error and "item a" in error, error
         assert sched.staging.stats()["used_bytes"] == 0
         assert steps_until(lambda: not rogue.store.contains("a"), 5)  # told to let go (Cancel)
@@ -81,7 +81,7 @@ def test_an_in_place_item_in_another_segment_is_refused_before_anything_reads_it
         req = request("r1", [("b", 16)], rogue.endpoint)
         assert fails(sched, req)
         assert schedule(sched, req).loads == []
-        assert "proved" in sched.request_finished(req)["error"]
+        assert "proved" in sched.request_finished(req).error
     finally:
         rogue.close()
         other.close()
@@ -100,7 +100,7 @@ def test_an_in_place_offset_outside_the_segment_is_refused(consumer, offset):
         req = request("r1", [("c", 16)], rogue.endpoint)
         assert fails(sched, req)
         assert schedule(sched, req).loads == []
-        assert "outside" in sched.request_finished(req)["error"]
+        assert "outside" in sched.request_finished(req).error
     finally:
         rogue.close()
 

@@ -1,0 +1,52 @@
+"""The service environment is set by an explicit call, never by an import, and
+early enough that huggingface_hub (imported with vLLM) sees it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from services.common.engine import SERVICE_ENV
+
+pytestmark = pytest.mark.unit
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _run(code: str, **env: str) -> dict:
+    """``code`` in a fresh interpreter without the service variables (plus ``env``); its last line is JSON."""
+    clean = {k: v for k, v in os.environ.items() if k not in SERVICE_ENV}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**clean, **env}, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_importing_the_engine_module_leaves_the_environment_unchanged():
+    out = _run("import json, os; before = dict(os.environ); import services.common.engine; "
+               "print(json.dumps(dict(os.environ) == before))")
+    assert out is True
+
+
+def test_importing_the_service_entry_points_does_not_import_vllm_or_huggingface_hub():
+    # serve() calls configure_process_env before its first vLLM import; an earlier
+    # import would fix huggingface_hub's offline flag before the variable is set.
+    out = _run("import json, sys; import services.cli, services.encoder.server, services.lm.server; "
+               "services.cli.build_parser(); "
+               "print(json.dumps(sorted(m for m in ('vllm', 'huggingface_hub', 'transformers') if m in sys.modules)))")
+    assert out == []
+
+
+def test_configure_process_env_sets_what_is_unset_and_keeps_the_operators_values():
+    out = _run("import json, os; from services.common.engine import configure_process_env; "
+               "configure_process_env(); import huggingface_hub.constants as c; "
+               "print(json.dumps([os.environ['HF_HUB_OFFLINE'], os.environ['VLLM_WORKER_MULTIPROC_METHOD'], "
+               "c.HF_HUB_OFFLINE]))", HF_HUB_OFFLINE="0", TRANSFORMERS_OFFLINE="0")
+    assert out == ["0", "spawn", False]
+    out = _run("import json; from services.common.engine import configure_process_env; configure_process_env(); "
+               "import huggingface_hub.constants as c; print(json.dumps(c.HF_HUB_OFFLINE))")
+    assert out is True
