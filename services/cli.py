@@ -1,7 +1,7 @@
 """The ``epd`` command: run one service, bring up a whole deployment, or build
 the tiny model.
 
-    epd tiny-model PATH            build the offline tiny Idefics3
+    epd tiny-model PATH [--family F]  build an offline tiny model (Idefics3 by default)
     epd encoder [flags]            the encoder service
     epd lm [flags]                 the LM service
     epd gateway [flags]            the gateway (OpenAI REST + gRPC)
@@ -25,11 +25,11 @@ from services.common.config import add_dataclass_args, from_args
 DEFAULT_MODEL_DIR = pathlib.Path(os.environ.get("EPD_CACHE_DIR", pathlib.Path.home() / ".cache" / "epd-serve"))
 
 
-def default_model(variant: str = "tiny") -> str:
-    """The built-in tiny model, built offline on first use."""
+def default_model(variant: str = "tiny", family: str = "idefics3") -> str:
+    """The built-in tiny model of ``family`` (Idefics3 unless asked), built offline on first use."""
     from services.tiny_model import build_tiny_model
 
-    return str(build_tiny_model(DEFAULT_MODEL_DIR / f"{variant}-idefics3", variant=variant))
+    return str(build_tiny_model(DEFAULT_MODEL_DIR / f"{variant}-{family}", variant=variant, family=family))
 
 
 def _logging(level: str) -> None:
@@ -52,14 +52,17 @@ def build_parser() -> argparse.ArgumentParser:
     from services.encoder.config import EncoderServiceConfig
     from services.gateway.config import GatewayConfig
     from services.lm.config import LMServiceConfig
+    from services.tiny_families import FAMILIES
 
     p = argparse.ArgumentParser(prog="epd", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--log-level", default=os.environ.get("EPD_LOG_LEVEL", "info"))
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    t = sub.add_parser("tiny-model", help="build the offline tiny model")
+    t = sub.add_parser("tiny-model", help="build an offline tiny model (docs/models.md)")
     t.add_argument("path")
-    t.add_argument("--variant", default="tiny", choices=["tiny", "tiny-alt", "bench"])
+    t.add_argument("--family", default="idefics3", choices=["idefics3", *FAMILIES])
+    t.add_argument("--variant", default="tiny", choices=["tiny", "tiny-alt", "bench", "bench-light"],
+                   help="Idefics3 size; the other families have only 'tiny'")
     t.add_argument("--seed", type=int, default=0)
 
     for name, cls in (("encoder", EncoderServiceConfig), ("lm", LMServiceConfig)):
@@ -123,7 +126,7 @@ def _main(argv: list[str] | None = None) -> int:
     if ns.cmd == "tiny-model":
         from services.tiny_model import build_tiny_model
 
-        print(build_tiny_model(ns.path, variant=ns.variant, seed=ns.seed))
+        print(build_tiny_model(ns.path, variant=ns.variant, seed=ns.seed, family=ns.family))
         return 0
     if ns.cmd in ("encoder", "lm", "gateway"):
         try:  # configurations are refused here, before anything starts (exit 2)

@@ -31,24 +31,26 @@ Variants:
 Idefics3 always rescales the longest edge to ``size["longest_edge"]`` (also
 upscaling), so the tile count depends on the aspect ratio, not on resolution.
 
-Usage: ``python -m services.tiny_model PATH [--variant tiny] [--seed 0]``.
+Other families (Qwen2-Audio, Qwen2.5-VL, Gemma 3, LLaVA) are built by
+``services/tiny_families/`` through :func:`build_tiny_model` (``family=``).
+
+Usage: ``python -m services.tiny_model PATH [--family idefics3] [--variant tiny] [--seed 0]``.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import pathlib
-import random
 import shutil
 import tempfile
 
+from services.tiny_families import FAMILIES, build_family
+from services.tiny_families.common import corpus, derive_seed
+
 MARKER_NAME = "epd_tiny_model.json"
 FORMAT_VERSION = 1
-# The tokenizer is the same for every variant/seed, so prompts tokenize alike.
-_TOKENIZER_CORPUS_SEED = 1234
 VOCAB_SIZE = 2048
 
 SPECIAL_TOKENS = [
@@ -71,16 +73,6 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% endif %}<end_of_utterance>\n"
     "{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
 )
-
-_ENGLISH = (
-    "the a an of to and in is it that this what which who where when why how "
-    "image picture photo describe show see look color red green blue black "
-    "white yellow cat dog car house tree sky water person people man woman "
-    "small large big little left right top bottom center there here are was "
-    "be has have with on at for from by as not no yes can do does please "
-    "tell me about you your answer question user assistant text number one "
-    "two three four five six seven eight nine ten hello world test demo"
-).split()
 
 VARIANTS: dict[str, dict] = {
     "tiny": dict(
@@ -121,19 +113,6 @@ def _image_seq_len(spec: dict) -> int:
     return (v["image_size"] // v["patch_size"]) ** 2 // spec["scale_factor"] ** 2
 
 
-def _corpus() -> list[str]:
-    rng = random.Random(_TOKENIZER_CORPUS_SEED)
-    letters = "abcdefghijklmnopqrstuvwxyz"
-    words = ["".join(rng.choice(letters) for _ in range(rng.randint(2, 9))) for _ in range(3000)]
-    words += _ENGLISH * 20
-    punct = [".", ",", "?", "!", ":", "\n", " -", " 42", " 7", " 2024"]
-    lines = []
-    for _ in range(2000):
-        line = " ".join(rng.choice(words) for _ in range(rng.randint(5, 25)))
-        lines.append(line.capitalize() + rng.choice(punct))
-    return lines
-
-
 def _train_tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -144,7 +123,7 @@ def _train_tokenizer():
         vocab_size=VOCAB_SIZE, special_tokens=SPECIAL_TOKENS, show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    tok.train_from_iterator(_corpus(), trainer)
+    tok.train_from_iterator(corpus(), trainer)
     if tok.get_vocab_size() != VOCAB_SIZE:
         raise RuntimeError(f"tokenizer has {tok.get_vocab_size()} tokens, expected {VOCAB_SIZE}")
     return tok
@@ -268,12 +247,13 @@ def _build_into(out: pathlib.Path, variant: str, seed: int) -> None:
 
 def _derive_seed(variant: str, seed: int) -> int:
     """Stable per-(variant, seed) torch seed so variants never share weights."""
-    digest = hashlib.sha256(f"{variant}:{seed}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF
+    return derive_seed(variant, seed)
 
 
-def _marker(variant: str, seed: int) -> dict:
-    return {"format_version": FORMAT_VERSION, "seed": seed, "variant": variant}
+def _marker(variant: str, seed: int, family: str = "idefics3") -> dict:
+    if family == "idefics3":  # the marker of builds made before other families existed
+        return {"format_version": FORMAT_VERSION, "seed": seed, "variant": variant}
+    return {"family": family, "format_version": FORMAT_VERSION, "seed": seed, "variant": variant}
 
 
 def read_meta(path: str | os.PathLike) -> dict | None:
@@ -284,8 +264,12 @@ def read_meta(path: str | os.PathLike) -> dict | None:
         return None
 
 
-def build_tiny_model(path: str | os.PathLike, *, variant: str = "tiny", seed: int = 0) -> pathlib.Path:
-    """Write a tiny Idefics3 model directory at ``path`` and return it.
+def build_tiny_model(path: str | os.PathLike, *, variant: str = "tiny", seed: int = 0,
+                     family: str = "idefics3") -> pathlib.Path:
+    """Write a tiny model directory of ``family`` at ``path`` and return it.
+
+    ``variant`` picks an Idefics3 size (:data:`VARIANTS`); the other families
+    (:data:`services.tiny_families.FAMILIES`) have one size, ``tiny``.
 
     Idempotent: returns immediately when ``path`` already holds a build of the
     same ``variant``/``seed`` (see :data:`MARKER_NAME`).  Files are built in a
@@ -293,20 +277,27 @@ def build_tiny_model(path: str | os.PathLike, *, variant: str = "tiny", seed: in
     build is never mistaken for a finished one and concurrent builders of the
     same variant are harmless.
     """
-    if variant not in VARIANTS:
-        raise ValueError(f"unknown variant {variant!r}; choose from {sorted(VARIANTS)}")
+    if family != "idefics3" and family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; choose from {sorted(('idefics3', *FAMILIES))}")
+    allowed = VARIANTS if family == "idefics3" else ("tiny",)
+    if variant not in allowed:
+        raise ValueError(f"unknown variant {variant!r} for {family}; choose from {sorted(allowed)}")
+    marker = _marker(variant, seed, family)
     out = pathlib.Path(path).resolve()
-    if read_meta(out) == _marker(variant, seed):
+    if read_meta(out) == marker:
         return out
     out.mkdir(parents=True, exist_ok=True)
     (out / MARKER_NAME).unlink(missing_ok=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=".tiny_model_", dir=out.parent))
     try:
-        _build_into(tmp, variant, seed)
+        if family == "idefics3":
+            _build_into(tmp, variant, seed)
+        else:
+            build_family(family, tmp, seed)
         for f in sorted(tmp.iterdir()):
             os.chmod(f, 0o644)
             os.replace(f, out / f.name)
-        _dump_json(_marker(variant, seed), tmp / MARKER_NAME)
+        _dump_json(marker, tmp / MARKER_NAME)
         os.replace(tmp / MARKER_NAME, out / MARKER_NAME)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -316,10 +307,12 @@ def build_tiny_model(path: str | os.PathLike, *, variant: str = "tiny", seed: in
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("path", help="output directory")
-    parser.add_argument("--variant", choices=sorted(VARIANTS), default="tiny")
+    parser.add_argument("--family", choices=["idefics3", *FAMILIES], default="idefics3")
+    parser.add_argument("--variant", choices=sorted(VARIANTS), default="tiny",
+                        help="Idefics3 size; the other families have only 'tiny'")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    print(build_tiny_model(args.path, variant=args.variant, seed=args.seed))
+    print(build_tiny_model(args.path, variant=args.variant, seed=args.seed, family=args.family))
     return 0
 
 
