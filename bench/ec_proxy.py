@@ -71,6 +71,11 @@ class Proxy:
             await out.write_eof()
             return out
 
+    async def models(self, request: web.Request) -> web.Response:
+        """The consumer's model list: what a client (``vllm bench serve``) asks first."""
+        async with self.session.get(f"{self.consumer}/v1/models") as r:
+            return web.Response(status=r.status, body=await r.read(), content_type="application/json")
+
     async def stats(self, request: web.Request) -> web.Response:
         return web.json_response({"encode_s_sum": sum(self.encode_s), "encode_count": len(self.encode_s),
                                   "failed": self.failed})
@@ -92,6 +97,7 @@ def main() -> None:
     app.on_startup.append(proxy.start)
     app.on_cleanup.append(proxy.stop)
     app.router.add_post("/v1/chat/completions", proxy.chat)
+    app.router.add_get("/v1/models", proxy.models)
     app.router.add_get("/stats", proxy.stats)
     app.router.add_get("/health", proxy.health)
     web.run_app(app, host=args.host, port=args.port, print=None)

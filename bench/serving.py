@@ -62,7 +62,7 @@ import aiohttp
 from machine import machine_info, pct
 
 from ectransfer.shm import cleanup_orphans
-from services.common.engine import EngineConfig
+from services.common.engine import SERVICE_ENV, EngineConfig
 from services.common.images import data_url, make_image
 from services.up import Service, free_port, grpc_serving, http_ok, wait_ready
 
@@ -207,9 +207,8 @@ def vllm_server_argv(model: str, port: int, vllm_args: dict, ec: dict, device: s
     return argv
 
 
-# What services/common/engine.py sets before vLLM is imported, for the vLLM servers of ``vllm-ec``.
-VLLM_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-            "VLLM_DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+# The environment the services run vLLM under (services.common.engine), for the vLLM servers of ``vllm-ec``.
+VLLM_ENV = dict(SERVICE_ENV)
 
 
 class System:
@@ -266,7 +265,7 @@ class System:
             encoders, lms = [epd_service("encoder", "encoder", a)], [epd_service("lm", "lm", b)]
         self.front = Service("gateway", ["gateway", "--port", str(self.port), "--lms", ",".join(lms),
                                          "--encoders", ",".join(encoders),
-                                         *(["--placement", "auto"] if name == "epd-auto" else [])], log("gateway"))
+                                         "--placement", "auto" if name == "epd-auto" else "encoder"], log("gateway"))
 
     @property
     def url(self) -> str:
@@ -299,6 +298,35 @@ class System:
         cleanup_orphans()
         if self.tmpdir:
             shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """Cumulative CPU seconds (user + system, every thread) per process of this system, named
+        by role: the front (``gateway``, ``proxy``), each service (``encoder``, ``lm``, ``lm0``, ...)
+        and, as ``<role> engine``, everything it started (vLLM's EngineCore and its workers).
+        Differences over a run, divided by its requests, say which process a request costs most."""
+        import psutil
+
+        out: dict[str, float] = {}
+        for svc in [self.front, *(s for s, _ in self.engines)]:
+            if svc.proc is None:
+                continue
+            role = os.path.basename(svc.log_path)[len(self.name) + 1:-len(".log")] or svc.name
+            try:
+                proc = psutil.Process(svc.proc.pid)
+                t = proc.cpu_times()
+                out[role] = t.user + t.system
+                kids = 0.0
+                for child in proc.children(recursive=True):
+                    try:
+                        c = child.cpu_times()
+                        kids += c.user + c.system
+                    except psutil.Error:  # exited between the listing and the read
+                        pass
+                if kids:
+                    out[f"{role} engine"] = kids
+            except psutil.Error:
+                pass
+        return out
 
     def stage_totals(self) -> dict:
         """Cumulative per-stage (sum seconds, count): the gateway's histograms, or for ``vllm-ec`` the

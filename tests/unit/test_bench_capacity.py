@@ -59,3 +59,33 @@ def test_the_mixed_workload_has_an_image_every_nth_request_and_differs_per_rate(
     with_image = [i for i, row in enumerate(a) if row["content"][0]["type"] == "image"]
     assert with_image == [9, 19] and all(os.path.exists(r["content"][0]["image"]) for r in (a[9], a[19]))
     assert a[0]["content"] != b[0]["content"]  # no rate finds another rate's prompts in a cache
+
+
+def test_cpu_seconds_names_each_service_and_what_it_started(tmp_path):
+    """``System.cpu_seconds``: a service's own CPU under its role, its children's (vLLM's
+    EngineCore) as ``<role> engine``."""
+    import subprocess
+    import time
+    from types import SimpleNamespace
+
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import serving
+
+    from services.up import Service
+
+    # The service burns nothing; the engine it starts burns about 0.3 s of CPU, then waits.
+    child = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\ntime.sleep(60)"
+    parent = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys, time\n"
+                               f"subprocess.Popen([sys.executable, '-c', {child!r}])\ntime.sleep(60)"],
+                              start_new_session=True)
+    try:
+        svc = Service("lm", [], str(tmp_path / "epd-lm.log"), proc=parent)
+        fake = SimpleNamespace(name="epd", front=Service("gateway", [], str(tmp_path / "epd-gateway.log")),
+                               engines=[(svc, None)])
+        deadline = time.monotonic() + 30
+        while (out := serving.System.cpu_seconds(fake)).get("lm engine", 0.0) < 0.25 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert set(out) == {"lm", "lm engine"} and out["lm engine"] >= 0.25 and out["lm"] < out["lm engine"]
+    finally:
+        os.killpg(parent.pid, 9)
+        parent.wait()
