@@ -1,0 +1,65 @@
+"""Issue 12, the families whose processor replaces each image placeholder in place (LLaVA-1.5 here;
+Gemma 3 is not yet exact through the encoder -- greedy tokens differ from plain vLLM's while
+``--placement local`` matches them, see docs/models.md): through encoder -> LM with the official ``openai`` client, greedy tokens equal to plain
+vLLM's (``LLM.chat`` on the same messages) for one image, two images and the same image twice;
+every image encoded on the encoder, the LM laying the prompt out from the encoder's metadata (no
+image processor there) and encoding nothing itself. One deployment and one reference run per
+family (tiny offline checkpoints, ``services/tiny_families``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.common.images import data_url, make_image
+from services.reference import run_subprocess
+from services.up import Deployment
+from tests.e2e.helpers import metric, settled
+
+pytestmark = pytest.mark.e2e
+
+
+def _chat(images: list[int], text: str) -> dict:
+    content = [{"type": "image_url", "image_url": {"url": data_url(make_image(seed, (96, 80)))}} for seed in images]
+    return {"messages": [{"role": "user", "content": [*content, {"type": "text", "text": text}]}],
+            "max_tokens": 10, "temperature": 0, "return_token_ids": True}
+
+
+REQUESTS = {
+    "one": _chat([11], "What is in this picture?"),
+    "two": _chat([12, 13], "Compare the two pictures."),
+    "twice": _chat([14, 14], "Are these the same?"),
+}
+
+
+@pytest.fixture(scope="module", params=["llava"])
+def family(request):
+    from services.cli import default_model
+
+    model = default_model(family=request.param)
+    reference = dict(zip(REQUESTS, run_subprocess(model, list(REQUESTS.values()))))
+    dep = Deployment(model=model, quiet=True)
+    dep.start()
+    yield request.param, dep, reference
+    dep.stop()
+
+
+@pytest.mark.parametrize("name", list(REQUESTS))
+def test_family_matches_plain_vllm_with_every_image_encoded_remotely(family, name):
+    from openai import OpenAI
+
+    fam, dep, reference = family
+    client = OpenAI(base_url=dep.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    lm_runs = metric(dep.lm_metrics, "epd_lm_local_encoder_runs_total")
+    by_processor = metric(dep.lm_metrics, "epd_lm_prompt_layouts_total", by="processor")
+    by_encoder = metric(dep.lm_metrics, "epd_lm_prompt_layouts_total", by="encoder")
+    body = dict(REQUESTS[name])
+    extra = {"return_token_ids": body.pop("return_token_ids")}
+
+    resp = client.chat.completions.create(model="", extra_body=extra, **body)
+
+    assert resp.choices[0].model_extra["token_ids"] == reference[name], fam
+    assert resp.model_extra["epd"]["placement"] == "encoder"
+    assert metric(dep.lm_metrics, "epd_lm_local_encoder_runs_total") == lm_runs  # nothing encoded on the LM
+    assert metric(dep.lm_metrics, "epd_lm_prompt_layouts_total", by="processor") == by_processor
+    assert settled(lambda: metric(dep.lm_metrics, "epd_lm_prompt_layouts_total", by="encoder"),
+                   by_encoder + 1) == by_encoder + 1
