@@ -57,6 +57,25 @@ def _placeholder(engine) -> str:
     return ph
 
 
+def layouts_context_free(engine) -> bool:
+    """Whether an item's prompt layout depends on the item alone, so that the layout
+    the encoder computes from a prompt of bare placeholders can be spliced into any
+    LM prompt. False when the model's multimodal processor rewrites tokens around
+    its replacements (vLLM's ``_apply_token_matches`` / ``_find_mm_placeholders``
+    overridden: Gemma 3 merges the newlines it puts around each image with the
+    prompt's own); its LMs then lay the prompt out with their processor."""
+    from vllm.model_executor.models.registry import ModelRegistry
+    from vllm.multimodal.processing.processor import BaseMultiModalProcessor
+
+    mc = engine.model_config
+    model_cls, _ = ModelRegistry.resolve_model_cls(mc.architectures, mc)
+    proc = getattr(getattr(model_cls, "_processor_factory", None), "processor", None)
+    if not isinstance(proc, type):
+        return True
+    return all(getattr(proc, name, None) is getattr(BaseMultiModalProcessor, name)
+               for name in ("_apply_token_matches", "_find_mm_placeholders"))
+
+
 def reserve_port(host: str, port: int = 0) -> socket.socket:
     """A TCP socket bound (not listening) to ``host:port`` with SO_REUSEPORT; port 0
     picks a free one. It holds the port for the engine's Transfer server, which vLLM
@@ -124,7 +143,7 @@ async def serve(cfg: EncoderServiceConfig, engine_cfg: EngineConfig, stop: async
         )
         servicer = EncoderServicer(engine, info, _placeholder(engine), mc.get_hidden_size(),
                                    dtype_enum(str(mc.dtype).removeprefix("torch.")), cfg.encode_timeout_s,
-                                   decoder)
+                                   decoder, layouts=layouts_context_free(engine))
         server = GrpcServer(cfg.host, cfg.port, security)
         server.add(encoder_pb2_grpc.add_EncoderServiceServicer_to_server, servicer,
                    encoder_pb2.DESCRIPTOR.services_by_name["EncoderService"].full_name)

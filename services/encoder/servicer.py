@@ -33,7 +33,9 @@ ENCODE_SECONDS = Histogram("epd_encoder_encode_seconds", "Encode call duration",
 
 class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
     def __init__(self, engine, info: encoder_pb2.EncoderInfo, placeholder: str, embed_width: int,
-                 dtype: int, timeout_s: float, decoder: ImageDecoder) -> None:
+                 dtype: int, timeout_s: float, decoder: ImageDecoder, layouts: bool = True) -> None:
+        """``layouts``: send each item's prompt layout (False: this model's layouts depend on the
+        prompt around the item, see ``server.layouts_context_free``; LMs use their processor)."""
         self.engine = engine
         self.decoder = decoder
         self.max_images = engine.model_config.multimodal_config.get_limit_per_prompt("image")
@@ -43,6 +45,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         self.dtype = dtype
         self.timeout_s = timeout_s
         self._originals: dict[int, list[int]] = {}  # the encode prompt for n items, tokenized
+        self.send_layouts = layouts
         self._warned = False
 
     async def GetInfo(self, request, context):
@@ -52,6 +55,12 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         """Each item's prompt expansion, for the LM to lay out its prompt without
         the image processor; None (the LM then runs its processor) if this
         model's processor does not simply replace each placeholder."""
+        if not self.send_layouts:
+            if not self._warned:
+                self._warned = True
+                logger.warning("this model's processor rewrites the prompt around each image; LMs will run their "
+                               "own image processor to lay out prompts")
+            return None
         original = self._originals.get(n)
         if original is None:
             original = self._originals[n] = await tokenize_async(self.engine.renderer, self.placeholder * n)

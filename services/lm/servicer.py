@@ -230,7 +230,7 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
             or TransferReport()
         if ctx.laid_out:
             LAYOUTS.labels("encoder").inc()
-        elif ec.local_encoder_runs:
+        elif ec.local_encoder_runs or ec.transferred_items:  # multimodal, laid out by vLLM's processor here
             LAYOUTS.labels("processor").inc()
         LOCAL_ENCODER_RUNS.inc(ec.local_encoder_runs)
         TRANSFERRED.inc(ec.transferred_items)

@@ -1,10 +1,11 @@
-"""Issue 12, the families whose processor replaces each image placeholder in place (LLaVA-1.5 here;
-Gemma 3 is not yet exact through the encoder -- greedy tokens differ from plain vLLM's while
-``--placement local`` matches them, see docs/models.md): through encoder -> LM with the official ``openai`` client, greedy tokens equal to plain
-vLLM's (``LLM.chat`` on the same messages) for one image, two images and the same image twice;
-every image encoded on the encoder, the LM laying the prompt out from the encoder's metadata (no
-image processor there) and encoding nothing itself. One deployment and one reference run per
-family (tiny offline checkpoints, ``services/tiny_families``)."""
+"""Issue 12, the families with placeholder replacements (LLaVA-1.5, Gemma 3): through encoder -> LM
+with the official ``openai`` client, greedy tokens equal to plain vLLM's (``LLM.chat`` on the same
+messages) for one image, two images and the same image twice; every image encoded on the encoder,
+nothing encoded on the LM. LLaVA's prompt is laid out on the LM from the encoder's metadata (no
+image processor there); Gemma 3's layout depends on the prompt around each image (vLLM merges the
+newlines it adds with the prompt's), so its encoder sends no layout and the LM lays the prompt out
+with its processor (``services.encoder.server.layouts_context_free``). One deployment and one
+reference run per family (tiny offline checkpoints, ``services/tiny_families``)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,10 @@ REQUESTS = {
 }
 
 
-@pytest.fixture(scope="module", params=["llava"])
+LAID_OUT_BY = {"llava": "encoder", "gemma3": "processor"}
+
+
+@pytest.fixture(scope="module", params=list(LAID_OUT_BY))
 def family(request):
     from services.cli import default_model
 
@@ -50,8 +54,7 @@ def test_family_matches_plain_vllm_with_every_image_encoded_remotely(family, nam
     fam, dep, reference = family
     client = OpenAI(base_url=dep.url + "/v1", api_key="unused", max_retries=0, timeout=120)
     lm_runs = metric(dep.lm_metrics, "epd_lm_local_encoder_runs_total")
-    by_processor = metric(dep.lm_metrics, "epd_lm_prompt_layouts_total", by="processor")
-    by_encoder = metric(dep.lm_metrics, "epd_lm_prompt_layouts_total", by="encoder")
+    layouts = {by: metric(dep.lm_metrics, "epd_lm_prompt_layouts_total", by=by) for by in ("encoder", "processor")}
     body = dict(REQUESTS[name])
     extra = {"return_token_ids": body.pop("return_token_ids")}
 
@@ -60,6 +63,7 @@ def test_family_matches_plain_vllm_with_every_image_encoded_remotely(family, nam
     assert resp.choices[0].model_extra["token_ids"] == reference[name], fam
     assert resp.model_extra["epd"]["placement"] == "encoder"
     assert metric(dep.lm_metrics, "epd_lm_local_encoder_runs_total") == lm_runs  # nothing encoded on the LM
-    assert metric(dep.lm_metrics, "epd_lm_prompt_layouts_total", by="processor") == by_processor
-    assert settled(lambda: metric(dep.lm_metrics, "epd_lm_prompt_layouts_total", by="encoder"),
-                   by_encoder + 1) == by_encoder + 1
+    by, other = LAID_OUT_BY[fam], {"encoder": "processor", "processor": "encoder"}[LAID_OUT_BY[fam]]
+    assert settled(lambda: metric(dep.lm_metrics, "epd_lm_prompt_layouts_total", by=by),
+                   layouts[by] + 1) == layouts[by] + 1
+    assert metric(dep.lm_metrics, "epd_lm_prompt_layouts_total", by=other) == layouts[other]
