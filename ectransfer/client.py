@@ -78,6 +78,10 @@ class Fetch:
     stream_lost: str | None = None
     """Landed in place, not taken yet, and its stream closed (the producer no
     longer holds it for us): the caller fails it (on its own thread)."""
+    claim: str = ""
+    """The claim named in Reserve, Ack and Cancel (the encoder's ItemMetadata.claim)."""
+    copy: int = 0
+    """The producer's copy number from the ItemHeader (0 until it arrives)."""
 
 
 class _Peer:
@@ -209,10 +213,11 @@ class _Peer:
         except ProtocolError as e:
             self._finish(fetch, error=f"encoder at {self.endpoint}: {e}")
             # The producer may hold the slot for us (in place): let it go.
-            self.send(encoder_pb2.TransferClientMsg(cancel=encoder_pb2.Cancel(identifier=body.identifier)))
+            self.send(cancel_msg(fetch))
 
     def _on_header(self, fetch: Fetch, header: encoder_pb2.ItemHeader) -> None:
         desc = header.tensor
+        fetch.copy = header.copy
         fetch.shape, fetch.dtype = check_header(header, fetch.dest.numel(), fetch.expect_shape, fetch.expect_dtype)
         if desc.WhichOneof("payload") in ("shm", "cuda_ipc"):
             check_proven_source(desc, self.proven)
@@ -244,17 +249,27 @@ class _Peer:
                 fetch.stream_lost = f"encoder at {self.endpoint}: {e}"
                 return
             fetch.source = None
-        self.send(encoder_pb2.TransferClientMsg(ack=encoder_pb2.Ack(identifier=fetch.transfer.identifier)))
+        self.send(ack_msg(fetch))
 
     def _landed(self, fetch: Fetch) -> None:
         # The bytes now sit in our staging: the producer's copy is no longer needed.
-        self.send(encoder_pb2.TransferClientMsg(ack=encoder_pb2.Ack(identifier=fetch.transfer.identifier)))
+        self.send(ack_msg(fetch))
         self.items.pop(fetch.transfer.identifier, None)
         fetch.transfer.advance(TransferState.LANDED)
 
     def _finish(self, fetch: Fetch, error: str) -> None:
         self.items.pop(fetch.transfer.identifier, None)
         fetch.transfer.fail(error)
+
+
+def ack_msg(fetch: Fetch) -> encoder_pb2.TransferClientMsg:
+    return encoder_pb2.TransferClientMsg(ack=encoder_pb2.Ack(
+        identifier=fetch.transfer.identifier, claim=fetch.claim, copy=fetch.copy))
+
+
+def cancel_msg(fetch: Fetch) -> encoder_pb2.TransferClientMsg:
+    return encoder_pb2.TransferClientMsg(cancel=encoder_pb2.Cancel(
+        identifier=fetch.transfer.identifier, claim=fetch.claim, copy=fetch.copy))
 
 
 def check_header(header: encoder_pb2.ItemHeader, dest_nbytes: int, shape: tuple[int, ...] | None = None,
@@ -385,28 +400,30 @@ class TransferClient:
         for fetch in list(peer.items.values()):
             if now > fetch.deadline:
                 peer._finish(fetch, f"encoder at {peer.endpoint}: no data within {self.timeout_s}s")
-                peer.send(encoder_pb2.TransferClientMsg(cancel=encoder_pb2.Cancel(identifier=fetch.transfer.identifier)))
+                peer.send(cancel_msg(fetch))
 
     # -- called from vLLM's scheduler thread --------------------------------
 
     def fetch(self, transfer: ItemTransfer, endpoint: str, dest: torch.Tensor, request_id: str,
               in_place: bool = False, shape: tuple[int, ...] | None = None,
-              dtype: torch.dtype | None = None) -> Fetch:
-        """Asks ``endpoint`` for the item. Bytes land in ``dest`` (acked at
+              dtype: torch.dtype | None = None, claim: str = "") -> Fetch:
+        """Asks ``endpoint`` for the item under ``claim``. Bytes land in ``dest`` (acked at
         once), or with ``in_place`` and a transport that can (shm, CUDA IPC)
         stay where the producer holds them until ``ack``. ``shape``/``dtype``:
         what the item must be (its header is refused otherwise)."""
         fetch = Fetch(transfer, endpoint, dest, deadline=time.monotonic() + self.timeout_s, in_place=in_place,
-                      expect_shape=None if shape is None else tuple(shape), expect_dtype=dtype)
+                      expect_shape=None if shape is None else tuple(shape), expect_dtype=dtype, claim=claim)
         self._loop.call_soon_threadsafe(self._start_fetch, fetch, request_id)
         return fetch
 
-    def ack(self, endpoint: str, identifier: str) -> None:
-        """The caller has copied an in-place item: the producer may free it."""
-        self._loop.call_soon_threadsafe(self._send, endpoint, "ack", identifier)
+    def ack(self, endpoint: str, identifier: str, claim: str = "", copy: int = 0) -> None:
+        """The caller has copied an in-place item (copy ``copy``, read for
+        ``claim``): the producer may free it."""
+        self._loop.call_soon_threadsafe(self._send, endpoint, "ack", identifier, claim, copy)
 
-    def cancel(self, endpoint: str, identifier: str) -> None:
-        self._loop.call_soon_threadsafe(self._send, endpoint, "cancel", identifier)
+    def cancel(self, endpoint: str, identifier: str, claim: str = "", copy: int = 0) -> None:
+        """The caller will not read the item for ``claim``: the producer settles that claim."""
+        self._loop.call_soon_threadsafe(self._send, endpoint, "cancel", identifier, claim, copy)
 
     def transport_of(self, endpoint: str) -> str:
         """The transport last negotiated with ``endpoint`` ("" if none yet)."""
@@ -443,16 +460,19 @@ class TransferClient:
             peer = self._peers[fetch.endpoint] = _Peer(self, fetch.endpoint)
         peer.items[fetch.transfer.identifier] = fetch
         peer.send(encoder_pb2.TransferClientMsg(reserve=encoder_pb2.Reserve(
-            identifier=fetch.transfer.identifier, request_id=request_id, max_nbytes=fetch.dest.numel())))
+            identifier=fetch.transfer.identifier, request_id=request_id, max_nbytes=fetch.dest.numel(),
+            claim=fetch.claim)))
 
-    def _send(self, endpoint: str, kind: str, identifier: str) -> None:
+    def _send(self, endpoint: str, kind: str, identifier: str, claim: str, copy: int) -> None:
         peer = self._peers.get(endpoint)
         if peer is None:
             peer = self._peers[endpoint] = _Peer(self, endpoint)
-        peer.items.pop(identifier, None)
-        peer.located.pop(identifier, None)
-        msg = encoder_pb2.TransferClientMsg(**{kind: getattr(encoder_pb2, kind.capitalize())(identifier=identifier)})
-        peer.send(msg)
+        for table in (peer.items, peer.located):  # this claim's fetch is over; another claim's goes on
+            fetch = table.get(identifier)
+            if fetch is not None and fetch.claim == claim:
+                del table[identifier]
+        cls = encoder_pb2.Ack if kind == "ack" else encoder_pb2.Cancel
+        peer.send(encoder_pb2.TransferClientMsg(**{kind: cls(identifier=identifier, claim=claim, copy=copy)}))
 
     def _peer_closed(self, peer: _Peer, error: str) -> None:
         if self._peers.get(peer.endpoint) is peer:

@@ -28,14 +28,14 @@ class Producer:
     def __init__(self, pool_bytes: int = 64 << 20, item_wait_s: float = 10.0, ttl_s: float = 60.0,
                  transports=("shm", "grpc"), chunk_nbytes: int = 1 << 20, compat_info=None,
                  host: str = "127.0.0.1", lane: bool = True, security=None, limits=None,
-                 max_cancel_records: int = 4096) -> None:
+                 max_settled_claims: int = 16384) -> None:
         if "cuda_ipc" in transports:
             from ectransfer.cuda_ipc import CudaPool
 
             self.pool = CudaPool(pool_bytes)  # chunks are then not offered: they read host memory
         else:
             self.pool = ShmPool(pool_bytes, role="test")
-        self.store = OutboundStore(self.pool, ttl_s=ttl_s, max_cancel_records=max_cancel_records)
+        self.store = OutboundStore(self.pool, ttl_s=ttl_s, max_settled_claims=max_settled_claims)
         ts = {}
         for name in transports:
             t = factory.make_producer(name, **({"chunk_nbytes": chunk_nbytes} if name == "grpc" else {"pool": self.pool}))
@@ -58,18 +58,18 @@ class Consumer:
                                      [factory.make_consumer(n) for n in transports], timeout_s=timeout_s,
                                      security=security)
 
-    def start(self, endpoint: str, ident: str, nbytes: int):
+    def start(self, endpoint: str, ident: str, nbytes: int, claim: str = ""):
         slot = self.staging.alloc(nbytes)
         transfer = ItemTransfer(ident, nbytes)
-        fetch = self.client.fetch(transfer, endpoint, self.staging.view(slot), request_id="r")
+        fetch = self.client.fetch(transfer, endpoint, self.staging.view(slot), request_id="r", claim=claim)
         return transfer, fetch, slot
 
     def wait(self, transfer: ItemTransfer, timeout: float = 20.0) -> TransferState:
         transfer.wait_for({TransferState.LANDED, TransferState.FAILED}, timeout)
         return transfer.state
 
-    def get(self, endpoint: str, ident: str, nbytes: int) -> tuple[ItemTransfer, torch.Tensor | None]:
-        transfer, fetch, slot = self.start(endpoint, ident, nbytes)
+    def get(self, endpoint: str, ident: str, nbytes: int, claim: str = "") -> tuple[ItemTransfer, torch.Tensor | None]:
+        transfer, fetch, slot = self.start(endpoint, ident, nbytes, claim)
         state = self.wait(transfer)
         out = None
         if state is TransferState.LANDED:

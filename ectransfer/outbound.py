@@ -1,33 +1,68 @@
-"""The encoder's outbound store: encoded items waiting for their consumer.
+"""The encoder's outbound store: encoded items waiting for their consumers.
 
 Owner: the producer connector's scheduler half (encoder EngineCore process).
 It ``adopt``s each slot it reserved once the worker reports the encoder output
 written into it (``put`` copies a tensor in itself: tests, benchmarks); the
-transfer server reads slots while streaming, and each slot is freed by exactly
-one of: the consumer's Ack, its Cancel, or the lease expiring (``ttl_s``
-without an Ack, e.g. the consumer died). A slot someone still reads (a chunk
-stream in progress, or a consumer that reads shm / CUDA IPC memory in place and
-has not acked yet: ``begin_send``/``end_send``) is never expired, and a release
-meanwhile (another consumer's Ack) takes the item out of the store at once but
-frees the slot only when the last reader ends. ``put`` on a full pool blocks up to
-``put_timeout_s``, then drops the item with a log line; a consumer asking for
-it then gets ``NOT_FOUND``/``TIMED_OUT``. ``mark_failed`` answers waiters of
-an item that will never arrive.
+Transfer server reads slots while streaming.
 
-Records a consumer can grow by naming identifiers (Cancels of items not held
-here, kept for a copy still to come) are bounded: at most
-``max_cancel_records`` identifiers per kind, the oldest evicted first, and
-``max_cancels_per_item`` cancels per identifier, the oldest dropped first, each
-with a (rate-limited) log line. An evicted cancel only means a copy nobody
-wants waits out its lease.
+**Claims.** Every Encode call has a claim: a random token the encoder service
+makes per call, hands to vLLM with the encode request and sends to the LM in
+each item's metadata. The encode request claims the copy of each of its items
+(``claim``, or the reservation it makes, handed to ``adopt``); the LM names its
+claim in Reserve, Ack and Cancel. A copy is held while it has a claim, and its
+slot is freed exactly when
+
+- its last claim is settled -- the consumer holding it acked (``ack``) or
+  cancelled (``cancel``), or its encode request was aborted (``drop_claim``) --
+  and nobody reads the slot (``begin_send``/``end_send``: a chunk stream in
+  progress, or an in-place reader that has not acked); or
+- its lease runs out (``ttl_s`` since it was made, or since an in-place
+  reader's stream was lost: that reader may still be copying) and nobody reads it.
+
+Nothing is guessed: a Cancel names its claim, so it drops that claim and no
+other, whenever it comes. A claim settled before its encode request claimed the
+copy (an LM that found the image in its prefix cache while the encoder still
+encodes) is remembered as settled by (claim, identifier), and the encode's
+later claim is not added; a Reserve for a settled claim is answered at once
+(``settled``). These records are bounded (``max_settled_claims``, oldest
+forgotten first, with a rate-limited log line): a forgotten one only means a
+copy nobody wants waits out its lease.
+
+At most one copy of an identifier is held: an encode of an item already held
+claims that copy, and a copy adopted while another is held is merged into it
+(its slot freed at once). Each copy has its own number (``OutboundItem.copy``),
+sent in the ItemHeader and named back in the Ack: an Ack of an earlier copy
+settles its claim and frees nothing else.
+
+The claim ``""`` is anonymous (peers and tests that name none): it is never
+recorded as settled, so a later copy for ``""`` is always kept.
+
+``put`` on a full pool blocks up to ``put_timeout_s``, then drops the item with
+a log line; a consumer asking for it then gets ``TIMED_OUT``. ``mark_failed``
+answers waiters of an item that will never arrive.
+
+The lifecycle of a copy (``CopyState``, ``TRANSITIONS``; the RESERVED stage
+lives in ``ectransfer.connector.producer``)::
+
+    RESERVED --adopt--> HELD <--claim / Reserve--> UNCLAIMED --last reader ends--> FREED
+        |                 |                            |
+        +--dropped--> FREED <--lease, nobody reading---+
+
+Every transition is made under the store's lock, on the thread that calls the
+method (the engine's scheduler thread: ``adopt``, ``claim``, ``drop_claim``;
+the Transfer server's loop: ``on_ready``, ``begin_send``, ``end_send``, ``ack``,
+``cancel``, ``expire``).
 """
 
 from __future__ import annotations
 
+import enum
 import logging
+import os
 import threading
 import time
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -37,18 +72,66 @@ from ectransfer.pool import Pool, PoolFullError, Slot
 
 logger = logging.getLogger(__name__)
 
+ANONYMOUS = ""
+"""The claim of peers that name none (never recorded as settled)."""
 
-@dataclass
+
+class CopyState(enum.Enum):
+    RESERVED = "reserved"  # a slot is allocated, the encoder's worker writes it (producer.py)
+    HELD = "held"  # in the store with at least one claim: served to Reserves, freed by acks/cancels/lease
+    UNCLAIMED = "unclaimed"  # in the store, every claim settled, but someone still reads it (or may: a lost reader)
+    FREED = "freed"  # the slot is back in the pool
+
+
+TRANSITIONS: dict[CopyState, frozenset[CopyState]] = {
+    CopyState.RESERVED: frozenset({CopyState.HELD, CopyState.UNCLAIMED, CopyState.FREED}),
+    CopyState.HELD: frozenset({CopyState.UNCLAIMED, CopyState.FREED}),
+    CopyState.UNCLAIMED: frozenset({CopyState.HELD, CopyState.FREED}),
+    CopyState.FREED: frozenset(),
+}
+
+STRICT = os.environ.get("EPD_STRICT_TRANSITIONS", "") == "1"
+"""Illegal transitions raise (tests set ``EPD_STRICT_TRANSITIONS=1``); in production they are logged."""
+
+
+class IllegalTransition(RuntimeError):
+    pass
+
+
+def move(obj, new: CopyState) -> None:
+    """Moves ``obj.state`` to ``new`` if ``TRANSITIONS`` allows it; otherwise
+    raises (``STRICT``) or logs and leaves the state as it was."""
+    old = obj.state
+    if new in TRANSITIONS[old]:
+        obj.state = new
+        return
+    msg = f"illegal copy transition {old.name} -> {new.name} for {getattr(obj, 'identifier', obj)!r}"
+    if STRICT:
+        raise IllegalTransition(msg)
+    logger.error(msg)
+
+
+@dataclass(eq=False)
 class OutboundItem:
+    """One copy of an item in the outbound pool. Its slot is owned by the store
+    from ``adopt`` until freed (see the module docstring)."""
+
     identifier: str
     slot: Slot
     shape: tuple[int, ...]
     dtype: torch.dtype
+    copy: int = 0
+    """This copy's number, unique in the store: sent in the ItemHeader, named back in the Ack."""
+    claims: set[str] = field(default_factory=set)
+    readers: int = 0
+    """Streams reading the slot, or consumers reading it in place: nothing frees it meanwhile."""
     created: float = field(default_factory=time.monotonic)
-    sending: int = 0  # streams reading the slot, or consumers reading it in place; a lease never frees it meanwhile
-    released: bool = False  # out of the store; the slot is freed when ``sending`` drops to 0
-    cancel_at: float = 0.0  # freed as cancelled then, unless served first (a late Cancel, see adopt)
-    served: bool = False  # a consumer has asked for it, read it or is reading it
+    """When the lease started: made, or an in-place reader's stream was lost."""
+    pinned_until: float = 0.0
+    """A lost in-place reader may copy until then: the slot is kept even unclaimed."""
+    state: CopyState = CopyState.HELD
+    settled_by: str = "cancel"
+    """How its last claim went ("ack" or "cancel"): what its freeing counts as when a reader ends later."""
 
 
 @dataclass
@@ -64,52 +147,45 @@ class OutboundStats:
         return OutboundStats(**{k: getattr(self, k) + getattr(other, k) for k in self.__dataclass_fields__})
 
 
-_RELEASE_COUNTERS = {"ack": "acks", "cancel": "cancels", "expired": "expired"}
+_FREE_COUNTERS = {"ack": "acks", "cancel": "cancels", "expired": "expired"}
 
 
 class OutboundStore:
     def __init__(self, pool: Pool, *, ttl_s: float = 60.0, put_timeout_s: float = 30.0,
-                 max_cancel_records: int = 4096, max_cancels_per_item: int = 64) -> None:
+                 max_settled_claims: int = 16384) -> None:
+        if max_settled_claims <= 0:
+            raise ValueError(f"max_settled_claims must be > 0, got {max_settled_claims}")
         self.pool = pool
         self.ttl_s = ttl_s
         self.put_timeout_s = put_timeout_s
         self.stats = OutboundStats()
         self._items: dict[str, OutboundItem] = {}
-        self._waiters: dict[str, list[Callable[[OutboundItem], None]]] = {}
-        self._putting: set[str] = set()
+        self._waiters: dict[str, list[tuple[str, Callable[[OutboundItem | None], None]]]] = {}
+        self._putting: dict[str, set[str]] = {}  # identifier -> claims of a put in progress
         self._failures: dict[str, str] = {}
-        # Cancels per item, counted: each is one consumer request that will not read
-        # the copy made for it. Several may come before the copies they mean (an LM
-        # that finds the image cached answers before the encode ends), and each must
-        # drop one copy, not all of them one. Kept ``cancel_memory_s`` at most.
-        # The item is not held and was not freed lately: for the next copy.
-        self._cancelled = _Counts("pending", max_cancel_records, max_cancels_per_item)
-        # Released lately (ack, cancel, lease). A Cancel that finds one of these gone
-        # is stale -- it was meant for the copy already freed -- and must not drop
-        # the next publication of the same item, which another consumer may need.
-        self._released: dict[str, None] = {}
-        # Released copies whose in-place reader's stream closed: it may still be
-        # copying (its worker runs a step behind), so they are freed a lease later.
-        self._zombies: list[OutboundItem] = []
-        # Cancels that found the item freed lately: maybe stale (meant for the
-        # freed copy), maybe for the next copy still being encoded. The next copy
-        # is kept only ``stale_cancel_grace_s`` (0.5 s) for a consumer to ask for it:
-        # an LM normally asks before the encode ends; a late one gets NOT_FOUND and
-        # the gateway re-encodes, while a full pool of unwanted copies stalls every encode.
-        self._late_cancels = _Counts("late", max_cancel_records, max_cancels_per_item)
-        self.stale_cancel_grace_s = 0.5
-        self.cancel_memory_s = 10.0
+        self._settled: OrderedDict[tuple[str, str], None] = OrderedDict()  # (claim, identifier)
+        self._max_settled = max_settled_claims
+        self._forgotten = 0
+        self._logged_at = float("-inf")
+        self._next_copy = 1
         self._lock = threading.Lock()
 
-    def put(self, identifier: str, tensor: torch.Tensor) -> bool:
-        """Copies ``tensor`` into a new slot. Called on vLLM's model-runner
-        thread; returns False if the item was dropped (pool full too long)."""
+    # -- the producer (scheduler thread) --------------------------------------------------
+
+    def put(self, identifier: str, tensor: torch.Tensor, claims: Iterable[str] = (ANONYMOUS,)) -> bool:
+        """Copies ``tensor`` into a new slot held for ``claims`` (or adds them to
+        the copy already held). Returns False if the item was dropped (pool full
+        too long)."""
         with self._lock:
             if identifier in self._items or identifier in self._putting:
                 self.stats.items_reused += 1
+                item = self._items.get(identifier)
+                if item is not None:
+                    self._claim_locked(item, claims)
+                else:
+                    self._putting[identifier].update(claims)
                 return True
-            self._putting.add(identifier)
-            self._released.pop(identifier, None)
+            self._putting[identifier] = set(claims)
         try:
             data = tensors.as_bytes(tensor.detach(), keep_device=self.pool.buffer.device == tensor.device)
             try:
@@ -119,73 +195,139 @@ class OutboundStore:
                 self.stats.items_dropped += 1
                 return False
             self.pool.view(slot).copy_(data)
-            self.adopt(identifier, slot, tuple(tensor.shape), tensor.dtype)
+            with self._lock:
+                claims = self._putting.pop(identifier, set())
+            self.adopt(identifier, slot, tuple(tensor.shape), tensor.dtype, claims)
             return True
         finally:
             with self._lock:
-                self._putting.discard(identifier)
-
-    def released_lately(self, identifier: str) -> bool:
-        """The item was freed (acked, cancelled, expired) and no new copy has
-        been reserved since: a consumer asking now is probably too late."""
-        with self._lock:
-            return identifier in self._released and identifier not in self._items
-
-    def expect(self, identifier: str) -> None:
-        """A new copy of the item is on its way (the producer reserved a slot for
-        it): Cancels from now on are for this copy."""
-        with self._lock:
-            self._released.pop(identifier, None)
+                self._putting.pop(identifier, None)
 
     def adopt(self, identifier: str, slot: Slot, shape: tuple[int, ...], dtype: torch.dtype,
-              unwanted: bool = False) -> None:
-        """Takes ownership of an already-filled slot (the producer connector's
-        second allocation stage: reserved by the scheduler, written by the worker).
-        ``unwanted``: every request it was encoded for was aborted; unless a
-        consumer already waits for it, the slot is freed at once (a cancel)."""
-        item = OutboundItem(identifier, slot, tuple(shape), dtype)
+              claims: Iterable[str] = (ANONYMOUS,)) -> OutboundItem | None:
+        """Takes ownership of a filled slot (the producer connector's second
+        allocation stage) for ``claims`` and the consumers already waiting. A
+        copy nobody claims any more is freed at once (counted as a cancel); one
+        adopted while another is held is merged into it. Returns the held copy."""
+        free = None
         with self._lock:
-            self._released.pop(identifier, None)
             self.stats.items_put += 1
             self._failures.pop(identifier, None)
             waiters = self._waiters.pop(identifier, [])
-            now = time.monotonic()
-            if not waiters and (self._cancelled.take(identifier, now - self.cancel_memory_s) or unwanted):
-                # Its consumer gave up before the encode finished (abort,
-                # prefix-cache hit), or its encode request was aborted and nobody
-                # asked for it: free it now instead of at lease expiry.
+            wanted = {c for c in claims if not self._is_settled(c, identifier)}
+            wanted.update(c for c, _ in waiters)
+            item = self._items.get(identifier)
+            if item is not None:  # one copy per identifier: the new slot goes
+                self._claim_locked(item, wanted)
+                free = slot
+            elif not wanted:  # every claim was settled (or dropped) before it landed, and nobody waits
                 self.stats.cancels += 1
-                old, item = item, None
+                free, item = slot, None
             else:
-                late = not waiters and self._late_cancels.take(identifier, now - self.cancel_memory_s)
-                if late:
-                    # A consumer said "not needed" after the previous copy went and
-                    # before this one was reserved: unless someone asks for it soon,
-                    # this copy is for nobody (a lease would hold it a minute).
-                    item.cancel_at = now + self.stale_cancel_grace_s
-                item.served = bool(waiters)  # asked for: never ``release_unwanted``
-                old = self._items.get(identifier)
+                item = OutboundItem(identifier, slot, tuple(shape), dtype, copy=self._next_copy, claims=wanted)
+                self._next_copy += 1
                 self._items[identifier] = item
-            if old is not None:
-                old.released = True
-                if old.sending:
-                    old = None  # its last reader frees it
-        if old is not None:
-            self.pool.free(old.slot)
-        for cb in waiters:
+        if free is not None:
+            self.pool.free(free)
+        for _, cb in waiters:
             cb(item)
+        return item
+
+    def claim(self, identifier: str, claim: str) -> bool:
+        """An encode request with ``claim`` includes the item: True if the held
+        copy (now claimed) or a settled claim covers it, False if a copy must be
+        made (the caller reserves one and passes the claim to ``adopt``)."""
+        with self._lock:
+            if self._is_settled(claim, identifier):
+                return True
+            item = self._items.get(identifier)
+            if item is None:
+                return False
+            self._claim_locked(item, (claim,))
+            return True
+
+    def drop_claim(self, identifier: str, claim: str) -> bool:
+        """The encode request with ``claim`` was aborted: its claim goes (and
+        stays settled). True if that freed the copy (counted as a cancel)."""
+        return self._settle(identifier, claim, "cancel")
 
     def mark_failed(self, identifier: str, reason: str) -> None:
         """The item will never arrive: waiters are called with None and
         ``failure`` reports why (remembered for the last 1024 failures)."""
         with self._lock:
             self._failures[identifier] = reason
-            self._cancelled.forget(identifier)  # nothing will arrive for it to drop
             while len(self._failures) > 1024:
                 self._failures.pop(next(iter(self._failures)))
             waiters = self._waiters.pop(identifier, [])
-        for cb in waiters:
+        for _, cb in waiters:
             cb(None)
+
+    # -- consumers (the Transfer server's loop) ------------------------------------------------
+
+    def on_ready(self, identifier: str, claim: str, callback: Callable[[OutboundItem | None], None]) -> None:
+        """Calls ``callback(copy)`` once the item is held, now claimed for
+        ``claim`` too (at once if it is held), or ``callback(None)`` if it is
+        marked failed. The callback runs on the adopting thread: keep it tiny."""
+        with self._lock:
+            item = self._items.get(identifier)
+            if item is None and identifier not in self._failures:
+                self._waiters.setdefault(identifier, []).append((claim, callback))
+                return
+            if item is not None:
+                self._claim_locked(item, (claim,))
+        callback(item)
+
+    def forget_waiter(self, identifier: str, callback: Callable[[OutboundItem | None], None]) -> None:
+        with self._lock:
+            cbs = self._waiters.get(identifier)
+            if cbs:
+                cbs[:] = [(c, cb) for c, cb in cbs if cb != callback]
+                if not cbs:
+                    del self._waiters[identifier]
+
+    def begin_send(self, identifier: str, claim: str = ANONYMOUS) -> OutboundItem | None:
+        """A reader for ``claim`` starts on the held copy (None if none is held)."""
+        with self._lock:
+            item = self._items.get(identifier)
+            if item is not None:
+                item.readers += 1
+                self._claim_locked(item, (claim,))
+            return item
+
+    def end_send(self, item: OutboundItem, lost: bool = False) -> None:
+        """One reader is done with ``item``'s slot. ``lost``: an in-place reader
+        went away without an Ack or Cancel and may still be copying (its worker
+        runs a step behind): the copy is kept a lease from now, claimed or not."""
+        with self._lock:
+            item.readers -= 1
+            if lost:
+                now = time.monotonic()
+                item.created = now
+                item.pinned_until = now + self.ttl_s
+            free = self._maybe_free_locked(item, item.settled_by)
+        if free:
+            self.pool.free(item.slot)
+
+    def ack(self, identifier: str, claim: str = ANONYMOUS, copy: int = 0) -> bool:
+        """The consumer with ``claim`` has the bytes of copy ``copy`` (0: not
+        named). True if that freed the copy."""
+        with self._lock:
+            item = self._items.get(identifier)
+            stale = copy and (item is None or item.copy != copy)
+        if stale:
+            logger.debug("ack of item %s copy %d, which is no longer held (its claim is settled)", identifier, copy)
+        return self._settle(identifier, claim, "ack")
+
+    def cancel(self, identifier: str, claim: str = ANONYMOUS) -> bool:
+        """The consumer with ``claim`` will not read the item (a prefix-cache
+        hit, an aborted request). True if that freed the copy."""
+        return self._settle(identifier, claim, "cancel")
+
+    def settled(self, identifier: str, claim: str) -> bool:
+        """``claim`` was settled for the item (a Reserve for it is too late)."""
+        with self._lock:
+            return self._is_settled(claim, identifier) and not (
+                identifier in self._items and claim in self._items[identifier].claims)
 
     def failure(self, identifier: str) -> str | None:
         with self._lock:
@@ -195,191 +337,96 @@ class OutboundStore:
         with self._lock:
             return identifier in self._items
 
-    def on_ready(self, identifier: str, callback: Callable[[OutboundItem | None], None]) -> None:
-        """Calls ``callback(item)`` once the item is in the store (at once if it
-        is), or ``callback(None)`` if it is marked failed. The callback runs on
-        the putting thread: keep it tiny."""
+    def held(self, identifier: str) -> OutboundItem | None:
         with self._lock:
-            item = self._items.get(identifier)
-            if item is None and identifier not in self._failures:
-                self._waiters.setdefault(identifier, []).append(callback)
-                return
-            if item is not None:
-                item.served = True  # asked for: never ``release_unwanted``
-        callback(item)
-
-    def release_unwanted(self, identifier: str) -> bool:
-        """Frees the held copy of ``identifier`` if no consumer ever asked for it
-        (none waits, reads or has read it): the producer calls this when every
-        request that encoded it was aborted. Counted as a cancel. False if it is
-        not held or someone asked for it (then an Ack or the lease frees it)."""
-        with self._lock:
-            item = self._items.get(identifier)
-            if item is None or item.served or item.sending or self._waiters.get(identifier):
-                return False
-            del self._items[identifier]
-            _remember(self._released, identifier)
-            self.stats.cancels += 1
-            item.released = True
-        self.pool.free(item.slot)
-        return True
-
-    def forget_waiter(self, identifier: str, callback: Callable[[OutboundItem], None]) -> None:
-        with self._lock:
-            cbs = self._waiters.get(identifier)
-            if cbs and callback in cbs:
-                cbs.remove(callback)
-                if not cbs:
-                    del self._waiters[identifier]
-
-    def begin_send(self, identifier: str) -> OutboundItem | None:
-        with self._lock:
-            item = self._items.get(identifier)
-            if item is not None:
-                item.sending += 1
-                item.served = True
-            return item
-
-    def end_send(self, item: OutboundItem, restart_lease: bool = False) -> None:
-        """One reader is done with ``item``'s slot. The last reader of a released
-        item frees its slot. ``restart_lease``: an in-place reader went away
-        without an ack (its stream closed) and may still be copying: the lease
-        counts from now, and a released item is kept for a lease, not freed."""
-        with self._lock:
-            item.sending -= 1
-            free = item.released and item.sending == 0
-            if restart_lease:
-                item.created = time.monotonic()
-                if free:
-                    self._zombies.append(item)
-                    free = False
-        if free:
-            self.pool.free(item.slot)
+            return self._items.get(identifier)
 
     def view(self, item: OutboundItem) -> torch.Tensor:
         return self.pool.view(item.slot)
 
-    def release(self, identifier: str, reason: str, held: OutboundItem | None = None) -> bool:
-        """Frees the item's slot (reason: "ack", "cancel" or "expired").
-        ``held``: the copy the caller read (an in-place reader's Ack); only that
-        copy is released, never a newer one published under the same id."""
-        if reason not in _RELEASE_COUNTERS:
-            raise ValueError(f"unknown release reason {reason!r}; allowed: {sorted(_RELEASE_COUNTERS)}")
-        with self._lock:
-            if held is not None and self._items.get(identifier) is not held:
-                return False  # that copy is gone already (another consumer's ack, a lease)
-            current = self._items.get(identifier)
-            if reason == "cancel" and held is None and current is not None and current.sending:
-                # Another consumer is reading this copy: it is that consumer's (its Ack
-                # frees it), so this Cancel means a copy still to come for another request.
-                self._late_cancels.add(identifier, time.monotonic())
-                return False
-            item = self._items.pop(identifier, None)
-            if item is None:
-                if reason == "cancel" and identifier not in self._released:
-                    # Not encoded yet: free it when it arrives.
-                    self._cancelled.add(identifier, time.monotonic())
-                elif reason == "cancel":
-                    self._late_cancels.add(identifier, time.monotonic())
-                return False
-            _remember(self._released, identifier)
-            counter = _RELEASE_COUNTERS[reason]
-            setattr(self.stats, counter, getattr(self.stats, counter) + 1)
-            item.released = True
-            busy = item.sending > 0  # another consumer still reads it: its end_send frees it
-        if not busy:
-            self.pool.free(item.slot)
-        return True
-
     def expire(self, now: float | None = None) -> list[str]:
-        """Frees items older than the lease that nobody is sending right now,
-        and released copies whose in-place reader went away a lease ago."""
+        """Frees copies whose lease ran out and that nobody reads."""
         now = time.monotonic() if now is None else now
         with self._lock:
-            stale = [i.identifier for i in self._items.values() if i.sending == 0 and now - i.created > self.ttl_s]
-            unwanted = [i.identifier for i in self._items.values()
-                        if i.cancel_at and i.sending == 0 and not i.served and now > i.cancel_at]
-            done, kept = [], []
-            for z in self._zombies:
-                (done if z.sending == 0 and now - z.created > self.ttl_s else kept).append(z)
-            self._zombies = kept
-        for z in done:
-            self.pool.free(z.slot)
-        for ident in unwanted:
-            if ident not in stale and self.release(ident, "cancel"):
-                logger.info("outbound item %s freed: cancelled by a consumer and asked for by none", ident)
-        for ident in stale:
-            if self.release(ident, "expired"):
-                logger.warning("outbound item %s expired after %.1fs without an ack", ident, self.ttl_s)
-        return stale
+            stale = [i for i in self._items.values()
+                     if i.readers == 0 and now - i.created > self.ttl_s and now >= i.pinned_until]
+            for item in stale:
+                self._free_locked(item, "expired" if item.claims else None)
+        for item in stale:
+            self.pool.free(item.slot)
+            if item.claims:
+                logger.warning("outbound item %s expired after %.1fs without an ack (claims: %d)",
+                               item.identifier, self.ttl_s, len(item.claims))
+        return [i.identifier for i in stale]
 
-    def cancel_records(self) -> int:
-        """Cancels remembered for copies still to come (pending and late), all identifiers together."""
+    def settled_records(self) -> int:
         with self._lock:
-            return len(self._cancelled) + len(self._late_cancels)
+            return len(self._settled)
 
     def snapshot(self) -> dict[str, int]:
         with self._lock:
             n = len(self._items)
-        return {"items": n, **self.pool.stats(), **self.stats.__dict__}
+            claims = sum(len(i.claims) for i in self._items.values())
+        return {"items": n, "claims": claims, **self.pool.stats(), **self.stats.__dict__}
 
+    # -- under the lock ---------------------------------------------------------------------
 
-def _remember(bounded: dict[str, None], identifier: str, limit: int = 4096) -> None:
-    bounded[identifier] = None
-    while len(bounded) > limit:
-        bounded.pop(next(iter(bounded)))
+    def _is_settled(self, claim: str, identifier: str) -> bool:
+        return claim != ANONYMOUS and (claim, identifier) in self._settled
 
+    def _claim_locked(self, item: OutboundItem, claims: Iterable[str]) -> None:
+        for c in claims:
+            if not self._is_settled(c, item.identifier):
+                item.claims.add(c)
+        if item.claims and item.state is CopyState.UNCLAIMED:
+            move(item, CopyState.HELD)
 
-class _Counts:
-    """Timestamps of pending cancels per item, bounded: at most ``limit`` items
-    (the oldest item goes first) and ``per_item`` cancels each (the oldest
-    cancel goes first). Evictions are logged at most every ``_LOG_EVERY_S``."""
+    def _settle(self, identifier: str, claim: str, reason: str) -> bool:
+        with self._lock:
+            if claim != ANONYMOUS:
+                self._settled[(claim, identifier)] = None
+                self._settled.move_to_end((claim, identifier))
+                self._evict_locked(identifier)
+            item = self._items.get(identifier)
+            if item is None or claim not in item.claims:
+                return False
+            item.claims.discard(claim)
+            item.settled_by = reason
+            free = self._maybe_free_locked(item, reason)
+        if free:
+            self.pool.free(item.slot)
+        return free
 
-    _LOG_EVERY_S = 10.0
-
-    def __init__(self, kind: str, limit: int = 4096, per_item: int = 64) -> None:
-        if limit <= 0 or per_item <= 0:
-            raise ValueError(f"cancel record limits must be > 0, got {limit} and {per_item}")
-        self._by_id: dict[str, list[float]] = {}
-        self._kind = kind
-        self._limit = limit
-        self._per_item = per_item
-        self._evicted = 0
-        self._logged_at = float("-inf")
-
-    def __len__(self) -> int:
-        return sum(len(stamps) for stamps in self._by_id.values())
-
-    def add(self, identifier: str, now: float) -> None:
-        stamps = self._by_id.setdefault(identifier, [])
-        stamps.append(now)
-        evicted = 0
-        if len(stamps) > self._per_item:
-            del stamps[0]
-            evicted += 1
-        while len(self._by_id) > self._limit:
-            evicted += len(self._by_id.pop(next(iter(self._by_id))))
-        if evicted:
-            self._evicted += evicted
-            if now - self._logged_at >= self._LOG_EVERY_S:
-                self._logged_at = now
-                logger.warning("%s cancel records full (%d items, %d each): %d oldest cancels forgotten so far; "
-                               "last added for item %s", self._kind, self._limit, self._per_item, self._evicted,
-                               identifier)
-
-    def take(self, identifier: str, not_before: float) -> bool:
-        """Consumes the oldest cancel of ``identifier`` made at or after ``not_before``."""
-        stamps = self._by_id.get(identifier)
-        if not stamps:
+    def _maybe_free_locked(self, item: OutboundItem, reason: str) -> bool:
+        """Takes ``item`` out if nothing holds it any more; the caller frees its
+        slot (outside the lock) when this returns True."""
+        if item.state is CopyState.FREED or item.claims:
             return False
-        while stamps and stamps[0] < not_before:
-            stamps.pop(0)
-        found = bool(stamps)
-        if found:
-            stamps.pop(0)
-        if not stamps:
-            del self._by_id[identifier]
-        return found
+        if item.readers or time.monotonic() < item.pinned_until:
+            if item.state is CopyState.HELD:
+                move(item, CopyState.UNCLAIMED)
+            return False
+        self._free_locked(item, reason)
+        return True
 
-    def forget(self, identifier: str) -> None:
-        self._by_id.pop(identifier, None)
+    def _free_locked(self, item: OutboundItem, reason: str | None) -> None:
+        if self._items.get(item.identifier) is item:
+            del self._items[item.identifier]
+        move(item, CopyState.FREED)
+        if reason is not None:
+            counter = _FREE_COUNTERS[reason]
+            setattr(self.stats, counter, getattr(self.stats, counter) + 1)
+
+    def _evict_locked(self, identifier: str) -> None:
+        evicted = 0
+        while len(self._settled) > self._max_settled:
+            self._settled.popitem(last=False)
+            evicted += 1
+        if evicted:
+            self._forgotten += evicted
+            now = time.monotonic()
+            if now - self._logged_at >= 10.0:
+                self._logged_at = now
+                logger.warning("settled-claim records full (%d): %d oldest forgotten so far (a copy claimed by one "
+                               "of them waits out its lease); last settled for item %s", self._max_settled,
+                               self._forgotten, identifier)

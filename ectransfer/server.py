@@ -50,7 +50,6 @@ class TransferServicer(encoder_pb2_grpc.TransferServiceServicer):
         producer_id: str,
         transports: dict[int, ProducerTransport],
         item_wait_s: float = 60.0,
-        released_grace_s: float = 2.0,
         stats_fn=None,
         lane: bool = True,
         limits: TransferLimits | None = None,
@@ -61,7 +60,6 @@ class TransferServicer(encoder_pb2_grpc.TransferServiceServicer):
         self.producer_id = producer_id
         self.transports = transports
         self.item_wait_s = item_wait_s
-        self.released_grace_s = released_grace_s
         self.lane = lane and any(t.in_place for t in transports.values())
         """Offer the same-host control lane with in-place transports (``ectransfer.lane``)."""
         self.lane_address = ""  # set by TransferServerThread once the lane listens
@@ -330,7 +328,8 @@ class TransferServerThread:
 
         asyncio.run_coroutine_threadsafe(_open(), self._loop).result(timeout=5)
 
-    def stop(self, grace: float = 1.0) -> None:
+    def stop(self, drain_s: float = 1.0) -> None:
+        """Stops the server, letting open calls finish for up to ``drain_s``."""
         if not self._thread.is_alive():
             return
 
@@ -342,10 +341,10 @@ class TransferServerThread:
                 for t in tasks:  # each handler's finally releases its session and closes its connection
                     t.cancel()
                 if tasks:
-                    await asyncio.wait(tasks, timeout=grace)
+                    await asyncio.wait(tasks, timeout=drain_s)
             if self._server is not None:
-                await self._server.stop(grace)
+                await self._server.stop(drain_s)
 
-        asyncio.run_coroutine_threadsafe(_stop(), self._loop).result(timeout=grace + 5)
+        asyncio.run_coroutine_threadsafe(_stop(), self._loop).result(timeout=drain_s + 5)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)

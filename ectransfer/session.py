@@ -86,9 +86,14 @@ def _size(msg) -> int:
     return len(msg) if isinstance(msg, bytes) else msg.ByteSize()
 
 
+MAX_IDENTIFIER_LEN = 256  # vLLM's mm_hash is 64 hex characters
+MAX_CLAIM_LEN = 64  # ectransfer.connector.metadata.MAX_CLAIM_LEN (the encoder's are 32)
+
+
 @dataclass
 class _Hold:
     item: OutboundItem
+    claim: str
     since: float  # time.monotonic() when the header was queued
 
 
@@ -100,9 +105,10 @@ class TransferSession:
         self.transport = transport
         self.consumer_id = consumer_id
         self.out = out
-        self.tasks: dict[str, asyncio.Task] = {}
-        self.holds: dict[str, _Hold] = {}
+        self.tasks: dict[str, tuple[asyncio.Task, str]] = {}  # identifier -> (serving task, its claim)
+        self.holds: dict[str, _Hold] = {}  # identifier -> the copy read in place until Ack/Cancel
         self.refused = 0  # Reserves answered RESOURCE_EXHAUSTED
+        self.oversized = 0  # messages dropped for an oversized identifier or claim
 
     @property
     def outstanding(self) -> int:
@@ -113,10 +119,22 @@ class TransferSession:
     async def read(self, messages) -> None:
         async for msg in messages:
             kind = msg.WhichOneof("msg")
+            body = getattr(msg, kind) if kind in ("reserve", "ack", "cancel") else None
+            if body is not None and (len(body.identifier) > MAX_IDENTIFIER_LEN or len(body.claim) > MAX_CLAIM_LEN):
+                # Remembered settled claims hold these strings: a peer may not make them large.
+                self.oversized += 1
+                if self.oversized == 1 or self.oversized % 1000 == 0:
+                    logger.warning("consumer %s sent %d %s(s) with an identifier over %d or a claim over %d "
+                                   "characters; dropped", self.consumer_id, self.oversized, kind,
+                                   MAX_IDENTIFIER_LEN, MAX_CLAIM_LEN)
+                if kind == "reserve":
+                    await self._put(error(body.identifier[:MAX_IDENTIFIER_LEN], encoder_pb2.ItemError.NOT_FOUND,
+                                          "identifier or claim too long"))
+                continue
             if kind == "reserve":
                 await self._reserve(msg.reserve)
             elif kind in ("ack", "cancel"):
-                self._release(getattr(msg, kind).identifier, kind)
+                self._release(getattr(msg, kind), kind)
             else:
                 logger.warning("consumer %s sent an unexpected %s", self.consumer_id, kind)
         await self._put(None)  # the consumer half-closed: finish the stream
@@ -125,7 +143,7 @@ class TransferSession:
         # A Reserve for an item being served is a duplicate; one whose last
         # serve has ended (sent, or answered with an error) is a new ask.
         running = self.tasks.get(r.identifier)
-        if running is not None and not running.done():
+        if running is not None and not running[0].done():
             return
         if self.outstanding >= self.limits.max_reserves_per_session:
             self.refused += 1
@@ -138,24 +156,34 @@ class TransferSession:
                                   "to this stream; ask again once some are acked"))
             return
         task = asyncio.create_task(self._serve(r))
-        self.tasks[r.identifier] = task
+        self.tasks[r.identifier] = (task, r.claim)
         task.add_done_callback(functools.partial(self._task_done, r.identifier))
 
     def _task_done(self, ident: str, task: asyncio.Task) -> None:
-        if self.tasks.get(ident) is task:
+        running = self.tasks.get(ident)
+        if running is not None and running[0] is task:
             del self.tasks[ident]
 
-    def _release(self, ident: str, kind: str) -> None:
-        task = self.tasks.pop(ident, None)
-        if task is not None and not task.done():
-            task.cancel()
-        hold = self.holds.pop(ident, None)
-        held = hold.item if hold is not None else None
-        # An in-place reader's Ack/Cancel is for the copy it read, not a
-        # newer one published under the same id since.
-        self.store.release(ident, kind, held)
-        if held is not None:
-            self.store.end_send(held)  # frees the slot if nobody else reads it
+    def _release(self, msg, kind: str) -> None:
+        """Ack or Cancel: settles the claim it names. The serve or in-place hold of
+        this stream for that claim ends; another claim's is left alone."""
+        ident, claim = msg.identifier, msg.claim
+        running = self.tasks.get(ident)
+        if running is not None and running[1] == claim:
+            del self.tasks[ident]
+            if not running[0].done():
+                running[0].cancel()
+        hold = self.holds.get(ident)
+        if hold is not None and hold.claim == claim:
+            del self.holds[ident]
+        else:
+            hold = None
+        if kind == "ack":
+            self.store.ack(ident, claim, msg.copy)
+        else:
+            self.store.cancel(ident, claim)
+        if hold is not None:
+            self.store.end_send(hold.item)  # frees the slot if nothing else holds it
 
     async def _put(self, msg) -> bool:
         """Queues a message that is not part of an item's bytes (an error);
@@ -168,12 +196,12 @@ class TransferSession:
             return False
 
     async def _serve(self, reserve: encoder_pb2.Reserve) -> None:
-        ident = reserve.identifier
-        item = await wait_for_item(self.store, ident, self.servicer.item_wait_s, self.servicer.released_grace_s)
+        ident, claim = reserve.identifier, reserve.claim
+        item = await wait_for_item(self.store, ident, claim, self.servicer.item_wait_s)
         if item is GONE:
             await self._put(error(ident, encoder_pb2.ItemError.NOT_FOUND,
-                                  f"item {ident} was freed after another consumer's ack and no new copy is being "
-                                  f"encoded here; ask the encoder again"))
+                                  f"item {ident}: this claim was settled (acked, cancelled, or its encode was "
+                                  f"aborted) and its copy freed; ask the encoder again"))
             return
         if item is None:
             failed = self.store.failure(ident)
@@ -181,8 +209,8 @@ class TransferSession:
                             error(ident, encoder_pb2.ItemError.TIMED_OUT,
                                   f"item {ident} was not encoded here within {self.servicer.item_wait_s}s"))
             return
-        item = self.store.begin_send(ident)
-        if item is None:  # freed between ready and now (lease or another consumer's ack)
+        item = self.store.begin_send(ident, claim)
+        if item is None:  # freed between ready and now (the lease, or this claim cancelled meanwhile)
             await self._put(error(ident, encoder_pb2.ItemError.NOT_FOUND, f"item {ident} is no longer held here"))
             return
         hold = None
@@ -201,9 +229,9 @@ class TransferSession:
                 previous = self.holds.pop(ident, None)
                 if previous is not None:  # an earlier hold of this item on this stream
                     self.store.end_send(previous.item)
-                hold = self.holds[ident] = _Hold(item, time.monotonic())  # until Ack/Cancel
-            await self.out.put(encoder_pb2.TransferServerMsg(header=encoder_pb2.ItemHeader(identifier=ident,
-                                                                                           tensor=desc)))
+                hold = self.holds[ident] = _Hold(item, claim, time.monotonic())  # until Ack/Cancel
+            await self.out.put(encoder_pb2.TransferServerMsg(header=encoder_pb2.ItemHeader(
+                identifier=ident, tensor=desc, copy=item.copy)))
             for msg in self.transport.payload(ident, data):
                 await self.out.put(msg)
                 await asyncio.sleep(0)  # let other items interleave
@@ -226,14 +254,14 @@ class TransferSession:
             logger.warning("consumer %s held item %s in place for over %.0fs without Ack or Cancel; "
                            "its hold ends (the lease restarts)", self.consumer_id, ident,
                            self.limits.max_in_place_hold_s)
-            self.store.end_send(hold.item, restart_lease=True)
+            self.store.end_send(hold.item, lost=True)
         return len(old)
 
     def close(self) -> None:
-        for t in self.tasks.values():
+        for t, _ in self.tasks.values():
             t.cancel()
         for hold in self.holds.values():  # the consumer went away without acking
-            self.store.end_send(hold.item, restart_lease=True)
+            self.store.end_send(hold.item, lost=True)
         self.holds.clear()
 
 
@@ -241,42 +269,29 @@ def error(ident: str, code: int, message: str) -> encoder_pb2.TransferServerMsg:
     return encoder_pb2.TransferServerMsg(error=encoder_pb2.ItemError(identifier=ident, code=code, message=message))
 
 
-GONE = object()  # wait_for_item: freed lately, no new copy coming
+GONE = object()  # wait_for_item: the claim was settled, no copy is held for it
 
 
-async def wait_for_item(store: OutboundStore, ident: str, wait_s: float, released_grace_s: float):
-    """The item once it is in ``store``; None after ``wait_s`` or when it is
-    marked failed; ``GONE`` when it was freed lately and no new copy came
-    within ``released_grace_s``."""
+async def wait_for_item(store: OutboundStore, ident: str, claim: str, wait_s: float):
+    """The held copy of ``ident`` (claimed for ``claim``) once there is one; None
+    after ``wait_s`` or when it is marked failed; ``GONE`` at once when ``claim``
+    was settled for it (acked, cancelled, or its encode aborted) and no copy is held."""
+    if store.settled(ident, claim) and not store.contains(ident):
+        return GONE
     loop = asyncio.get_running_loop()
     fut: asyncio.Future = loop.create_future()
     on_loop = threading.get_ident()
 
-    def ready(item: OutboundItem) -> None:
+    def ready(item: OutboundItem | None) -> None:
         if threading.get_ident() == on_loop:  # already in the store: no wake-up needed
             fut.done() or fut.set_result(item)
         else:
             loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(item))
 
-    store.on_ready(ident, ready)
-    if fut.done():
-        store.forget_waiter(ident, ready)
-        return fut.result()
-    deadline = loop.time() + wait_s
+    store.on_ready(ident, claim, ready)
     try:
-        while (remaining := deadline - loop.time()) > 0:
-            # An item freed lately with no new copy reserved (a second LM asking
-            # just after the first one's ack) gets a short grace, not the full
-            # wait: the encode that would re-publish it is normally reserved
-            # within milliseconds, and otherwise the consumer should fail fast
-            # so the gateway can re-encode.
-            gone = store.released_lately(ident)
-            # asyncio.wait on the future itself: no task per item, nothing cancelled.
-            await asyncio.wait((fut,), timeout=min(remaining, released_grace_s) if gone else remaining)
-            if fut.done():
-                return fut.result()
-            if gone and store.released_lately(ident):
-                return GONE
-        return None
+        # asyncio.wait on the future itself: no task per item, nothing cancelled.
+        await asyncio.wait((fut,), timeout=wait_s)
+        return fut.result() if fut.done() else None
     finally:
         store.forget_waiter(ident, ready)

@@ -6,6 +6,9 @@ import sys
 
 import pytest
 
+# Illegal item-lifecycle transitions raise in tests (and in the services they start), not just log.
+os.environ.setdefault("EPD_STRICT_TRANSITIONS", "1")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)

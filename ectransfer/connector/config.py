@@ -63,11 +63,11 @@ class ConnectorConfig:
     """Producer: an item held for a consumer reading it in place (shm, CUDA IPC) with no Ack or Cancel within
     this time is let go (its lease restarts, then the slot is freed). Consumers ack or demote within
     ``in_place_hold_s``; only a stopped one gets here."""
-    max_cancel_records: int = 4096
-    """Producer: identifiers whose Cancels are remembered for a copy still to come (per kind: pending,
-    late); the oldest is forgotten beyond it, with a log line."""
-    max_cancels_per_item: int = 64
-    """Producer: Cancels remembered per identifier; the oldest is forgotten beyond it."""
+    max_settled_claims: int = 16384
+    """Producer: claims settled (acked, cancelled, aborted) remembered by (claim, identifier), so that an
+    encode whose consumer cancelled before the copy existed does not hold it, and a Reserve for a settled
+    claim is answered at once; the oldest is forgotten beyond it, with a log line (a copy it would have
+    freed then waits out its lease)."""
     keepalive_s: float = 30.0
     """Producer: HTTP/2 ping interval on Transfer connections (consumers ping every 30 s and are allowed to);
     a vanished peer's session ends after ``keepalive_s + keepalive_timeout_s``."""
@@ -83,8 +83,7 @@ class ConnectorConfig:
         for name in self.transports:
             if name != factory.AUTO:
                 factory.transport_enum(name)  # ValueError listing the allowed names
-        for name in ("outbound_pool_bytes", "staging_bytes", "chunk_nbytes", "max_cancel_records",
-                     "max_cancels_per_item"):
+        for name in ("outbound_pool_bytes", "staging_bytes", "chunk_nbytes", "max_settled_claims"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         self.transfer_limits()  # ValueError naming a limit that is not > 0

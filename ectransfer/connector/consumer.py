@@ -61,10 +61,12 @@ class _Inbound:
     fetch: Fetch
     requests: set[str] = field(default_factory=set)
     queued: bool = False
-    owner: str = ""  # the request whose copy this fetch reads
-    others: list[str] = field(default_factory=list)
-    """Endpoints of the copies made for the other requests that share this fetch (each request's
-    encode may have made its own copy of the image): cancelled once this copy is loaded."""
+    owner: str = ""  # the request whose claim this fetch reads under
+    claim: str = ""  # that request's claim (ItemSource.claim)
+    others: list[tuple[str, str]] = field(default_factory=list)
+    """(endpoint, claim) of the other requests that share this fetch or found the item cached
+    meanwhile: each Encode claimed a copy; their claims are cancelled when this item is done
+    (after its ack), so those copies are freed without waiting out a lease."""
 
 
 @dataclass
@@ -139,12 +141,16 @@ class ConsumerScheduler:
                 needed.setdefault(feat.identifier, (index, feat, src))
         for ident, src in not_needed.items():
             # The prefix cache covers it, or vLLM's encoder cache holds it:
-            # tell the encoder it is not needed (it frees the slot now).
-            if ident not in needed and ident not in skipped and ident not in self._items:
+            # settle this request's claim (the encoder frees its copy unless another claims it).
+            if ident not in needed and ident not in skipped:
                 skipped.add(ident)
-                self.client.cancel(src.endpoint, ident)
-                self._counts["cancels"] += 1
                 self._counts["reuse_hits"] += self._in_vllm_cache(ident)
+                inbound = self._items.get(ident)
+                if inbound is not None:  # another request's fetch of it is in flight: after that one
+                    self._share(inbound, rid, src)
+                else:
+                    self.client.cancel(src.endpoint, ident, src.claim)
+                    self._counts["cancels"] += 1
         missing = [n for ident, n in needed.items() if ident not in self._items]
         if missing and not self._start_all(request, missing):
             return False
@@ -152,10 +158,9 @@ class ConsumerScheduler:
         for _, feat, src in needed.values():
             item = self._items[feat.identifier]
             if rid != item.owner and rid not in item.requests:
-                # This request shares another's fetch; the copy its own encode makes (unless the
-                # encoder reused the one being fetched) would wait out its lease: cancelled once
-                # the shared copy is loaded (and acked), when a Cancel cannot hit the copy in use.
-                item.others.append(src.endpoint)
+                # This request shares another's fetch: its own claim is settled once the shared
+                # item is done.
+                self._share(item, rid, src)
             item.requests.add(rid)
             lost = item.fetch.stream_lost
             if lost and not item.queued:  # landed in place, then its stream closed: fail it here
@@ -205,9 +210,14 @@ class ConsumerScheduler:
         for (_, feat, src), slot, n, (shape, dtype) in zip(missing, slots, sizes, kinds):
             transfer = ItemTransfer(feat.identifier, n, on_change=self._progress.set)
             fetch = self.client.fetch(transfer, src.endpoint, self.staging.view(slot), request.request_id,
-                                      in_place=self.cfg.read_in_place, shape=shape, dtype=dtype)
-            self._items[feat.identifier] = _Inbound(transfer, src.endpoint, slot, fetch, owner=request.request_id)
+                                      in_place=self.cfg.read_in_place, shape=shape, dtype=dtype, claim=src.claim)
+            self._items[feat.identifier] = _Inbound(transfer, src.endpoint, slot, fetch, owner=request.request_id,
+                                                    claim=src.claim)
         return True
+
+    def _share(self, item: _Inbound, rid: str, src: ItemSource) -> None:
+        if (src.endpoint, src.claim) != (item.endpoint, item.claim) and (src.endpoint, src.claim) not in item.others:
+            item.others.append((src.endpoint, src.claim))
 
     def _fail(self, item: _Inbound) -> None:
         logger.error("requests %s cannot get item %s: %s", sorted(item.requests),
@@ -235,6 +245,10 @@ class ConsumerScheduler:
 
     def _drop(self, item: _Inbound) -> None:
         if self._items.pop(item.transfer.identifier, None) is not None:
+            for endpoint, claim in item.others:  # after this item's own ack or cancel
+                self.client.cancel(endpoint, item.transfer.identifier, claim)
+                self._counts["cancels"] += 1
+            item.others = []
             self._free_staging(item)
             manager = self._cache_manager()
             if manager is not None and item.transfer.state is not TransferState.DONE:
@@ -312,12 +326,9 @@ class ConsumerScheduler:
             item = self._items.get(ident)
             if item is not None:
                 if item.fetch.source is not None:  # read in place: now the encoder may free it
-                    self.client.ack(item.endpoint, ident)
+                    self.client.ack(item.endpoint, ident, item.claim, item.fetch.copy)
                 item.transfer.try_advance(TransferState.DONE)
-                self._drop(item)
-                for endpoint in item.others:  # after the ack: the copies of the requests that shared it
-                    self.client.cancel(endpoint, ident)
-                    self._counts["cancels"] += 1
+                self._drop(item)  # then the claims of the requests that shared it
             self._injected[ident] = None
             self._injected.move_to_end(ident)
             while len(self._injected) > _INJECTED_MEMORY:
@@ -352,7 +363,7 @@ class ConsumerScheduler:
                 # Landed in staging: acked already. Landed in place: the encoder
                 # still holds it for us, so it is cancelled like one in flight.
                 if not state.terminal and (state is not TransferState.LANDED or item.fetch.source is not None):
-                    self.client.cancel(item.endpoint, item.transfer.identifier)
+                    self.client.cancel(item.endpoint, item.transfer.identifier, item.claim, item.fetch.copy)
                     item.transfer.try_advance(TransferState.CANCELLED)
                 self._drop(item)
         self._skipped.pop(rid, None)

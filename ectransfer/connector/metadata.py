@@ -139,6 +139,8 @@ class ItemSource:
     """Columns of the embedding; its rows are the prompt's placeholder embeds."""
     dtype: str
     """Element type by name (``ectransfer.tensors.dtype_from_name``), e.g. ``bfloat16``."""
+    claim: str = ""
+    """The Encode call's claim on the copy (``ItemMetadata.claim``), named in Reserve, Ack and Cancel."""
 
     def __post_init__(self) -> None:
         from ectransfer import tensors
@@ -146,16 +148,20 @@ class ItemSource:
         _str(self.endpoint, "endpoint", nonempty=True)
         _int(self.embed_width, "embed_width", minimum=1)
         tensors.dtype_from_name(_str(self.dtype, "dtype", nonempty=True))  # ValueError listing the allowed names
+        _claim(self.claim, "claim")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"endpoint": self.endpoint, "embed_width": self.embed_width, "dtype": self.dtype}
+        d = {"endpoint": self.endpoint, "embed_width": self.embed_width, "dtype": self.dtype}
+        if self.claim:
+            d["claim"] = self.claim
+        return d
 
     @classmethod
     def from_dict(cls, d: Any, what: str = "item source") -> ItemSource:
         d = _mapping(d, what)
-        _keys(d, what, ("endpoint", "embed_width", "dtype"), required=("endpoint", "embed_width", "dtype"))
+        _keys(d, what, ("endpoint", "embed_width", "dtype", "claim"), required=("endpoint", "embed_width", "dtype"))
         try:
-            return cls(d["endpoint"], d["embed_width"], d["dtype"])
+            return cls(d["endpoint"], d["embed_width"], d["dtype"], d.get("claim", ""))
         except ValueError as e:
             raise ValueError(f"{what}: {e}") from None
 
@@ -256,6 +262,42 @@ class FinishedItem:
     """Embedding rows of the item."""
     modality: str
     """vLLM's modality name, e.g. ``image``."""
+
+
+@dataclass(frozen=True)
+class ProducerParams:
+    """An encode request's ``ec_transfer_params`` on the encoder: its Encode call's claim on
+    the copies it makes or reuses (``ectransfer.outbound``). Set by the encoder service."""
+
+    claim: str = ""
+
+    def __post_init__(self) -> None:
+        _claim(self.claim, "claim")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"claim": self.claim}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> ProducerParams:
+        """``None`` (a request with no params) is no claim; anything else must be well formed."""
+        if d is None:
+            return cls()
+        d = _mapping(d, "encode request params")
+        _keys(d, "encode request params", ("claim",))
+        try:
+            return cls(d.get("claim", ""))
+        except ValueError as e:
+            raise ValueError(f"encode request params: {e}") from None
+
+
+MAX_CLAIM_LEN = 64
+
+
+def _claim(value: Any, what: str) -> str:
+    _str(value, what)
+    if len(value) > MAX_CLAIM_LEN or not value.isascii() or not value.isprintable():
+        raise ValueError(f"{what} must be at most {MAX_CLAIM_LEN} printable ASCII characters, got {value[:80]!r}")
+    return value
 
 
 @dataclass(frozen=True)

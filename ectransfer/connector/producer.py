@@ -17,16 +17,19 @@ and the Transfer server thread. Two-stage allocation on this side too:
    ``make_empty_encoder_model_runner_output`` -- so ``update_connector_output``
    never sees producer reports; the socket is our own channel instead.)
 
-A reservation is freed by the store (Ack, Cancel, lease) once finalized, by the
-worker's failure report, or here when its request ends before dispatch.
+Claims (``ectransfer.outbound``): each encode request carries its Encode call's
+claim (``ProducerParams`` in its ``ec_transfer_params``; the request id when
+absent). ``ensure_cache_available`` claims the copy the store holds, or the
+reservation in flight, or makes a reservation for the claim; the worker's
+report hands the reservation's claims to ``OutboundStore.adopt``. A request
+that ends aborted (the encoder service aborts it when its Encode call is
+cancelled or times out) or failed drops its claims: a copy nobody else claims
+is freed at once (on arrival if it is still being written), not a lease later.
+vLLM's own abort is the channel from the service.
 
-An encode request that ends aborted (the encoder service aborts it when its
-Encode call is cancelled or times out) or failed leaves items nobody will ask
-for, unless a consumer already did (an LM that got the metadata may be
-waiting): each item whose every request in the last lease ended that way is
-freed as soon as it is in the store (``OutboundStore.adopt(unwanted=True)``,
-``release_unwanted``), not a lease later. vLLM's own abort is the channel from
-the service; an item another live or finished request uses is kept.
+A reservation (state RESERVED) is freed by the store once adopted (acks,
+cancels, lease), by the worker's failure report, or here when every request
+it was made for ends before dispatch.
 
 Worker reports travel over an abstract-namespace unix datagram socket, which
 any process on the host can send to (abstract sockets have no file
@@ -50,7 +53,6 @@ import logging
 import secrets
 import socket
 import threading
-import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,8 +60,14 @@ from typing import Any
 from ectransfer import factory, tensors
 from ectransfer.connector.common import compat_for
 from ectransfer.connector.config import ConnectorConfig
-from ectransfer.connector.metadata import EPDConnectorMetadata, FinishedItem, ProducerFinished, SaveSpec
-from ectransfer.outbound import OutboundStore
+from ectransfer.connector.metadata import (
+    EPDConnectorMetadata,
+    FinishedItem,
+    ProducerFinished,
+    ProducerParams,
+    SaveSpec,
+)
+from ectransfer.outbound import CopyState, OutboundStore, move
 from ectransfer.pool import PoolFullError, Slot
 from ectransfer.security import SecurityConfig
 from ectransfer.server import TransferServerThread, TransferServicer
@@ -68,12 +76,17 @@ from ectransfer.shm import Mappings, ShmPool, new_name
 logger = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(eq=False)
 class _Reserved:
+    """A copy in state RESERVED: its slot is this half's until adopted or freed."""
+
+    identifier: str
     slot: Slot
     shape: tuple[int, int]
     requests: set[str] = field(default_factory=set)
+    claims: set[str] = field(default_factory=set)
     dispatched: bool = False
+    state: CopyState = CopyState.RESERVED
 
 
 REPORT_KEY_NBYTES = 16
@@ -102,8 +115,7 @@ class ProducerScheduler:
             self.pool = self.cuda_pool = CudaPool(cfg.outbound_pool_bytes)
         else:
             self.pool = ShmPool(cfg.outbound_pool_bytes, role="outbound")
-        self.store = OutboundStore(self.pool, ttl_s=cfg.lease_s, max_cancel_records=cfg.max_cancel_records,
-                                   max_cancels_per_item=cfg.max_cancels_per_item)
+        self.store = OutboundStore(self.pool, ttl_s=cfg.lease_s, max_settled_claims=cfg.max_settled_claims)
         transports = {}
         for name in names:
             kwargs = {"chunk_nbytes": cfg.chunk_nbytes} if name == "grpc" else {"pool": self.pool}
@@ -127,9 +139,7 @@ class ProducerScheduler:
         self._unavailable: set[str] = set()
         self._encoder_runs: dict[str, int] = defaultdict(int)
         self._lock = threading.Lock()  # _reserved/_unavailable: scheduler thread + report thread
-        self._lease_s = cfg.lease_s
-        self._live: dict[str, set[str]] = {}  # item -> unfinished requests that include it
-        self._kept: dict[str, float] = {}  # item -> when a request that included it last ended normally
+        self._aborted = 0  # encode requests that ended aborted or failed (their claims dropped)
         self._refused_reports = 0
         # Abstract-namespace socket: no file to clean up, gone with the process;
         # a report must carry this key (see the module docstring).
@@ -146,13 +156,15 @@ class ProducerScheduler:
 
     def _reserve(self, request) -> bool:
         missing = {}
+        claim = _claim_of(request)
         for feat in request.mm_features:
             ident = feat.identifier
-            self._live.setdefault(ident, set()).add(request.request_id)
             res = self._reserved.get(ident)
             if res is not None:
                 res.requests.add(request.request_id)
-            elif not self.store.contains(ident):
+                if not self.store.settled(ident, claim):
+                    res.claims.add(claim)
+            elif not self.store.claim(ident, claim):
                 missing[ident] = self._shape(feat)
             elif request.request_id not in self._seen:
                 self._reuse_hits += 1
@@ -170,8 +182,7 @@ class ProducerScheduler:
                 return False
             slots[ident] = slot
         for ident, slot in slots.items():
-            self._reserved[ident] = _Reserved(slot, missing[ident], {request.request_id})
-            self.store.expect(ident)
+            self._reserved[ident] = _Reserved(ident, slot, missing[ident], {request.request_id}, {claim})
         self._seen.add(request.request_id)
         return True
 
@@ -203,51 +214,22 @@ class ProducerScheduler:
         ident = report["id"]
         with self._lock:
             res = self._reserved.pop(ident, None)
-            unwanted = res is not None and self._unwanted(ident)
             if res is not None and report.get("error"):
                 self._unavailable |= res.requests
+            claims = set(res.claims) if res is not None else set()
         if res is None:
             return
         if report.get("error"):
             self._failed += 1
             logger.error("encoder output %s could not be saved: %s", ident, report["error"])
+            move(res, CopyState.FREED)
             self.pool.free(res.slot)
             self.store.mark_failed(ident, report["error"])
         else:
-            self.store.adopt(ident, res.slot, res.shape, self.dtype, unwanted=unwanted)
-            if unwanted and not self.store.contains(ident):
-                logger.info("encoder output %s freed on arrival: its encode request was aborted and no consumer "
-                            "asked for it", ident)
-
-    def _unwanted(self, ident: str) -> bool:
-        """No unfinished request includes ``ident`` and none that did ended
-        normally within a lease (its caller may hand the item to an LM). Under
-        ``_lock``."""
-        if self._live.get(ident):
-            return False
-        kept = self._kept.get(ident)
-        return kept is None or time.monotonic() - kept > self._lease_s
-
-    def _finished(self, request, aborted: bool) -> list[str]:
-        """Books ``request`` as ended; returns its items that nobody wants any more
-        (all when ``aborted``, see ``_unwanted``). Under ``_lock``."""
-        now = time.monotonic()
-        unwanted = []
-        for feat in request.mm_features:
-            ident = feat.identifier
-            users = self._live.get(ident)
-            if users is not None:
-                users.discard(request.request_id)
-                if not users:
-                    del self._live[ident]
-            if not aborted:
-                self._kept.pop(ident, None)
-                self._kept[ident] = now  # insertion order is time order
-            elif self._unwanted(ident):
-                unwanted.append(ident)
-        while self._kept and now - next(iter(self._kept.values())) > self._lease_s:
-            self._kept.pop(next(iter(self._kept)))
-        return unwanted
+            move(res, CopyState.HELD)
+            if self.store.adopt(ident, res.slot, res.shape, self.dtype, claims) is None:
+                logger.info("encoder output %s freed on arrival: every claim on it was settled (its encode "
+                            "aborted, or its consumer cancelled) and nobody asked for it", ident)
 
     def update_connector_output(self, output) -> None:
         return None  # see the module docstring: reports arrive on the socket
@@ -268,6 +250,8 @@ class ProducerScheduler:
             "expired": store["expired"],
             "failed": store["items_dropped"] + self._failed,
             "reuse_hits": self._reuse_hits,
+            "claims": store["claims"],
+            "aborted_requests": self._aborted,
         }
 
     def take_unavailable(self) -> set[str]:
@@ -277,25 +261,39 @@ class ProducerScheduler:
 
     def request_finished(self, request) -> ProducerFinished:
         rid = request.request_id
+        aborted = _ended_unread(request)
+        claim = _claim_of(request)
+        idents = {f.identifier for f in request.mm_features}
         with self._lock:
-            unwanted = self._finished(request, _ended_unread(request))
             self._seen.discard(rid)
+            self._aborted += aborted
             for ident in [i for i, r in self._reserved.items() if rid in r.requests]:
                 res = self._reserved[ident]
                 res.requests.discard(rid)
+                if aborted:
+                    res.claims.discard(claim)  # on its report the store frees it unless someone claims it
                 if not res.requests and not res.dispatched:  # a dispatched one is reported by the worker
                     del self._reserved[ident]
+                    move(res, CopyState.FREED)
                     self.pool.free(res.slot)
-            held = [i for i in unwanted if i not in self._reserved]  # the reserved ones: on their report
-        freed = [i for i in held if self.store.release_unwanted(i)]
-        if freed:
-            logger.info("request %s ended unread: %d encoder output(s) no consumer asked for freed", rid, len(freed))
+            held = [i for i in idents if i not in self._reserved]
+        if aborted:
+            freed = [i for i in held if self.store.drop_claim(i, claim)]
+            if freed:
+                logger.info("request %s ended unread: %d encoder output(s) nobody else claims freed", rid,
+                            len(freed))
         items = {f.identifier: FinishedItem(f.mm_position.get_num_embeds(), f.modality) for f in request.mm_features}
         return ProducerFinished(items, self._encoder_runs.pop(rid, 0))
 
     def shutdown(self) -> None:
         self.server.stop()
         self.pool.close()
+
+
+def _claim_of(request) -> str:
+    """The claim of an encode request: its Encode call's (``ProducerParams``), else its request id."""
+    params = ProducerParams.from_dict(getattr(request, "ec_transfer_params", None))
+    return params.claim or request.request_id
 
 
 def _ended_unread(request) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 import uuid
 
@@ -75,7 +76,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         from vllm import SamplingParams
         from vllm.exceptions import VLLMClientError
 
-        from ectransfer.connector.metadata import ProducerFinished
+        from ectransfer.connector.metadata import ProducerFinished, ProducerParams
 
         t0 = time.perf_counter()
         status = "error"
@@ -105,7 +106,11 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
                 "multi_modal_data": {"image": images},
                 "multi_modal_uuids": {"image": idents},
             }
-            params = SamplingParams(max_tokens=1)
+            # This call's claim on the copies its items get in the outbound pool (ectransfer.outbound):
+            # the LM names it to read, ack or cancel them; an aborted encode drops it.
+            claim = secrets.token_hex(16)
+            params = SamplingParams(max_tokens=1,
+                                    extra_args={"ec_transfer_params": ProducerParams(claim).to_dict()})
             try:
                 engine_req = await self.engine.input_processor.process_inputs_async(
                     rid, prompt, params, supported_tasks=await self.engine.get_supported_tasks())
@@ -121,7 +126,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
                     identifier=feat.identifier, index=index, modality=feat.modality,
                     num_embeds=feat.mm_position.get_num_embeds(), embed_width=self.embed_width,
                     dtype=self.dtype, transfer_endpoint=self.info.transfer_endpoint,
-                    encoder_id=self.info.encoder_id)
+                    encoder_id=self.info.encoder_id, claim=claim)
                 if layouts is not None:
                     lay = layouts[index]
                     md.placeholder_token_ids.extend(lay.placeholder)

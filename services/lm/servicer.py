@@ -134,7 +134,8 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
             src = item.source
             try:
                 ctx.sources[item.identifier] = ItemSource(
-                    src.transfer_endpoint, src.embed_width, tensors.dtype_name(tensors.dtype_from_proto(src.dtype)))
+                    src.transfer_endpoint, src.embed_width, tensors.dtype_name(tensors.dtype_from_proto(src.dtype)),
+                    src.claim)
             except ValueError as e:
                 raise BadInput(f"item {item.identifier}: {e}") from None
             if src.placeholder_token_ids:

@@ -164,7 +164,7 @@ def test_connector_halves_with_cuda_ipc_save_serve_and_load_exactly():
         pw.begin_step(out, meta)
         pw.save(out, "c1")
         assert steps_until(lambda: ps.store.contains("c1"))
-        req = request("l1", [("c1", 16)], f"127.0.0.1:{ps.server.bound_port}")
+        req = request("l1", [("c1", 16)], f"127.0.0.1:{ps.server.bound_port}", claim="e1")  # e1's Encode claim
         assert steps_until(lambda: sched.ensure_cache_available(req, 0))
         sched.update_state_after_alloc(req, 0)
         load = sched.build_meta(SimpleNamespace(scheduled_encoder_inputs={}, total_num_scheduled_tokens=0))

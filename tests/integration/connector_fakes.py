@@ -18,9 +18,12 @@ def vllm_config(engine_id: str, width: int = WIDTH):
     return SimpleNamespace(model_config=mc, ec_transfer_config=ec)
 
 
-def request(rid: str, items: list[tuple[str, int]], endpoint: str | None = None, width: int = WIDTH):
+def request(rid: str, items: list[tuple[str, int]], endpoint: str | None = None, width: int = WIDTH,
+            claim: str | None = None):
     """A request whose prompt holds ``items`` as (identifier, num_embeds), each
-    placeholder 3 tokens longer than its embeddings, starting at token 5."""
+    placeholder 3 tokens longer than its embeddings, starting at token 5. With
+    ``endpoint`` (an LM request), each item names that encoder and the claim of
+    the request's Encode call (``claim``, default ``claim_of(rid)``)."""
     feats, pos = [], 5
     for ident, n in items:
         feats.append(SimpleNamespace(identifier=ident, modality="image", mm_position=SimpleNamespace(
@@ -28,10 +31,17 @@ def request(rid: str, items: list[tuple[str, int]], endpoint: str | None = None,
         pos += n + 3
     params = None
     if endpoint is not None:
-        params = {"items": {i: {"endpoint": endpoint, "embed_width": width, "dtype": "bfloat16"} for i, _ in items}}
+        claim = claim_of(rid) if claim is None else claim
+        params = {"items": {i: {"endpoint": endpoint, "embed_width": width, "dtype": "bfloat16", "claim": claim}
+                            for i, _ in items}}
     req = SimpleNamespace(request_id=rid, mm_features=feats, ec_transfer_params=params)
     req.get_num_encoder_embeds = lambda i: feats[i].mm_position.get_num_embeds()
     return req
+
+
+def claim_of(rid: str) -> str:
+    """The claim of the Encode call that request ``rid``'s items came from (what the encoder sends)."""
+    return f"claim-{rid}"
 
 
 def steps_until(predicate, timeout: float = 10.0) -> bool:

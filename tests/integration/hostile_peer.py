@@ -62,11 +62,12 @@ class RawStream:
     async def send(self, **msg) -> None:
         await self.call.write(encoder_pb2.TransferClientMsg(**msg))
 
-    async def reserve(self, ident: str, max_nbytes: int = 1 << 30) -> None:
-        await self.send(reserve=encoder_pb2.Reserve(identifier=ident, request_id=f"r-{ident}", max_nbytes=max_nbytes))
+    async def reserve(self, ident: str, max_nbytes: int = 1 << 30, claim: str = "") -> None:
+        await self.send(reserve=encoder_pb2.Reserve(identifier=ident, request_id=f"r-{ident}", max_nbytes=max_nbytes,
+                                                    claim=claim))
 
-    async def cancel(self, ident: str) -> None:
-        await self.send(cancel=encoder_pb2.Cancel(identifier=ident))
+    async def cancel(self, ident: str, claim: str = "") -> None:
+        await self.send(cancel=encoder_pb2.Cancel(identifier=ident, claim=claim))
 
     async def read(self, timeout: float = 10.0):
         """The next server message (a ChunkMsg for a chunk), or EOF."""

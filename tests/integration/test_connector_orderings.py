@@ -15,7 +15,7 @@ from ectransfer.connector.config import ConnectorConfig
 from ectransfer.connector.consumer import ConsumerScheduler, ConsumerWorker
 from ectransfer.connector.producer import ProducerScheduler, ProducerWorker
 from ectransfer.loopback import Producer
-from tests.integration.connector_fakes import embedding, request, schedule, steps_until, vllm_config
+from tests.integration.connector_fakes import claim_of, embedding, request, schedule, steps_until, vllm_config
 
 pytestmark = pytest.mark.integration
 
@@ -50,7 +50,7 @@ def test_prealloc_request_before_encode_lands_exactly_and_frees_staging(producer
     assert not sched.ensure_cache_available(req, 0)  # reserved, asked, nothing encoded yet
     assert used(sched) == NB
     t = embedding(16, 1)
-    producer.store.put("a", t)  # the encode finishes after the request arrived
+    producer.store.put("a", t, claims=(claim_of("r1"),))  # the encode finishes after the request arrived
     assert steps_until(lambda: sched.ensure_cache_available(req, 0))
     cache = inject(sched, req)
     assert torch.equal(cache["a"].view(torch.int16), t.view(torch.int16))
@@ -61,7 +61,7 @@ def test_prealloc_request_before_encode_lands_exactly_and_frees_staging(producer
 
 def test_prealloc_encode_before_request(producer, consumer):
     sched = consumer()
-    producer.store.put("b", embedding(16, 2))
+    producer.store.put("b", embedding(16, 2), claims=(claim_of("r1"),))
     req = request("r1", [("b", 16)], producer.endpoint)
     assert steps_until(lambda: sched.ensure_cache_available(req, 0))
     assert "b" in inject(sched, req)
@@ -74,13 +74,13 @@ def test_prealloc_abort_during_transfer_releases_both_sides(producer, consumer):
     sched.request_finished(req)  # the client went away while the encode runs
     assert used(sched) == 0
     time.sleep(0.1)  # the Cancel reaches the encoder before its output does
-    producer.store.put("c", embedding(16, 3))
+    producer.store.put("c", embedding(16, 3), claims=(claim_of("r1"),))
     assert not producer.store.contains("c") and producer.store.stats.cancels == 1
 
 
 def test_prealloc_cancel_because_the_prefix_cache_covers_the_item(producer, consumer):
     sched = consumer()
-    producer.store.put("d", embedding(16, 4))
+    producer.store.put("d", embedding(16, 4), claims=(claim_of("r1"),))
     req = request("r1", [("d", 16)], producer.endpoint)
     covered = req.mm_features[0].mm_position.offset + req.mm_features[0].mm_position.length
     assert sched.ensure_cache_available(req, covered)  # nothing to fetch
@@ -97,11 +97,11 @@ def test_two_requests_share_one_fetch_and_the_second_ones_own_copy_is_cancelled_
     r1, r2 = request("r1", [("s", 16)], producer.endpoint), request("r2", [("s", 16)], producer.endpoint)
     assert not sched.ensure_cache_available(r1, 0)
     assert not sched.ensure_cache_available(r2, 0)  # shares r1's fetch: no second reserve
-    producer.store.put("s", embedding(16, 9))  # r1's copy
+    producer.store.put("s", embedding(16, 9), claims=(claim_of("r1"),))  # r1's copy
     assert steps_until(lambda: sched.ensure_cache_available(r1, 0) and sched.ensure_cache_available(r2, 0))
     inject(sched, r1)
     assert steps_until(lambda: not producer.store.contains("s"))  # r1's copy acked
-    producer.store.put("s", embedding(16, 9))  # r2's encode ends now: a second copy
+    producer.store.put("s", embedding(16, 9), claims=(claim_of("r2"),))  # r2's encode ends now: a second copy
     assert steps_until(lambda: not producer.store.contains("s"))  # cancelled, not held for a lease
     assert producer.store.stats.acks == 1 and producer.store.stats.expired == 0
     sched.request_finished(r1)
@@ -111,8 +111,8 @@ def test_two_requests_share_one_fetch_and_the_second_ones_own_copy_is_cancelled_
 
 def test_backpressure_staging_full_defers_whole_requests_then_proceeds(producer, consumer):
     sched = consumer(staging_bytes=NB + 512)  # room for one item
-    producer.store.put("e1", embedding(16, 5))
-    producer.store.put("e2", embedding(16, 6))
+    producer.store.put("e1", embedding(16, 5), claims=(claim_of("r1"),))
+    producer.store.put("e2", embedding(16, 6), claims=(claim_of("r2"),))
     r1 = request("r1", [("e1", 16)], producer.endpoint)
     r2 = request("r2", [("e2", 16)], producer.endpoint)
     assert steps_until(lambda: sched.ensure_cache_available(r1, 0))
@@ -156,11 +156,11 @@ def test_lease_an_unacked_outbound_item_is_reclaimed():
 
 def test_reuse_an_item_in_vllms_encoder_cache_is_not_transferred_again(producer, consumer):
     sched = consumer()
-    producer.store.put("h", embedding(16, 8))
+    producer.store.put("h", embedding(16, 8), claims=(claim_of("r1"),))
     r1 = request("r1", [("h", 16)], producer.endpoint)
     assert steps_until(lambda: sched.ensure_cache_available(r1, 0))
     inject(sched, r1)
-    producer.store.put("h", embedding(16, 8))  # the encoder published it again for r2
+    producer.store.put("h", embedding(16, 8), claims=(claim_of("r2"),))  # the encoder published it again for r2
     r2 = request("r2", [("h", 16)], producer.endpoint)
     assert sched.ensure_cache_available(r2, 0)  # at once: no transfer
     assert used(sched) == 0
@@ -187,7 +187,7 @@ def test_prealloc_producer_halves_reserve_save_and_serve(producer, consumer):
             pw.save(outputs, ident)  # vLLM calls this right after each encode
         assert steps_until(lambda: ps.store.contains("p1") and ps.store.contains("p2"))
         assert ps.request_finished(r1).encoder_runs == 2
-        req = request("l1", [("p1", 16), ("p2", 16)], endpoint)
+        req = request("l1", [("p1", 16), ("p2", 16)], endpoint, claim="e1")  # what r1's Encode sent
         assert steps_until(lambda: sched.ensure_cache_available(req, 0))
         cache = inject(sched, req)
         assert all(torch.equal(cache[i].view(torch.int16), outputs[i].view(torch.int16)) for i in outputs)
@@ -216,7 +216,7 @@ def test_prealloc_fetches_reserve_vllm_cache_room_first_and_return_it_on_failure
         assert steps_until(lambda: (sched.ensure_cache_available(r1, 0), sched.take_unavailable())[1] == {"r1"})
         assert manager.preallocated == {} and manager.num_free_slots == 20 and used(sched) == 0
         sched.request_finished(r1)
-        p.store.put("z2", embedding(16, 9))
+        p.store.put("z2", embedding(16, 9), claims=(claim_of("r2"),))
         assert steps_until(lambda: sched.ensure_cache_available(r2, 0))  # now it fits
         assert manager.preallocated == {"z2": 16}
     finally:
@@ -227,7 +227,7 @@ def test_prealloc_fetches_reserve_vllm_cache_room_first_and_return_it_on_failure
 def test_in_place_the_worker_reads_the_encoders_segment_and_the_ack_follows_the_load(producer, consumer):
     sched = consumer()
     t = embedding(16, 21)
-    producer.store.put("i1", t)
+    producer.store.put("i1", t, claims=(claim_of("r1"),))
     req = request("r1", [("i1", 16)], producer.endpoint)
     assert steps_until(lambda: sched.ensure_cache_available(req, 0))
     meta = schedule(sched, req)
@@ -244,7 +244,7 @@ def test_in_place_the_worker_reads_the_encoders_segment_and_the_ack_follows_the_
 def test_in_place_off_lands_in_staging_and_acks_at_once(producer, consumer):
     sched = consumer(read_in_place=False)
     t = embedding(16, 22)
-    producer.store.put("i2", t)
+    producer.store.put("i2", t, claims=(claim_of("r1"),))
     req = request("r1", [("i2", 16)], producer.endpoint)
     assert steps_until(lambda: sched.ensure_cache_available(req, 0))
     assert steps_until(lambda: producer.store.stats.acks == 1)  # before any load
@@ -255,7 +255,7 @@ def test_in_place_off_lands_in_staging_and_acks_at_once(producer, consumer):
 
 def test_in_place_a_request_that_ends_before_its_load_cancels_the_hold(producer, consumer):
     sched = consumer()
-    producer.store.put("i3", embedding(16, 23))
+    producer.store.put("i3", embedding(16, 23), claims=(claim_of("r1"),))
     req = request("r1", [("i3", 16)], producer.endpoint)
     assert steps_until(lambda: sched.ensure_cache_available(req, 0))
     sched.request_finished(req)  # aborted after landing, before vLLM scheduled it
@@ -269,7 +269,7 @@ def test_in_place_an_encoder_that_goes_away_before_the_load_fails_the_request_an
     p = Producer(pool_bytes=1 << 20)
     sched = ConsumerScheduler(fake_config("lm-1"), ConnectorConfig(model_name="test-model"))
     try:
-        p.store.put("i4", embedding(16, 24))
+        p.store.put("i4", embedding(16, 24), claims=(claim_of("r1"),))
         req = request("r1", [("i4", 16)], p.endpoint)
         assert steps_until(lambda: sched.ensure_cache_available(req, 0))
         segment = p.pool.name
@@ -285,7 +285,7 @@ def test_in_place_an_encoder_that_goes_away_before_the_load_fails_the_request_an
 def test_in_place_an_item_vllm_does_not_take_in_time_moves_to_staging_and_frees_the_encoder(producer, consumer):
     sched = consumer(in_place_hold_s=0.3)
     t = embedding(16, 25)
-    producer.store.put("i5", t)
+    producer.store.put("i5", t, claims=(claim_of("r1"),))
     req = request("r1", [("i5", 16)], producer.endpoint)
     assert steps_until(lambda: sched.ensure_cache_available(req, 0))
     # vLLM keeps the request waiting (no KV space): the encoder's pool must not stay pinned.

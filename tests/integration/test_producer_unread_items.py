@@ -83,13 +83,15 @@ def test_an_item_a_consumer_already_asked_for_is_kept_after_the_abort(halves):
     req = request("e1", [("a", 16)])
     outputs = _dispatch(ps, pw, req)
     asked = []
-    ps.store.on_ready("a", asked.append)  # an LM's Reserve, waiting for the encode
+    ps.store.on_ready("a", "lm-claim", asked.append)  # an LM's Reserve, waiting for the encode
     ps.request_finished(_ended(req, "FINISHED_ABORTED"))
     pw.save(outputs, "a")
     assert steps_until(lambda: asked)
     assert asked[0] is not None and ps.store.contains("a")
     ps.request_finished(_ended(request("e9", [("a", 16)]), "FINISHED_ABORTED"))
     assert ps.store.contains("a")  # asked for: only the consumer's Ack or the lease frees it
+    ps.store.ack("a", "lm-claim")
+    assert not ps.store.contains("a")
 
 
 def test_an_item_another_live_request_shares_is_kept_after_one_abort(halves):
@@ -100,6 +102,7 @@ def test_an_item_another_live_request_shares_is_kept_after_one_abort(halves):
     ps.request_finished(_ended(first, "FINISHED_ABORTED"))
     pw.save(outputs, "a")
     assert steps_until(lambda: ps.store.contains("a"))
+    assert ps.store.held("a").claims == {"e2"}  # the aborted request's claim went; the live one's holds it
 
 
 def test_the_report_socket_drops_datagrams_without_the_engines_key(halves):

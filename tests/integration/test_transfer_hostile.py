@@ -67,27 +67,27 @@ def test_a_flood_of_reserves_gets_resource_exhausted_beyond_the_limit_and_a_good
         producer.close()
 
 
-def test_a_flood_of_cancels_for_random_identifiers_keeps_the_records_bounded():
-    producer = Producer(max_cancel_records=100)
+def test_a_flood_of_cancels_for_random_claims_keeps_the_records_bounded():
+    producer = Producer(max_settled_claims=100)
     rng = random.Random(3)
 
     async def flood() -> None:
         stream = await RawStream.open(producer.endpoint)
         try:
             for _ in range(3000):
-                await stream.cancel(f"{rng.getrandbits(64):016x}")
-            for _ in range(3000):  # one identifier, over and over
-                await stream.cancel("same")
-            producer.store.put("after", torch.zeros(4, 128, dtype=torch.bfloat16))
-            await stream.reserve("after")  # answered only once every Cancel before it was handled
+                await stream.cancel(f"{rng.getrandbits(64):016x}", claim=f"{rng.getrandbits(64):016x}")
+            for _ in range(3000):  # one identifier, over and over, one claim
+                await stream.cancel("same", claim="one")
+            producer.store.put("after", torch.zeros(4, 128, dtype=torch.bfloat16), claims=("mine",))
+            await stream.reserve("after", claim="mine")  # answered only once every Cancel before it was handled
             assert (await stream.read()).WhichOneof("msg") == "header"
         finally:
             await stream.close()
 
     try:
         asyncio.run(flood())
-        assert producer.store.cancel_records() <= 100 + 64  # 99 random identifiers, 64 cancels of "same"
-        assert producer.store.cancel_records() >= 64  # the newest ones are kept
+        assert producer.store.settled_records() == 100  # the newest 100 (claim, identifier) pairs
+        assert producer.store.settled("same", "one")  # the newest ones are kept
     finally:
         producer.close()
 
@@ -257,4 +257,26 @@ def test_a_peer_that_stops_answering_is_dropped_by_keepalive():
     finally:
         peer.kill()
         peer.wait()
+        producer.close()
+
+
+def test_oversized_claims_and_identifiers_are_dropped_not_remembered():
+    producer = Producer()
+
+    async def run() -> None:
+        stream = await RawStream.open(producer.endpoint)
+        try:
+            for _ in range(100):
+                await stream.cancel("x" * 10_000, claim="c")
+                await stream.cancel("x", claim="c" * 10_000)
+            await stream.reserve("y", claim="c" * 10_000)
+            reply = await stream.read()
+            assert reply.WhichOneof("msg") == "error" and "too long" in reply.error.message
+        finally:
+            await stream.close()
+
+    try:
+        asyncio.run(run())
+        assert producer.store.settled_records() == 0
+    finally:
         producer.close()

@@ -164,28 +164,30 @@ def test_a_forced_transport_that_cannot_work_fails_the_handshake_clearly(produce
     assert out.startswith("ERROR") and "forced" in out and "cannot map" in out, out
 
 
-def test_a_second_consumer_just_after_the_first_ack_fails_fast_then_a_new_copy_is_served(producer):
-    """Two LMs, one image: the first acks (the encoder frees the item); the
-    second asks right after. With no new copy reserved it gets NOT_FOUND within
-    the short grace, not after the full wait; once the encoder reserves and
-    publishes a new copy, asking again works."""
+def test_a_reserve_for_a_settled_claim_fails_fast_and_a_new_claims_copy_is_served(producer):
+    """Two LMs, one image, two Encodes: the first LM acks its claim (the encoder frees the copy);
+    a Reserve naming that claim again is answered NOT_FOUND at once, not after the full wait.
+    The second LM's claim is waited for until its encode publishes the copy."""
     first, second = Consumer(), Consumer()
     try:
         t = torch.randn(8, 128).to(torch.bfloat16)
-        producer.store.put("twice", t)
-        transfer, got = first.get(producer.endpoint, "twice", t.numel() * 2)
+        producer.store.put("twice", t, claims=("enc-1",))
+        transfer, got = first.get(producer.endpoint, "twice", t.numel() * 2, claim="enc-1")
         assert transfer.state is TransferState.LANDED and same_bits(got, t)
         steps_until(lambda: not producer.store.contains("twice"), 5)  # the ack travels asynchronously
+        assert not producer.store.contains("twice") and producer.store.stats.acks == 1
         t0 = time.monotonic()
-        transfer, _ = second.get(producer.endpoint, "twice", t.numel() * 2)
-        assert transfer.state is TransferState.FAILED and "no new copy" in transfer.error
+        transfer, _ = second.get(producer.endpoint, "twice", t.numel() * 2, claim="enc-1")
+        assert transfer.state is TransferState.FAILED and "claim was settled" in transfer.error
         assert time.monotonic() - t0 < producer.servicer.item_wait_s  # answered, not left to the full wait
 
-        producer.store.expect("twice")  # a new Encode reserved a slot for it
-        late, fetch, slot = second.start(producer.endpoint, "twice", t.numel() * 2)
-        producer.store.put("twice", t)
+        late, fetch, slot = second.start(producer.endpoint, "twice", t.numel() * 2, claim="enc-2")
+        time.sleep(0.1)  # the Reserve waits for enc-2's copy
+        producer.store.put("twice", t, claims=("enc-2",))
         assert second.wait(late) is TransferState.LANDED
         assert same_bits(tensors.from_bytes(second.staging.view(slot), fetch.shape, fetch.dtype), t)
+        steps_until(lambda: not producer.store.contains("twice"), 5)
+        assert not producer.store.contains("twice") and producer.store.stats.acks == 2
     finally:
         first.close()
         second.close()
@@ -199,26 +201,27 @@ def test_in_place_two_consumers_read_one_item_and_the_first_ack_does_not_free_it
     maps = Mappings()
     t = torch.randn(64, 128).to(torch.bfloat16)
     nbytes = t.numel() * 2
-    producer.store.put("x", t)
+    producer.store.put("x", t, claims=("enc-a", "enc-b"))  # two Encodes of one image share the copy
     try:
         fetches = []
-        for c in (a, b):
+        for c, claim in ((a, "enc-a"), (b, "enc-b")):
             transfer = ItemTransfer("x", nbytes)
             fetches.append(c.client.fetch(transfer, producer.endpoint, c.staging.view(c.staging.alloc(nbytes)), "r",
-                                          in_place=True))
+                                          in_place=True, claim=claim))
             assert c.wait(transfer) is TransferState.LANDED
         src = fetches[1].source
         assert src.WhichOneof("payload") == "shm" and src.shm.segment == producer.pool.name
-        a.client.ack(producer.endpoint, "x")
-        steps_until(lambda: not producer.store.contains("x"), 5)
-        assert not producer.store.contains("x")  # released for new readers...
-        producer.store.put("y", torch.zeros(64, 128, dtype=torch.bfloat16))  # ...and the pool reused
+        used_before = producer.pool.stats()["used_bytes"]
+        a.client.ack(producer.endpoint, "x", "enc-a", fetches[0].copy)
+        steps_until(lambda: producer.store.stats.acks == 0 and producer.store.held("x").claims == {"enc-b"}, 5)
+        assert producer.store.held("x").claims == {"enc-b"}  # a's claim settled, b's holds the copy
+        assert producer.pool.stats()["used_bytes"] == used_before
         raw = maps.get(src.shm.segment).buffer[src.shm.offset: src.shm.offset + nbytes]
         assert same_bits(tensors.from_bytes(raw.clone(), (64, 128), torch.bfloat16), t)  # b's bytes intact
-        used = producer.pool.stats()["used_bytes"]
-        b.client.ack(producer.endpoint, "x")
-        steps_until(lambda: producer.pool.stats()["used_bytes"] != used, 5)
-        assert producer.pool.stats()["used_bytes"] == used - nbytes  # the last reader's ack freed it
+        b.client.ack(producer.endpoint, "x", "enc-b", fetches[1].copy)
+        steps_until(lambda: producer.pool.stats()["used_bytes"] != used_before, 5)
+        assert producer.pool.stats()["used_bytes"] == used_before - nbytes  # the last claim's ack freed it
+        assert producer.store.stats.acks == 1 and not producer.store.contains("x")
     finally:
         maps.close()
         a.close()

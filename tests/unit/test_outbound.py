@@ -1,4 +1,4 @@
-"""The encoder's outbound store: slots in, acks/cancels/leases free them."""
+"""The encoder's outbound store: copies held for claims; acks, cancels, aborts and leases free them."""
 
 import time
 
@@ -20,10 +20,9 @@ def make_store(capacity=16 * A, **kw):
 
 
 def item_of(store, ident):
-    got = []
-    store.on_ready(ident, got.append)  # fires at once for a stored item
-    assert len(got) == 1
-    return got[0]
+    item = store.held(ident)
+    assert item is not None
+    return item
 
 
 def used(store):
@@ -52,17 +51,38 @@ def test_put_of_a_non_contiguous_tensor_stores_its_logical_bytes():
     assert_bit_identical(tensors.from_bytes(store.view(item), item.shape, item.dtype), t)
 
 
-@pytest.mark.parametrize("reason, counter", [("ack", "acks"), ("cancel", "cancels"), ("expired", "expired")])
-def test_release_frees_the_slot_and_counts_the_reason(reason, counter):
+def _settle(store, reason, claim):
+    if reason == "ack":
+        return store.ack("a", claim)
+    if reason == "cancel":
+        return store.cancel("a", claim)
+    if reason == "abort":
+        return store.drop_claim("a", claim)
+    return bool(store.expire(now=time.monotonic() + store.ttl_s + 1))
+
+
+@pytest.mark.parametrize("reason, counter", [("ack", "acks"), ("cancel", "cancels"), ("abort", "cancels"),
+                                             ("expired", "expired")])
+def test_settling_the_last_claim_frees_the_slot_and_counts_the_reason(reason, counter):
     store = make_store()
-    store.put("a", torch.ones(100))
+    store.put("a", torch.ones(100), claims=("e1",))
     assert used(store) == 2 * A
-    assert store.release("a", reason) is True
+    assert _settle(store, reason, "e1") is True
     assert getattr(store.stats, counter) == 1
     assert used(store) == 0 and store.pool.stats()["allocations"] == 0
     assert not store.contains("a")
-    assert store.release("a", reason) is False  # exactly once
+    assert _settle(store, reason, "e1") is False  # exactly once
     assert getattr(store.stats, counter) == 1
+
+
+def test_a_copy_is_held_until_every_claim_on_it_is_settled():
+    store = make_store()
+    store.put("a", torch.ones(4), claims=("e1",))
+    assert store.claim("a", "e2")  # a second Encode of the same image reuses the copy
+    assert store.ack("a", "e1") is False and store.contains("a")  # e2's LM has not read it yet
+    assert store.ack("a", "e1") is False and store.contains("a")  # a repeated Ack changes nothing
+    assert store.cancel("a", "someone-else") is False and store.contains("a")  # nor another claim's Cancel
+    assert store.ack("a", "e2") is True and not store.contains("a")
 
 
 def test_begin_and_end_send_track_readers():
@@ -70,11 +90,11 @@ def test_begin_and_end_send_track_readers():
     store.put("a", torch.ones(3))
     assert store.begin_send("missing") is None
     item = store.begin_send("a")
-    assert item.sending == 1 and store.begin_send("a").sending == 2
+    assert item.readers == 1 and store.begin_send("a").readers == 2
     store.end_send(item)
     store.end_send(item)
-    assert item.sending == 0
-    store.release("a", "ack")
+    assert item.readers == 0
+    store.ack("a")
     snap = store.snapshot()
     assert snap["items"] == 0 and snap["acks"] == 1 and snap["items_put"] == 1 and snap["used_bytes"] == 0
 
@@ -92,22 +112,23 @@ def test_putting_an_existing_identifier_reuses_it_without_allocating():
 def test_on_ready_fires_at_once_when_present_and_on_put_otherwise():
     store = make_store()
     calls = []
-    store.on_ready("later", calls.append)
-    store.on_ready("later", lambda item: calls.append(("second", item.identifier)))
+    store.on_ready("later", "c1", calls.append)
+    store.on_ready("later", "c2", lambda item: calls.append(("second", item.identifier)))
     assert calls == []
-    store.put("later", torch.ones(2))
+    store.put("later", torch.ones(2), claims=())  # nobody's Encode claims it, but two consumers wait
     assert [getattr(c, "identifier", c) for c in calls] == ["later", ("second", "later")]
+    assert item_of(store, "later").claims == {"c1", "c2"}  # held for the waiters
     store.put("later", torch.ones(2))  # a reuse does not fire the waiters again
     assert len(calls) == 2
-    store.on_ready("later", calls.append)
+    store.on_ready("later", "c3", calls.append)
     assert len(calls) == 3 and calls[-1].identifier == "later"
 
 
 def test_forget_waiter_removes_only_that_callback():
     store = make_store()
     kept, dropped = [], []
-    store.on_ready("a", kept.append)
-    store.on_ready("a", dropped.append)
+    store.on_ready("a", "c1", kept.append)
+    store.on_ready("a", "c2", dropped.append)
     store.forget_waiter("a", dropped.append)
     store.forget_waiter("never-registered", dropped.append)  # a no-op
     store.put("a", torch.ones(2))
@@ -135,12 +156,12 @@ def test_put_on_a_full_pool_drops_the_item_after_the_timeout():
     store = make_store(capacity=A, put_timeout_s=0.01)
     assert store.put("a", torch.ones(64))  # 256 bytes: the whole pool
     waiter = []
-    store.on_ready("b", waiter.append)
+    store.on_ready("b", "c", waiter.append)
     assert store.put("b", torch.ones(1)) is False
     assert store.stats.items_dropped == 1 and store.stats.items_put == 1
     assert not store.contains("b") and waiter == []
     assert store.pool.stats()["allocations"] == 1
-    store.release("a", "ack")
+    store.ack("a")
     assert store.put("b", torch.ones(1)) is True
     assert waiter and waiter[0].identifier == "b"
 
@@ -154,67 +175,68 @@ def test_an_item_larger_than_the_pool_is_dropped_at_once():
 def test_stats_aggregate_adds_fieldwise():
     a, b = make_store(), make_store()
     a.put("x", torch.ones(1))
-    a.release("x", "ack")
+    a.ack("x")
     b.put("y", torch.ones(1))
     b.put("y", torch.ones(1))
     total = a.stats.aggregate(b.stats)
     assert (total.items_put, total.items_reused, total.acks, total.cancels) == (2, 1, 1, 0)
 
 
-def test_stale_cancel_after_ack_does_not_drop_the_next_copy():
-    """A consumer's late Cancel for an item it already acked must not make the
-    store drop the next publication of the same item (another LM needs it)."""
+def test_a_stale_cancel_after_the_ack_does_not_drop_the_next_copy():
+    """An LM's late Cancel for a claim it already acked settles nothing new: the
+    next copy, made for another Encode's claim, is kept for that claim's LM."""
     store = make_store()
-    store.put("a", torch.ones(4))
-    assert store.release("a", "ack")
-    assert store.release("a", "cancel") is False  # stale: that copy is gone
-    store.expect("a")  # the encoder reserved a new copy for another request
-    store.put("a", torch.ones(4))
+    store.put("a", torch.ones(4), claims=("e1",))
+    assert store.ack("a", "e1")
+    assert store.cancel("a", "e1") is False  # stale: that copy is gone
+    store.put("a", torch.ones(4), claims=("e2",))  # another request's encode
     assert store.contains("a") and store.stats.cancels == 0
 
 
-def test_cancel_before_the_first_copy_still_frees_it_on_arrival():
+def test_a_cancel_before_the_copy_exists_frees_it_on_arrival():
     store = make_store()
-    store.release("b", "cancel")  # the consumer gave up before the encode finished
-    store.expect("b")
-    store.put("b", torch.ones(4))
+    store.cancel("b", "e1")  # the LM found the image cached before the encode finished
+    assert store.claim("b", "e1")  # the encode's claim comes later: already settled, no copy needed
+    store.put("b", torch.ones(4), claims=("e1",))  # a copy made for it anyway (reserved earlier)
     assert not store.contains("b") and store.stats.cancels == 1
 
 
-def test_failed_item_forgets_its_cancel():
+def test_a_failed_item_keeps_later_claims():
     store = make_store()
-    store.release("c", "cancel")
+    store.cancel("c", "e1")
     store.mark_failed("c", "encoder error")
-    store.put("c", torch.ones(4))  # a later encode of the same image is kept
+    store.put("c", torch.ones(4), claims=("e2",))  # a later encode of the same image is kept
     assert store.contains("c")
 
 
-def test_a_release_while_another_consumer_reads_frees_the_slot_after_the_last_reader():
+def test_an_ack_while_another_consumer_reads_frees_the_slot_after_the_last_reader():
     pool = Pool(1 << 16)
     store = OutboundStore(pool)
-    store.put("a", torch.arange(64, dtype=torch.float32))
-    used = pool.stats()["used_bytes"]
-    reader = store.begin_send("a")  # consumer B reads the slot (chunks, or in place)
-    assert store.release("a", "ack")  # consumer A's ack
-    assert not store.contains("a") and store.begin_send("a") is None  # gone for new readers
-    assert pool.stats()["used_bytes"] == used  # but B's bytes stay put
+    store.put("a", torch.arange(64, dtype=torch.float32), claims=("ea", "eb"))
+    used_before = pool.stats()["used_bytes"]
+    reader = store.begin_send("a", "eb")  # consumer B reads the slot (chunks, or in place)
+    assert store.ack("a", "ea") is False  # consumer A's ack: B's claim still holds it
+    assert store.cancel("a", "eb") is False  # B's own cancel while it reads: unclaimed, not freed
+    assert pool.stats()["used_bytes"] == used_before  # B's bytes stay put
     store.end_send(reader)
-    assert pool.stats()["used_bytes"] == 0
+    assert pool.stats()["used_bytes"] == 0 and not store.contains("a")
 
 
-def test_a_new_copy_replacing_one_being_read_waits_for_the_reader():
+def test_a_second_copy_adopted_while_one_is_held_is_merged_into_it():
     pool = Pool(1 << 16)
     store = OutboundStore(pool)
-    store.put("a", torch.zeros(64))
-    reader = store.begin_send("a")
+    store.put("a", torch.zeros(64), claims=("e1",))
+    reader = store.begin_send("a", "e1")
     slot = pool.alloc(256)
-    pool.view(slot).fill_(7)
-    used = pool.stats()["used_bytes"]
-    store.adopt("a", slot, (64,), torch.float32)
-    assert pool.stats()["used_bytes"] == used  # the old copy's slot is still allocated for its reader...
-    assert pool.view(reader.slot).eq(0).all()  # ...and intact
+    used_before = pool.stats()["used_bytes"]
+    assert store.adopt("a", slot, (64,), torch.float32, claims=("e2",)) is reader  # one copy per identifier
+    assert pool.stats()["used_bytes"] == used_before - slot.nbytes  # the new slot went at once
+    assert reader.claims == {"e1", "e2"} and pool.view(reader.slot).eq(0).all()
     store.end_send(reader)
-    assert pool.stats()["used_bytes"] == slot.nbytes
+    store.ack("a", "e1", reader.copy)
+    assert store.contains("a")
+    store.ack("a", "e2", reader.copy)
+    assert pool.stats()["used_bytes"] == 0
 
 
 def test_an_in_place_reader_that_goes_away_restarts_the_lease():
@@ -222,19 +244,20 @@ def test_an_in_place_reader_that_goes_away_restarts_the_lease():
     store.put("a", torch.zeros(4))
     item = store.begin_send("a")
     store.expire(now=time.monotonic() + 100)
-    assert store.contains("a")  # held: never expired
-    store.end_send(item, restart_lease=True)
+    assert store.contains("a")  # read: never expired
+    store.end_send(item, lost=True)
     assert store.expire(now=time.monotonic() + 5) == []
     assert store.expire(now=time.monotonic() + 11) == ["a"]
 
 
-def test_a_released_copy_whose_in_place_reader_went_away_is_kept_for_a_lease():
+def test_an_unclaimed_copy_whose_in_place_reader_went_away_is_kept_for_a_lease():
     pool = Pool(1 << 16)
     store = OutboundStore(pool, ttl_s=10)
-    store.put("a", torch.zeros(64))
-    reader = store.begin_send("a")  # an LM reads it in place; its stream then closes
-    store.release("a", "ack")  # another LM's ack
-    store.end_send(reader, restart_lease=True)  # its worker may still be copying
+    store.put("a", torch.zeros(64), claims=("ea", "eb"))
+    reader = store.begin_send("a", "eb")  # an LM reads it in place; its stream then closes
+    store.ack("a", "ea")  # the other LM's ack
+    store.cancel("a", "eb")  # and, say, a cancel that raced the stream's end
+    store.end_send(reader, lost=True)  # its worker may still be copying
     assert pool.stats()["used_bytes"] > 0
     store.expire(now=time.monotonic() + 5)
     assert pool.stats()["used_bytes"] > 0
@@ -242,114 +265,107 @@ def test_a_released_copy_whose_in_place_reader_went_away_is_kept_for_a_lease():
     assert pool.stats()["used_bytes"] == 0
 
 
-def test_a_late_ack_for_a_copy_already_freed_does_not_free_the_newer_copy():
+def test_a_late_ack_naming_a_copy_already_freed_does_not_free_the_newer_copy():
     pool = Pool(1 << 16)
     store = OutboundStore(pool)
-    store.put("a", torch.zeros(64))
-    old = store.begin_send("a")
-    store.release("a", "ack")  # another LM's ack frees copy 1 (after our read ends)
-    store.put("a", torch.ones(64))  # copy 2, for a third LM
-    assert not store.release("a", "ack", held=old)  # our late ack names copy 1
-    assert store.contains("a")
+    store.put("a", torch.zeros(64), claims=("e1", "e2"))
+    old = store.begin_send("a", "e1")
     store.end_send(old)
+    store.ack("a", "e2")
+    store.ack("a", "e1", old.copy)  # copy 1 freed
+    store.put("a", torch.ones(64), claims=("e3",))  # copy 2, for a third LM
+    newer = store.held("a")
+    assert newer.copy != old.copy
+    assert not store.ack("a", "e1", old.copy)  # a repeated late ack of copy 1
+    assert store.contains("a") and store.held("a") is newer
 
 
-def test_a_cancel_between_two_copies_frees_the_next_copy_soon_unless_someone_reads_it():
-    pool = Pool(1 << 16)
-    store = OutboundStore(pool, ttl_s=60)
-    store.put("a", torch.zeros(4))
-    store.release("a", "ack")  # copy 1 done
-    store.release("a", "cancel")  # "not needed": stale for copy 1, or meant for copy 2?
-    store.put("a", torch.zeros(4))  # copy 2 arrives with nobody waiting
-    assert store.contains("a")  # a consumer may still ask for it...
-    store.expire(now=time.monotonic() + store.stale_cancel_grace_s / 2)
-    assert store.contains("a")
-    store.expire(now=time.monotonic() + store.stale_cancel_grace_s + 1)
-    assert not store.contains("a") and store.stats.cancels == 1  # ...nobody did: freed, not leased a minute
-
-
-def test_a_copy_read_after_a_late_cancel_is_kept_for_its_reader():
+def test_a_cancel_between_two_copies_settles_only_its_own_claim():
+    """Claims make the old guess (is this Cancel stale, or for the next copy?) unnecessary."""
     store = OutboundStore(Pool(1 << 16), ttl_s=60)
-    store.put("a", torch.zeros(4))
-    store.release("a", "ack")
-    store.release("a", "cancel")
-    store.put("a", torch.zeros(4))
-    item = store.begin_send("a")  # another LM asks for it
+    store.put("a", torch.zeros(4), claims=("e1",))
+    store.ack("a", "e1")  # copy 1 done
+    store.cancel("a", "e2")  # request 2's LM had the image cached: its encode's copy is for nobody
+    store.put("a", torch.zeros(4), claims=("e2",))  # copy 2 arrives: freed at once
+    assert not store.contains("a") and store.stats.cancels == 1
+    store.put("a", torch.zeros(4), claims=("e3",))  # copy 3, claimed by a live request: kept
+    assert store.contains("a")
+
+
+def test_a_copy_read_by_a_consumer_whose_claim_was_not_registered_is_kept_for_it():
+    store = OutboundStore(Pool(1 << 16), ttl_s=60)
+    store.put("a", torch.zeros(4), claims=("e1",))
+    item = store.begin_send("a", "e9")  # an LM reads under a claim the producer has not seen yet
+    store.ack("a", "e1")
     store.end_send(item)
-    store.expire(now=time.monotonic() + store.stale_cancel_grace_s + 1)
-    assert store.contains("a")  # its Ack frees it, not the late cancel
+    assert store.contains("a")  # its Ack frees it
+    assert store.ack("a", "e9", item.copy) and not store.contains("a")
 
 
-def test_each_cancel_drops_one_copy_also_when_several_come_before_their_copies():
+def test_each_cancel_drops_its_own_copy_also_when_several_come_before_their_copies():
     """An LM that has the image cached answers two requests before either encode
     ends: two Cancels, then two copies one after the other. Each copy is for
-    nobody; neither may stay for a lease."""
+    nobody; neither may stay for a lease; a third request's copy is kept."""
     store = OutboundStore(Pool(1 << 16), ttl_s=60)
-    store.release("a", "cancel")
-    store.release("a", "cancel")
-    store.put("a", torch.zeros(4))
+    store.cancel("a", "e1")
+    store.cancel("a", "e2")
+    store.put("a", torch.zeros(4), claims=("e1",))
     assert not store.contains("a")
-    store.put("a", torch.zeros(4))
+    store.put("a", torch.zeros(4), claims=("e2",))
     assert not store.contains("a") and store.stats.cancels == 2
-    store.put("a", torch.zeros(4))  # a third copy had no cancel: kept for its reader
+    store.put("a", torch.zeros(4), claims=("e3",))
     assert store.contains("a")
 
 
-def test_each_late_cancel_frees_one_later_copy_soon():
+def test_a_cancel_while_a_consumer_reads_the_copy_is_for_its_own_claim():
+    """Request 1's LM reads the copy in place; request 2's LM, with the image
+    cached, cancels request 2's claim on the same copy. The copy stays for its
+    reader and goes with request 1's Ack."""
     store = OutboundStore(Pool(1 << 16), ttl_s=60)
-    store.put("a", torch.zeros(4))
-    store.release("a", "ack")
-    store.release("a", "cancel")
-    store.release("a", "cancel")
-    for _ in range(2):
-        store.put("a", torch.zeros(4))
-        store.expire(now=time.monotonic() + store.stale_cancel_grace_s + 1)
-        assert not store.contains("a")
-    assert store.stats.cancels == 2
-
-
-def test_a_cancel_is_forgotten_after_cancel_memory_s():
-    store = OutboundStore(Pool(1 << 16), ttl_s=60)
-    store.cancel_memory_s = 0.05
-    store.release("a", "cancel")
-    time.sleep(0.1)
-    store.put("a", torch.zeros(4))  # the cancel was for an encode that never made a copy
-    assert store.contains("a")
-
-
-def test_a_cancel_while_a_consumer_reads_the_copy_is_for_the_next_copy():
-    """Request 1's LM reads copy 1 in place; request 2's LM, with the image
-    cached, cancels before request 2's copy exists. Copy 1 stays for its reader;
-    copy 2, wanted by nobody, is freed soon instead of held for a lease."""
-    store = OutboundStore(Pool(1 << 16), ttl_s=60)
-    store.put("a", torch.zeros(4))
-    first = store.begin_send("a")
-    assert store.release("a", "cancel") is False
+    store.put("a", torch.zeros(4), claims=("e1", "e2"))
+    first = store.begin_send("a", "e1")
+    assert store.cancel("a", "e2") is False
     assert store.contains("a")
     store.end_send(first)
-    assert store.release("a", "ack", held=first)
-    store.put("a", torch.zeros(4))  # copy 2
-    store.expire(now=time.monotonic() + store.stale_cancel_grace_s + 1)
-    assert not store.contains("a") and store.stats.cancels == 1 and store.stats.acks == 1
+    assert store.ack("a", "e1", first.copy)
+    assert not store.contains("a") and store.stats.acks == 1 and store.stats.cancels == 0
 
 
 def test_the_readers_own_cancel_still_frees_the_copy_it_read():
     store = OutboundStore(Pool(1 << 16), ttl_s=60)
-    store.put("a", torch.zeros(4))
-    item = store.begin_send("a")  # an in-place reader's pin
-    assert store.release("a", "cancel", held=item)  # its request was aborted
+    store.put("a", torch.zeros(4), claims=("e1",))
+    item = store.begin_send("a", "e1")  # an in-place reader's pin
+    assert store.cancel("a", "e1") is False  # its request was aborted; it still reads
     store.end_send(item)
     assert not store.contains("a") and store.pool.stats()["used_bytes"] == 0
 
 
-def test_cancel_records_are_bounded_per_item_and_in_total_and_evictions_are_logged(caplog):
-    store = make_store(max_cancel_records=10, max_cancels_per_item=3)
+def test_the_anonymous_claim_is_never_remembered_as_settled():
+    store = make_store()
+    store.put("a", torch.ones(4))
+    assert store.ack("a")
+    assert not store.settled("a", "")
+    store.put("a", torch.ones(4))  # a peer naming no claim gets the next copy held
+    assert store.contains("a")
+
+
+def test_settled_claim_records_are_bounded_and_evictions_are_logged(caplog):
+    store = make_store(max_settled_claims=10)
     with caplog.at_level("WARNING", logger="ectransfer.outbound"):
-        for i in range(1000):  # Cancels of items never encoded here: each is kept for a copy to come
-            store.release(f"nobody-{i}", "cancel")
-        for _ in range(1000):
-            store.release("same", "cancel")
-    assert store.cancel_records() == 9 + 3  # the 9 newest random identifiers, 3 cancels of "same"
-    assert any("cancel records full" in r.getMessage() for r in caplog.records)
-    store.put("same", torch.ones(3))  # each remembered cancel still drops one copy
-    assert not store.contains("same") and store.cancel_records() == 9 + 2
+        for i in range(1000):  # Cancels of claims never seen here
+            store.cancel(f"nobody-{i}", f"e{i}")
+    assert store.settled_records() == 10
+    assert any("settled-claim records full" in r.getMessage() for r in caplog.records)
+    assert store.settled("nobody-999", "e999") and not store.settled("nobody-0", "e0")
+
+
+def test_an_illegal_transition_raises_in_tests():
+    from ectransfer.outbound import CopyState, IllegalTransition, move
+
+    store = make_store()
+    store.put("a", torch.ones(4))
+    item = store.held("a")
+    store.ack("a")
+    assert item.state is CopyState.FREED
+    with pytest.raises(IllegalTransition, match="FREED -> HELD"):
+        move(item, CopyState.HELD)

@@ -1,9 +1,9 @@
 """Property test of the producer's item lifecycle (issue 14): random interleavings of
-publications, Reserve -> header (an in-place read begins), Ack, Cancel, stream loss and
-lease expiry, for two consumers of one item, driven the way ``ectransfer.session``
-drives ``OutboundStore`` (a session's hold is the copy whose header it sent; Ack and
-Cancel release that copy and end the read; a lost stream ends its reads with the lease
-restarted). After every step: no slot anyone still reads was freed, and no slot was
+encodes (each claiming the copy for its consumer), aborted encodes, Reserve -> header
+(an in-place read begins), Ack, Cancel, stream loss and lease expiry, for two consumers
+of one item, driven the way ``ectransfer.session`` drives ``OutboundStore`` (a session's
+hold is the copy whose header it sent; Ack and Cancel name the consumer's claim and end
+the read; a lost stream ends its reads with the lease restarted). After every step: no slot anyone still reads was freed, and no slot was
 freed twice; at the end, once every consumer is gone and the leases have run out,
 every slot was freed exactly once and the pool is empty."""
 
@@ -24,6 +24,7 @@ pytestmark = pytest.mark.unit
 
 ID = "item-1"
 CONSUMERS = (0, 1)
+CLAIMS = ("encode-0", "encode-1")  # each consumer's request came with its own Encode call
 
 
 class _CountingPool(Pool):
@@ -57,28 +58,42 @@ class Lifecycle(RuleBasedStateMachine):
         self.pool = _CountingPool()
         self.store = OutboundStore(self.pool, ttl_s=60.0)
         self.holds: dict[int, object] = {}  # consumer -> the copy (OutboundItem) it reads in place
+        self.live: dict[int, object] = {}  # consumer -> the copy its unsettled claim holds
+        self.settled: set[int] = set()  # consumers whose claim was acked, cancelled or aborted
         self.clock = time.monotonic()
 
     # -- the encoder ---------------------------------------------------------------
 
-    @rule()
-    def publish(self) -> None:
-        """The encoder reserves a slot for a new copy, its worker writes it, the scheduler adopts it."""
-        self.store.expect(ID)
-        slot = self.pool.alloc(1024)
-        self.store.adopt(ID, slot, (4, 128), torch.bfloat16)
+    @rule(c=st.sampled_from(CONSUMERS))
+    def encode(self, c: int) -> None:
+        """Consumer c's Encode includes the item: it claims the held copy, or its
+        reservation is written and adopted for its claim."""
+        if not self.store.claim(ID, CLAIMS[c]):
+            slot = self.pool.alloc(1024)
+            self.store.adopt(ID, slot, (4, 128), torch.bfloat16, (CLAIMS[c],))
+        if c not in self.settled:
+            self.live[c] = self.store.held(ID)
+            assert self.live[c] is not None, "an unsettled claim's copy must be held"
+
+    def _settled(self, c: int) -> None:
+        self.settled.add(c)
+        self.live.pop(c, None)
+
+    def _expire(self) -> None:
+        if ID in self.store.expire(now=self.clock):
+            self.live.clear()  # the lease ran out: claims or not, the copy went
+
+    @rule(c=st.sampled_from(CONSUMERS))
+    def encode_aborted(self, c: int) -> None:
+        """Consumer c's Encode call was cancelled: the encoder aborts it and its claim goes."""
+        self.store.drop_claim(ID, CLAIMS[c])
+        self._settled(c)
 
     @rule()
-    def publish_unwanted(self) -> None:
-        """A copy whose every encode request was aborted before it landed."""
-        self.store.expect(ID)
+    def adopt_unclaimed(self) -> None:
+        """A reservation lands after every claim on it was dropped (merged or freed at once)."""
         slot = self.pool.alloc(1024)
-        self.store.adopt(ID, slot, (4, 128), torch.bfloat16, unwanted=True)
-
-    @rule()
-    def requests_aborted(self) -> None:
-        """Every request that encoded the held copy was aborted: freed unless someone asked for it."""
-        self.store.release_unwanted(ID)
+        self.store.adopt(ID, slot, (4, 128), torch.bfloat16, ())
 
     # -- a consumer's session ----------------------------------------------------------
 
@@ -87,15 +102,19 @@ class Lifecycle(RuleBasedStateMachine):
         """Reserve served: the header goes out and the consumer reads the slot in place."""
         if c in self.holds:
             return  # a duplicate Reserve while one is held: the session ignores it
-        item = self.store.begin_send(ID)
+        item = self.store.begin_send(ID, CLAIMS[c])
         if item is not None:
             self.holds[c] = item
 
     @rule(c=st.sampled_from(CONSUMERS), kind=st.sampled_from(["ack", "cancel"]))
     def release(self, c: int, kind: str) -> None:
-        """Ack (read done) or Cancel (not wanted); both name the item, the session knows the copy."""
+        """Ack (read done) or Cancel (not wanted), naming c's claim (and the copy it read)."""
         held = self.holds.pop(c, None)
-        self.store.release(ID, kind, held)
+        if kind == "ack":
+            self.store.ack(ID, CLAIMS[c], held.copy if held is not None else 0)
+        else:
+            self.store.cancel(ID, CLAIMS[c])
+        self._settled(c)
         if held is not None:
             self.store.end_send(held)
 
@@ -104,20 +123,20 @@ class Lifecycle(RuleBasedStateMachine):
         """The consumer's stream breaks: its reads end, the lease restarts (it may still copy)."""
         held = self.holds.pop(c, None)
         if held is not None:
-            self.store.end_send(held, restart_lease=True)
+            self.store.end_send(held, lost=True)
 
     @precondition(lambda self: not self.holds)
     @rule()
     def lease_runs_out(self) -> None:
         """Time passes beyond the lease with nobody reading."""
         self.clock += self.store.ttl_s + 1
-        self.store.expire(now=self.clock)
+        self._expire()
 
     @rule(dt=st.sampled_from([0.0, 0.3, 1.0, 11.0]))
     def sweep(self, dt: float) -> None:
-        """The producer's sweeper, a little later (past a stale Cancel's grace, past the memory of Cancels)."""
+        """The producer's sweeper, a little later."""
         self.clock += dt
-        self.store.expire(now=self.clock)
+        self._expire()
 
     # -- what must hold -----------------------------------------------------------------
 
@@ -125,6 +144,17 @@ class Lifecycle(RuleBasedStateMachine):
     def nothing_read_was_freed(self) -> None:
         for c, item in self.holds.items():
             assert not self.pool.was_freed(item.slot), f"consumer {c} still reads {item.slot}, which was freed"
+
+    @invariant()
+    def no_copy_an_unsettled_claim_holds_was_freed(self) -> None:
+        for c, item in self.live.items():
+            assert not self.pool.was_freed(item.slot), f"consumer {c}'s claim is unsettled, its copy was freed"
+
+    @invariant()
+    def a_held_copy_is_claimed_read_or_pinned(self) -> None:
+        item = self.store.held(ID)
+        if item is not None:
+            assert item.claims or item.readers or item.pinned_until > time.monotonic() - 1, item
 
     def teardown(self) -> None:
         for c in list(self.holds):
