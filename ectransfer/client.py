@@ -132,7 +132,7 @@ class _Peer:
                 logger.warning("transfer from %s uses %s (%s)", self.endpoint, choice.name, "; ".join(choice.skipped))
             self.transport = choice.transport
             self.proven = choice.offer
-            self.client._chosen[self.endpoint] = choice.name
+            self.client.chosen(self.endpoint, choice.name)
             reader = await self._open_lane(choice) if self.client.lane else None
             if reader is None:
                 self.mode.set_result("grpc")
@@ -161,7 +161,7 @@ class _Peer:
                 self.mode.set_result("grpc")
             if self.writer is not None:
                 self.writer.close()
-            self.client._peer_closed(self, error)
+            self.client.peer_closed(self, error)
             await self.channel.close()
 
     async def _open_lane(self, choice: Choice) -> asyncio.StreamReader | None:
@@ -209,9 +209,9 @@ class _Peer:
                 if fetch.receiver.feed(body):
                     self._landed(fetch)
             elif kind == "error":
-                self._finish(fetch, error=f"encoder at {self.endpoint}: {body.message}")
+                self.finish(fetch, error=f"encoder at {self.endpoint}: {body.message}")
         except ProtocolError as e:
-            self._finish(fetch, error=f"encoder at {self.endpoint}: {e}")
+            self.finish(fetch, error=f"encoder at {self.endpoint}: {e}")
             # The producer may hold the slot for us (in place): let it go.
             self.send(cancel_msg(fetch))
 
@@ -234,7 +234,7 @@ class _Peer:
         if fetch.receiver.complete:
             self._landed(fetch)
 
-    def _demote(self, fetch: Fetch) -> None:
+    def demote(self, fetch: Fetch) -> None:
         """An in-place item nobody took within ``hold_s`` (its request waits for
         KV space, or for an item of another encoder): copy it into its staging
         destination and ack, so the producer's pool does not stay pinned by a
@@ -257,7 +257,7 @@ class _Peer:
         self.items.pop(fetch.transfer.identifier, None)
         fetch.transfer.advance(TransferState.LANDED)
 
-    def _finish(self, fetch: Fetch, error: str) -> None:
+    def finish(self, fetch: Fetch, error: str) -> None:
         self.items.pop(fetch.transfer.identifier, None)
         fetch.transfer.fail(error)
 
@@ -372,9 +372,21 @@ class TransferClient:
         self._unmapped: list[tuple[str, str]] = []
         self._chosen: dict[str, str] = {}  # endpoint -> transport name, last negotiated
         self._unmapped_lock = threading.Lock()  # client thread appends, scheduler thread takes
-        self._loop = new_event_loop()
-        self._thread = threading.Thread(target=self._run, name="epd-transfer-client", daemon=True)
-        self._thread.start()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> TransferClient:
+        """Starts the client's loop thread (once; ``close`` stops it). Returns the client."""
+        if self._thread is None:
+            self._loop = new_event_loop()
+            self._thread = threading.Thread(target=self._run, name="epd-transfer-client", daemon=True)
+            self._thread.start()
+        return self
+
+    def _call(self, fn, *args) -> None:
+        if self._thread is None:
+            raise RuntimeError("TransferClient.start() was not called")
+        self._loop.call_soon_threadsafe(fn, *args)
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
@@ -396,10 +408,10 @@ class TransferClient:
         landed_before = time.perf_counter() - self.hold_s  # a located item's last transition is LANDED
         for fetch in list(peer.located.values()):
             if fetch.transfer.changed_at < landed_before:
-                peer._demote(fetch)
+                peer.demote(fetch)
         for fetch in list(peer.items.values()):
             if now > fetch.deadline:
-                peer._finish(fetch, f"encoder at {peer.endpoint}: no data within {self.timeout_s}s")
+                peer.finish(fetch, f"encoder at {peer.endpoint}: no data within {self.timeout_s}s")
                 peer.send(cancel_msg(fetch))
 
     # -- called from vLLM's scheduler thread --------------------------------
@@ -413,17 +425,17 @@ class TransferClient:
         what the item must be (its header is refused otherwise)."""
         fetch = Fetch(transfer, endpoint, dest, deadline=time.monotonic() + self.timeout_s, in_place=in_place,
                       expect_shape=None if shape is None else tuple(shape), expect_dtype=dtype, claim=claim)
-        self._loop.call_soon_threadsafe(self._start_fetch, fetch, request_id)
+        self._call(self._start_fetch, fetch, request_id)
         return fetch
 
     def ack(self, endpoint: str, identifier: str, claim: str = "", copy: int = 0) -> None:
         """The caller has copied an in-place item (copy ``copy``, read for
         ``claim``): the producer may free it."""
-        self._loop.call_soon_threadsafe(self._send, endpoint, "ack", identifier, claim, copy)
+        self._call(self._send, endpoint, "ack", identifier, claim, copy)
 
     def cancel(self, endpoint: str, identifier: str, claim: str = "", copy: int = 0) -> None:
         """The caller will not read the item for ``claim``: the producer settles that claim."""
-        self._loop.call_soon_threadsafe(self._send, endpoint, "cancel", identifier, claim, copy)
+        self._call(self._send, endpoint, "cancel", identifier, claim, copy)
 
     def transport_of(self, endpoint: str) -> str:
         """The transport last negotiated with ``endpoint`` ("" if none yet)."""
@@ -437,7 +449,7 @@ class TransferClient:
         return out
 
     def close(self) -> None:
-        if not self._thread.is_alive():
+        if self._thread is None or not self._thread.is_alive():
             return
 
         async def _close() -> None:
@@ -474,11 +486,16 @@ class TransferClient:
         cls = encoder_pb2.Ack if kind == "ack" else encoder_pb2.Cancel
         peer.send(encoder_pb2.TransferClientMsg(**{kind: cls(identifier=identifier, claim=claim, copy=copy)}))
 
-    def _peer_closed(self, peer: _Peer, error: str) -> None:
+    def chosen(self, endpoint: str, transport: str) -> None:
+        """A peer's handshake chose ``transport`` (``transport_of`` reports it)."""
+        self._chosen[endpoint] = transport
+
+    def peer_closed(self, peer: _Peer, error: str) -> None:
+        """A peer's stream ended: its items fail, its mappings go (loop thread)."""
         if self._peers.get(peer.endpoint) is peer:
             del self._peers[peer.endpoint]
         for fetch in list(peer.items.values()):
-            peer._finish(fetch, error)
+            peer.finish(fetch, error)
         # Landed in place, not taken yet: the producer no longer holds it for us
         # (it keeps a released copy a lease longer, but may reuse a live one's
         # slot once another consumer acks), so the caller fails it.

@@ -56,7 +56,7 @@ class Consumer:
         self.staging = Pool(staging_bytes, device=device)
         self.client = TransferClient(compat_info or compat(), "consumer-1",
                                      [factory.make_consumer(n) for n in transports], timeout_s=timeout_s,
-                                     security=security)
+                                     security=security).start()
 
     def start(self, endpoint: str, ident: str, nbytes: int, claim: str = ""):
         slot = self.staging.alloc(nbytes)

@@ -47,6 +47,7 @@ def _engine_cfg(ns):
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``epd`` argument parser (one flag per config field); parsing runs nothing."""
+    from ectransfer.connector.config import ConnectorTuning
     from ectransfer.security import SecurityConfig
     from services.common.engine import EngineConfig
     from services.encoder.config import EncoderServiceConfig
@@ -70,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
         add_dataclass_args(sp, cls)
         add_dataclass_args(sp.add_argument_group("engine (vLLM)"), EngineConfig)
         add_dataclass_args(sp.add_argument_group("security (every internal gRPC link)"), SecurityConfig)
+        add_dataclass_args(sp.add_argument_group("connector (encoder-to-LM transfer tuning)"), ConnectorTuning,
+                           prefix="connector_")
 
     g = sub.add_parser("gateway", help="run the gateway")
     add_dataclass_args(g, GatewayConfig)
@@ -116,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None = None) -> int:
+    from ectransfer.connector.config import ConnectorTuning
     from ectransfer.security import SecurityConfig
     from services.encoder.config import EncoderServiceConfig
     from services.gateway.config import GatewayConfig
@@ -136,13 +140,15 @@ def _main(argv: list[str] | None = None) -> int:
 
                 cfg = from_args(EncoderServiceConfig, ns)
                 server.check(cfg, security)
-                run = server.serve(cfg, _engine_cfg(ns), security=security)
+                run = server.serve(cfg, _engine_cfg(ns), security=security,
+                                   tuning=from_args(ConnectorTuning, ns, prefix="connector_"))
             elif ns.cmd == "lm":
                 from services.lm import server
 
                 cfg = from_args(LMServiceConfig, ns)
                 server.check(cfg, security)
-                run = server.serve(cfg, _engine_cfg(ns), security=security)
+                run = server.serve(cfg, _engine_cfg(ns), security=security,
+                                   tuning=from_args(ConnectorTuning, ns, prefix="connector_"))
             else:
                 from services.gateway import server
 

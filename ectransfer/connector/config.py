@@ -10,29 +10,16 @@ from ectransfer.limits import TransferLimits
 
 
 @dataclass
-class ConnectorConfig:
-    transfer_host: str = "127.0.0.1"
-    """Producer: address the Transfer server binds."""
-    advertise_host: str = ""
-    """Producer: address LMs dial (default: transfer_host; set the pod IP on Kubernetes)."""
-    transfer_port: int = 0
-    """Producer: Transfer server port; 0 picks a free one, which only the log names (the
-    encoder service passes the port it reserved, so it knows the endpoint up front)."""
-    outbound_pool_bytes: int = 256 << 20
-    """Producer: bytes of encoder outputs held until acked (backpressure beyond)."""
-    staging_bytes: int = 256 << 20
-    """Consumer: bytes of inbound staging (transfers wait when it is full)."""
+class ConnectorTuning:
+    """The connector's knobs that the services do not set themselves: each is a flag of
+    ``epd encoder`` and ``epd lm`` (``--connector-<name>``, e.g. ``--connector-item-wait-s 30``)
+    and reaches the engine through ``ec_connector_extra_config``. Producer knobs are ignored by
+    a consumer and the other way round."""
+
     chunk_nbytes: int = 4 << 20
     """GRPC_CHUNKS chunk size."""
-    transports: list[str] = field(default_factory=lambda: ["auto"])
-    """Transports this end may use, best first; ``auto`` expands to what this
-    process can use (``factory.resolve``)."""
-    lease_s: float = 60.0
-    """Producer: an outbound item nobody acked within this time is freed."""
     item_wait_s: float = 60.0
     """Producer: how long a Reserve waits for an item that is not encoded yet."""
-    transfer_timeout_s: float = 30.0
-    """Consumer: an item with no data within this time fails its requests."""
     read_in_place: bool = True
     """Consumer: with shm or CUDA IPC, vLLM's worker copies each item straight
     from the encoder's memory into its encoder cache (one copy; staging is reserved, not written) and
@@ -73,6 +60,46 @@ class ConnectorConfig:
     a vanished peer's session ends after ``keepalive_s + keepalive_timeout_s``."""
     keepalive_timeout_s: float = 10.0
     """Producer: an unanswered keepalive ping closes the connection after this long."""
+
+    def __post_init__(self) -> None:
+        for name in ("chunk_nbytes", "max_settled_claims", "item_wait_s", "in_place_hold_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.idle_wait_s < 0:
+            raise ValueError(f"idle_wait_s must be >= 0, got {self.idle_wait_s}")
+        self.transfer_limits()  # ValueError naming a limit that is not > 0
+
+    def transfer_limits(self) -> TransferLimits:
+        """The producer's Transfer server bounds (``ectransfer.limits``)."""
+        return TransferLimits(**{f.name: getattr(self, f.name) for f in fields(TransferLimits)})
+
+    def extra(self) -> dict[str, Any]:
+        """These knobs as ``ec_connector_extra_config`` entries."""
+        return {f.name: getattr(self, f.name) for f in fields(ConnectorTuning)}
+
+
+@dataclass
+class ConnectorConfig(ConnectorTuning):
+    """Everything the connector halves read (``ConnectorTuning`` plus what the services set)."""
+
+    transfer_host: str = "127.0.0.1"
+    """Producer: address the Transfer server binds."""
+    advertise_host: str = ""
+    """Producer: address LMs dial (default: transfer_host; set the pod IP on Kubernetes)."""
+    transfer_port: int = 0
+    """Producer: Transfer server port; 0 picks a free one, which only the log names (the
+    encoder service passes the port it reserved, so it knows the endpoint up front)."""
+    outbound_pool_bytes: int = 256 << 20
+    """Producer: bytes of encoder outputs held until acked (backpressure beyond)."""
+    staging_bytes: int = 256 << 20
+    """Consumer: bytes of inbound staging (transfers wait when it is full)."""
+    transports: list[str] = field(default_factory=lambda: ["auto"])
+    """Transports this end may use, best first; ``auto`` expands to what this
+    process can use (``factory.resolve``)."""
+    lease_s: float = 60.0
+    """Producer: an outbound item nobody acked within this time is freed."""
+    transfer_timeout_s: float = 30.0
+    """Consumer: an item with no data within this time fails its requests."""
     model_name: str = ""
     """Name used in the compatibility hash (default: vLLM's model path)."""
     security: dict[str, Any] = field(default_factory=dict)
@@ -80,17 +107,13 @@ class ConnectorConfig:
     producer's server requires them, the consumer's client presents them."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         for name in self.transports:
             if name != factory.AUTO:
                 factory.transport_enum(name)  # ValueError listing the allowed names
-        for name in ("outbound_pool_bytes", "staging_bytes", "chunk_nbytes", "max_settled_claims"):
+        for name in ("outbound_pool_bytes", "staging_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        self.transfer_limits()  # ValueError naming a limit that is not > 0
-
-    def transfer_limits(self) -> TransferLimits:
-        """The producer's Transfer server bounds (``ectransfer.limits``)."""
-        return TransferLimits(**{f.name: getattr(self, f.name) for f in fields(TransferLimits)})
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorConfig:

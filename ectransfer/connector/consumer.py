@@ -379,6 +379,11 @@ class ConsumerScheduler:
             report = TransferReport(stats.local_encoder_runs, stats.transferred_items, stats.transfer_ms, transports)
         return ConsumerFinished(error, failed, report)
 
+    def start(self) -> ConsumerScheduler:
+        """Starts the transfer client's thread (the facade calls this once vLLM built the half)."""
+        self.client.start()
+        return self
+
     def shutdown(self) -> None:
         self.client.close()
         self.staging.close()
@@ -417,6 +422,9 @@ class ConsumerWorker:
                 self.mappings.drop(name)
             elif "ectransfer.cuda_ipc" in sys.modules:
                 sys.modules["ectransfer.cuda_ipc"].forget(name)
+
+    def start(self) -> ConsumerWorker:
+        return self  # nothing to start: mappings open on first use
 
     def shutdown(self) -> None:
         self.mappings.close()

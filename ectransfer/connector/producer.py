@@ -127,11 +127,7 @@ class ProducerScheduler:
                                     limits=cfg.transfer_limits())
         self.server = TransferServerThread(servicer, cfg.transfer_host, cfg.transfer_port,
                                            security=SecurityConfig.from_dict(cfg.security))
-        port = self.server.start()
-        endpoint = f"{cfg.advertise_host or cfg.transfer_host}:{port}"
-        logger.info("EPD transfer server on %s, outbound pool %s (%d MiB, transports %s)", endpoint,
-                    self.pool.pool_id if self.cuda_pool is not None else self.pool.name,
-                    cfg.outbound_pool_bytes >> 20, ",".join(names))
+        self._cfg, self._names, self._started = cfg, names, False
         self._reserved: dict[str, _Reserved] = {}
         self._failed = 0
         self._seen: set[str] = set()  # requests whose reservation succeeded (reuse counted once)
@@ -145,7 +141,21 @@ class ProducerScheduler:
         # a report must carry this key (see the module docstring).
         self.notify_addr = "\0" + new_name("notify")
         self.report_key = secrets.token_bytes(REPORT_KEY_NBYTES)
+
+    def start(self) -> ProducerScheduler:
+        """Binds the Transfer server and the worker-report socket and starts their
+        thread (once; the facade calls this when vLLM has built the half)."""
+        if self._started:
+            return self
+        port = self.server.start()
+        self._started = True
+        cfg = self._cfg
+        logger.info("EPD transfer server on %s:%d, outbound pool %s (%d MiB, transports %s)",
+                    cfg.advertise_host or cfg.transfer_host, port,
+                    self.pool.pool_id if self.cuda_pool is not None else self.pool.name,
+                    cfg.outbound_pool_bytes >> 20, ",".join(self._names))
         self.server.add_datagram_endpoint(self.notify_addr, self._on_report)
+        return self
 
     def _shape(self, feat) -> tuple[int, int]:
         return feat.mm_position.get_num_embeds(), self.widths.get(feat.modality, self.default_width)
@@ -286,7 +296,8 @@ class ProducerScheduler:
         return ProducerFinished(items, self._encoder_runs.pop(rid, 0))
 
     def shutdown(self) -> None:
-        self.server.stop()
+        if self._started:
+            self.server.stop()
         self.pool.close()
 
 
@@ -310,13 +321,19 @@ class ProducerWorker:
         self._specs: dict[str, SaveSpec] = {}
         self._notify = ""
         self._notify_key = b""
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._sock: socket.socket | None = None  # opened by start()
         try:
             from vllm.distributed import get_tensor_model_parallel_rank
 
             self.writes = get_tensor_model_parallel_rank() == 0  # every TP rank holds the same output
         except Exception:  # noqa: BLE001 - not initialised outside an engine
             self.writes = True
+
+    def start(self) -> ProducerWorker:
+        """Opens the socket reports go out on (once)."""
+        if self._sock is None:
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        return self
 
     def begin_step(self, encoder_cache, meta: EPDConnectorMetadata) -> None:
         """Takes this step's new slots; publishes items vLLM already holds."""
@@ -351,6 +368,8 @@ class ProducerWorker:
         except Exception as e:  # noqa: BLE001 - reported to the scheduler, never raised into vLLM
             report = {"id": mm_hash, "error": str(e)}
         if self.writes:
+            if self._sock is None:
+                raise RuntimeError("ProducerWorker.start() was not called")
             try:
                 self._sock.sendto(self._notify_key + json.dumps(report).encode(), self._notify)
             except OSError as e:  # the scheduler half is gone: the engine is shutting down
@@ -360,7 +379,8 @@ class ProducerWorker:
         return None  # reports go over the datagram socket (see the module docstring)
 
     def shutdown(self) -> None:
-        self._sock.close()
+        if self._sock is not None:
+            self._sock.close()
         self.mappings.close()
 
 

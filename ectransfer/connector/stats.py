@@ -24,6 +24,8 @@ FIELDS = {
     "expired": "Producer: items freed by lease expiry",
     "failed": "Items that failed (save error, transfer error or timeout)",
     "reuse_hits": "Items served without a new encode (producer) or a new transfer (consumer)",
+    "claims": "Producer: unsettled claims on held items (an Encode's or a consumer's, not yet acked or cancelled)",
+    "aborted_requests": "Producer: encode requests that ended aborted or failed (their claims dropped)",
 }
 
 

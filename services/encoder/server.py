@@ -15,6 +15,7 @@ import logging
 import signal
 import socket
 
+from ectransfer.connector.config import ConnectorTuning
 from ectransfer.security import SecurityConfig
 from ectransfer.shm import cleanup_orphans
 from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
@@ -28,12 +29,13 @@ logger = logging.getLogger(__name__)
 
 
 def _ec_config(cfg: EncoderServiceConfig, engine_cfg: EngineConfig, transfer_port: int,
-               security: SecurityConfig) -> dict:
+               security: SecurityConfig, tuning: ConnectorTuning | None = None) -> dict:
     return {
         "ec_connector": "EPDConnector",
         "ec_connector_module_path": "ectransfer.connector",
         "ec_role": "ec_producer",
         "ec_connector_extra_config": {
+            **(tuning or ConnectorTuning()).extra(),
             "transfer_host": cfg.transfer_host,
             "advertise_host": cfg.advertise_host,
             "transfer_port": transfer_port,
@@ -111,8 +113,9 @@ def check(cfg: EncoderServiceConfig, security: SecurityConfig) -> None:
 
 
 async def serve(cfg: EncoderServiceConfig, engine_cfg: EngineConfig, stop: asyncio.Event | None = None,
-                security: SecurityConfig | None = None) -> None:
-    """``security``: TLS and token for the API port and the engine's Transfer server."""
+                security: SecurityConfig | None = None, tuning: ConnectorTuning | None = None) -> None:
+    """``security``: TLS and token for the API port and the engine's Transfer server;
+    ``tuning``: the connector's other knobs (``--connector-*``)."""
     stop = stop or asyncio.Event()
     security = security or SecurityConfig()
     check(cfg, security)
@@ -128,7 +131,7 @@ async def serve(cfg: EncoderServiceConfig, engine_cfg: EngineConfig, stop: async
         raise RuntimeError(f"cannot bind the Transfer port {cfg.transfer_host}:{cfg.transfer_port}: {e}") from None
     try:
         transfer_port = reserved.getsockname()[1]
-        engine = build_async_engine(engine_cfg, _ec_config(cfg, engine_cfg, transfer_port, security))
+        engine = build_async_engine(engine_cfg, _ec_config(cfg, engine_cfg, transfer_port, security, tuning))
     finally:
         reserved.close()  # the engine's Transfer server listens on the port now (or the engine failed)
     transfer_endpoint = f"{cfg.advertise_host or cfg.transfer_host}:{transfer_port}"

@@ -9,6 +9,7 @@ import logging
 import signal
 
 from ectransfer import factory
+from ectransfer.connector.config import ConnectorTuning
 from ectransfer.security import SecurityConfig
 from ectransfer.shm import cleanup_orphans
 from epd.lm.v1 import lm_pb2, lm_pb2_grpc
@@ -22,12 +23,14 @@ from services.lm.servicer import LMServicer
 logger = logging.getLogger(__name__)
 
 
-def _ec_config(cfg: LMServiceConfig, engine_cfg: EngineConfig, security: SecurityConfig) -> dict:
+def _ec_config(cfg: LMServiceConfig, engine_cfg: EngineConfig, security: SecurityConfig,
+               tuning: ConnectorTuning | None = None) -> dict:
     return {
         "ec_connector": "EPDConnector",
         "ec_connector_module_path": "ectransfer.connector",
         "ec_role": "ec_consumer",
         "ec_connector_extra_config": {
+            **(tuning or ConnectorTuning()).extra(),
             "staging_bytes": int(cfg.staging_mib * (1 << 20)),
             "transports": [t for t in cfg.transports.split(",") if t],
             "transfer_timeout_s": cfg.transfer_timeout_s,
@@ -46,8 +49,9 @@ def check(cfg: LMServiceConfig, security: SecurityConfig) -> EncoderAllowList:
 
 
 async def serve(cfg: LMServiceConfig, engine_cfg: EngineConfig, stop: asyncio.Event | None = None,
-                security: SecurityConfig | None = None) -> None:
-    """``security``: TLS and token for the API port, and what the LM presents to encoders' Transfer ports."""
+                security: SecurityConfig | None = None, tuning: ConnectorTuning | None = None) -> None:
+    """``security``: TLS and token for the API port, and what the LM presents to encoders' Transfer ports;
+    ``tuning``: the connector's other knobs (``--connector-*``)."""
     stop = stop or asyncio.Event()
     security = security or SecurityConfig()
     allowed = check(cfg, security)
@@ -60,7 +64,7 @@ async def serve(cfg: LMServiceConfig, engine_cfg: EngineConfig, stop: asyncio.Ev
     # No processor cache: a prompt laid out from an encoder's metadata carries its
     # items without data, which vLLM's engine-side processor cache would take for
     # a cache entry it lost (MultiModalCacheMissError).
-    engine = build_async_engine(engine_cfg, _ec_config(cfg, engine_cfg, security), ec_manager_config={
+    engine = build_async_engine(engine_cfg, _ec_config(cfg, engine_cfg, security, tuning), ec_manager_config={
         "encoder_cache_manager_cls": "ectransfer.connector.cache_manager.EPDEncoderCacheManager"},
         mm_processor_cache_gb=0, **cfg.engine_args())
     server = None

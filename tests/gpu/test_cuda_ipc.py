@@ -152,8 +152,8 @@ def test_connector_halves_with_cuda_ipc_save_serve_and_load_exactly():
     from tests.integration.connector_fakes import embedding, request, steps_until, vllm_config
 
     cfg = ConnectorConfig(outbound_pool_bytes=1 << 20, transports=["cuda_ipc", "grpc"], model_name="test-model")
-    ps, pw = ProducerScheduler(vllm_config("enc-1"), cfg), ProducerWorker(vllm_config("enc-1"), cfg)
-    sched = ConsumerScheduler(vllm_config("lm-1"), ConnectorConfig(transports=["cuda_ipc"], model_name="test-model"))
+    ps, pw = ProducerScheduler(vllm_config("enc-1"), cfg).start(), ProducerWorker(vllm_config("enc-1"), cfg).start()
+    sched = ConsumerScheduler(vllm_config("lm-1"), ConnectorConfig(transports=["cuda_ipc"], model_name="test-model")).start()
     worker = ConsumerWorker(vllm_config("lm-1"), sched.cfg)
     try:
         r = request("e1", [("c1", 16)])

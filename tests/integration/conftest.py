@@ -18,7 +18,7 @@ def consumer():
     def make(staging_bytes: int = 1 << 20, timeout_s: float = 10.0, **kw) -> ConsumerScheduler:
         cfg = ConnectorConfig(staging_bytes=staging_bytes, transfer_timeout_s=timeout_s, model_name="test-model",
                               **kw)
-        made.append(ConsumerScheduler(vllm_config("lm-1"), cfg))
+        made.append(ConsumerScheduler(vllm_config("lm-1"), cfg).start())
         return made[-1]
 
     yield make

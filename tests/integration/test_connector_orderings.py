@@ -171,8 +171,8 @@ def test_prealloc_producer_halves_reserve_save_and_serve(producer, consumer):
     """ProducerScheduler + ProducerWorker: reserve at schedule time, the worker
     writes the slot and reports over the datagram socket, Transfer serves it."""
     cfg = ConnectorConfig(outbound_pool_bytes=3 * NB, model_name="test-model")
-    ps = ProducerScheduler(vllm_config("enc-1"), cfg)
-    pw = ProducerWorker(vllm_config("enc-1"), cfg)
+    ps = ProducerScheduler(vllm_config("enc-1"), cfg).start()
+    pw = ProducerWorker(vllm_config("enc-1"), cfg).start()
     sched = consumer()
     try:
         endpoint = f"127.0.0.1:{ps.server.bound_port}"
@@ -204,7 +204,7 @@ def test_prealloc_fetches_reserve_vllm_cache_room_first_and_return_it_on_failure
     p = Producer(item_wait_s=0.5)
     manager = EPDEncoderCacheManager.create_manager(cache_size=20, vllm_config=fake_config("lm-prealloc"))
     cfg = ConnectorConfig(staging_bytes=1 << 20, transfer_timeout_s=10, model_name="test-model")
-    sched = ConsumerScheduler(fake_config("lm-prealloc"), cfg)
+    sched = ConsumerScheduler(fake_config("lm-prealloc"), cfg).start()
     try:
         r1 = request("r1", [("z1", 16)], p.endpoint)
         r2 = request("r2", [("z2", 16)], p.endpoint)
@@ -267,7 +267,7 @@ def test_in_place_an_encoder_that_goes_away_before_the_load_fails_the_request_an
     from tests.integration.connector_fakes import vllm_config as fake_config
 
     p = Producer(pool_bytes=1 << 20)
-    sched = ConsumerScheduler(fake_config("lm-1"), ConnectorConfig(model_name="test-model"))
+    sched = ConsumerScheduler(fake_config("lm-1"), ConnectorConfig(model_name="test-model")).start()
     try:
         p.store.put("i4", embedding(16, 24), claims=(claim_of("r1"),))
         req = request("r1", [("i4", 16)], p.endpoint)

@@ -20,8 +20,8 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture
 def halves():
-    ps = ProducerScheduler(vllm_config("enc-1"), ConnectorConfig(outbound_pool_bytes=1 << 20, model_name="m"))
-    pw = ProducerWorker(vllm_config("enc-1"), ConnectorConfig(model_name="m"))
+    ps = ProducerScheduler(vllm_config("enc-1"), ConnectorConfig(outbound_pool_bytes=1 << 20, model_name="m")).start()
+    pw = ProducerWorker(vllm_config("enc-1"), ConnectorConfig(model_name="m")).start()
     yield ps, pw
     pw.shutdown()
     ps.shutdown()

@@ -18,7 +18,7 @@ from ectransfer.loopback import Consumer, Producer
 from ectransfer.protocol import TransferState
 from ectransfer.shm import ShmSegment
 from epd.common.v1 import common_pb2
-from tests.integration.connector_fakes import embedding, request, schedule, steps_until
+from tests.integration.connector_fakes import claim_of, embedding, request, schedule, steps_until
 from tests.integration.rogue_producer import RogueProducer, fifo_at, release_fifo, secret_segment
 
 pytestmark = pytest.mark.integration
@@ -55,7 +55,7 @@ def test_a_header_unlike_the_items_metadata_fails_its_request_and_never_reaches_
     rogue = RogueProducer(header=lie)
     try:
         sched = consumer(read_in_place=in_place)
-        rogue.store.put("a", embedding(16, 1))
+        rogue.store.put("a", embedding(16, 1), claims=(claim_of("r1"),))
         req = request("r1", [("a", 16)], rogue.endpoint)
         assert fails(sched, req)
         assert not sched.has_cache_item("a")
@@ -77,7 +77,7 @@ def test_an_in_place_item_in_another_segment_is_refused_before_anything_reads_it
     rogue = RogueProducer(header=elsewhere)
     try:
         sched = consumer()
-        rogue.store.put("b", embedding(16, 2))
+        rogue.store.put("b", embedding(16, 2), claims=(claim_of("r1"),))
         req = request("r1", [("b", 16)], rogue.endpoint)
         assert fails(sched, req)
         assert schedule(sched, req).loads == []
@@ -96,7 +96,7 @@ def test_an_in_place_offset_outside_the_segment_is_refused(consumer, offset):
     rogue = RogueProducer(header=out_of_range, pool_bytes=1 << 20)
     try:
         sched = consumer()
-        rogue.store.put("c", embedding(16, 3))
+        rogue.store.put("c", embedding(16, 3), claims=(claim_of("r1"),))
         req = request("r1", [("c", 16)], rogue.endpoint)
         assert fails(sched, req)
         assert schedule(sched, req).loads == []
@@ -166,9 +166,9 @@ def test_the_same_image_twice_in_one_request_is_fetched_once_and_frees_all_stagi
     try:
         sched = consumer()
         t = embedding(16, 5)
-        producer.store.put("same", t)
+        producer.store.put("same", t, claims=(claim_of("r1"),))
         req = request("r1", [("same", 16), ("other", 16), ("same", 16)], producer.endpoint)
-        producer.store.put("other", embedding(16, 6))
+        producer.store.put("other", embedding(16, 6), claims=(claim_of("r1"),))
         assert steps_until(lambda: sched.ensure_cache_available(req, 0))
         meta = schedule(sched, req)
         assert sorted(s.identifier for s in meta.loads) == ["other", "same"]  # one load per identifier

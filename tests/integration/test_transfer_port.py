@@ -25,7 +25,7 @@ def test_the_producer_serves_on_the_port_the_service_reserved_and_nobody_else_ca
         with socket.socket() as other, pytest.raises(OSError):
             other.bind(("127.0.0.1", port))  # held while the engine starts
         ps = ProducerScheduler(vllm_config("enc-1"), ConnectorConfig(transfer_port=port, model_name="test-model",
-                                                                    outbound_pool_bytes=1 << 20))
+                                                                    outbound_pool_bytes=1 << 20)).start()
         assert ps.server.bound_port == port
         reserved.close()  # as the service does once the engine is up
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
