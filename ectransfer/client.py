@@ -24,7 +24,7 @@ import asyncio
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 import torch
@@ -71,13 +71,6 @@ class Fetch:
     caller's ``TransferClient.ack``; ``dest`` is not written."""
     source: common_pb2.TensorDescriptor | None = None
     """Set when the item landed in place: the producer's segment/handle and offset."""
-    loading: bool = False
-    """Set by the caller, under ``lock``, once it takes a landed item (queues a
-    load from ``source``, or drops it): the client then leaves it alone."""
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-    stream_lost: str | None = None
-    """Landed in place, not taken yet, and its stream closed (the producer no
-    longer holds it for us): the caller fails it (on its own thread)."""
     claim: str = ""
     """The claim named in Reserve, Ack and Cancel (the encoder's ItemMetadata.claim)."""
     copy: int = 0
@@ -239,14 +232,15 @@ class _Peer:
         KV space, or for an item of another encoder): copy it into its staging
         destination and ack, so the producer's pool does not stay pinned by a
         queue (two encoders' pools could otherwise hold each other up)."""
-        with fetch.lock:
-            if fetch.loading or fetch.source is None:
+        transfer = fetch.transfer
+        with transfer.hold():  # the scheduler takes it (LOADING) before or after, never during
+            if transfer.state is not TransferState.LANDED or fetch.source is None:
                 return
-            self.located.pop(fetch.transfer.identifier, None)
+            self.located.pop(transfer.identifier, None)
             try:
                 self.transport.receiver(fetch.source, fetch.dest)
             except ProtocolError as e:
-                fetch.stream_lost = f"encoder at {self.endpoint}: {e}"
+                transfer.try_advance(TransferState.LOST, f"encoder at {self.endpoint}: {e}")
                 return
             fetch.source = None
         self.send(ack_msg(fetch))
@@ -500,9 +494,7 @@ class TransferClient:
         # (it keeps a released copy a lease longer, but may reuse a live one's
         # slot once another consumer acks), so the caller fails it.
         for fetch in list(peer.located.values()):
-            with fetch.lock:
-                if not fetch.loading:
-                    fetch.stream_lost = error  # the caller fails it on its thread
+            fetch.transfer.try_advance(TransferState.LOST, error)  # not once taken (LOADING); the caller fails it
         peer.located.clear()
         # This thread's shm mappings of the producer go now; readers elsewhere
         # (vLLM's worker, and CUDA mappings, shared process-wide) unmap after

@@ -53,7 +53,9 @@ TRANSFER_GRPC_OPTIONS = [
 class TransferState(enum.Enum):
     RESERVED = "reserved"    # consumer holds inbound space, Reserve sent
     RECEIVING = "receiving"  # header arrived, bytes are landing
-    LANDED = "landed"        # every byte is on the consumer; not yet in vLLM's cache
+    LANDED = "landed"        # readable: in our staging (acked), or in place in the producer's memory (held for us)
+    LOST = "lost"            # landed in place, then its stream closed before vLLM took it (the scheduler fails it)
+    LOADING = "loading"      # vLLM took it: the worker loads it this step (the client leaves it alone)
     DONE = "done"            # injected into vLLM's encoder cache and acked
     FAILED = "failed"        # error from the producer, a broken stream or a timeout
     CANCELLED = "cancelled"  # not needed any more (prefix cache, abort)
@@ -68,7 +70,12 @@ _ALLOWED: dict[TransferState, frozenset[TransferState]] = {
         {TransferState.RECEIVING, TransferState.LANDED, TransferState.FAILED, TransferState.CANCELLED}
     ),
     TransferState.RECEIVING: frozenset({TransferState.LANDED, TransferState.FAILED, TransferState.CANCELLED}),
-    TransferState.LANDED: frozenset({TransferState.DONE, TransferState.FAILED, TransferState.CANCELLED}),
+    TransferState.LANDED: frozenset(
+        {TransferState.LOADING, TransferState.LOST, TransferState.FAILED, TransferState.CANCELLED}
+    ),
+    # Taken anyway if vLLM was told it is cached before the loss (the producer keeps the memory a lease).
+    TransferState.LOST: frozenset({TransferState.LOADING, TransferState.FAILED, TransferState.CANCELLED}),
+    TransferState.LOADING: frozenset({TransferState.DONE}),
     TransferState.DONE: frozenset(),
     TransferState.FAILED: frozenset(),
     TransferState.CANCELLED: frozenset(),
@@ -117,6 +124,11 @@ class ItemTransfer:
             self.on_change()
         return True
 
+    def hold(self) -> threading.Condition:
+        """The lock every transition takes (re-entrant): ``with transfer.hold():`` makes a
+        check and the work that depends on it atomic with respect to the other thread."""
+        return self._changed
+
     def wait_for(self, states: set[TransferState], timeout: float | None = None) -> bool:
         """Blocks until the state is one of ``states`` (tests and benchmarks;
         vLLM's scheduler polls ``state`` instead)."""
@@ -124,9 +136,9 @@ class ItemTransfer:
             return self._changed.wait_for(lambda: self.state in states, timeout)
 
     def fail(self, error: str) -> None:
-        """Moves to FAILED unless already terminal (idempotent on teardown)."""
+        """Moves to FAILED unless terminal or being loaded (idempotent on teardown)."""
         if not self.state.terminal:
-            self.advance(TransferState.FAILED, error)
+            self.try_advance(TransferState.FAILED, error)
 
 
 def make_compat(*, vllm_version: str, model: str, dtype: str, embed_width: int) -> common_pb2.CompatInfo:

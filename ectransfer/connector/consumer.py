@@ -60,7 +60,6 @@ class _Inbound:
     slot: Slot | None  # inbound staging; None once the item landed in place (no staging needed)
     fetch: Fetch
     requests: set[str] = field(default_factory=set)
-    queued: bool = False
     owner: str = ""  # the request whose claim this fetch reads under
     claim: str = ""  # that request's claim (ItemSource.claim)
     others: list[tuple[str, str]] = field(default_factory=list)
@@ -78,6 +77,7 @@ class _RequestStats:
 
 
 _IN_FLIGHT = (TransferState.RESERVED, TransferState.RECEIVING)
+_READY = (TransferState.LANDED, TransferState.LOADING)  # vLLM may be told it is cached
 
 
 class ConsumerScheduler:
@@ -162,14 +162,14 @@ class ConsumerScheduler:
                 # item is done.
                 self._share(item, rid, src)
             item.requests.add(rid)
-            lost = item.fetch.stream_lost
-            if lost and not item.queued:  # landed in place, then its stream closed: fail it here
-                item.transfer.try_advance(TransferState.FAILED, lost)
+            # Landed in place, then its stream closed: failed here, on the scheduler's thread.
+            if item.transfer.state is TransferState.LOST:
+                item.transfer.try_advance(TransferState.FAILED)
             state = item.transfer.state
             if state is TransferState.FAILED:
                 self._fail(item)
                 return False
-            if state is not TransferState.LANDED:
+            if state not in _READY:
                 ready = False
         if ready and not stats.transfer_ms:
             stats.transfer_ms = (time.monotonic() - stats.wait_started) * 1e3
@@ -261,18 +261,18 @@ class ConsumerScheduler:
 
     def has_cache_item(self, identifier: str) -> bool:
         item = self._items.get(identifier)
-        return item is not None and item.transfer.state is TransferState.LANDED
+        return item is not None and item.transfer.state in _READY
 
     def update_state_after_alloc(self, request, index: int) -> None:
         item = self._items.get(request.mm_features[index].identifier)
-        if item is None or item.queued or item.transfer.state is not TransferState.LANDED:
+        if item is None:
             return
         fetch = item.fetch
-        item.queued = True
-        dtype = tensors.dtype_name(fetch.dtype)
-        with fetch.lock:  # from now on the client neither demotes nor fails it
-            fetch.loading = True
+        with item.transfer.hold():  # atomic with the client's demote: from LOADING on it leaves it alone
+            if not item.transfer.try_advance(TransferState.LOADING):  # queued already, or not landed
+                return
             src = fetch.source
+        dtype = tensors.dtype_name(fetch.dtype)
         if src is None:  # bytes in our staging
             spec = LoadSpec(item.transfer.identifier, fetch.shape, dtype, self.staging.name, item.slot.offset,
                             item.slot.nbytes)
@@ -336,7 +336,7 @@ class ConsumerScheduler:
 
     def stats_snapshot(self) -> dict[str, Any]:
         pool = self.staging.stats()
-        pending = [i for i in self._items.values() if i.transfer.state is not TransferState.LANDED]
+        pending = [i for i in self._items.values() if i.transfer.state not in _READY]
         return {
             "role": "consumer",
             "pool_capacity_bytes": pool["capacity_bytes"],
@@ -356,15 +356,15 @@ class ConsumerScheduler:
         rid = request.request_id
         for item in list(self._items.values()):
             item.requests.discard(rid)
-            if not item.requests and not item.queued:
-                with item.fetch.lock:  # taken: the client neither demotes nor fails it now
-                    item.fetch.loading = True
-                state = item.transfer.state
-                # Landed in staging: acked already. Landed in place: the encoder
+            if not item.requests and item.transfer.state is not TransferState.LOADING:
+                with item.transfer.hold():  # atomic with the client's demote
+                    state = item.transfer.state
+                    in_place = item.fetch.source is not None
+                    item.transfer.try_advance(TransferState.CANCELLED)  # terminal: the client leaves it alone
+                # Landed in staging: acked already. Landed in place (or lost): the encoder
                 # still holds it for us, so it is cancelled like one in flight.
-                if not state.terminal and (state is not TransferState.LANDED or item.fetch.source is not None):
+                if not state.terminal and (state is not TransferState.LANDED or in_place):
                     self.client.cancel(item.endpoint, item.transfer.identifier, item.claim, item.fetch.copy)
-                    item.transfer.try_advance(TransferState.CANCELLED)
                 self._drop(item)
         self._skipped.pop(rid, None)
         error = self._errors.pop(rid, "")

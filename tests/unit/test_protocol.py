@@ -23,7 +23,9 @@ S = TransferState
 LEGAL = {
     (S.RESERVED, S.RECEIVING), (S.RESERVED, S.LANDED), (S.RESERVED, S.FAILED), (S.RESERVED, S.CANCELLED),
     (S.RECEIVING, S.LANDED), (S.RECEIVING, S.FAILED), (S.RECEIVING, S.CANCELLED),
-    (S.LANDED, S.DONE), (S.LANDED, S.FAILED), (S.LANDED, S.CANCELLED),
+    (S.LANDED, S.LOADING), (S.LANDED, S.LOST), (S.LANDED, S.FAILED), (S.LANDED, S.CANCELLED),
+    (S.LOST, S.LOADING), (S.LOST, S.FAILED), (S.LOST, S.CANCELLED),
+    (S.LOADING, S.DONE),
 }  # fmt: skip
 ALL_PAIRS = list(itertools.product(S, repeat=2))
 
@@ -58,7 +60,7 @@ def test_terminal_states():
 def test_a_full_happy_path_and_error_recording():
     item = ItemTransfer("id", 10)
     assert item.state is S.RESERVED
-    for s in (S.RECEIVING, S.LANDED, S.DONE):
+    for s in (S.RECEIVING, S.LANDED, S.LOADING, S.DONE):
         item.advance(s)
     assert item.state is S.DONE
     other = ItemTransfer("id2", 10)
@@ -67,15 +69,15 @@ def test_a_full_happy_path_and_error_recording():
     assert other.error == "note"
 
 
-@pytest.mark.parametrize("src", [s for s in S if not s.terminal], ids=lambda s: s.value)
+@pytest.mark.parametrize("src", [s for s in S if not s.terminal and s is not S.LOADING], ids=lambda s: s.value)
 def test_fail_from_a_live_state_moves_to_failed(src):
     item = ItemTransfer("id", 10, state=src)
     item.fail("stream broke")
     assert item.state is S.FAILED and item.error == "stream broke"
 
 
-@pytest.mark.parametrize("src", [s for s in S if s.terminal], ids=lambda s: s.value)
-def test_fail_is_a_no_op_on_terminal_states(src):
+@pytest.mark.parametrize("src", [s for s in S if s.terminal or s is S.LOADING], ids=lambda s: s.value)
+def test_fail_is_a_no_op_on_terminal_states_and_while_loading(src):
     item = ItemTransfer("id", 10, state=src, error="first")
     item.fail("second")
     item.fail("third")
@@ -178,3 +180,25 @@ def test_a_different_tokenizer_config_is_incompatible(tmp_path):
     a = _weights_dir(tmp_path, "a")
     b = _weights_dir(tmp_path, "b", tokenizer='{"added": "<x>"}')
     assert compat(model=a).hash != compat(model=b).hash
+
+
+def test_hold_makes_a_check_and_the_work_on_it_atomic():
+    """The client's demote (check LANDED in place, copy to staging) and the scheduler's move to
+    LOADING exclude each other: a transition waits while another thread holds the item."""
+    import threading
+
+    item = ItemTransfer("id", 10, state=S.LANDED)
+    taken = threading.Event()
+
+    def scheduler() -> None:
+        item.try_advance(S.LOADING)
+        taken.set()
+
+    with item.hold():
+        t = threading.Thread(target=scheduler)
+        t.start()
+        assert not taken.wait(0.2)  # blocked while the demote runs
+        assert item.state is S.LANDED
+    t.join(5)
+    assert taken.is_set() and item.state is S.LOADING
+    assert not item.try_advance(S.LOST)  # once taken, the client cannot mark it lost
