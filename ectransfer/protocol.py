@@ -5,10 +5,10 @@ One ``Transfer`` stream per (consumer, producer) pair carries many items::
     consumer                           producer
     Hello(compat, transports)   --->
                                 <---   HelloReply(compat, transport)   | FAILED_PRECONDITION
-    Reserve(id, max_nbytes)     --->   (waits until the item is encoded)
-                                <---   ItemHeader(id, descriptor)      | ItemError(id)
+    Reserve(id, claim, max_nbytes) --->  (waits until a copy is held; the claim joins it)
+                                <---   ItemHeader(id, descriptor, copy) | ItemError(id)
                                 <---   Chunk(id, offset, bytes) ...    (GRPC_CHUNKS only)
-    Ack(id) | Cancel(id)        --->   producer frees the outbound slot
+    Ack(id, claim, copy) | Cancel(id, claim) ---> the claim is settled (``ectransfer.outbound``)
 
 States are polled, never raised across vLLM's engine step (SGLang's KVPoll
 idea): the consumer connector asks ``state`` each scheduler step.
