@@ -101,6 +101,19 @@ def engine_kwargs(cfg: EngineConfig, ec_transfer_config: dict[str, Any] | None =
     return kw
 
 
+def placeholder_metadata_fields(cfg: EngineConfig, modality: str = "image") -> set[str]:
+    """The processed fields this model's data parser declares as placeholder metadata for
+    ``modality`` (vLLM's ``embedding_fields``; Qwen-VL: ``image_grid_thw``), read from the
+    model's config and processor before any engine starts; empty for models that declare none."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.multimodal import MULTIMODAL_REGISTRY
+
+    model_config = AsyncEngineArgs(**engine_kwargs(cfg)).create_model_config()
+    if not model_config.is_multimodal_model:
+        return set()
+    return MULTIMODAL_REGISTRY.create_processor(model_config).info.data_parser.placeholder_metadata_fields(modality)
+
+
 def build_async_engine(cfg: EngineConfig, ec_transfer_config: dict[str, Any] | None = None,
                        ec_manager_config: dict[str, Any] | None = None, **fixed: Any):
     """``fixed``: engine arguments the service needs, over ``cfg.vllm_args``."""

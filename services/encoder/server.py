@@ -19,7 +19,13 @@ from ectransfer.connector.config import ConnectorTuning
 from ectransfer.security import SecurityConfig
 from ectransfer.shm import cleanup_orphans
 from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
-from services.common.engine import EngineConfig, build_async_engine, configure_process_env, serve_until_stopped
+from services.common.engine import (
+    EngineConfig,
+    build_async_engine,
+    configure_process_env,
+    placeholder_metadata_fields,
+    serve_until_stopped,
+)
 from services.common.grpc_server import GrpcServer
 from services.common.media import ImageDecoder
 from services.encoder.config import EncoderServiceConfig
@@ -131,7 +137,12 @@ async def serve(cfg: EncoderServiceConfig, engine_cfg: EngineConfig, stop: async
         raise RuntimeError(f"cannot bind the Transfer port {cfg.transfer_host}:{cfg.transfer_port}: {e}") from None
     try:
         transfer_port = reserved.getsockname()[1]
-        engine = build_async_engine(engine_cfg, _ec_config(cfg, engine_cfg, transfer_port, security, tuning))
+        # A family whose items the LM needs processed metadata for (Qwen-VL's grid) must see every
+        # item's processed data in Encode: vLLM's processor cache hands back none for items it
+        # cached, so it is off for those families (the vision run is still shared).
+        fixed = {"mm_processor_cache_gb": 0} if placeholder_metadata_fields(engine_cfg) else {}
+        engine = build_async_engine(engine_cfg, _ec_config(cfg, engine_cfg, transfer_port, security, tuning),
+                                    **fixed)
     finally:
         reserved.close()  # the engine's Transfer server listens on the port now (or the engine failed)
     transfer_endpoint = f"{cfg.advertise_host or cfg.transfer_host}:{transfer_port}"

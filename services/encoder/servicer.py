@@ -48,6 +48,27 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         self._originals: dict[int, list[int]] = {}  # the encode prompt for n items, tokenized
         self.send_layouts = layouts
         self._warned = False
+        self._resolver = None  # vLLM's PlaceholderMetadataResolver, made on first use
+
+    def _metadata_kwargs(self, feat) -> str:
+        """The item's processed inputs the LM needs without the media (the fields this
+        family's data parser declares as placeholder metadata, and keep_on_cpu ones, e.g.
+        Qwen-VL's image_grid_thw), serialized as vLLM's scale-out front end does; "" for
+        families that declare none (Idefics3, LLaVA, Gemma 3)."""
+        from vllm.distributed.ec_transfer.ec_connector.utils import PlaceholderMetadataResolver
+        from vllm.entrypoints.scale_out.token_in_token_out.mm_serde import encode_mm_kwargs_item
+        from vllm.multimodal.inputs import MultiModalKwargsItem
+
+        if self._resolver is None:
+            self._resolver = PlaceholderMetadataResolver(self.engine.model_config)
+        declared = self._resolver.fields_for(feat.modality)
+        if not declared:
+            return ""
+        if feat.data is None:  # the service turns vLLM's processor cache off for these families
+            raise EPDError(f"item {feat.identifier[:16]}...: the processor returned no data for it, so its "
+                           f"metadata ({sorted(declared)}) cannot be sent; is mm_processor_cache_gb 0?")
+        kept = MultiModalKwargsItem({k: e for k, e in feat.data.items() if e.field.keep_on_cpu or k in declared})
+        return encode_mm_kwargs_item(kept) if kept else ""
 
     async def GetInfo(self, request, context):
         return self.info
@@ -127,6 +148,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
                     num_embeds=feat.mm_position.get_num_embeds(), embed_width=self.embed_width,
                     dtype=self.dtype, transfer_endpoint=self.info.transfer_endpoint,
                     encoder_id=self.info.encoder_id, claim=claim)
+                md.mm_kwargs = self._metadata_kwargs(feat)
                 if layouts is not None:
                     lay = layouts[index]
                     md.placeholder_token_ids.extend(lay.placeholder)

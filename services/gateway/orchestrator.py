@@ -418,7 +418,8 @@ class Orchestrator:
                             transfer_endpoint=md.transfer_endpoint, encoder_id=md.encoder_id,
                             num_embeds=md.num_embeds, embed_width=md.embed_width, dtype=md.dtype,
                             placeholder_token_ids=md.placeholder_token_ids,
-                            prompt_token_ids=md.prompt_token_ids, is_embed=md.is_embed, claim=md.claim))
+                            prompt_token_ids=md.prompt_token_ids, is_embed=md.is_embed, claim=md.claim,
+                            mm_kwargs=md.mm_kwargs))
                         seen += 1
                         if seen == len(items):
                             g.metadata.set_result(None)

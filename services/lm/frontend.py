@@ -54,6 +54,9 @@ class RequestContext:
 
     layouts: dict[str, ItemLayout] = field(default_factory=dict)
     sources: dict[str, ItemSource] = field(default_factory=dict)
+    mm_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Per item identifier, the metadata-only processed inputs (vLLM ``MultiModalKwargsItem``)
+    the encoder sent for families that need them without the media (Qwen-VL's grid for M-RoPE)."""
     start: float = field(default_factory=time.perf_counter)
     first_token_at: float = 0.0
     last_token_at: float = 0.0
@@ -87,8 +90,9 @@ class LaidOutRenderer:
     layout (``services.common.layout.splice``) instead of running the processor.
     Every other attribute is the wrapped renderer's."""
 
-    def __init__(self, inner) -> None:
+    def __init__(self, inner, metadata_fields: set[str] = frozenset()) -> None:
         self._inner = inner
+        self._metadata_fields = metadata_fields  # what each image item must bring (Qwen-VL: its grid)
 
     def __getattr__(self, name: str):
         return getattr(self._inner, name)
@@ -106,7 +110,7 @@ class LaidOutRenderer:
         for messages in conversations:
             conv, prompt = await self._inner.render_messages_async(messages, chat_params)
             (tok,) = await self._inner.tokenize_prompts_async([prompt], tok_params)
-            engine_input = _lay_out(tok, ctx)
+            engine_input = _lay_out(tok, ctx, self._metadata_fields)
             if (salt := (prompt_extras or {}).get("cache_salt")) is not None:
                 engine_input["cache_salt"] = salt
             engine_input["arrival_time"] = arrival
@@ -116,7 +120,7 @@ class LaidOutRenderer:
         return convs, inputs
 
 
-def _lay_out(tok_prompt: dict, ctx: RequestContext) -> dict:
+def _lay_out(tok_prompt: dict, ctx: RequestContext, metadata_fields: set[str] = frozenset()) -> dict:
     """vLLM's tokenized chat prompt (placeholders not expanded; uuid-only images) as an
     engine input whose images are laid out from the encoders' metadata."""
     import torch
@@ -145,8 +149,15 @@ def _lay_out(tok_prompt: dict, ctx: RequestContext) -> dict:
                                is_embed=torch.frombuffer(bytearray(lay.is_embed), dtype=torch.uint8).bool()
                                if lay.is_embed else None)
               for (off, length), lay in zip(positions, layouts)]
-    return mm_input(ids, {"image": [None] * len(layouts)}, {"image": idents}, {"image": ranges},
-                    prompt=tok_prompt.get("prompt"))
+    # Families that declare placeholder metadata (Qwen-VL: the grid M-RoPE positions come from)
+    # get their metadata-only item; the embeddings themselves arrive through the connector.
+    items = [ctx.mm_kwargs.get(ident) for ident in idents]
+    for ident, item in zip(idents, items):
+        missing = set(metadata_fields) - set(item or ())
+        if missing:  # the engine would fail the whole batch on it: refused here instead
+            raise BadInput(f"image {str(ident)[:16]!r}... came without {sorted(missing)} from its encoder "
+                           "(an encoder older than this LM?)")
+    return mm_input(ids, {"image": items}, {"image": idents}, {"image": ranges}, prompt=tok_prompt.get("prompt"))
 
 
 class ConsumerEngine:
@@ -157,7 +168,10 @@ class ConsumerEngine:
 
     def __init__(self, engine) -> None:
         self._engine = engine
-        self.renderer = LaidOutRenderer(engine.renderer)
+        from vllm.distributed.ec_transfer.ec_connector.utils import PlaceholderMetadataResolver
+
+        self.renderer = LaidOutRenderer(engine.renderer,
+                                        PlaceholderMetadataResolver(engine.model_config).fields_for("image"))
 
     def __getattr__(self, name: str):
         return getattr(self._engine, name)

@@ -138,6 +138,13 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
                     src.claim)
             except ValueError as e:
                 raise BadInput(f"item {item.identifier}: {e}") from None
+            if src.mm_kwargs:
+                from vllm.entrypoints.scale_out.token_in_token_out.mm_serde import decode_mm_kwargs_item
+
+                try:
+                    ctx.mm_kwargs[item.identifier] = decode_mm_kwargs_item(src.mm_kwargs)
+                except Exception as e:  # noqa: BLE001 - whatever the decoder refuses is bad input
+                    raise BadInput(f"item {item.identifier}: unreadable mm_kwargs: {e}") from None
             if src.placeholder_token_ids:
                 lay = ItemLayout(tuple(src.placeholder_token_ids), tuple(src.prompt_token_ids), src.is_embed)
                 if (lay.is_embed and len(lay.is_embed) != len(lay.tokens)) or lay.num_embeds != src.num_embeds:

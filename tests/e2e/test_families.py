@@ -29,10 +29,11 @@ REQUESTS = {
     "one": _chat([11], "What is in this picture?"),
     "two": _chat([12, 13], "Compare the two pictures."),
     "twice": _chat([14, 14], "Are these the same?"),
+    "again": _chat([11], "Describe it again."),  # an image the encoder processed before (its caches hit)
 }
 
 
-LAID_OUT_BY = {"llava": "encoder", "gemma3": "processor"}
+LAID_OUT_BY = {"llava": "encoder", "gemma3": "processor", "qwen2_5_vl": "encoder"}
 
 
 @pytest.fixture(scope="module", params=list(LAID_OUT_BY))
@@ -64,6 +65,9 @@ def test_family_matches_plain_vllm_with_every_image_encoded_remotely(family, nam
     assert resp.model_extra["epd"]["placement"] == "encoder"
     assert metric(dep.lm_metrics, "epd_lm_local_encoder_runs_total") == lm_runs  # nothing encoded on the LM
     by, other = LAID_OUT_BY[fam], {"encoder": "processor", "processor": "encoder"}[LAID_OUT_BY[fam]]
+    # The processor path counts prompts whose embeddings were all transferred; an image seen before
+    # may still sit in the LM's own encoder cache (nothing transferred, nothing counted).
+    step = 0 if (by, name) == ("processor", "again") else 1
     assert settled(lambda: metric(dep.lm_metrics, "epd_lm_prompt_layouts_total", by=by),
-                   layouts[by] + 1) == layouts[by] + 1
+                   layouts[by] + step) == layouts[by] + step
     assert metric(dep.lm_metrics, "epd_lm_prompt_layouts_total", by=other) == layouts[other]
