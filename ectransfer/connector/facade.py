@@ -42,7 +42,8 @@ class EPDConnector(ECConnectorBase):
 
     def start_save_caches(self, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
-        if isinstance(self._worker, ProducerWorkerHalf) and isinstance(meta, EPDConnectorMetadata) and meta.saves:
+        if isinstance(self._worker, ProducerWorkerHalf) and isinstance(meta, EPDConnectorMetadata) and (
+                meta.saves or meta.drops):
             self._worker.begin_step(kwargs["encoder_cache"], meta)
 
     def save_caches(self, encoder_cache, mm_hash: str, **kwargs: Any) -> None:

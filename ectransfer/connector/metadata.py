@@ -72,6 +72,9 @@ class EPDConnectorMetadata(ECConnectorMetadata):
     """Consumer: items to inject this step."""
     saves: list[SaveSpec] = field(default_factory=list)
     """Producer: slots reserved this step, one per item to save."""
+    drops: list[str] = field(default_factory=list)
+    """Producer: items whose slot was handed over earlier but whose every request ended
+    before it was encoded (aborted): the worker forgets the slot and reports it dropped."""
     notify: str = ""
     """Producer: unix datagram address the worker reports saves to."""
     notify_key: bytes = b""

@@ -28,8 +28,12 @@ is freed at once (on arrival if it is still being written), not a lease later.
 vLLM's own abort is the channel from the service.
 
 A reservation (state RESERVED) is freed by the store once adopted (acks,
-cancels, lease), by the worker's failure report, or here when every request
-it was made for ends before dispatch.
+cancels, lease), by the worker's failure report, here when every request it
+was made for ends before dispatch, or, when they were aborted after it was
+handed to the worker but before it was written (vLLM hands every new slot over
+at the next step, the item may be encoded steps later), on the worker's drop
+report: the next step's metadata lists it in ``drops``, the worker forgets the
+slot and reports (a save that won the race reports first and is adopted).
 
 Worker reports travel over an abstract-namespace unix datagram socket, which
 any process on the host can send to (abstract sockets have no file
@@ -136,6 +140,7 @@ class ProducerScheduler:
         self._encoder_runs: dict[str, int] = defaultdict(int)
         self._lock = threading.Lock()  # _reserved/_unavailable: scheduler thread + report thread
         self._aborted = 0  # encode requests that ended aborted or failed (their claims dropped)
+        self._drops: list[str] = []  # dispatched reservations of aborted requests, for the next step
         self._refused_reports = 0
         # Abstract-namespace socket: no file to clean up, gone with the process;
         # a report must carry this key (see the module docstring).
@@ -201,6 +206,7 @@ class ProducerScheduler:
             self._encoder_runs[req_id] += len(inputs)
         meta = EPDConnectorMetadata(notify=self.notify_addr, notify_key=self.report_key)
         with self._lock:
+            meta.drops, self._drops = self._drops, []
             for ident, res in self._reserved.items():
                 if not res.dispatched:
                     res.dispatched = True
@@ -223,11 +229,20 @@ class ProducerScheduler:
         report = json.loads(data[REPORT_KEY_NBYTES:])
         ident = report["id"]
         with self._lock:
-            res = self._reserved.pop(ident, None)
+            res = self._reserved.get(ident)
+            if res is not None and report.get("dropped") and res.requests:
+                # A request for the item came after the drop was sent: hand the slot over again.
+                res.dispatched = False
+                return
+            self._reserved.pop(ident, None)
             if res is not None and report.get("error"):
                 self._unavailable |= res.requests
             claims = set(res.claims) if res is not None else set()
         if res is None:
+            return
+        if report.get("dropped"):  # handed to the worker, never encoded: every request for it was aborted
+            move(res, CopyState.FREED)
+            self.pool.free(res.slot)
             return
         if report.get("error"):
             self._failed += 1
@@ -282,10 +297,16 @@ class ProducerScheduler:
                 res.requests.discard(rid)
                 if aborted:
                     res.claims.discard(claim)  # on its report the store frees it unless someone claims it
-                if not res.requests and not res.dispatched:  # a dispatched one is reported by the worker
+                if res.requests:
+                    continue
+                if not res.dispatched:
                     del self._reserved[ident]
                     move(res, CopyState.FREED)
                     self.pool.free(res.slot)
+                elif aborted and ident not in self._drops:
+                    # Handed to the worker, maybe never encoded now: the worker drops it (or has
+                    # saved it: that report comes first) and reports; the slot is freed then.
+                    self._drops.append(ident)
             held = [i for i in idents if i not in self._reserved]
         if aborted:
             freed = [i for i in held if self.store.drop_claim(i, claim)]
@@ -338,6 +359,9 @@ class ProducerWorker:
     def begin_step(self, encoder_cache, meta: EPDConnectorMetadata) -> None:
         """Takes this step's new slots; publishes items vLLM already holds."""
         self._notify, self._notify_key = meta.notify, meta.notify_key
+        for ident in meta.drops:  # never encoded: forget the slot (unless already saved and reported)
+            if self._specs.pop(ident, None) is not None:
+                self._report({"id": ident, "dropped": True})
         for spec in meta.saves:
             self._specs[spec.identifier] = spec
             if spec.identifier in encoder_cache:  # cached from an earlier request: no re-encode
@@ -367,13 +391,17 @@ class ProducerWorker:
             report = {"id": mm_hash}
         except Exception as e:  # noqa: BLE001 - reported to the scheduler, never raised into vLLM
             report = {"id": mm_hash, "error": str(e)}
-        if self.writes:
-            if self._sock is None:
-                raise RuntimeError("ProducerWorker.start() was not called")
-            try:
-                self._sock.sendto(self._notify_key + json.dumps(report).encode(), self._notify)
-            except OSError as e:  # the scheduler half is gone: the engine is shutting down
-                logger.warning("cannot report encoder output %s: %s", mm_hash, e)
+        self._report(report)
+
+    def _report(self, report: dict) -> None:
+        if not self.writes:
+            return
+        if self._sock is None:
+            raise RuntimeError("ProducerWorker.start() was not called")
+        try:
+            self._sock.sendto(self._notify_key + json.dumps(report).encode(), self._notify)
+        except OSError as e:  # the scheduler half is gone: the engine is shutting down
+            logger.warning("cannot report encoder output %s: %s", report.get("id"), e)
 
     def build_worker_meta(self) -> None:
         return None  # reports go over the datagram socket (see the module docstring)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -118,3 +119,47 @@ def test_the_report_socket_drops_datagrams_without_the_engines_key(halves):
     assert steps_until(lambda: ps.store.contains("a"))
     assert ps.stats_snapshot()["failed"] == 0  # the forged failure was never read
     assert ps._refused_reports == 2
+
+
+def test_a_slot_handed_to_the_worker_for_an_aborted_request_that_never_encoded_it_is_freed(halves):
+    """vLLM hands every new reservation to the worker at the next step, before the item is encoded
+    (its encoder input may be scheduled steps later). If the request is aborted first, the worker
+    never saves it: the scheduler tells the worker to drop the slot and frees it on the report."""
+    ps, pw = halves
+    req = request("e1", [("a", 16), ("b", 16)])
+    outputs = _dispatch(ps, pw, req)  # both slots with the worker; only "a" gets encoded
+    pw.save(outputs, "a")
+    assert steps_until(lambda: ps.store.contains("a"))
+    ps.request_finished(_ended(req, "FINISHED_ABORTED"))
+    assert ps.stats_snapshot()["pending_reservations"] == 1  # "b": the worker still has its slot
+    meta = ps.build_meta(SimpleNamespace(scheduled_encoder_inputs={}, total_num_scheduled_tokens=0))
+    assert meta.drops == ["b"]
+    pw.begin_step({}, meta)
+    assert steps_until(lambda: ps.stats_snapshot()["pending_reservations"] == 0)
+    snap = ps.stats_snapshot()
+    assert snap["items_held"] == 0 and snap["reserved_bytes"] == 0 and snap["pool_used_bytes"] <= 256  # the probe slot
+    pw.save({"b": embedding(16, 2)}, "b")  # a late save of a dropped slot writes nothing, reports nothing
+    assert not steps_until(lambda: ps.store.contains("b"), timeout=0.3)
+
+
+def test_a_dropped_slot_another_request_asked_for_meanwhile_is_handed_over_again(halves):
+    ps, pw = halves
+    first = request("e1", [("a", 16)])
+    _dispatch(ps, pw, first)
+    ps.request_finished(_ended(first, "FINISHED_ABORTED"))
+    drop = ps.build_meta(SimpleNamespace(scheduled_encoder_inputs={}, total_num_scheduled_tokens=0))
+    assert drop.drops == ["a"]
+    second = request("e2", [("a", 16)])
+    assert ps.ensure_cache_available(second, 0)  # joins the reservation the drop is about
+    pw.begin_step({}, drop)  # the worker drops it and reports
+    again = None
+    for _ in range(500):
+        again = ps.build_meta(SimpleNamespace(scheduled_encoder_inputs={}, total_num_scheduled_tokens=0))
+        if again.saves:
+            break
+        time.sleep(0.01)
+    assert [s.identifier for s in again.saves] == ["a"]  # handed over again, for e2
+    pw.begin_step({}, again)
+    pw.save({"a": embedding(16, 1)}, "a")
+    assert steps_until(lambda: ps.store.contains("a"))
+    assert ps.store.held("a").claims == {"e2"}
