@@ -63,6 +63,8 @@ class EngineConfig:
     """Engine seed."""
     max_images_per_prompt: int = 8
     """vLLM's limit_mm_per_prompt for images."""
+    max_audios_per_prompt: int = 8
+    """vLLM's limit_mm_per_prompt for audio clips (models without audio ignore it)."""
     device: str = "auto"
     """"auto", "cpu" or "cuda" (informational; vLLM picks the platform)."""
     cpu_cores: str = ""
@@ -87,7 +89,7 @@ def engine_kwargs(cfg: EngineConfig, ec_transfer_config: dict[str, Any] | None =
         max_num_seqs=cfg.max_num_seqs,
         enforce_eager=cfg.enforce_eager,
         seed=cfg.seed,
-        limit_mm_per_prompt={"image": cfg.max_images_per_prompt},
+        limit_mm_per_prompt={"image": cfg.max_images_per_prompt, "audio": cfg.max_audios_per_prompt},
     )
     if cfg.max_model_len:
         kw["max_model_len"] = cfg.max_model_len
@@ -101,17 +103,19 @@ def engine_kwargs(cfg: EngineConfig, ec_transfer_config: dict[str, Any] | None =
     return kw
 
 
-def placeholder_metadata_fields(cfg: EngineConfig, modality: str = "image") -> set[str]:
+def placeholder_metadata_fields(cfg: EngineConfig, modalities: tuple[str, ...] = ("image", "audio")) -> set[str]:
     """The processed fields this model's data parser declares as placeholder metadata for
-    ``modality`` (vLLM's ``embedding_fields``; Qwen-VL: ``image_grid_thw``), read from the
-    model's config and processor before any engine starts; empty for models that declare none."""
+    ``modalities`` (vLLM's ``embedding_fields``; Qwen-VL: ``image_grid_thw``, Qwen2-Audio:
+    ``audio_num_tokens``), read from the model's config and processor before any engine starts;
+    empty for models that declare none."""
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.multimodal import MULTIMODAL_REGISTRY
 
     model_config = AsyncEngineArgs(**engine_kwargs(cfg)).create_model_config()
     if not model_config.is_multimodal_model:
         return set()
-    return MULTIMODAL_REGISTRY.create_processor(model_config).info.data_parser.placeholder_metadata_fields(modality)
+    parser = MULTIMODAL_REGISTRY.create_processor(model_config).info.data_parser
+    return set().union(*(parser.placeholder_metadata_fields(m) for m in modalities))
 
 
 def build_async_engine(cfg: EngineConfig, ec_transfer_config: dict[str, Any] | None = None,

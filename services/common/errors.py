@@ -38,9 +38,10 @@ class MediaError(BadInput):
     ``services.common.media.check_image``; the REST API answers ``status`` (400, or 413 for too large)
     and the gRPC boundary INVALID_ARGUMENT. The message says what was refused and why."""
 
-    def __init__(self, message: str, status: int = 400) -> None:
+    def __init__(self, message: str, status: int = 400, modality: str = "image") -> None:
         super().__init__(message)
         self.status = status
+        self.modality = modality  # of the refused item: "image" or "audio"
 
 
 class NoCapacity(EPDError):

@@ -1,4 +1,4 @@
-"""Deterministic test and demo images (no downloads)."""
+"""Deterministic test and demo media: images and audio clips (no downloads)."""
 
 from __future__ import annotations
 
@@ -41,3 +41,17 @@ def bomb_png(side: int = 20000) -> bytes:
     idat = b"".join(z.compress(row) for _ in range(side)) + z.flush()
     ihdr = struct.pack(">IIBBBBB", side, side, 1, 0, 0, 0, 0)  # 1-bit greyscale
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
+
+
+def make_audio(seed: int = 0, seconds: float = 1.0, rate: int = 16000, fmt: str = "WAV") -> bytes:
+    """A mono clip of ``seconds`` at ``rate`` Hz: a seeded chord of tones with a little noise, in
+    ``fmt`` (a soundfile format: WAV, FLAC, OGG)."""
+    import soundfile
+
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(seconds * rate), dtype=np.float32) / rate
+    wave = sum(0.2 * np.sin(2 * np.pi * f * t) for f in rng.uniform(110, 2000, size=3))
+    wave = (wave + 0.02 * rng.standard_normal(t.shape)).astype(np.float32)
+    buf = io.BytesIO()
+    soundfile.write(buf, wave, rate, format=fmt)
+    return buf.getvalue()

@@ -99,20 +99,37 @@ class LayoutError(ValueError):
 def splice(prompt: Sequence[int], items: Sequence[ItemLayout]) -> tuple[list[int], list[tuple[int, int]]]:
     """The prompt with each item's placeholder (left to right, in item order)
     replaced by its tokens, and each item's (offset, length) in the result."""
+    out, positions = splice_modalities(prompt, {"image": items})
+    return out, positions["image"]
+
+
+def splice_modalities(prompt: Sequence[int], items: dict[str, Sequence[ItemLayout]]
+                      ) -> tuple[list[int], dict[str, list[tuple[int, int]]]]:
+    """``splice`` for a prompt with items of several modalities (``items``: per modality, its items
+    in prompt order, as vLLM lists them). Each modality's placeholder is its own token run, so at
+    every position at most one modality's next placeholder matches. Returns the spliced prompt and
+    per modality each item's (offset, length) in it; LayoutError when a modality's placeholders and
+    items differ in number."""
     out: list[int] = []
-    positions: list[tuple[int, int]] = []
-    i = k = 0  # k counts placeholders seen, also past the last item (for the error)
+    positions: dict[str, list[tuple[int, int]]] = {m: [] for m in items}
+    seen = dict.fromkeys(items, 0)  # placeholders seen per modality, also past the last item (for the error)
+    i = 0
     while i < len(prompt):
-        ph = items[min(k, len(items) - 1)].placeholder if items else ()
-        if ph and tuple(prompt[i:i + len(ph)]) == ph:
-            if k < len(items):
-                positions.append((len(out), len(items[k].tokens)))
-                out += items[k].tokens
-            i += len(ph)
-            k += 1
-            continue
-        out.append(prompt[i])
-        i += 1
-    if k != len(items):
-        raise LayoutError(f"the prompt has {k} image placeholder(s) for {len(items)} image(s)")
+        for modality, its in items.items():
+            ph = its[min(seen[modality], len(its) - 1)].placeholder if its else ()
+            if ph and tuple(prompt[i:i + len(ph)]) == ph:
+                k = seen[modality]
+                if k < len(its):
+                    positions[modality].append((len(out), len(its[k].tokens)))
+                    out += its[k].tokens
+                i += len(ph)
+                seen[modality] = k + 1
+                break
+        else:
+            out.append(prompt[i])
+            i += 1
+    for modality, its in items.items():
+        if seen[modality] != len(its):
+            raise LayoutError(f"the prompt has {seen[modality]} {modality} placeholder(s) for {len(its)} "
+                              f"{modality} item(s)")
     return out, positions

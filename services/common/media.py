@@ -1,7 +1,7 @@
 """Media decoding and identity. The gateway reads media once; services decode
 bytes they were handed and never download anything.
 
-Services decode through one ``ImageDecoder`` each (``MediaConfig`` sets its
+Services decode through one ``MediaDecoder`` each (``MediaConfig`` sets its
 limits). Per request, before any pixel is decoded: at most ``max_images``
 images, each a format of ``IMAGE_FORMATS`` whose header claims at most
 ``max_image_pixels`` (PIL opens lazily: ``.size`` comes from the header, so a
@@ -12,6 +12,13 @@ most ``decode_wait_s`` (else RESOURCE_EXHAUSTED), and the images are decoded
 on a small thread pool (``epd-decode-*``), never on the event loop. The caller
 holds the budget (a ``DecodeLease``) until the decoded images are handed on
 and releases it; a failed or cancelled decode releases it itself.
+
+Audio goes the same way: at most ``max_audios`` clips, each one of
+``AUDIO_FORMATS`` (sniffed from its first bytes) whose header (read by
+soundfile, nothing decoded) says at most ``max_audio_seconds``; its decoded
+size (float32 PCM per frame and channel) is taken from the same budget, and
+vLLM's own ``AudioMediaIO`` decodes it, exactly as ``vllm serve`` decodes an
+``audio_url``, so the processor sees the same samples.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import logging
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 from PIL import Image
 
@@ -43,6 +51,53 @@ are never reached. Every name must be a key of PIL's ``Image.OPEN``: Pillow trie
 raises KeyError at one it does not know ("MPO" is none since Pillow 13), refusing every later format."""
 
 
+AUDIO_FORMATS = ("WAV", "FLAC", "OGG", "MP3")
+"""Audio formats accepted (OpenAI's ``input_audio`` takes wav and mp3); all are read by soundfile
+(libsndfile), the decoder vLLM's ``AudioMediaIO`` falls back to when torchcodec is absent."""
+MAX_AUDIO_SECONDS = 600.0  # vLLM's own default limit (VLLM_MAX_AUDIO_DECODE_DURATION_S)
+
+
+def sniff_audio_format(data: bytes) -> str | None:
+    """The ``AUDIO_FORMATS`` name ``data``'s signature (its first bytes) names, or None."""
+    if data[:4] in (b"RIFF", b"RF64") and data[8:12] == b"WAVE":
+        return "WAV"
+    if data.startswith(b"fLaC"):
+        return "FLAC"
+    if data.startswith(b"OggS"):
+        return "OGG"
+    if data.startswith(b"ID3") or (len(data) >= 2 and data[0] == 0xFF and data[1] & 0xE0 == 0xE0):
+        return "MP3"  # an ID3 tag, or an MPEG audio frame sync
+    return None
+
+
+def check_audio(data: bytes, max_seconds: float) -> tuple[str, float, int]:
+    """Reads the clip's header only and returns (format, seconds, decoded bytes), or raises MediaError:
+    empty, not one of ``AUDIO_FORMATS`` (sniffed, then parsed as that format), no frames, or longer
+    than ``max_seconds``. The decoded bytes are float32 PCM for every frame and channel (what vLLM's
+    decoder allocates). The gateway calls this for every clip before any service sees it."""
+    if not data:
+        raise MediaError("audio is empty")
+    sniffed = sniff_audio_format(data)
+    if sniffed is None:
+        raise MediaError(f"audio is not a recognised audio file (first bytes: {data[:12].hex(' ')}); "
+                         f"accepted: {', '.join(AUDIO_FORMATS)}")
+    try:
+        import soundfile
+
+        info = soundfile.info(io.BytesIO(data))
+    except ImportError:
+        raise MediaError("audio cannot be read here: the soundfile package is not installed") from None
+    except Exception as e:  # noqa: BLE001 - libsndfile raises several types for bad data
+        raise MediaError(f"audio starts like {sniffed} but its header cannot be read ({e}); refused") from None
+    if info.frames <= 0 or info.samplerate <= 0 or info.channels <= 0:
+        raise MediaError(f"audio ({sniffed}) holds no samples")
+    seconds = info.frames / info.samplerate
+    if seconds > max_seconds:
+        raise MediaError(f"audio is {seconds:.1f} s long, more than the {max_seconds:g} s allowed "
+                         "(--max-audio-seconds); refused")
+    return sniffed, seconds, info.frames * info.channels * 4
+
+
 def content_id(data: bytes) -> str:
     """The item's identifier: vLLM uses it verbatim as mm_hash on both engines."""
     return hashlib.sha256(data).hexdigest()
@@ -52,7 +107,7 @@ def decode_image(data: bytes, *, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Im
     """Decodes an image fully (not lazily) to RGB, or raises BadInput. Only
     ``IMAGE_FORMATS`` are tried, and the header's size is checked against
     ``max_pixels`` before any pixel is decoded. Blocking and CPU-bound: services
-    call it through ``ImageDecoder``, off their event loop."""
+    call it through ``MediaDecoder``, off their event loop."""
     if not data:
         raise BadInput("image is empty")
     try:
@@ -114,10 +169,13 @@ class MediaConfig:
     decode_wait_s: float = 10.0
     """How long a request waits for room in the decode budget before RESOURCE_EXHAUSTED."""
     decode_threads: int = 2
-    """Threads that decode images (off the event loop)."""
+    """Threads that decode media (off the event loop)."""
+    max_audio_seconds: float = MAX_AUDIO_SECONDS
+    """Longest audio clip in seconds, read from its header before decoding."""
 
     def __post_init__(self) -> None:
-        for name in ("max_image_pixels", "max_request_pixels", "decode_budget_mib", "decode_threads"):
+        for name in ("max_image_pixels", "max_request_pixels", "decode_budget_mib", "decode_threads",
+                     "max_audio_seconds"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.decode_wait_s < 0:
@@ -192,7 +250,7 @@ class DecodeLease:
             self.nbytes = 0
 
 
-class ImageDecoder:
+class MediaDecoder:
     """A service's image decoding under ``MediaConfig``'s limits (see the module
     docstring). Created by the service's wiring, used on its event loop;
     ``close`` stops the decode threads."""
@@ -250,6 +308,43 @@ class ImageDecoder:
             raise
         return list(images), lease
 
+    def check_audio(self, datas: list[bytes], max_audios: int) -> int:
+        """Header checks of one request's audio clips (nothing decoded); returns their decoded bytes.
+        Raises BadInput naming the clip and the limit."""
+        if len(datas) > max_audios:
+            raise BadInput(f"{len(datas)} audio clips in one request; this service allows at most {max_audios} "
+                           "(--max-audios-per-prompt)")
+        nbytes = 0
+        for i, data in enumerate(datas):
+            try:
+                nbytes += check_audio(data, self.cfg.max_audio_seconds)[2]
+            except MediaError as e:
+                raise BadInput(f"audio {i}: {e}") from None
+        if nbytes > self.budget.capacity:
+            raise BadInput(f"the request's audio decodes to {nbytes >> 20} MiB, more than this service decodes at "
+                           f"once ({self.cfg.decode_budget_mib:g} MiB, --decode-budget-mib)")
+        return nbytes
+
+    async def decode_audio(self, datas: list[bytes], max_audios: int,
+                           rid: str = "") -> tuple[list[tuple[Any, float]], DecodeLease]:
+        """As ``decode`` for audio: checks, waits for budget, decodes off the loop with vLLM's
+        ``AudioMediaIO`` (mono float32 at the clip's own rate; vLLM's processor resamples as it does
+        for ``vllm serve``). Returns the (samples, rate) pairs and the lease."""
+        nbytes = self.check_audio(datas, max_audios)
+        if not await self.budget.acquire(nbytes, self.cfg.decode_wait_s):
+            raise NoCapacity(f"this service is decoding {self.budget.used >> 20} MiB of media for other requests "
+                             f"(budget {self.cfg.decode_budget_mib:g} MiB); the request's {nbytes >> 20} MiB of "
+                             f"audio did not fit within {self.cfg.decode_wait_s:g}s; retry later")
+        lease = DecodeLease(self.budget, nbytes)
+        try:
+            loop = asyncio.get_running_loop()
+            clips = await asyncio.gather(*(loop.run_in_executor(self._pool, _decode_audio_nth, i, data)
+                                           for i, data in enumerate(datas)))
+        except BaseException:
+            lease.release()
+            raise
+        return list(clips), lease
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
@@ -259,3 +354,12 @@ def _decode_nth(i: int, data: bytes, max_pixels: int) -> Image.Image:
         return decode_image(data, max_pixels=max_pixels)
     except BadInput as e:
         raise BadInput(f"image {i}: {e}") from None
+
+
+def _decode_audio_nth(i: int, data: bytes) -> tuple[Any, float]:
+    from vllm.multimodal.media.audio import AudioMediaIO
+
+    try:
+        return AudioMediaIO().load_bytes(data)
+    except Exception as e:  # noqa: BLE001 - decoders raise many types for bad data
+        raise BadInput(f"audio {i} could not be decoded: {e}") from None

@@ -11,9 +11,11 @@ vLLM is imported only inside ``serve``, after ``configure_process_env``.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import signal
 import socket
+from collections.abc import Callable
 
 from ectransfer.connector.config import ConnectorTuning
 from ectransfer.security import SecurityConfig
@@ -27,7 +29,7 @@ from services.common.engine import (
     serve_until_stopped,
 )
 from services.common.grpc_server import GrpcServer
-from services.common.media import ImageDecoder
+from services.common.media import MediaDecoder
 from services.encoder.config import EncoderServiceConfig
 from services.encoder.servicer import EncoderServicer, dtype_enum
 
@@ -54,15 +56,28 @@ def _ec_config(cfg: EncoderServiceConfig, engine_cfg: EngineConfig, transfer_por
     }
 
 
-def _placeholder(engine) -> str:
+MODALITIES = ("image", "audio")
+"""What an encoder encodes, where its model takes it (video is not served: the gateway refuses it)."""
+
+
+def _placeholders(engine) -> dict[str, Callable[[int], str]]:
+    """Per modality of ``MODALITIES`` the model takes (its limit per prompt above 0), its prompt
+    placeholder for the i-th item (vLLM's ``get_placeholder_str``)."""
     from vllm.model_executor.models.registry import ModelRegistry
 
     mc = engine.model_config
     model_cls, _ = ModelRegistry.resolve_model_cls(mc.architectures, mc)
-    ph = model_cls.get_placeholder_str("image", 1)
-    if not ph:
-        raise ValueError(f"{mc.architectures} declares no image placeholder")
-    return ph
+    out = {}
+    for modality in MODALITIES:
+        try:
+            ph = model_cls.get_placeholder_str(modality, 1)
+        except ValueError:  # vLLM's way of saying the model has no such modality
+            continue
+        if ph and mc.multimodal_config.get_limit_per_prompt(modality) > 0:
+            out[modality] = functools.partial(model_cls.get_placeholder_str, modality)
+    if not out:
+        raise ValueError(f"{mc.architectures} takes none of {', '.join(MODALITIES)}")
+    return out
 
 
 def layouts_context_free(engine) -> bool:
@@ -147,7 +162,7 @@ async def serve(cfg: EncoderServiceConfig, engine_cfg: EngineConfig, stop: async
         reserved.close()  # the engine's Transfer server listens on the port now (or the engine failed)
     transfer_endpoint = f"{cfg.advertise_host or cfg.transfer_host}:{transfer_port}"
     server = None
-    decoder = ImageDecoder(cfg)
+    decoder = MediaDecoder(cfg)
     try:
         mc = engine.model_config
         info = encoder_pb2.EncoderInfo(
@@ -155,7 +170,7 @@ async def serve(cfg: EncoderServiceConfig, engine_cfg: EngineConfig, stop: async
             transfer_endpoint=transfer_endpoint,
             compat=compat_for(engine.vllm_config, engine_cfg.model),
         )
-        servicer = EncoderServicer(engine, info, _placeholder(engine), mc.get_hidden_size(),
+        servicer = EncoderServicer(engine, info, _placeholders(engine), mc.get_hidden_size(),
                                    dtype_enum(str(mc.dtype).removeprefix("torch.")), cfg.encode_timeout_s,
                                    decoder, layouts=layouts_context_free(engine))
         server = GrpcServer(cfg.host, cfg.port, security)

@@ -13,6 +13,7 @@ import logging
 import secrets
 import time
 import uuid
+from collections.abc import Callable
 
 from prometheus_client import Counter, Histogram
 
@@ -21,7 +22,7 @@ from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
 from services.common.engine import tokenize_async
 from services.common.errors import BadInput, Deadline, EPDError
 from services.common.layout import ItemLayout, item_layouts, placeholder_ranges
-from services.common.media import ImageDecoder, content_id
+from services.common.media import MediaDecoder, content_id
 
 logger = logging.getLogger(__name__)
 
@@ -33,19 +34,23 @@ ENCODE_SECONDS = Histogram("epd_encoder_encode_seconds", "Encode call duration",
 
 
 class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
-    def __init__(self, engine, info: encoder_pb2.EncoderInfo, placeholder: str, embed_width: int,
-                 dtype: int, timeout_s: float, decoder: ImageDecoder, layouts: bool = True) -> None:
-        """``layouts``: send each item's prompt layout (False: this model's layouts depend on the
-        prompt around the item, see ``server.layouts_context_free``; LMs use their processor)."""
+    def __init__(self, engine, info: encoder_pb2.EncoderInfo, placeholders: dict[str, Callable[[int], str]],
+                 embed_width: int,
+                 dtype: int, timeout_s: float, decoder: MediaDecoder, layouts: bool = True) -> None:
+        """``placeholders``: per modality this encoder serves ("image", "audio"), the model's prompt
+        placeholder for its i-th item (1-based; vLLM's ``get_placeholder_str``); ``layouts``: send each item's prompt layout (False: this model's
+        layouts depend on the prompt around the item, see ``server.layouts_context_free``; LMs use
+        their processor)."""
         self.engine = engine
         self.decoder = decoder
-        self.max_images = engine.model_config.multimodal_config.get_limit_per_prompt("image")
+        mm = engine.model_config.multimodal_config
+        self.limits = {m: mm.get_limit_per_prompt(m) for m in placeholders}
         self.info = info
-        self.placeholder = placeholder
+        self.placeholders = placeholders
         self.embed_width = embed_width
         self.dtype = dtype
         self.timeout_s = timeout_s
-        self._originals: dict[int, list[int]] = {}  # the encode prompt for n items, tokenized
+        self._originals: dict[tuple[str, int], list[int]] = {}  # the encode prompt for n items, tokenized
         self.send_layouts = layouts
         self._warned = False
         self._resolver = None  # vLLM's PlaceholderMetadataResolver, made on first use
@@ -53,8 +58,9 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
     def _metadata_kwargs(self, feat) -> str:
         """The item's processed inputs the LM needs without the media (the fields this
         family's data parser declares as placeholder metadata, and keep_on_cpu ones, e.g.
-        Qwen-VL's image_grid_thw), serialized as vLLM's scale-out front end does; "" for
-        families that declare none (Idefics3, LLaVA, Gemma 3)."""
+        Qwen-VL's image_grid_thw; Qwen2-Audio's audio_num_tokens, which vLLM reads from the
+        item's placeholder), serialized as vLLM's scale-out front end does; "" for families
+        that declare none (Idefics3, LLaVA, Gemma 3)."""
         from vllm.distributed.ec_transfer.ec_connector.utils import PlaceholderMetadataResolver
         from vllm.entrypoints.scale_out.token_in_token_out.mm_serde import encode_mm_kwargs_item
         from vllm.multimodal.inputs import MultiModalKwargsItem
@@ -64,16 +70,23 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         declared = self._resolver.fields_for(feat.modality)
         if not declared:
             return ""
-        if feat.data is None:  # the service turns vLLM's processor cache off for these families
+        from_placeholder = {"audio_num_tokens"} & declared  # as vLLM's collect_ec_item_metadata reads it
+        if feat.data is None and declared - from_placeholder:  # the service turns the processor cache off for these
             raise EPDError(f"item {feat.identifier[:16]}...: the processor returned no data for it, so its "
                            f"metadata ({sorted(declared)}) cannot be sent; is mm_processor_cache_gb 0?")
-        kept = MultiModalKwargsItem({k: e for k, e in feat.data.items() if e.field.keep_on_cpu or k in declared})
-        return encode_mm_kwargs_item(kept) if kept else ""
+        kept = {k: e for k, e in (feat.data or {}).items() if e.field.keep_on_cpu or k in declared}
+        if from_placeholder and "audio_num_tokens" not in kept:
+            import torch
+            from vllm.multimodal.inputs import MultiModalBatchedField, MultiModalFieldElem
+
+            kept["audio_num_tokens"] = MultiModalFieldElem(data=torch.tensor(feat.mm_position.get_num_embeds()),
+                                                           field=MultiModalBatchedField(keep_on_cpu=True))
+        return encode_mm_kwargs_item(MultiModalKwargsItem(kept)) if kept else ""
 
     async def GetInfo(self, request, context):
         return self.info
 
-    async def _layouts(self, n: int, processed: list[int], features) -> list[ItemLayout] | None:
+    async def _layouts(self, modality: str, n: int, processed: list[int], features) -> list[ItemLayout] | None:
         """Each item's prompt expansion, for the LM to lay out its prompt without
         the image processor; None (the LM then runs its processor) if this
         model's processor does not simply replace each placeholder."""
@@ -83,15 +96,21 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
                 logger.warning("this model's processor rewrites the prompt around each image; LMs will run their "
                                "own image processor to lay out prompts")
             return None
-        original = self._originals.get(n)
+        original = self._originals.get((modality, n))
         if original is None:
-            original = self._originals[n] = await tokenize_async(self.engine.renderer, self.placeholder * n)
+            original = self._originals[modality, n] = await tokenize_async(self.engine.renderer,
+                                                                           self._prompt(modality, n))
         layouts = item_layouts(original, processed, placeholder_ranges(features))
         if layouts is None and not self._warned:
             self._warned = True
-            logger.warning("this model's processor does not replace each image placeholder in place; LMs will "
-                           "run their own image processor to lay out prompts")
+            logger.warning("this model's processor does not replace each %s placeholder in place; LMs will "
+                           "run their own processor to lay out prompts", modality)
         return layouts
+
+    def _prompt(self, modality: str, n: int) -> str:
+        """The encode prompt: the model's placeholder for each of ``n`` items, in order (numbered where
+        the model numbers them, e.g. Qwen2-Audio's "Audio 1: ...")."""
+        return "".join(self.placeholders[modality](i + 1) for i in range(n))
 
     async def Encode(self, request, context):
         from vllm import SamplingParams
@@ -110,9 +129,14 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         try:
             if not request.items:
                 raise BadInput("Encode needs at least one item")
+            modality = request.items[0].modality or "image"
             for i, item in enumerate(request.items):
-                if item.modality not in ("", "image"):
-                    raise BadInput(f"item {i}: modality {item.modality!r} is not supported (allowed: image)")
+                if (item.modality or "image") not in self.placeholders:
+                    raise BadInput(f"item {i}: modality {item.modality!r} is not encoded here (this model: "
+                                   f"{', '.join(self.placeholders)})")
+                if (item.modality or "image") != modality:
+                    raise BadInput("the items of one Encode call must share a modality (send one call per "
+                                   "modality)")
             # The identifier is vLLM's mm_hash on both engines: it names what the bytes are, so it is
             # always computed here, never taken from the caller (who could name another image's embedding).
             idents = [content_id(item.data) for item in request.items]
@@ -120,12 +144,16 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
                 if item.identifier and item.identifier != ident:
                     raise BadInput(f"item {i}: identifier {item.identifier[:16]!r}... is not the content hash of "
                                    f"its bytes")
-            images, lease = await self.decoder.decode([item.data for item in request.items], self.max_images, rid)
-            ITEMS.inc(len(images))
+            datas = [item.data for item in request.items]
+            if modality == "audio":
+                media, lease = await self.decoder.decode_audio(datas, self.limits[modality], rid)
+            else:
+                media, lease = await self.decoder.decode(datas, self.limits[modality], rid)
+            ITEMS.inc(len(media))
             prompt = {
-                "prompt": self.placeholder * len(images),
-                "multi_modal_data": {"image": images},
-                "multi_modal_uuids": {"image": idents},
+                "prompt": self._prompt(modality, len(media)),
+                "multi_modal_data": {modality: media},
+                "multi_modal_uuids": {modality: idents},
             }
             # This call's claim on the copies its items get in the outbound pool (ectransfer.outbound):
             # the LM names it to read, ack or cancel them; an aborted encode drops it.
@@ -138,10 +166,10 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             except (ValueError, VLLMClientError) as e:  # VLLMValidationError is no ValueError in vLLM 0.32
                 raise BadInput(f"input rejected by the encoder's processor: {e}") from None
             finally:
-                del images, prompt  # the processor's tensors replace the decoded images
+                del media, prompt  # the processor's tensors replace the decoded media
                 lease.release()
             features = engine_req.mm_features or []
-            layouts = await self._layouts(len(idents), engine_req.prompt_token_ids, features)
+            layouts = await self._layouts(modality, len(idents), engine_req.prompt_token_ids, features)
             for index, feat in enumerate(features):
                 md = encoder_pb2.ItemMetadata(
                     identifier=feat.identifier, index=index, modality=feat.modality,

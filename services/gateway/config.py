@@ -5,7 +5,7 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass
 
-from services.common.media import MAX_IMAGE_PIXELS
+from services.common.media import MAX_AUDIO_SECONDS, MAX_IMAGE_PIXELS
 
 DISPATCH_MODES = ("overlap", "sequential")
 PLACEMENTS = ("auto", "encoder", "local")
@@ -72,6 +72,12 @@ class GatewayConfig:
     """Largest accepted image in pixels, read from its header before decoding (decompression-bomb guard)."""
     max_images: int = 8
     """Most images in one request."""
+    max_audio_bytes: int = 25 << 20
+    """Largest accepted encoded audio clip (data: URL, input_audio or fetched; vLLM's own default)."""
+    max_audio_seconds: float = MAX_AUDIO_SECONDS
+    """Longest accepted audio clip in seconds, read from its header before anything is decoded."""
+    max_audios: int = 8
+    """Most audio clips in one request."""
     fetch_timeout_s: float = 10.0
     """Limit for fetching one http(s) image URL: connect, redirects and body together."""
     fetch_max_redirects: int = 3

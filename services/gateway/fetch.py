@@ -1,8 +1,10 @@
-"""Image sources for the gateway: data: URLs decoded, http(s) URLs fetched once, with limits.
+"""Media sources for the gateway (images and audio): data: URLs decoded, http(s) URLs fetched once,
+with limits.
 
 The gateway is the only component that reads media from the outside (encoders and LMs are handed
-bytes). ``load_images`` turns the sources of one request into checked image bytes; ``MediaFetcher``
-fetches http(s) URLs. Rules for a fetch, each refusal a ``MediaError`` that says what and why:
+bytes). ``load_images`` turns the sources of one request into checked media bytes; ``MediaFetcher``
+fetches http(s) URLs. Rules for a fetch, each refusal a ``MediaError`` that says what and why (the
+same for audio, with ``audio/*``, ``--max-audio-bytes`` and ``AUDIO_FORMATS``):
 
 - scheme http or https only;
 - SSRF guard, before any connection: an IP-literal host is checked directly; a host name is resolved
@@ -17,7 +19,8 @@ fetches http(s) URLs. Rules for a fetch, each refusal a ``MediaError`` that says
 - whatever the source (data: URL, fetched, raw gRPC bytes), an image must be one of
   ``services.common.media.IMAGE_FORMATS`` (the one list, shared with ``check_image``), sniffed from
   its first bytes (``sniff_image_format``; a declared media type proves nothing), and its header must
-  parse as that format within ``--max-image-pixels``;
+  parse as that format within ``--max-image-pixels``; an audio clip one of ``AUDIO_FORMATS`` whose
+  header says at most ``--max-audio-seconds`` (``check_audio``);
 - no proxies from the environment, no cookies kept, no content decoding (``Accept-Encoding:
   identity``), so the byte limit is the limit on what the gateway holds.
 
@@ -41,7 +44,7 @@ from aiohttp.abc import AbstractResolver
 from yarl import URL
 
 from services.common.errors import MediaError
-from services.common.media import IMAGE_FORMATS, check_image
+from services.common.media import IMAGE_FORMATS, check_audio, check_image
 from services.gateway.config import GatewayConfig
 
 if TYPE_CHECKING:
@@ -219,27 +222,29 @@ class MediaFetcher:
             await self._session.close()
             self._session = None
 
-    async def fetch(self, url: str) -> bytes:
-        """The body of ``url`` (after redirects), or MediaError. Called by ``load_images``."""
+    async def fetch(self, url: str, modality: str = "image") -> bytes:
+        """The body of ``url`` (after redirects), or MediaError. Called by ``load_images``.
+        ``modality``: "image" or "audio" (the Content-Type and the byte limit it must meet)."""
         try:
             # One deadline over every hop and the body. wait_for rather than
             # asyncio.timeout: the project supports Python 3.10.
-            return await asyncio.wait_for(self._fetch(url), self.cfg.fetch_timeout_s)
+            return await asyncio.wait_for(self._fetch(url, modality), self.cfg.fetch_timeout_s)
         except asyncio.TimeoutError:
-            raise MediaError(f"image URL {_short(url)} was not fetched within {self.cfg.fetch_timeout_s:g} s "
+            raise MediaError(f"{modality} URL {_short(url)} was not fetched within {self.cfg.fetch_timeout_s:g} s "
                              "(--fetch-timeout-s); refused") from None
 
-    async def _fetch(self, url: str) -> bytes:
+    async def _fetch(self, url: str, modality: str) -> bytes:
         current = check_url(url, self.allowed)
         session = self._get_session()
         for _ in range(self.cfg.fetch_max_redirects + 1):
             try:
-                async with session.get(current, allow_redirects=False) as resp:
+                async with session.get(current, allow_redirects=False,
+                                       headers={"Accept": f"{modality}/*"}) as resp:
                     if resp.status in _REDIRECTS:
                         current = self._next_hop(resp, url)
                         continue
-                    self._check_response(resp, url)
-                    return await self._read(resp, url)
+                    self._check_response(resp, url, modality)
+                    return await self._read(resp, url, modality)
             except aiohttp.ClientConnectorError as e:
                 if isinstance(e.os_error, HostRefused):
                     raise MediaError(str(e.os_error)) from None
@@ -260,64 +265,86 @@ class MediaFetcher:
         logger.debug("image URL %s redirects to %s", _short(url), target)
         return check_url(target, self.allowed)
 
-    def _check_response(self, resp: aiohttp.ClientResponse, url: str) -> None:
+    def _check_response(self, resp: aiohttp.ClientResponse, url: str, modality: str = "image") -> None:
         if not 200 <= resp.status < 300:
-            raise MediaError(f"image URL {_short(url)} answered HTTP {resp.status} {resp.reason or ''}".rstrip())
-        if not resp.content_type.startswith("image/"):
-            raise MediaError(f"image URL {_short(url)} has Content-Type {resp.content_type!r}, expected image/*")
-        limit = self.cfg.max_image_bytes
+            raise MediaError(f"{modality} URL {_short(url)} answered HTTP {resp.status} {resp.reason or ''}".rstrip())
+        if not resp.content_type.startswith(f"{modality}/"):
+            raise MediaError(f"{modality} URL {_short(url)} has Content-Type {resp.content_type!r}, expected "
+                             f"{modality}/*")
+        limit = max_bytes(self.cfg, modality)
         if resp.content_length is not None and resp.content_length > limit:
-            raise MediaError(f"image URL {_short(url)} is {resp.content_length} bytes, more than the {limit} "
-                             "allowed (--max-image-bytes); refused before reading", status=413)
+            raise MediaError(f"{modality} URL {_short(url)} is {resp.content_length} bytes, more than the {limit} "
+                             f"allowed (--max-{modality}-bytes); refused before reading", status=413)
 
-    async def _read(self, resp: aiohttp.ClientResponse, url: str) -> bytes:
-        limit, buf = self.cfg.max_image_bytes, bytearray()
+    async def _read(self, resp: aiohttp.ClientResponse, url: str, modality: str = "image") -> bytes:
+        limit, buf = max_bytes(self.cfg, modality), bytearray()
         async for chunk in resp.content.iter_chunked(64 << 10):
             buf += chunk
             if len(buf) > limit:
-                raise MediaError(f"image URL {_short(url)} sent more than the {limit} bytes allowed "
-                                 "(--max-image-bytes); refused", status=413)
+                raise MediaError(f"{modality} URL {_short(url)} sent more than the {limit} bytes allowed "
+                                 f"(--max-{modality}-bytes); refused", status=413)
         return bytes(buf)
 
 
-def decode_data_url(url: str, max_bytes: int) -> bytes:
-    """The bytes of a ``data:image/...;base64,`` URL, or MediaError (413 when over ``max_bytes``)."""
+def max_bytes(cfg: GatewayConfig, modality: str) -> int:
+    """The largest encoded item of ``modality`` the gateway accepts (--max-image-bytes, --max-audio-bytes)."""
+    return cfg.max_audio_bytes if modality == "audio" else cfg.max_image_bytes
+
+
+def decode_data_url(url: str, max_bytes: int, modality: str = "image") -> bytes:
+    """The bytes of a ``data:<modality>/...;base64,`` URL, or MediaError (413 when over ``max_bytes``)."""
     header, _, payload = url.partition(",")
     mime = header[5:].split(";")[0].strip().lower()
-    if not mime.startswith("image/"):
-        raise MediaError(f"data URL has media type {mime or 'none'!r}, expected image/*")
+    if not mime.startswith(f"{modality}/"):
+        raise MediaError(f"data URL has media type {mime or 'none'!r}, expected {modality}/*")
     if ";base64" not in header:
-        raise MediaError("image data URLs must be base64-encoded")
+        raise MediaError(f"{modality} data URLs must be base64-encoded")
     if len(payload) * 3 // 4 > max_bytes:
-        raise MediaError(f"image larger than {max_bytes} bytes (--max-image-bytes)", status=413)
+        raise MediaError(f"{modality} larger than {max_bytes} bytes (--max-{modality}-bytes)", status=413)
     try:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
-        raise MediaError("image data URL is not valid base64") from None
+        raise MediaError(f"{modality} data URL is not valid base64") from None
 
 
-async def _load_one(source: str | bytes, cfg: GatewayConfig, fetcher: MediaFetcher | None) -> bytes:
+async def _load_one(source: str | bytes, cfg: GatewayConfig, fetcher: MediaFetcher | None,
+                    modality: str = "image") -> bytes:
+    try:
+        return await _load(source, cfg, fetcher, modality)
+    except MediaError as e:
+        e.modality = modality
+        raise
+
+
+async def _load(source: str | bytes, cfg: GatewayConfig, fetcher: MediaFetcher | None, modality: str) -> bytes:
+    limit = max_bytes(cfg, modality)
     if isinstance(source, bytes):
         data = source
     elif source.startswith("data:"):
-        data = decode_data_url(source, cfg.max_image_bytes)
+        data = decode_data_url(source, limit, modality)
     elif source[:8].lower().startswith(("http://", "https://")):
         if fetcher is None:
-            raise MediaError("http(s) image URLs cannot be fetched: this gateway has no media fetcher")
-        data = await fetcher.fetch(source)
+            raise MediaError(f"http(s) {modality} URLs cannot be fetched: this gateway has no media fetcher")
+        data = await fetcher.fetch(source, modality)
     else:
         check_url(source, [])  # raises the scheme (or URL) error
-        raise MediaError(f"unsupported image URL {_short(source)!r}")
-    if len(data) > cfg.max_image_bytes:
-        raise MediaError(f"image larger than {cfg.max_image_bytes} bytes (--max-image-bytes)", status=413)
-    check_format(data, cfg.max_image_pixels)
+        raise MediaError(f"unsupported {modality} URL {_short(source)!r}")
+    if len(data) > limit:
+        raise MediaError(f"{modality} larger than {limit} bytes (--max-{modality}-bytes)", status=413)
+    if modality == "audio":
+        check_audio(data, cfg.max_audio_seconds)
+    else:
+        check_format(data, cfg.max_image_pixels)
     return data
 
 
-async def load_images(sources: list[str | bytes], cfg: GatewayConfig, fetcher: MediaFetcher | None) -> list[bytes]:
-    """Checked image bytes for ``sources`` (data: or http(s) URLs, or raw bytes from the gRPC API), in
-    order; URLs are fetched concurrently. The first MediaError cancels the other fetches and is raised."""
-    tasks = [asyncio.ensure_future(_load_one(s, cfg, fetcher)) for s in sources]
+async def load_images(sources: list[str | bytes], cfg: GatewayConfig, fetcher: MediaFetcher | None,
+                      modalities: list[str] | None = None) -> list[bytes]:
+    """Checked media bytes for ``sources`` (data: or http(s) URLs, or raw bytes from the gRPC API), in
+    order; ``modalities``: each source's ("image" when not given). URLs are fetched concurrently. The
+    first MediaError cancels the other fetches and is raised."""
+    modalities = modalities or ["image"] * len(sources)
+    tasks = [asyncio.ensure_future(_load_one(s, cfg, fetcher, m)) for s, m in zip(sources, modalities)]
     try:
         return list(await asyncio.gather(*tasks))
     except BaseException:

@@ -24,7 +24,7 @@ from aiohttp import web
 
 from epd.lm.v1 import lm_pb2
 from services.common.errors import MediaError
-from services.common.media import content_id
+from services.common.media import content_id, sniff_audio_format
 from services.gateway import metrics
 from services.gateway.admission import AdmissionRefused
 from services.gateway.config import GatewayConfig
@@ -93,14 +93,19 @@ def engine_request_id(client_id: str, prefix: str) -> str:
 
 
 def media_api_error(e: MediaError) -> ApiError:
-    """A refused image as the REST API answers it: 400 or 413, param image_url."""
-    return ApiError(e.status, str(e), param="image_url")
+    """A refused media item as the REST API answers it: 400 or 413, param image_url (audio_url)."""
+    return ApiError(e.status, str(e), param=f"{e.modality}_url")
 
 
-# Content part types that carry media other than images: not served (the LM would have to process them).
-UNSERVED_MEDIA = frozenset({"input_audio", "audio_url", "video_url", "image_embeds", "audio_embeds",
-                            "video_embeds", "image_pil", "file"})
-MEDIA_REF = "epd-media:"  # gRPC API: an image_url that names OpenAIRequest.media[N]
+# Content part types that carry media epd-serve does not serve: video (vLLM would decode it on the LM; no
+# video decoder is installed with the CPU wheel), embeddings a client computed, and files.
+UNSERVED_MEDIA = frozenset({"video_url", "image_embeds", "audio_embeds", "video_embeds", "image_pil", "file"})
+MEDIA_PARTS = {"image_url": "image", "audio_url": "audio", "input_audio": "audio"}
+"""Content part types the gateway serves, and their modality: OpenAI's image_url and input_audio
+(base64 data with its format), and vLLM's audio_url."""
+AUDIO_MIME = {"WAV": "audio/wav", "FLAC": "audio/flac", "OGG": "audio/ogg", "MP3": "audio/mpeg"}
+INPUT_AUDIO_FORMATS = ("wav", "mp3", "flac", "ogg")
+MEDIA_REF = "epd-media:"  # gRPC API: an image_url/audio_url that names OpenAIRequest.media[N]
 
 
 @dataclass
@@ -111,8 +116,9 @@ class OpenAICall:
     api: str  # "chat" | "completions"
     body: dict[str, Any]
     stream: bool
-    parts: list[tuple[int, int]] = field(default_factory=list)  # (message, part) of each image, in order
-    sources: list[str | bytes] = field(default_factory=list)  # the image URLs (or gRPC media bytes)
+    parts: list[tuple[int, int]] = field(default_factory=list)  # (message, part) of each media item, in order
+    sources: list[str | bytes] = field(default_factory=list)  # the items' URLs (or gRPC media bytes)
+    modalities: list[str] = field(default_factory=list)  # each item's: "image" or "audio"
     request_id: str = ""
     """The request's id in the LM's body: vLLM names its response ``chatcmpl-<id>`` / ``cmpl-<id>``
     from it. As with ``vllm serve``, the client's X-Request-Id wins (``id_given``); else the body's
@@ -120,18 +126,22 @@ class OpenAICall:
     id_given: bool = False
 
     def lm_body(self, req: lm_pb2.GenerateRequest, media: list[Media]) -> bytes:
-        """The body for one LM attempt: each image an encoder laid out becomes a uuid-only part (the
-        LM never sees its bytes); any other image a data: URL of the bytes the gateway read (the LM
-        never downloads), with its content hash as uuid when an encoder has its embedding."""
+        """The body for one LM attempt: each item an encoder laid out becomes a uuid-only part (the
+        LM never sees its bytes); any other item a data: URL of the bytes the gateway read (the LM
+        never downloads), with its content hash as uuid when an encoder has its embedding. Audio goes
+        as vLLM's ``audio_url`` part (an ``input_audio`` part too)."""
         body = copy.deepcopy(self.body) if self.parts else dict(self.body)
         if self.request_id and (self.id_given or not body.get("request_id")):
             body["request_id"] = self.request_id
         for (i, j), item, m in zip(self.parts, req.items, media):
-            part: dict[str, Any] = {"type": "image_url", "uuid": item.identifier}
+            kind = "audio_url" if m.modality == "audio" else "image_url"
+            part: dict[str, Any] = {"type": kind, "uuid": item.identifier}
             if item.source.placeholder_token_ids:
-                part["image_url"] = None
+                part[kind] = None
             else:
-                part["image_url"] = {"url": "data:image/png;base64," + base64.b64encode(m.data).decode()}
+                mime = AUDIO_MIME.get(sniff_audio_format(m.data) or "", "audio/wav") if m.modality == "audio" \
+                    else "image/png"
+                part[kind] = {"url": f"data:{mime};base64," + base64.b64encode(m.data).decode()}
                 if not item.HasField("source"):
                     del part["uuid"]  # the LM encodes it itself and hashes it as vLLM does
             body["messages"][i]["content"][j] = part
@@ -140,8 +150,8 @@ class OpenAICall:
 
 def parse_openai(api: str, raw: bytes, cfg: GatewayConfig, media: list[bytes] | None = None) -> OpenAICall:
     """Reads what the gateway needs from a request body, without I/O: whether it streams, and where its
-    images are. Everything else is vLLM's to validate (on the LM). ``media``: the gRPC API's raw images,
-    named by ``epd-media:N`` URLs. Raises ApiError."""
+    images and audio clips are. Everything else is vLLM's to validate (on the LM). ``media``: the gRPC
+    API's raw media, named by ``epd-media:N`` URLs. Raises ApiError."""
     body = loads_strict(raw)
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
@@ -153,16 +163,16 @@ def parse_openai(api: str, raw: bytes, cfg: GatewayConfig, media: list[bytes] | 
             kind = part.get("type") if isinstance(part, dict) else None
             if kind in UNSERVED_MEDIA:
                 raise ApiError(400, f"messages[{i}].content[{j}]: {kind} parts are not served by epd-serve "
-                                    "(images only)", param="messages")
-            if kind != "image_url":
+                                    f"(served: {', '.join(MEDIA_PARTS)})", param="messages")
+            modality = MEDIA_PARTS.get(kind)
+            if modality is None:
                 continue
-            url = part.get("image_url")
-            url = url.get("url") if isinstance(url, dict) else url
-            if not isinstance(url, str) or not url:
-                raise ApiError(400, f"messages[{i}].content[{j}].image_url.url is required (epd-serve names "
-                                    "images by their content; a uuid alone cannot name one)", param="messages")
-            if len(call.parts) >= cfg.max_images:
-                raise ApiError(400, f"at most {cfg.max_images} images per request", param="messages")
+            url = _part_url(part, kind, f"messages[{i}].content[{j}]")
+            limit = cfg.max_audios if modality == "audio" else cfg.max_images
+            if call.modalities.count(modality) >= limit:
+                raise ApiError(400, f"at most {limit} {'audio clips' if modality == 'audio' else 'images'} per "
+                                    f"request (--max-{modality}s)", param="messages")
+            call.modalities.append(modality)
             if url.startswith(MEDIA_REF):
                 k = url[len(MEDIA_REF):]
                 if media is None or not k.isdigit() or int(k) >= len(media):
@@ -175,21 +185,41 @@ def parse_openai(api: str, raw: bytes, cfg: GatewayConfig, media: list[bytes] | 
     return call
 
 
+def _part_url(part: dict, kind: str, where: str) -> str:
+    """The URL of a media part (an ``input_audio`` part's data as a data: URL), or ApiError."""
+    if kind == "input_audio":
+        audio = part.get("input_audio")
+        data = audio.get("data") if isinstance(audio, dict) else None
+        fmt = audio.get("format") if isinstance(audio, dict) else None
+        if not isinstance(data, str) or not data:
+            raise ApiError(400, f"{where}.input_audio.data is required (base64 audio)", param="messages")
+        if fmt not in INPUT_AUDIO_FORMATS:
+            raise ApiError(400, f"{where}.input_audio.format must be one of {', '.join(INPUT_AUDIO_FORMATS)}; "
+                                f"got {fmt!r}", param="messages")
+        return f"data:audio/{fmt};base64,{data}"
+    url = part.get(kind)
+    url = url.get("url") if isinstance(url, dict) else url
+    if not isinstance(url, str) or not url:
+        raise ApiError(400, f"{where}.{kind}.url is required (epd-serve names media by their content; a uuid "
+                            "alone cannot name an item)", param="messages")
+    return url
+
+
 async def load_media(call: OpenAICall, req: lm_pb2.GenerateRequest, cfg: GatewayConfig,
                      fetcher: MediaFetcher | None) -> list[Media]:
-    """Loads every image of ``call`` (data: decoded, http(s) fetched concurrently, every header
-    checked), adds one item per image to ``req`` in order and returns them as Media. Raises
-    MediaError."""
+    """Loads every media item of ``call`` (data: decoded, http(s) fetched concurrently, every header
+    checked), adds one item per image or audio clip to ``req`` in order and returns them as Media.
+    Raises MediaError."""
     try:
-        images = await load_images(call.sources, cfg, fetcher)
+        datas = await load_images(call.sources, cfg, fetcher, call.modalities)
     except MediaError as e:
-        logger.info("request %s: image refused (%d): %s", req.request_id, e.status, e)
+        logger.info("request %s: media refused (%d): %s", req.request_id, e.status, e)
         raise
     media = []
-    for data in images:
+    for data, modality in zip(datas, call.modalities):
         ident = content_id(data)
-        req.items.add(modality="image", identifier=ident)
-        media.append(Media(data, ident))
+        req.items.add(modality=modality, identifier=ident)
+        media.append(Media(data, ident, modality))
     return media
 
 

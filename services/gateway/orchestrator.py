@@ -366,9 +366,9 @@ class Orchestrator:
         return "encoder", "auto"
 
     def _plan(self, media: list[Media], excluded: set[str], rid: str) -> list[_EncodeGroup]:
-        """Items grouped by the encoder each one maps to; none when no encoder
-        is healthy and the LM may encode itself."""
-        by_inst: dict[Instance, list[int]] = {}
+        """Items grouped by the encoder each one maps to and by modality (an Encode call
+        carries one modality); none when no encoder is healthy and the LM may encode itself."""
+        by_inst: dict[tuple[Instance, str], list[int]] = {}
         candidates = self.encoders.healthy(excluded)
         for i, m in enumerate(media):
             inst = pick_encoder(m.identifier, candidates, self.cfg.affinity_spill)
@@ -383,8 +383,8 @@ class Orchestrator:
                 logger.warning("request %s: no healthy encoder; the LM encodes its %d item(s) itself",
                                rid, len(media))
                 return []
-            by_inst.setdefault(inst, []).append(i)
-        return [_EncodeGroup(inst, idx) for inst, idx in by_inst.items()]
+            by_inst.setdefault((inst, m.modality), []).append(i)
+        return [_EncodeGroup(inst, idx) for (inst, _), idx in by_inst.items()]
 
     async def _start_encodes(self, req, media, groups: list[_EncodeGroup], timings: Timings,
                              deadline: float) -> None:
@@ -394,7 +394,7 @@ class Orchestrator:
         enc_deadline = min(deadline, time.monotonic() + self.cfg.encode_timeout_s)
         for g in groups:
             g.task = asyncio.get_running_loop().create_task(self._encode(g, req, media, timings, enc_deadline))
-        timings.encoders = [g.inst.address for g in groups]
+        timings.encoders = list(dict.fromkeys(g.inst.address for g in groups))
         waits = [g.task for g in groups] if self.cfg.dispatch == "sequential" else [g.metadata for g in groups]
         await asyncio.gather(*waits)
         timings.metadata_ms = timings.since_start_ms()  # of the attempt that goes on

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from services.common.errors import BadInput, EncoderUnavailable
-from services.common.layout import ItemLayout, splice
+from services.common.layout import ItemLayout, splice_modalities
 
 if TYPE_CHECKING:  # imported where used: ectransfer.connector imports vLLM, which this module's importers
     # (the CLI's parser, the gateway's tests) must not pay for
@@ -84,15 +84,15 @@ CURRENT: contextvars.ContextVar[RequestContext | None] = contextvars.ContextVar(
 
 
 class LaidOutRenderer:
-    """vLLM's renderer (``engine.renderer``) with one change: a chat whose images are
-    uuid-only items that the current request's ``RequestContext`` lays out is rendered
-    and tokenized by vLLM, then each item's placeholder is replaced by the encoder's
-    layout (``services.common.layout.splice``) instead of running the processor.
+    """vLLM's renderer (``engine.renderer``) with one change: a chat whose images (or audio
+    clips) are uuid-only items that the current request's ``RequestContext`` lays out is
+    rendered and tokenized by vLLM, then each item's placeholder is replaced by the encoder's
+    layout (``services.common.layout.splice_modalities``) instead of running the processor.
     Every other attribute is the wrapped renderer's."""
 
-    def __init__(self, inner, metadata_fields: set[str] = frozenset()) -> None:
+    def __init__(self, inner, metadata_fields: dict[str, set[str]] | None = None) -> None:
         self._inner = inner
-        self._metadata_fields = metadata_fields  # what each image item must bring (Qwen-VL: its grid)
+        self._metadata_fields = metadata_fields or {}  # per modality, what each item must bring (Qwen-VL: its grid)
 
     def __getattr__(self, name: str):
         return getattr(self._inner, name)
@@ -120,44 +120,59 @@ class LaidOutRenderer:
         return convs, inputs
 
 
-def _lay_out(tok_prompt: dict, ctx: RequestContext, metadata_fields: set[str] = frozenset()) -> dict:
-    """vLLM's tokenized chat prompt (placeholders not expanded; uuid-only images) as an
-    engine input whose images are laid out from the encoders' metadata."""
+LAID_OUT_MODALITIES = ("image", "audio")
+"""Modalities whose items an encoder processes and the LM lays out from its metadata."""
+
+
+def _lay_out(tok_prompt: dict, ctx: RequestContext, metadata_fields: dict[str, set[str]] | None = None) -> dict:
+    """vLLM's tokenized chat prompt (placeholders not expanded; uuid-only items) as an
+    engine input whose items are laid out from the encoders' metadata. ``metadata_fields``:
+    per modality, the processed fields each item must bring (Qwen-VL's grid, Qwen2-Audio's
+    token count)."""
     import torch
     from vllm.inputs import mm_input
     from vllm.multimodal.inputs import PlaceholderRange
 
     data = dict(tok_prompt.get("multi_modal_data") or {})
     uuids = dict(tok_prompt.get("multi_modal_uuids") or {})
-    images = data.pop("image", None) or []
-    idents = list(uuids.pop("image", None) or [])
+    per = {m: (data.pop(m, None) or [], list(uuids.pop(m, None) or [])) for m in LAID_OUT_MODALITIES}
+    per = {m: v for m, v in per.items() if v[0] or v[1]}
     if data or any(v for v in uuids.values()):
-        raise BadInput(f"only image items can come from an encoder; got {sorted(set(data) | set(uuids))}")
-    if any(img is not None for img in images) or len(idents) != len(images):
-        raise BadInput("a request with encoder items may not carry image data as well")
-    layouts = []
-    for ident in idents:
-        lay = ctx.layouts.get(ident) if ident else None
-        if lay is None:
-            raise BadInput(f"image {str(ident)[:16]!r}... has no encoder metadata")
-        layouts.append(lay)
+        raise BadInput(f"only {' and '.join(LAID_OUT_MODALITIES)} items can come from an encoder; got "
+                       f"{sorted(set(data) | set(uuids))}")
+    layouts: dict[str, list[ItemLayout]] = {}
+    for modality, (values, idents) in per.items():
+        if any(v is not None for v in values) or len(idents) != len(values):
+            raise BadInput(f"a request with encoder items may not carry {modality} data as well")
+        layouts[modality] = []
+        for ident in idents:
+            lay = ctx.layouts.get(ident) if ident else None
+            if lay is None:
+                raise BadInput(f"{modality} {str(ident)[:16]!r}... has no encoder metadata")
+            layouts[modality].append(lay)
     try:
-        ids, positions = splice(list(tok_prompt["prompt_token_ids"]), layouts)
+        ids, positions = splice_modalities(list(tok_prompt["prompt_token_ids"]), layouts)
     except ValueError as e:  # LayoutError: placeholders and items do not match
         raise BadInput(str(e)) from None
-    ranges = [PlaceholderRange(offset=off, length=length,
-                               is_embed=torch.frombuffer(bytearray(lay.is_embed), dtype=torch.uint8).bool()
-                               if lay.is_embed else None)
-              for (off, length), lay in zip(positions, layouts)]
-    # Families that declare placeholder metadata (Qwen-VL: the grid M-RoPE positions come from)
-    # get their metadata-only item; the embeddings themselves arrive through the connector.
-    items = [ctx.mm_kwargs.get(ident) for ident in idents]
-    for ident, item in zip(idents, items):
-        missing = set(metadata_fields) - set(item or ())
-        if missing:  # the engine would fail the whole batch on it: refused here instead
-            raise BadInput(f"image {str(ident)[:16]!r}... came without {sorted(missing)} from its encoder "
-                           "(an encoder older than this LM?)")
-    return mm_input(ids, {"image": items}, {"image": idents}, {"image": ranges}, prompt=tok_prompt.get("prompt"))
+    items, idents, ranges = {}, {}, {}
+    for modality, lays in layouts.items():
+        idents[modality] = per[modality][1]
+        ranges[modality] = [
+            PlaceholderRange(offset=off, length=length,
+                             is_embed=torch.frombuffer(bytearray(lay.is_embed), dtype=torch.uint8).bool()
+                             if lay.is_embed else None)
+            for (off, length), lay in zip(positions[modality], lays)]
+        # Families that declare placeholder metadata (Qwen-VL: the grid M-RoPE positions come from;
+        # Qwen2-Audio: each clip's token count) get their metadata-only item; the embeddings
+        # themselves arrive through the connector.
+        items[modality] = [ctx.mm_kwargs.get(ident) for ident in idents[modality]]
+        needed = (metadata_fields or {}).get(modality, set())
+        for ident, item in zip(idents[modality], items[modality]):
+            missing = set(needed) - set(item or ())
+            if missing:  # the engine would fail the whole batch on it: refused here instead
+                raise BadInput(f"{modality} {str(ident)[:16]!r}... came without {sorted(missing)} from its "
+                               "encoder (an encoder older than this LM?)")
+    return mm_input(ids, items, idents, ranges, prompt=tok_prompt.get("prompt"))
 
 
 class ConsumerEngine:
@@ -170,8 +185,8 @@ class ConsumerEngine:
         self._engine = engine
         from vllm.distributed.ec_transfer.ec_connector.utils import PlaceholderMetadataResolver
 
-        self.renderer = LaidOutRenderer(engine.renderer,
-                                        PlaceholderMetadataResolver(engine.model_config).fields_for("image"))
+        resolver = PlaceholderMetadataResolver(engine.model_config)
+        self.renderer = LaidOutRenderer(engine.renderer, {m: set(resolver.fields_for(m)) for m in LAID_OUT_MODALITIES})
 
     def __getattr__(self, name: str):
         return getattr(self._engine, name)

@@ -78,12 +78,17 @@ def openai_body(request: lm_pb2.GenerateRequest) -> dict:
     return body
 
 
-def check_media(body: dict, items: dict[str, lm_pb2.MMItem]) -> int:
-    """Refuses media the LM must not touch; returns the number of images with data.
+MEDIA_PARTS = {"image_url": "image", "audio_url": "audio"}
+"""Content part types the LM takes, and their modality: uuid-only (an encoder has the item) or a
+data: URL the gateway read (the LM encodes it itself)."""
 
-    An image part is either uuid-only (an item with a source: an encoder has it) or a
-    data: URL, whose uuid, when it has one, is the content hash of its bytes (so no
-    caller can label one image's bytes with another's identifier in vLLM's caches).
+
+def check_media(body: dict, items: dict[str, lm_pb2.MMItem]) -> int:
+    """Refuses media the LM must not touch; returns the number of items with data.
+
+    A media part (``MEDIA_PARTS``) is either uuid-only (an item with a source: an encoder
+    has it) or a data: URL, whose uuid, when it has one, is the content hash of its bytes
+    (so no caller can label one item's bytes with another's identifier in vLLM's caches).
     The LM never downloads: any other URL is refused."""
     with_data = 0
     messages = body.get("messages")
@@ -93,24 +98,26 @@ def check_media(body: dict, items: dict[str, lm_pb2.MMItem]) -> int:
             if not isinstance(part, dict) or part.get("type") in (None, "text"):
                 continue
             kind, uuid = part.get("type"), part.get("uuid")
-            if kind != "image_url":
-                raise BadInput(f"content part type {kind!r} is not served here (images only)")
-            url = part.get("image_url")
+            modality = MEDIA_PARTS.get(kind)
+            if modality is None:
+                raise BadInput(f"content part type {kind!r} is not served here "
+                               f"(served: {', '.join(MEDIA_PARTS)})")
+            url = part.get(kind)
             url = url.get("url") if isinstance(url, dict) else url
             if not url:
                 if uuid not in items or not items[uuid].HasField("source"):
-                    raise BadInput(f"image {str(uuid)[:16]!r}... has no data and no encoder")
+                    raise BadInput(f"{modality} {str(uuid)[:16]!r}... has no data and no encoder")
                 continue
             if not isinstance(url, str) or not url.startswith("data:"):
-                raise BadInput("the LM takes images as data: URLs only (the gateway fetches URLs)")
+                raise BadInput(f"the LM takes {modality} items as data: URLs only (the gateway fetches URLs)")
             with_data += 1
             if uuid is not None:
                 try:
                     data = base64.b64decode(url.partition(",")[2], validate=True)
                 except (binascii.Error, ValueError):
-                    raise BadInput("image data: URL is not valid base64") from None
+                    raise BadInput(f"{modality} data: URL is not valid base64") from None
                 if uuid != content_id(data):
-                    raise BadInput(f"image uuid {str(uuid)[:16]!r}... is not the content hash of its bytes")
+                    raise BadInput(f"{modality} uuid {str(uuid)[:16]!r}... is not the content hash of its bytes")
     return with_data
 
 

@@ -1,17 +1,21 @@
-"""Issue 12, the families with placeholder replacements (LLaVA-1.5, Gemma 3): through encoder -> LM
-with the official ``openai`` client, greedy tokens equal to plain vLLM's (``LLM.chat`` on the same
-messages) for one image, two images and the same image twice; every image encoded on the encoder,
-nothing encoded on the LM. LLaVA's prompt is laid out on the LM from the encoder's metadata (no
-image processor there); Gemma 3's layout depends on the prompt around each image (vLLM merges the
+"""Issue 12, every tiny family through encoder -> LM with the official ``openai`` client: greedy
+tokens equal to plain vLLM's (``LLM.chat`` on the same messages) for one item, two items, the same
+item twice and an item the encoder processed before; every item encoded on the encoder, nothing
+encoded on the LM. LLaVA-1.5 (placeholder replacements), Qwen2.5-VL (M-RoPE: each image's grid
+travels as metadata) and Qwen2-Audio (audio as OpenAI ``input_audio`` and vLLM ``audio_url`` parts;
+each clip's token count travels as metadata) are laid out on the LM from the encoder's metadata (no
+processor runs there); Gemma 3's layout depends on the prompt around each image (vLLM merges the
 newlines it adds with the prompt's), so its encoder sends no layout and the LM lays the prompt out
 with its processor (``services.encoder.server.layouts_context_free``). One deployment and one
 reference run per family (tiny offline checkpoints, ``services/tiny_families``)."""
 
 from __future__ import annotations
 
+import base64
+
 import pytest
 
-from services.common.images import data_url, make_image
+from services.common.images import data_url, make_audio, make_image
 from services.reference import run_subprocess
 from services.up import Deployment
 from tests.e2e.helpers import metric, settled
@@ -25,15 +29,37 @@ def _chat(images: list[int], text: str) -> dict:
             "max_tokens": 10, "temperature": 0, "return_token_ids": True}
 
 
+def _audio_chat(clips: list[int], text: str) -> dict:
+    """Audio as OpenAI's input_audio parts and vLLM's audio_url parts, alternately."""
+    content = []
+    for k, seed in enumerate(clips):
+        wav = make_audio(seed, 0.6 + 0.2 * (seed % 3))
+        content.append({"type": "input_audio", "input_audio": {"data": base64.b64encode(wav).decode(),
+                                                               "format": "wav"}} if k % 2 == 0 else
+                       {"type": "audio_url", "audio_url": {"url": data_url(wav, "audio/wav")}})
+    return {"messages": [{"role": "user", "content": [*content, {"type": "text", "text": text}]}],
+            "max_tokens": 10, "temperature": 0, "return_token_ids": True}
+
+
 REQUESTS = {
     "one": _chat([11], "What is in this picture?"),
     "two": _chat([12, 13], "Compare the two pictures."),
     "twice": _chat([14, 14], "Are these the same?"),
     "again": _chat([11], "Describe it again."),  # an image the encoder processed before (its caches hit)
 }
+AUDIO_REQUESTS = {
+    "one": _audio_chat([21], "What is this sound?"),
+    "two": _audio_chat([22, 23], "Compare the two sounds."),
+    "twice": _audio_chat([24, 24], "Are these the same?"),
+    "again": _audio_chat([21], "Describe it again."),
+}
 
 
-LAID_OUT_BY = {"llava": "encoder", "gemma3": "processor", "qwen2_5_vl": "encoder"}
+LAID_OUT_BY = {"llava": "encoder", "gemma3": "processor", "qwen2_5_vl": "encoder", "qwen2_audio": "encoder"}
+
+
+def _requests(family: str) -> dict[str, dict]:
+    return AUDIO_REQUESTS if family == "qwen2_audio" else REQUESTS
 
 
 @pytest.fixture(scope="module", params=list(LAID_OUT_BY))
@@ -41,7 +67,7 @@ def family(request):
     from services.cli import default_model
 
     model = default_model(family=request.param)
-    reference = dict(zip(REQUESTS, run_subprocess(model, list(REQUESTS.values()))))
+    reference = dict(zip(_requests(request.param), run_subprocess(model, list(_requests(request.param).values()))))
     dep = Deployment(model=model, quiet=True)
     dep.start()
     yield request.param, dep, reference
@@ -56,7 +82,7 @@ def test_family_matches_plain_vllm_with_every_image_encoded_remotely(family, nam
     client = OpenAI(base_url=dep.url + "/v1", api_key="unused", max_retries=0, timeout=120)
     lm_runs = metric(dep.lm_metrics, "epd_lm_local_encoder_runs_total")
     layouts = {by: metric(dep.lm_metrics, "epd_lm_prompt_layouts_total", by=by) for by in ("encoder", "processor")}
-    body = dict(REQUESTS[name])
+    body = dict(_requests(fam)[name])
     extra = {"return_token_ids": body.pop("return_token_ids")}
 
     resp = client.chat.completions.create(model="", extra_body=extra, **body)

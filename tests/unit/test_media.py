@@ -11,7 +11,7 @@ from helpers import image_bytes
 
 from services.common.errors import BadInput, NoCapacity
 from services.common.images import bomb_png
-from services.common.media import BYTES_PER_PIXEL, ByteBudget, ImageDecoder, MediaConfig, content_id, decode_image
+from services.common.media import BYTES_PER_PIXEL, ByteBudget, MediaConfig, MediaDecoder, content_id, decode_image
 
 pytestmark = pytest.mark.unit
 
@@ -89,8 +89,8 @@ def test_a_decompression_bomb_is_refused_from_its_header_without_decoding():
 # --- the service decoder: limits per request and per service --------------------------------------------
 
 
-def _decoder(**kw) -> ImageDecoder:
-    return ImageDecoder(MediaConfig(**{"decode_wait_s": 0.2, **kw}))
+def _decoder(**kw) -> MediaDecoder:
+    return MediaDecoder(MediaConfig(**{"decode_wait_s": 0.2, **kw}))
 
 
 def test_the_decoder_decodes_off_the_event_loop_on_named_threads(monkeypatch):

@@ -35,7 +35,7 @@ def _ctx(with_kwargs: bool) -> RequestContext:
 
 
 def test_metadata_only_items_travel_into_the_engine_input():
-    out = _lay_out(_prompt(2), _ctx(True), {"image_grid_thw"})
+    out = _lay_out(_prompt(2), _ctx(True), {"image": {"image_grid_thw"}})
     items = out["mm_kwargs"]["image"]
     assert [it["image_grid_thw"].data.tolist() for it in items] == [[1, 4, 4], [1, 4, 4]]
     assert out["prompt_token_ids"] == [1, 5, 9, 9, 9, 9, 6, 5, 9, 9, 9, 9, 6, 2]
@@ -43,9 +43,9 @@ def test_metadata_only_items_travel_into_the_engine_input():
 
 def test_an_item_without_the_metadata_its_family_needs_is_refused():
     with pytest.raises(BadInput, match="image_grid_thw"):
-        _lay_out(_prompt(2), _ctx(False), {"image_grid_thw"})
+        _lay_out(_prompt(2), _ctx(False), {"image": {"image_grid_thw"}})
 
 
 def test_families_that_need_none_lay_out_without_it():
-    out = _lay_out(_prompt(1), _ctx(False), set())
+    out = _lay_out(_prompt(1), _ctx(False), {})
     assert out["mm_kwargs"]["image"] == [None]

@@ -14,6 +14,7 @@ from helpers import data_url, image_bytes
 from epd.common.v1 import common_pb2
 from epd.lm.v1 import lm_pb2
 from services.common.errors import MediaError
+from services.common.images import make_audio
 from services.gateway.config import GatewayConfig
 from services.gateway.openai_api import (
     ApiError,
@@ -138,7 +139,7 @@ def test_malformed_messages_are_left_to_vllm(body):
     assert call.parts == [] and call.body == body
 
 
-@pytest.mark.parametrize("kind", ["input_audio", "audio_url", "video_url", "image_embeds", "file"])
+@pytest.mark.parametrize("kind", ["video_url", "image_embeds", "audio_embeds", "file"])
 def test_unserved_media_part_types_are_400(kind):
     e = api_error(chat("hi", {"type": kind, kind: {"url": "x"}}))
     assert e.status == 400 and e.param == "messages"
@@ -313,3 +314,69 @@ def test_a_client_request_id_reaches_the_engines_made_unique():
     assert a != b and a.startswith("client-7-") and b.startswith("client-7-")
     c, d = engine_request_id("", "cmpl"), engine_request_id("", "chatcmpl")
     assert c.startswith("cmpl-") and d.startswith("chatcmpl-") and c[5:] != d[9:]
+
+
+WAV = make_audio(0, 0.5)
+
+
+def audio(url):
+    return {"type": "audio_url", "audio_url": {"url": url}}
+
+
+def input_audio(data: bytes, fmt="wav"):
+    return {"type": "input_audio", "input_audio": {"data": base64.b64encode(data).decode(), "format": fmt}}
+
+
+def test_audio_parts_are_read_in_order_with_images():
+    """OpenAI's input_audio and vLLM's audio_url parts are items like images: each one's modality, its
+    bytes, its content hash."""
+    flac = make_audio(1, 0.3, fmt="FLAC")
+    call, req, media = parse_and_load(chat("hear", audio(data_url(WAV, "audio/wav")), image(data_url(PNG)),
+                                           input_audio(flac, "flac")))
+    assert call.modalities == ["audio", "image", "audio"]
+    assert [(m.modality, m.data) for m in media] == [("audio", WAV), ("image", PNG), ("audio", flac)]
+    assert [(i.modality, i.identifier) for i in req.items] == [
+        ("audio", hashlib.sha256(WAV).hexdigest()), ("image", hashlib.sha256(PNG).hexdigest()),
+        ("audio", hashlib.sha256(flac).hexdigest())]
+
+
+@pytest.mark.parametrize("part, needle", [
+    ({"type": "input_audio", "input_audio": {"format": "wav"}}, "input_audio.data is required"),
+    ({"type": "input_audio", "input_audio": "x"}, "input_audio.data is required"),
+    (input_audio(WAV, "aiff"), "input_audio.format must be one of wav, mp3, flac, ogg"),
+    ({"type": "audio_url", "audio_url": None, "uuid": "abc"}, "audio_url.url is required"),
+], ids=["no-data", "not-an-object", "format", "uuid-only"])
+def test_malformed_audio_parts_are_400(part, needle):
+    e = api_error(chat("hi", part))
+    assert e.status == 400 and needle in e.message
+
+
+@pytest.mark.parametrize("url, needle", [
+    (data_url(b"RIFF\x00\x00\x00\x00WAVEjunk", "audio/wav"), "header cannot be read"),
+    (data_url(b"hello there", "audio/wav"), "not a recognised audio file"),
+    (data_url(WAV, "image/png"), "expected audio/*"),
+    (data_url(b"", "audio/wav"), "audio is empty"),
+    ("file:///etc/passwd", "scheme 'file' is not allowed"),
+], ids=["broken-header", "not-audio", "image-mime", "empty", "file"])
+def test_bad_audio_is_400_naming_audio(url, needle):
+    e = api_error(chat(audio(url)))
+    assert e.status == 400 and e.param == "audio_url" and needle in e.message
+
+
+def test_audio_limits_count_duration_and_bytes():
+    cfg = GatewayConfig(lms="x:1", max_audios=1, max_audio_seconds=0.4, max_audio_bytes=len(WAV) - 1)
+    e = api_error(chat(input_audio(make_audio(2, 0.1)), input_audio(make_audio(3, 0.1))), cfg=cfg)
+    assert e.status == 400 and "at most 1 audio clips" in e.message
+    e = api_error(chat(audio(data_url(WAV, "audio/wav"))), cfg=GatewayConfig(lms="x:1", max_audio_seconds=0.4))
+    assert e.status == 400 and "0.5 s long" in e.message and "--max-audio-seconds" in e.message
+    e = api_error(chat(audio(data_url(WAV, "audio/wav"))), cfg=cfg)
+    assert e.status == 413 and e.param == "audio_url"
+
+
+def test_lm_body_sends_audio_as_audio_url_parts():
+    call, req, media = parse_and_load(chat(input_audio(WAV), audio(data_url(WAV, "audio/x-wav")), "which?"))
+    _laid_out(req, 0)
+    content = json.loads(call.lm_body(req, media))["messages"][0]["content"]
+    assert content[0] == {"type": "audio_url", "audio_url": None, "uuid": hashlib.sha256(WAV).hexdigest()}
+    # Not laid out: the LM decodes the bytes the gateway read, sent with the format's own media type.
+    assert content[1] == {"type": "audio_url", "audio_url": {"url": data_url(WAV, "audio/wav")}}
