@@ -18,7 +18,7 @@ import urllib.parse
 
 from aiohttp import web
 
-from services.common.images import bomb_png, make_image
+from services.common.images import bomb_png, make_audio, make_image
 
 BIG = 50 << 20
 _CHUNK = bytes(1 << 20)
@@ -50,6 +50,7 @@ class MediaServer:
         app = web.Application(middlewares=[self._count])
         app.router.add_get("/good.png", lambda r: web.Response(body=make_image(0), content_type="image/png"))
         app.router.add_get("/bomb.png", lambda r: web.Response(body=bomb_png(), content_type="image/png"))
+        app.router.add_get("/clip.wav", lambda r: web.Response(body=make_audio(0, 0.5), content_type="audio/wav"))
         app.router.add_get("/text", lambda r: web.Response(text="<html></html>", content_type="text/html"))
         app.router.add_get("/status/{code}", lambda r: web.Response(status=int(r.match_info["code"])))
         app.router.add_get("/redirect/{n}", self._redirect)

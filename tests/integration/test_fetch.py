@@ -11,7 +11,7 @@ import urllib.parse
 import pytest
 
 from services.common.errors import MediaError
-from services.common.images import make_image
+from services.common.images import make_audio, make_image
 from services.gateway.config import GatewayConfig
 from services.gateway.fetch import MediaFetcher, load_images
 from tests.integration.media_server import MediaServer
@@ -163,3 +163,30 @@ def test_load_images_fetches_concurrently_and_checks_the_header(server):
     with pytest.raises(MediaError, match="HTTP 404"):
         asyncio.run(go([server.url("/slow"), server.url("/status/404")]))  # the 404 cancels the slow one
     assert time.monotonic() - t0 < 4
+
+
+def test_audio_urls_are_fetched_under_the_same_guard_with_audio_rules(server):
+    """An audio part's URL: audio/* Content-Type, --max-audio-bytes, the header checked as audio; the
+    SSRF guard is the same."""
+    cfg = GatewayConfig(**LOOPBACK_OK)
+
+    async def go(urls, modalities, c=cfg):
+        f = MediaFetcher(c)
+        try:
+            return await load_images(urls, c, f, modalities)
+        finally:
+            await f.close()
+
+    clip = make_audio(0, 0.5)
+    assert asyncio.run(go([server.url("/clip.wav"), server.url("/good.png")], ["audio", "image"])) == [
+        clip, make_image(0)]
+    with pytest.raises(MediaError, match="Content-Type 'image/png', expected audio/"):
+        asyncio.run(go([server.url("/good.png")], ["audio"]))
+    with pytest.raises(MediaError, match="expected image/") as e:
+        asyncio.run(go([server.url("/clip.wav")], ["image"]))
+    assert e.value.modality == "image"
+    with pytest.raises(MediaError, match="--max-audio-bytes") as e:
+        asyncio.run(go([server.url("/clip.wav")], ["audio"], GatewayConfig(**LOOPBACK_OK, max_audio_bytes=1000)))
+    assert e.value.status == 413 and e.value.modality == "audio"
+    with pytest.raises(MediaError, match="private address"):
+        asyncio.run(go(["http://10.1.2.3/clip.wav"], ["audio"], GatewayConfig(lms="x:1")))

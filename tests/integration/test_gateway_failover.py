@@ -257,6 +257,27 @@ def test_items_with_different_hashes_go_to_their_own_encoders():
     run_cluster(body)
 
 
+def test_items_of_two_modalities_on_one_encoder_go_in_one_encode_call_each():
+    """An Encode call carries one modality (the encoder builds one prompt of that modality's
+    placeholders); items keep their request order in the LM's request."""
+    async def body(c: Cluster):
+        orch = await c.start()
+        ident = ids(1, "m")[0]
+        other = next(i for i in ids(64, "n") if c.encoder_for(i) is c.encoder_for(ident))
+        req, media = request("r-mixed", [ident, other, ident])
+        req.items[1].modality = media[1].modality = "audio"
+        await collect(orch, req, media)
+        enc = c.encoder_for(ident)
+        assert sorted([(it.modality, it.identifier) for it in r.items] for r in enc.requests) == [
+            [("audio", other)], [("image", ident), ("image", ident)]]
+        (lm_req,) = c.lm_requests()
+        assert [(it.modality, it.identifier) for it in lm_req.items] == [("image", ident), ("audio", other),
+                                                                          ("image", ident)]
+        assert all(it.source.transfer_endpoint == enc.endpoint for it in lm_req.items)
+
+    run_cluster(body)
+
+
 def test_repeated_items_stick_to_one_encoder():
     async def body(c: Cluster):
         orch = await c.start()

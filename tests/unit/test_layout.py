@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.layout import ItemLayout, LayoutError, item_layouts, splice
+from services.common.layout import ItemLayout, LayoutError, item_layouts, splice, splice_modalities
 
 IMG = 9  # the placeholder token
 
@@ -38,3 +38,20 @@ def test_splice_replaces_placeholders_left_to_right_and_reports_positions():
 def test_splice_refuses_a_prompt_whose_placeholders_do_not_match_the_items(prompt):
     with pytest.raises(LayoutError, match="placeholder"):
         splice(prompt, [ItemLayout((IMG,), (5,)), ItemLayout((IMG,), (6,))])
+
+
+AUD = 8  # another modality's placeholder token
+
+
+def test_splice_modalities_follows_the_prompt_order_across_modalities():
+    """Items of each modality are in prompt order; the prompt interleaves the modalities."""
+    img = [ItemLayout((IMG,), (5, 5)), ItemLayout((IMG,), (6,))]
+    aud = [ItemLayout((AUD,), (9, 9, 9))]
+    ids, pos = splice_modalities([1, IMG, 2, AUD, 3, IMG], {"image": img, "audio": aud})
+    assert ids == [1, 5, 5, 2, 9, 9, 9, 3, 6]
+    assert pos == {"image": [(1, 2), (8, 1)], "audio": [(4, 3)]}
+
+
+def test_splice_modalities_counts_placeholders_per_modality():
+    with pytest.raises(LayoutError, match="2 audio placeholder.*for 1 audio item"):
+        splice_modalities([AUD, IMG, AUD], {"image": [ItemLayout((IMG,), (5,))], "audio": [ItemLayout((AUD,), (9,))]})

@@ -222,3 +222,45 @@ def test_the_byte_budget_serves_waiters_first_come_first_served():
 def test_media_limits_are_validated():
     with pytest.raises(ValueError, match="max_request_pixels must be > 0"):
         MediaConfig(max_request_pixels=0)
+
+
+# --- audio: header checks, the same budget, vLLM's decoder -----------------------------------------------
+
+
+def test_audio_is_checked_from_its_header_and_charged_as_float32_samples():
+    from services.common.images import make_audio
+    from services.common.media import check_audio
+
+    wav, flac = make_audio(0, 0.5), make_audio(1, 0.25, fmt="FLAC")
+    assert check_audio(wav, 600) == ("WAV", 0.5, 8000 * 4)
+    assert check_audio(flac, 600)[:2] == ("FLAC", 0.25)
+    dec = _decoder(max_audio_seconds=0.4)
+    assert dec.check_audio([flac, flac], 2) == 2 * 4000 * 4
+    with pytest.raises(BadInput, match="audio 1: audio is 0.5 s long, more than the 0.4 s allowed"):
+        dec.check_audio([flac, wav], 2)
+    with pytest.raises(BadInput, match="3 audio clips in one request; this service allows at most 2"):
+        dec.check_audio([flac] * 3, 2)
+    with pytest.raises(BadInput, match="audio 0: audio is not a recognised audio file"):
+        dec.check_audio([image_bytes()], 2)
+    with pytest.raises(BadInput, match="header cannot be read"):
+        dec.check_audio([b"RIFF\x24\x00\x00\x00WAVEfmt " + bytes(8)], 2)
+
+
+def test_audio_decodes_with_vllms_decoder_and_gives_its_budget_back():
+    import numpy as np
+
+    from services.common.images import make_audio
+
+    dec = _decoder()
+    clip = make_audio(3, 0.25)
+
+    async def run():
+        clips, lease = await dec.decode_audio([clip], 2)
+        assert dec.budget.used == 4000 * 4
+        lease.release()
+        return clips
+
+    (samples, rate), = asyncio.run(run())
+    assert rate == 16000 and samples.dtype == np.float32 and samples.shape == (4000,)
+    assert dec.budget.used == 0
+    dec.close()

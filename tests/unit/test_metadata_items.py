@@ -49,3 +49,25 @@ def test_an_item_without_the_metadata_its_family_needs_is_refused():
 def test_families_that_need_none_lay_out_without_it():
     out = _lay_out(_prompt(1), _ctx(False), {})
     assert out["mm_kwargs"]["image"] == [None]
+
+
+def test_audio_and_image_items_lay_out_together_each_with_its_own_metadata():
+    """Qwen2-Audio's clips bring audio_num_tokens; a prompt may interleave modalities (vLLM lists
+    each modality's items in prompt order)."""
+    from vllm.multimodal.inputs import MultiModalBatchedField, MultiModalFieldElem, MultiModalKwargsItem
+
+    aud = 8
+    ctx = _ctx(True)
+    ctx.layouts["clip-0"] = ItemLayout((aud,), (aud, aud, aud))
+    ctx.mm_kwargs["clip-0"] = MultiModalKwargsItem({"audio_num_tokens": MultiModalFieldElem(
+        data=torch.tensor(3), field=MultiModalBatchedField(keep_on_cpu=True))})
+    prompt = {"prompt_token_ids": [1, aud, PH, 2], "multi_modal_data": {"image": [None], "audio": [None]},
+              "multi_modal_uuids": {"image": ["img-0"], "audio": ["clip-0"]}}
+    out = _lay_out(prompt, ctx, {"image": {"image_grid_thw"}, "audio": {"audio_num_tokens"}})
+    assert out["prompt_token_ids"] == [1, aud, aud, aud, 5, 9, 9, 9, 9, 6, 2]
+    assert [(r.offset, r.length) for r in out["mm_placeholders"]["audio"]] == [(1, 3)]
+    assert [(r.offset, r.length) for r in out["mm_placeholders"]["image"]] == [(4, 6)]
+    assert out["mm_kwargs"]["audio"][0]["audio_num_tokens"].data.item() == 3
+    del ctx.mm_kwargs["clip-0"]
+    with pytest.raises(BadInput, match=r"audio 'clip-0'... came without \['audio_num_tokens'\]"):
+        _lay_out(prompt, ctx, {"image": {"image_grid_thw"}, "audio": {"audio_num_tokens"}})
