@@ -53,8 +53,11 @@ class TransferServicer(encoder_pb2_grpc.TransferServiceServicer):
         stats_fn=None,
         lane: bool = True,
         limits: TransferLimits | None = None,
+        widths: dict[str, int] | None = None,
     ) -> None:
+        """``widths``: per modality, the engine's measured encoder output width (Stats reports it)."""
         self.stats_fn = stats_fn or store.snapshot
+        self.widths = dict(widths or {})
         self.store = store
         self.compat = compat
         self.producer_id = producer_id
@@ -75,7 +78,7 @@ class TransferServicer(encoder_pb2_grpc.TransferServiceServicer):
 
     async def Stats(self, request, context):
         values = {k: float(v) for k, v in self.stats_fn().items() if isinstance(v, (int, float))}
-        return encoder_pb2.StatsReply(values=values)
+        return encoder_pb2.StatsReply(values=values, encoder_output_widths=self.widths)
 
     async def _first(self, request_iterator, context, what: str):
         """The stream's next message, or None at its end; a peer that sends

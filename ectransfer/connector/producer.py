@@ -128,7 +128,7 @@ class ProducerScheduler:
         servicer = TransferServicer(self.store, compat_for(vllm_config, cfg.model_name),
                                     vllm_config.ec_transfer_config.engine_id, transports,
                                     item_wait_s=cfg.item_wait_s, stats_fn=lambda: self.stats_snapshot(),
-                                    limits=cfg.transfer_limits())
+                                    limits=cfg.transfer_limits(), widths=self.widths)
         self.server = TransferServerThread(servicer, cfg.transfer_host, cfg.transfer_port,
                                            security=SecurityConfig.from_dict(cfg.security))
         self._cfg, self._names, self._started = cfg, names, False

@@ -17,6 +17,8 @@ import signal
 import socket
 from collections.abc import Callable
 
+import grpc
+
 from ectransfer.connector.config import ConnectorTuning
 from ectransfer.security import SecurityConfig
 from ectransfer.shm import cleanup_orphans
@@ -78,6 +80,23 @@ def _placeholders(engine) -> dict[str, Callable[[int], str]]:
     if not out:
         raise ValueError(f"{mc.architectures} takes none of {', '.join(MODALITIES)}")
     return out
+
+
+async def _output_widths(endpoint: str, security: SecurityConfig) -> dict[str, int]:
+    """Per modality, the encoder output width the engine measured at start (vLLM's
+    ``mm_encoder_output_widths``; Qwen3-VL's DeepStack rows are wider than the LM's hidden
+    size), read from the engine's Transfer server: the engine process measured it, this one
+    cannot see its config. Raises RuntimeError when the engine's server does not answer."""
+    channel = security.aio_channel(endpoint)
+    try:
+        reply = await encoder_pb2_grpc.TransferServiceStub(channel).Stats(encoder_pb2.StatsRequest(), timeout=30)
+    except grpc.aio.AioRpcError as e:
+        raise RuntimeError(f"the engine's Transfer server at {endpoint} did not answer ({e.code().name}: "
+                           f"{e.details()})") from None
+    finally:
+        await channel.close()
+    logger.info("encoder output widths (measured by the engine): %s", dict(reply.encoder_output_widths) or "none")
+    return dict(reply.encoder_output_widths)
 
 
 def layouts_context_free(engine) -> bool:
@@ -170,7 +189,8 @@ async def serve(cfg: EncoderServiceConfig, engine_cfg: EngineConfig, stop: async
             transfer_endpoint=transfer_endpoint,
             compat=compat_for(engine.vllm_config, engine_cfg.model),
         )
-        servicer = EncoderServicer(engine, info, _placeholders(engine), mc.get_hidden_size(),
+        widths = await _output_widths(transfer_endpoint, security)
+        servicer = EncoderServicer(engine, info, _placeholders(engine), {"": mc.get_hidden_size(), **widths},
                                    dtype_enum(str(mc.dtype).removeprefix("torch.")), cfg.encode_timeout_s,
                                    decoder, layouts=layouts_context_free(engine))
         server = GrpcServer(cfg.host, cfg.port, security)

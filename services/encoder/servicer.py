@@ -35,10 +35,11 @@ ENCODE_SECONDS = Histogram("epd_encoder_encode_seconds", "Encode call duration",
 
 class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
     def __init__(self, engine, info: encoder_pb2.EncoderInfo, placeholders: dict[str, Callable[[int], str]],
-                 embed_width: int,
+                 embed_widths: dict[str, int],
                  dtype: int, timeout_s: float, decoder: MediaDecoder, layouts: bool = True) -> None:
         """``placeholders``: per modality this encoder serves ("image", "audio"), the model's prompt
-        placeholder for its i-th item (1-based; vLLM's ``get_placeholder_str``); ``layouts``: send each item's prompt layout (False: this model's
+        placeholder for its i-th item (1-based; vLLM's ``get_placeholder_str``); ``embed_widths``:
+        per modality, the width of one embedding row (key "": the default, the LM's hidden size); ``layouts``: send each item's prompt layout (False: this model's
         layouts depend on the prompt around the item, see ``server.layouts_context_free``; LMs use
         their processor)."""
         self.engine = engine
@@ -47,7 +48,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         self.limits = {m: mm.get_limit_per_prompt(m) for m in placeholders}
         self.info = info
         self.placeholders = placeholders
-        self.embed_width = embed_width
+        self.embed_widths = embed_widths
         self.dtype = dtype
         self.timeout_s = timeout_s
         self._originals: dict[tuple[str, int], list[int]] = {}  # the encode prompt for n items, tokenized
@@ -173,7 +174,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             for index, feat in enumerate(features):
                 md = encoder_pb2.ItemMetadata(
                     identifier=feat.identifier, index=index, modality=feat.modality,
-                    num_embeds=feat.mm_position.get_num_embeds(), embed_width=self.embed_width,
+                    num_embeds=feat.mm_position.get_num_embeds(),
+                    embed_width=self.embed_widths.get(feat.modality, self.embed_widths[""]),
                     dtype=self.dtype, transfer_endpoint=self.info.transfer_endpoint,
                     encoder_id=self.info.encoder_id, claim=claim)
                 md.mm_kwargs = self._metadata_kwargs(feat)

@@ -10,6 +10,7 @@ Families (see docs/models.md for sizes and what is verified):
 
 ``qwen2_audio``  Whisper-style audio encoder -> linear projector -> Qwen2 LM.
 ``qwen2_5_vl``   window-attention ViT with 2x2 patch merger -> Qwen2 LM with M-RoPE.
+``qwen3_vl``     ViT with 2x2 patch merger + DeepStack merger -> Qwen3 LM with interleaved M-RoPE.
 ``gemma3``       SigLIP -> avg-pool + soft-emb norm projector -> Gemma 3 LM.
 ``llava``        CLIP ViT -> 2-layer MLP projector -> Llama LM (LLaVA-1.5 layout).
 """
@@ -19,7 +20,7 @@ from __future__ import annotations
 import importlib
 import pathlib
 
-FAMILIES = ("qwen2_audio", "qwen2_5_vl", "gemma3", "llava")
+FAMILIES = ("qwen2_audio", "qwen2_5_vl", "qwen3_vl", "gemma3", "llava")
 
 
 def build_family(family: str, out: pathlib.Path, seed: int) -> None:

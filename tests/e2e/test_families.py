@@ -55,7 +55,8 @@ AUDIO_REQUESTS = {
 }
 
 
-LAID_OUT_BY = {"llava": "encoder", "gemma3": "processor", "qwen2_5_vl": "encoder", "qwen2_audio": "encoder"}
+LAID_OUT_BY = {"llava": "encoder", "gemma3": "processor", "qwen2_5_vl": "encoder", "qwen3_vl": "encoder",
+               "qwen2_audio": "encoder"}
 
 
 def _requests(family: str) -> dict[str, dict]:

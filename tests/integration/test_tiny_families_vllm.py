@@ -22,6 +22,7 @@ pytestmark = pytest.mark.integration
 FAMILIES = {  # family -> (modality, placeholder token, max_model_len)
     "qwen2_audio": ("audio", "<|AUDIO|>", 1024),
     "qwen2_5_vl": ("image", "<|image_pad|>", 1024),
+    "qwen3_vl": ("image", "<|image_pad|>", 1024),
     "gemma3": ("image", "<image_soft_token>", 1024),
     "llava": ("image", "<image>", 1024),
 }
@@ -65,7 +66,7 @@ def _run_family(family: str, path: str) -> dict:
         part = {"type": "image_url", "image_url": {"url": url}}
     messages = [{"role": "user", "content": [part, {"type": "text", "text": "What is this?"}]}]
     limits = {modality: 1}
-    if family == "qwen2_5_vl":
+    if family in ("qwen2_5_vl", "qwen3_vl"):
         limits["video"] = 0
     llm = LLM(model=path, max_model_len=max_len, enforce_eager=True, dtype="bfloat16", seed=0,
               limit_mm_per_prompt=limits, kv_cache_memory_bytes=64 << 20, max_num_seqs=2)

@@ -13,8 +13,8 @@ from services.torchvision_cpu import PATCH_MARKER, matching_version, patch_sourc
 
 pytestmark = pytest.mark.unit
 
-FAMILIES = ["qwen2_audio", "qwen2_5_vl", "gemma3", "llava"]
-VISION = ["qwen2_5_vl", "gemma3", "llava"]
+FAMILIES = ["qwen2_audio", "qwen2_5_vl", "qwen3_vl", "gemma3", "llava"]
+VISION = ["qwen2_5_vl", "qwen3_vl", "gemma3", "llava"]
 
 
 def _files(path):
@@ -49,6 +49,7 @@ def _chat(processor, modality):
 
 @pytest.mark.parametrize("family,placeholder,count", [
     ("qwen2_5_vl", "<|image_pad|>", 12),     # 84x112 px after resizing: 6x8 patches, merged 2x2
+    ("qwen3_vl", "<|image_pad|>", 8),        # 64x128 px after resizing: 4x8 patches, merged 2x2
     ("gemma3", "<image_soft_token>", 16),    # always 112 px: 8x8 patches pooled 2x2
     ("llava", "<image>", 64),                # 112 px crop: 8x8 patches, CLS dropped
 ])
@@ -91,6 +92,7 @@ def test_gemma3_newline_runs_are_single_tokens_and_image_projection_is_not_zero(
 @pytest.mark.parametrize("family,prefixes", [
     ("qwen2_audio", {"audio_tower", "multi_modal_projector", "language_model"}),
     ("qwen2_5_vl", {"visual", "model", "lm_head"}),
+    ("qwen3_vl", {"model", "lm_head"}),  # model.visual., model.language_model.
     ("gemma3", {"vision_tower", "multi_modal_projector", "language_model"}),
     ("llava", {"vision_tower", "multi_modal_projector", "language_model"}),
 ])
