@@ -65,6 +65,8 @@ class EngineConfig:
     """vLLM's limit_mm_per_prompt for images."""
     max_audios_per_prompt: int = 8
     """vLLM's limit_mm_per_prompt for audio clips (models without audio ignore it)."""
+    max_videos_per_prompt: int = 2
+    """vLLM's limit_mm_per_prompt for videos (models without video ignore it)."""
     device: str = "auto"
     """"auto", "cpu" or "cuda" (informational; vLLM picks the platform)."""
     cpu_cores: str = ""
@@ -89,7 +91,8 @@ def engine_kwargs(cfg: EngineConfig, ec_transfer_config: dict[str, Any] | None =
         max_num_seqs=cfg.max_num_seqs,
         enforce_eager=cfg.enforce_eager,
         seed=cfg.seed,
-        limit_mm_per_prompt={"image": cfg.max_images_per_prompt, "audio": cfg.max_audios_per_prompt},
+        limit_mm_per_prompt={"image": cfg.max_images_per_prompt, "audio": cfg.max_audios_per_prompt,
+                             "video": cfg.max_videos_per_prompt},
     )
     if cfg.max_model_len:
         kw["max_model_len"] = cfg.max_model_len
@@ -103,7 +106,8 @@ def engine_kwargs(cfg: EngineConfig, ec_transfer_config: dict[str, Any] | None =
     return kw
 
 
-def placeholder_metadata_fields(cfg: EngineConfig, modalities: tuple[str, ...] = ("image", "audio")) -> set[str]:
+def placeholder_metadata_fields(cfg: EngineConfig,
+                                modalities: tuple[str, ...] = ("image", "audio", "video")) -> set[str]:
     """The processed fields this model's data parser declares as placeholder metadata for
     ``modalities`` (vLLM's ``embedding_fields``; Qwen-VL: ``image_grid_thw``, Qwen2-Audio:
     ``audio_num_tokens``), read from the model's config and processor before any engine starts;

@@ -55,3 +55,20 @@ def make_audio(seed: int = 0, seconds: float = 1.0, rate: int = 16000, fmt: str 
     buf = io.BytesIO()
     soundfile.write(buf, wave, rate, format=fmt)
     return buf.getvalue()
+
+
+def make_video(seed: int = 0, frames: int = 8, size: tuple[int, int] = (64, 48), fps: float = 4.0) -> bytes:
+    """An MP4 (MPEG-4 part 2, OpenCV's writer) of ``frames`` seeded noise frames of ``size`` (w, h)."""
+    import tempfile
+
+    import cv2
+
+    rng = np.random.default_rng(seed)
+    with tempfile.NamedTemporaryFile(suffix=".mp4") as f:
+        writer = cv2.VideoWriter(f.name, cv2.VideoWriter_fourcc(*"mp4v"), fps, size)
+        try:
+            for _ in range(frames):
+                writer.write(rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8))
+        finally:
+            writer.release()
+        return f.read()

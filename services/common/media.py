@@ -13,12 +13,15 @@ on a small thread pool (``epd-decode-*``), never on the event loop. The caller
 holds the budget (a ``DecodeLease``) until the decoded images are handed on
 and releases it; a failed or cancelled decode releases it itself.
 
-Audio goes the same way: at most ``max_audios`` clips, each one of
-``AUDIO_FORMATS`` (sniffed from its first bytes) whose header (read by
-soundfile, nothing decoded) says at most ``max_audio_seconds``; its decoded
-size (float32 PCM per frame and channel) is taken from the same budget, and
-vLLM's own ``AudioMediaIO`` decodes it, exactly as ``vllm serve`` decodes an
-``audio_url``, so the processor sees the same samples.
+Audio and video go the same way (``check_media``, ``decode_media``): at most
+the engine's limit per prompt, each one of ``AUDIO_FORMATS`` /
+``VIDEO_FORMATS`` (sniffed from its first bytes) whose header (soundfile for
+audio, OpenCV's container reader for video; nothing decoded) says at most
+``max_audio_seconds`` / ``max_video_seconds`` (video frames at most
+``max_image_pixels``); the decoded size (float32 samples; the RGB frames vLLM
+samples) is taken from the same budget, and vLLM's own ``AudioMediaIO`` /
+``VideoMediaIO`` decodes the item, exactly as ``vllm serve`` decodes an
+``audio_url`` / ``video_url``, so the processor sees the same input.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import hashlib
 import io
 import logging
 import warnings
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -96,6 +100,69 @@ def check_audio(data: bytes, max_seconds: float) -> tuple[str, float, int]:
         raise MediaError(f"audio is {seconds:.1f} s long, more than the {max_seconds:g} s allowed "
                          "(--max-audio-seconds); refused")
     return sniffed, seconds, info.frames * info.channels * 4
+
+
+VIDEO_FORMATS = ("MP4", "WEBM", "AVI")
+"""Video containers accepted (MP4 includes QuickTime MOV; WEBM includes Matroska), decoded by
+vLLM's ``VideoMediaIO`` with its default ``opencv`` backend, as ``vllm serve`` decodes a
+``video_url``."""
+MAX_VIDEO_SECONDS = 600.0
+VIDEO_FRAMES = 32  # frames vLLM's VideoMediaIO samples from a clip (its num_frames default)
+
+
+def sniff_video_format(data: bytes) -> str | None:
+    """The ``VIDEO_FORMATS`` name ``data``'s signature names, or None."""
+    if data[4:8] == b"ftyp":
+        return "MP4"
+    if data.startswith(b"\x1a\x45\xdf\xa3"):
+        return "WEBM"
+    if data[:4] == b"RIFF" and data[8:12] == b"AVI ":
+        return "AVI"
+    return None
+
+
+def check_video(data: bytes, max_seconds: float, max_frame_pixels: int) -> tuple[str, float, int]:
+    """Reads the video's container header (OpenCV opens it from memory, as vLLM's opencv backend
+    does; no frame is decoded) and returns (format, seconds, decoded bytes of the frames vLLM
+    samples: at most ``VIDEO_FRAMES`` RGB frames), or raises MediaError: empty, not one of
+    ``VIDEO_FORMATS``, unreadable, no frames, frames over ``max_frame_pixels`` or longer than
+    ``max_seconds``."""
+    if not data:
+        raise MediaError("video is empty")
+    sniffed = sniff_video_format(data)
+    if sniffed is None:
+        raise MediaError(f"video is not a recognised video file (first bytes: {data[:12].hex(' ')}); "
+                         f"accepted: {', '.join(VIDEO_FORMATS)}")
+    try:
+        import cv2
+        import cv2.videoio_registry as vr
+    except ImportError:
+        raise MediaError("video cannot be read here: OpenCV (cv2) is not installed") from None
+    api = next((b for b in vr.getStreamBufferedBackends() if vr.hasBackend(b)), None)
+    try:
+        buf = io.BytesIO(data)  # referenced until the capture is released (OpenCV reads it, holding no reference)
+        cap = cv2.VideoCapture(buf, api, []) if api is not None else None
+        if cap is None or not cap.isOpened():
+            raise MediaError(f"video starts like {sniffed} but cannot be opened; refused")
+        try:
+            w, h = int(cap.get(cv2.CAP_PROP_FRAME_WIDTH)), int(cap.get(cv2.CAP_PROP_FRAME_HEIGHT))
+            frames, fps = int(cap.get(cv2.CAP_PROP_FRAME_COUNT)), cap.get(cv2.CAP_PROP_FPS)
+        finally:
+            cap.release()
+    except MediaError:
+        raise
+    except Exception as e:  # noqa: BLE001 - OpenCV raises cv2.error and others for bad data
+        raise MediaError(f"video starts like {sniffed} but its header cannot be read ({e}); refused") from None
+    if frames <= 0 or w <= 0 or h <= 0 or fps <= 0:
+        raise MediaError(f"video ({sniffed}) holds no readable frames")
+    if w * h > max_frame_pixels:
+        raise MediaError(f"video frames are {w}x{h}, more than {max_frame_pixels} pixels (--max-image-pixels); "
+                         "refused")
+    seconds = frames / fps
+    if seconds > max_seconds:
+        raise MediaError(f"video is {seconds:.1f} s long, more than the {max_seconds:g} s allowed "
+                         "(--max-video-seconds); refused")
+    return sniffed, seconds, min(frames, VIDEO_FRAMES) * w * h * 3
 
 
 def content_id(data: bytes) -> str:
@@ -172,10 +239,13 @@ class MediaConfig:
     """Threads that decode media (off the event loop)."""
     max_audio_seconds: float = MAX_AUDIO_SECONDS
     """Longest audio clip in seconds, read from its header before decoding."""
+    max_video_seconds: float = MAX_VIDEO_SECONDS
+    """Longest video in seconds, read from its container header before decoding (frames at most
+    --max-image-pixels each)."""
 
     def __post_init__(self) -> None:
         for name in ("max_image_pixels", "max_request_pixels", "decode_budget_mib", "decode_threads",
-                     "max_audio_seconds"):
+                     "max_audio_seconds", "max_video_seconds"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.decode_wait_s < 0:
@@ -308,42 +378,45 @@ class MediaDecoder:
             raise
         return list(images), lease
 
-    def check_audio(self, datas: list[bytes], max_audios: int) -> int:
-        """Header checks of one request's audio clips (nothing decoded); returns their decoded bytes.
-        Raises BadInput naming the clip and the limit."""
-        if len(datas) > max_audios:
-            raise BadInput(f"{len(datas)} audio clips in one request; this service allows at most {max_audios} "
-                           "(--max-audios-per-prompt)")
+    def check_media(self, modality: str, datas: list[bytes], limit: int) -> int:
+        """Header checks of one request's audio clips or videos (nothing decoded); returns their
+        decoded bytes. Raises BadInput naming the item and the limit."""
+        if len(datas) > limit:
+            raise BadInput(f"{len(datas)} {modality} items in one request; this service allows at most {limit} "
+                           f"(--max-{modality}s-per-prompt)")
         nbytes = 0
         for i, data in enumerate(datas):
             try:
-                nbytes += check_audio(data, self.cfg.max_audio_seconds)[2]
+                if modality == "audio":
+                    nbytes += check_audio(data, self.cfg.max_audio_seconds)[2]
+                else:
+                    nbytes += check_video(data, self.cfg.max_video_seconds, self.cfg.max_image_pixels)[2]
             except MediaError as e:
-                raise BadInput(f"audio {i}: {e}") from None
+                raise BadInput(f"{modality} {i}: {e}") from None
         if nbytes > self.budget.capacity:
-            raise BadInput(f"the request's audio decodes to {nbytes >> 20} MiB, more than this service decodes at "
-                           f"once ({self.cfg.decode_budget_mib:g} MiB, --decode-budget-mib)")
+            raise BadInput(f"the request's {modality} decodes to {nbytes >> 20} MiB, more than this service decodes "
+                           f"at once ({self.cfg.decode_budget_mib:g} MiB, --decode-budget-mib)")
         return nbytes
 
-    async def decode_audio(self, datas: list[bytes], max_audios: int,
-                           rid: str = "") -> tuple[list[tuple[Any, float]], DecodeLease]:
-        """As ``decode`` for audio: checks, waits for budget, decodes off the loop with vLLM's
-        ``AudioMediaIO`` (mono float32 at the clip's own rate; vLLM's processor resamples as it does
-        for ``vllm serve``). Returns the (samples, rate) pairs and the lease."""
-        nbytes = self.check_audio(datas, max_audios)
+    async def decode_media(self, modality: str, datas: list[bytes], limit: int, loader: Callable[[bytes], Any],
+                           rid: str = "") -> tuple[list[Any], DecodeLease]:
+        """As ``decode`` for audio clips and videos: header checks, the budget, then ``loader``
+        (vLLM's ``AudioMediaIO`` / ``VideoMediaIO`` ``load_bytes``, as the encoder builds them)
+        off the loop. Returns what the loader made, per item, and the lease."""
+        nbytes = self.check_media(modality, datas, limit)
         if not await self.budget.acquire(nbytes, self.cfg.decode_wait_s):
             raise NoCapacity(f"this service is decoding {self.budget.used >> 20} MiB of media for other requests "
                              f"(budget {self.cfg.decode_budget_mib:g} MiB); the request's {nbytes >> 20} MiB of "
-                             f"audio did not fit within {self.cfg.decode_wait_s:g}s; retry later")
+                             f"{modality} did not fit within {self.cfg.decode_wait_s:g}s; retry later")
         lease = DecodeLease(self.budget, nbytes)
         try:
             loop = asyncio.get_running_loop()
-            clips = await asyncio.gather(*(loop.run_in_executor(self._pool, _decode_audio_nth, i, data)
-                                           for i, data in enumerate(datas)))
+            out = await asyncio.gather(*(loop.run_in_executor(self._pool, _load_nth, modality, i, data, loader)
+                                         for i, data in enumerate(datas)))
         except BaseException:
             lease.release()
             raise
-        return list(clips), lease
+        return list(out), lease
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -356,10 +429,8 @@ def _decode_nth(i: int, data: bytes, max_pixels: int) -> Image.Image:
         raise BadInput(f"image {i}: {e}") from None
 
 
-def _decode_audio_nth(i: int, data: bytes) -> tuple[Any, float]:
-    from vllm.multimodal.media.audio import AudioMediaIO
-
+def _load_nth(modality: str, i: int, data: bytes, loader: Callable[[bytes], Any]) -> Any:
     try:
-        return AudioMediaIO().load_bytes(data)
+        return loader(data)
     except Exception as e:  # noqa: BLE001 - decoders raise many types for bad data
-        raise BadInput(f"audio {i} could not be decoded: {e}") from None
+        raise BadInput(f"{modality} {i} could not be decoded: {e}") from None

@@ -58,8 +58,8 @@ def _ec_config(cfg: EncoderServiceConfig, engine_cfg: EngineConfig, transfer_por
     }
 
 
-MODALITIES = ("image", "audio")
-"""What an encoder encodes, where its model takes it (video is not served: the gateway refuses it)."""
+MODALITIES = ("image", "audio", "video")
+"""What an encoder encodes, where its model takes it."""
 
 
 def _placeholders(engine) -> dict[str, Callable[[int], str]]:

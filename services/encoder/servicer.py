@@ -14,6 +14,7 @@ import secrets
 import time
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 from prometheus_client import Counter, Histogram
 
@@ -55,6 +56,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         self.send_layouts = layouts
         self._warned = False
         self._resolver = None  # vLLM's PlaceholderMetadataResolver, made on first use
+        self._loaders: dict[str, Callable[[bytes], Any]] = {}  # vLLM's media decoders, made on first use
 
     def _metadata_kwargs(self, feat) -> str:
         """The item's processed inputs the LM needs without the media (the fields this
@@ -108,6 +110,31 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
                            "run their own processor to lay out prompts", modality)
         return layouts
 
+    def _loader(self, modality: str) -> Callable[[bytes], Any]:
+        """vLLM's own decoder for ``modality``, set up as its chat front end sets it up for
+        ``vllm serve`` (``MediaConnector.fetch_audio`` / ``fetch_video``: the model's
+        ``media_io_kwargs``, the video backend its video processor asks for), so the processor
+        here sees what it would see there."""
+        if modality not in self._loaders:
+            from vllm.multimodal.media.audio import AudioMediaIO
+
+            kwargs = self.engine.model_config.multimodal_config.media_io_kwargs or {}
+            if modality == "audio":
+                self._loaders[modality] = AudioMediaIO(**kwargs.get("audio", {})).load_bytes
+            else:
+                from vllm.multimodal.media.image import ImageMediaIO
+                from vllm.multimodal.media.video import VideoMediaIO
+                from vllm.multimodal.video import get_video_loader_backend_for_processor
+                from vllm.transformers_utils.processor import get_video_processor_cls_name
+
+                video_kw = dict(kwargs.get("video", {}))
+                if "video_backend" not in video_kw and (backend := get_video_loader_backend_for_processor(
+                        get_video_processor_cls_name(self.engine.model_config))):
+                    video_kw["video_backend"] = backend
+                image_io = ImageMediaIO(**({"image_mode": "RGB"} | kwargs.get("image", {})))
+                self._loaders[modality] = VideoMediaIO(image_io, **video_kw).load_bytes
+        return self._loaders[modality]
+
     def _prompt(self, modality: str, n: int) -> str:
         """The encode prompt: the model's placeholder for each of ``n`` items, in order (numbered where
         the model numbers them, e.g. Qwen2-Audio's "Audio 1: ...")."""
@@ -146,10 +173,11 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
                     raise BadInput(f"item {i}: identifier {item.identifier[:16]!r}... is not the content hash of "
                                    f"its bytes")
             datas = [item.data for item in request.items]
-            if modality == "audio":
-                media, lease = await self.decoder.decode_audio(datas, self.limits[modality], rid)
-            else:
+            if modality == "image":
                 media, lease = await self.decoder.decode(datas, self.limits[modality], rid)
+            else:
+                media, lease = await self.decoder.decode_media(modality, datas, self.limits[modality],
+                                                               self._loader(modality), rid)
             ITEMS.inc(len(media))
             prompt = {
                 "prompt": self._prompt(modality, len(media)),

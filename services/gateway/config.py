@@ -78,6 +78,10 @@ class GatewayConfig:
     """Longest accepted audio clip in seconds, read from its header before anything is decoded."""
     max_audios: int = 8
     """Most audio clips in one request."""
+    max_video_bytes: int = 64 << 20
+    """Largest accepted encoded video (data: URL or fetched)."""
+    max_videos: int = 2
+    """Most videos in one request."""
     fetch_timeout_s: float = 10.0
     """Limit for fetching one http(s) image URL: connect, redirects and body together."""
     fetch_max_redirects: int = 3

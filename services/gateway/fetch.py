@@ -4,7 +4,8 @@ with limits.
 The gateway is the only component that reads media from the outside (encoders and LMs are handed
 bytes). ``load_images`` turns the sources of one request into checked media bytes; ``MediaFetcher``
 fetches http(s) URLs. Rules for a fetch, each refusal a ``MediaError`` that says what and why (the
-same for audio, with ``audio/*``, ``--max-audio-bytes`` and ``AUDIO_FORMATS``):
+same for audio and video, with ``audio/*`` / ``video/*``, ``--max-audio-bytes`` / ``--max-video-bytes``
+and ``AUDIO_FORMATS`` / ``VIDEO_FORMATS``):
 
 - scheme http or https only;
 - SSRF guard, before any connection: an IP-literal host is checked directly; a host name is resolved
@@ -20,7 +21,8 @@ same for audio, with ``audio/*``, ``--max-audio-bytes`` and ``AUDIO_FORMATS``):
   ``services.common.media.IMAGE_FORMATS`` (the one list, shared with ``check_image``), sniffed from
   its first bytes (``sniff_image_format``; a declared media type proves nothing), and its header must
   parse as that format within ``--max-image-pixels``; an audio clip one of ``AUDIO_FORMATS`` whose
-  header says at most ``--max-audio-seconds`` (``check_audio``);
+  header says at most ``--max-audio-seconds`` (``check_audio``); a video one of ``VIDEO_FORMATS`` by
+  its signature (its container is parsed by the encoder that decodes it, never in the gateway);
 - no proxies from the environment, no cookies kept, no content decoding (``Accept-Encoding:
   identity``), so the byte limit is the limit on what the gateway holds.
 
@@ -44,7 +46,7 @@ from aiohttp.abc import AbstractResolver
 from yarl import URL
 
 from services.common.errors import MediaError
-from services.common.media import IMAGE_FORMATS, check_audio, check_image
+from services.common.media import IMAGE_FORMATS, VIDEO_FORMATS, check_audio, check_image, sniff_video_format
 from services.gateway.config import GatewayConfig
 
 if TYPE_CHECKING:
@@ -287,8 +289,9 @@ class MediaFetcher:
 
 
 def max_bytes(cfg: GatewayConfig, modality: str) -> int:
-    """The largest encoded item of ``modality`` the gateway accepts (--max-image-bytes, --max-audio-bytes)."""
-    return cfg.max_audio_bytes if modality == "audio" else cfg.max_image_bytes
+    """The largest encoded item of ``modality`` the gateway accepts (--max-image-bytes, --max-audio-bytes,
+    --max-video-bytes)."""
+    return {"audio": cfg.max_audio_bytes, "video": cfg.max_video_bytes}.get(modality, cfg.max_image_bytes)
 
 
 def decode_data_url(url: str, max_bytes: int, modality: str = "image") -> bytes:
@@ -333,6 +336,12 @@ async def _load(source: str | bytes, cfg: GatewayConfig, fetcher: MediaFetcher |
         raise MediaError(f"{modality} larger than {limit} bytes (--max-{modality}-bytes)", status=413)
     if modality == "audio":
         check_audio(data, cfg.max_audio_seconds)
+    elif modality == "video":
+        # The container is parsed (FFmpeg, through OpenCV) by the encoder that decodes it, not here: a
+        # parser fault in the gateway's process would take every request with it.
+        if sniff_video_format(data) is None:
+            raise MediaError(f"video is not a recognised video file (first bytes: {data[:12].hex(' ')}); "
+                             f"accepted: {', '.join(VIDEO_FORMATS)}")
     else:
         check_format(data, cfg.max_image_pixels)
     return data

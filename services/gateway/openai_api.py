@@ -24,7 +24,7 @@ from aiohttp import web
 
 from epd.lm.v1 import lm_pb2
 from services.common.errors import MediaError
-from services.common.media import content_id, sniff_audio_format
+from services.common.media import content_id, sniff_audio_format, sniff_video_format
 from services.gateway import metrics
 from services.gateway.admission import AdmissionRefused
 from services.gateway.config import GatewayConfig
@@ -97,13 +97,15 @@ def media_api_error(e: MediaError) -> ApiError:
     return ApiError(e.status, str(e), param=f"{e.modality}_url")
 
 
-# Content part types that carry media epd-serve does not serve: video (vLLM would decode it on the LM; no
-# video decoder is installed with the CPU wheel), embeddings a client computed, and files.
-UNSERVED_MEDIA = frozenset({"video_url", "image_embeds", "audio_embeds", "video_embeds", "image_pil", "file"})
-MEDIA_PARTS = {"image_url": "image", "audio_url": "audio", "input_audio": "audio"}
+# Content part types that carry media epd-serve does not serve: embeddings a client computed, and files.
+UNSERVED_MEDIA = frozenset({"image_embeds", "audio_embeds", "video_embeds", "image_pil", "file"})
+MEDIA_PARTS = {"image_url": "image", "audio_url": "audio", "input_audio": "audio", "video_url": "video"}
 """Content part types the gateway serves, and their modality: OpenAI's image_url and input_audio
-(base64 data with its format), and vLLM's audio_url."""
-AUDIO_MIME = {"WAV": "audio/wav", "FLAC": "audio/flac", "OGG": "audio/ogg", "MP3": "audio/mpeg"}
+(base64 data with its format), and vLLM's audio_url and video_url."""
+MIME = {"WAV": "audio/wav", "FLAC": "audio/flac", "OGG": "audio/ogg", "MP3": "audio/mpeg",
+        "MP4": "video/mp4", "WEBM": "video/webm", "AVI": "video/x-msvideo"}
+LIMIT_FLAG = {"image": "max_images", "audio": "max_audios", "video": "max_videos"}
+ITEMS = {"image": "images", "audio": "audio clips", "video": "videos"}
 INPUT_AUDIO_FORMATS = ("wav", "mp3", "flac", "ogg")
 MEDIA_REF = "epd-media:"  # gRPC API: an image_url/audio_url that names OpenAIRequest.media[N]
 
@@ -134,13 +136,16 @@ class OpenAICall:
         if self.request_id and (self.id_given or not body.get("request_id")):
             body["request_id"] = self.request_id
         for (i, j), item, m in zip(self.parts, req.items, media):
-            kind = "audio_url" if m.modality == "audio" else "image_url"
+            kind = f"{m.modality}_url"
             part: dict[str, Any] = {"type": kind, "uuid": item.identifier}
             if item.source.placeholder_token_ids:
                 part[kind] = None
             else:
-                mime = AUDIO_MIME.get(sniff_audio_format(m.data) or "", "audio/wav") if m.modality == "audio" \
-                    else "image/png"
+                if m.modality == "image":
+                    mime = "image/png"  # the LM's image decoder sniffs the format
+                else:
+                    sniffed = sniff_audio_format(m.data) if m.modality == "audio" else sniff_video_format(m.data)
+                    mime = MIME.get(sniffed or "", f"{m.modality}/octet-stream")
                 part[kind] = {"url": f"data:{mime};base64," + base64.b64encode(m.data).decode()}
                 if not item.HasField("source"):
                     del part["uuid"]  # the LM encodes it itself and hashes it as vLLM does
@@ -168,10 +173,10 @@ def parse_openai(api: str, raw: bytes, cfg: GatewayConfig, media: list[bytes] | 
             if modality is None:
                 continue
             url = _part_url(part, kind, f"messages[{i}].content[{j}]")
-            limit = cfg.max_audios if modality == "audio" else cfg.max_images
+            limit = getattr(cfg, LIMIT_FLAG[modality])
             if call.modalities.count(modality) >= limit:
-                raise ApiError(400, f"at most {limit} {'audio clips' if modality == 'audio' else 'images'} per "
-                                    f"request (--max-{modality}s)", param="messages")
+                raise ApiError(400, f"at most {limit} {ITEMS[modality]} per request (--max-{modality}s)",
+                               param="messages")
             call.modalities.append(modality)
             if url.startswith(MEDIA_REF):
                 k = url[len(MEDIA_REF):]

@@ -120,7 +120,7 @@ class LaidOutRenderer:
         return convs, inputs
 
 
-LAID_OUT_MODALITIES = ("image", "audio")
+LAID_OUT_MODALITIES = ("image", "audio", "video")
 """Modalities whose items an encoder processes and the LM lays out from its metadata."""
 
 
@@ -138,7 +138,7 @@ def _lay_out(tok_prompt: dict, ctx: RequestContext, metadata_fields: dict[str, s
     per = {m: (data.pop(m, None) or [], list(uuids.pop(m, None) or [])) for m in LAID_OUT_MODALITIES}
     per = {m: v for m, v in per.items() if v[0] or v[1]}
     if data or any(v for v in uuids.values()):
-        raise BadInput(f"only {' and '.join(LAID_OUT_MODALITIES)} items can come from an encoder; got "
+        raise BadInput(f"only {', '.join(LAID_OUT_MODALITIES)} items can come from an encoder; got "
                        f"{sorted(set(data) | set(uuids))}")
     layouts: dict[str, list[ItemLayout]] = {}
     for modality, (values, idents) in per.items():

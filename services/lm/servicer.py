@@ -78,7 +78,7 @@ def openai_body(request: lm_pb2.GenerateRequest) -> dict:
     return body
 
 
-MEDIA_PARTS = {"image_url": "image", "audio_url": "audio"}
+MEDIA_PARTS = {"image_url": "image", "audio_url": "audio", "video_url": "video"}
 """Content part types the LM takes, and their modality: uuid-only (an encoder has the item) or a
 data: URL the gateway read (the LM encodes it itself)."""
 

@@ -15,7 +15,7 @@ import base64
 
 import pytest
 
-from services.common.images import data_url, make_audio, make_image
+from services.common.images import data_url, make_audio, make_image, make_video
 from services.reference import run_subprocess
 from services.up import Deployment
 from tests.e2e.helpers import metric, settled
@@ -55,12 +55,32 @@ AUDIO_REQUESTS = {
 }
 
 
+
+
+def _video_chat(parts: list[tuple[str, int]], text: str) -> dict:
+    """Videos (MP4 from OpenCV's writer, vLLM's video_url parts) and images, in order."""
+    content = [{"type": "video_url", "video_url": {"url": data_url(make_video(seed, frames=8), "video/mp4")}}
+               if kind == "video" else {"type": "image_url", "image_url": {"url": data_url(make_image(seed, (96, 80)))}}
+               for kind, seed in parts]
+    return {"messages": [{"role": "user", "content": [*content, {"type": "text", "text": text}]}],
+            "max_tokens": 10, "temperature": 0, "return_token_ids": True}
+
+
+VIDEO_REQUESTS = {
+    "video": _video_chat([("video", 31)], "What happens in this video?"),
+    "video-image": _video_chat([("video", 32), ("image", 33)], "Does the picture appear in the video?"),
+    "video-twice": _video_chat([("video", 34), ("video", 34)], "Are these the same?"),
+}
+
+
 LAID_OUT_BY = {"llava": "encoder", "gemma3": "processor", "qwen2_5_vl": "encoder", "qwen3_vl": "encoder",
                "qwen2_audio": "encoder"}
 
 
 def _requests(family: str) -> dict[str, dict]:
-    return AUDIO_REQUESTS if family == "qwen2_audio" else REQUESTS
+    if family == "qwen2_audio":
+        return AUDIO_REQUESTS
+    return {**REQUESTS, **VIDEO_REQUESTS} if family == "qwen2_5_vl" else REQUESTS
 
 
 @pytest.fixture(scope="module", params=list(LAID_OUT_BY))
@@ -77,6 +97,18 @@ def family(request):
 
 @pytest.mark.parametrize("name", list(REQUESTS))
 def test_family_matches_plain_vllm_with_every_image_encoded_remotely(family, name):
+    _check(family, name)
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl"], indirect=True)  # the same deployment as its image cases
+@pytest.mark.parametrize("name", list(VIDEO_REQUESTS))
+def test_qwen2_5_vl_video_matches_plain_vllm_with_every_item_encoded_remotely(family, name):
+    """Video (vLLM's video_url, decoded on the encoder by vLLM's opencv backend): each video's grid
+    and seconds per grid travel as metadata (M-RoPE), the LM lays the prompt out."""
+    _check(family, name)
+
+
+def _check(family, name: str) -> None:
     from openai import OpenAI
 
     fam, dep, reference = family

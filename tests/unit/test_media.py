@@ -235,15 +235,15 @@ def test_audio_is_checked_from_its_header_and_charged_as_float32_samples():
     assert check_audio(wav, 600) == ("WAV", 0.5, 8000 * 4)
     assert check_audio(flac, 600)[:2] == ("FLAC", 0.25)
     dec = _decoder(max_audio_seconds=0.4)
-    assert dec.check_audio([flac, flac], 2) == 2 * 4000 * 4
+    assert dec.check_media("audio", [flac, flac], 2) == 2 * 4000 * 4
     with pytest.raises(BadInput, match="audio 1: audio is 0.5 s long, more than the 0.4 s allowed"):
-        dec.check_audio([flac, wav], 2)
-    with pytest.raises(BadInput, match="3 audio clips in one request; this service allows at most 2"):
-        dec.check_audio([flac] * 3, 2)
+        dec.check_media("audio", [flac, wav], 2)
+    with pytest.raises(BadInput, match="3 audio items in one request; this service allows at most 2"):
+        dec.check_media("audio", [flac] * 3, 2)
     with pytest.raises(BadInput, match="audio 0: audio is not a recognised audio file"):
-        dec.check_audio([image_bytes()], 2)
+        dec.check_media("audio", [image_bytes()], 2)
     with pytest.raises(BadInput, match="header cannot be read"):
-        dec.check_audio([b"RIFF\x24\x00\x00\x00WAVEfmt " + bytes(8)], 2)
+        dec.check_media("audio", [b"RIFF\x24\x00\x00\x00WAVEfmt " + bytes(8)], 2)
 
 
 def test_audio_decodes_with_vllms_decoder_and_gives_its_budget_back():
@@ -255,7 +255,9 @@ def test_audio_decodes_with_vllms_decoder_and_gives_its_budget_back():
     clip = make_audio(3, 0.25)
 
     async def run():
-        clips, lease = await dec.decode_audio([clip], 2)
+        from vllm.multimodal.media.audio import AudioMediaIO
+
+        clips, lease = await dec.decode_media("audio", [clip], 2, AudioMediaIO().load_bytes)
         assert dec.budget.used == 4000 * 4
         lease.release()
         return clips
@@ -264,3 +266,20 @@ def test_audio_decodes_with_vllms_decoder_and_gives_its_budget_back():
     assert rate == 16000 and samples.dtype == np.float32 and samples.shape == (4000,)
     assert dec.budget.used == 0
     dec.close()
+
+
+def test_video_is_checked_from_its_container_header():
+    from services.common.images import make_video
+    from services.common.media import check_video
+
+    mp4 = make_video(0, frames=8, size=(64, 48), fps=4)
+    assert check_video(mp4, 600, 10_000) == ("MP4", 2.0, 8 * 64 * 48 * 3)
+    dec = _decoder(max_video_seconds=1.5)
+    with pytest.raises(BadInput, match="video 0: video is 2.0 s long, more than the 1.5 s allowed"):
+        dec.check_media("video", [mp4], 2)
+    with pytest.raises(BadInput, match="video 0: video frames are 64x48, more than 1000 pixels"):
+        _decoder(max_image_pixels=1000).check_media("video", [mp4], 2)
+    with pytest.raises(BadInput, match="video 1: video is not a recognised video file"):
+        _decoder().check_media("video", [mp4, image_bytes()], 2)
+    with pytest.raises(BadInput, match="cannot be opened|holds no readable frames"):
+        _decoder().check_media("video", [mp4[:200]], 2)

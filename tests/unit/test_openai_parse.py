@@ -139,7 +139,7 @@ def test_malformed_messages_are_left_to_vllm(body):
     assert call.parts == [] and call.body == body
 
 
-@pytest.mark.parametrize("kind", ["video_url", "image_embeds", "audio_embeds", "file"])
+@pytest.mark.parametrize("kind", ["image_embeds", "audio_embeds", "video_embeds", "file"])
 def test_unserved_media_part_types_are_400(kind):
     e = api_error(chat("hi", {"type": kind, kind: {"url": "x"}}))
     assert e.status == 400 and e.param == "messages"
@@ -380,3 +380,19 @@ def test_lm_body_sends_audio_as_audio_url_parts():
     assert content[0] == {"type": "audio_url", "audio_url": None, "uuid": hashlib.sha256(WAV).hexdigest()}
     # Not laid out: the LM decodes the bytes the gateway read, sent with the format's own media type.
     assert content[1] == {"type": "audio_url", "audio_url": {"url": data_url(WAV, "audio/wav")}}
+
+
+def test_video_parts_are_items_with_video_rules():
+    from services.common.images import make_video
+
+    mp4 = make_video(1, frames=4)
+    call, req, media = parse_and_load(chat({"type": "video_url", "video_url": {"url": data_url(mp4, "video/mp4")}},
+                                           image(data_url(PNG))))
+    assert call.modalities == ["video", "image"] and [i.modality for i in req.items] == ["video", "image"]
+    content = json.loads(call.lm_body(req, media))["messages"][0]["content"]
+    assert content[0] == {"type": "video_url", "video_url": {"url": data_url(mp4, "video/mp4")}}
+    e = api_error(chat({"type": "video_url", "video_url": {"url": data_url(mp4, "image/png")}}))
+    assert e.status == 400 and e.param == "video_url" and "expected video/*" in e.message
+    e = api_error(chat(*[{"type": "video_url", "video_url": {"url": data_url(mp4, "video/mp4")}}] * 2),
+                  cfg=GatewayConfig(lms="x:1", max_videos=1))
+    assert e.status == 400 and "at most 1 videos per request (--max-videos)" in e.message
