@@ -18,7 +18,7 @@ import pytest
 from services.common.images import data_url, make_audio, make_image, make_video
 from services.reference import run_subprocess
 from services.up import Deployment
-from tests.e2e.helpers import metric, settled
+from tests.e2e.helpers import metric, post, producer_stats, settled
 
 pytestmark = pytest.mark.e2e
 
@@ -130,3 +130,38 @@ def _check(family, name: str) -> None:
     assert settled(lambda: metric(dep.lm_metrics, "epd_lm_prompt_layouts_total", by=by),
                    layouts[by] + step) == layouts[by] + step
     assert metric(dep.lm_metrics, "epd_lm_prompt_layouts_total", by=other) == layouts[other]
+
+
+@pytest.mark.parametrize("family", ["qwen2_audio"], indirect=True)  # the audio deployment above
+def test_bad_audio_is_a_clear_400_and_the_encoder_holds_nothing(family):
+    """A clip that is not audio, one whose header lies, and (straight to the encoder, past the
+    gateway's checks) a clip cut after 8 samples, an image sent to an audio model and an Encode mixing
+    modalities: each refused with what was wrong; the services answer the next good request and the
+    encoder's pool holds nothing."""
+    import grpc
+
+    from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
+
+    _, dep, reference = family
+    for data, needle in [(b"hello there, not audio", "not a recognised audio file"),
+                         (b"RIFF\x24\x00\x00\x00WAVEfmt " + bytes(8), "header cannot be read")]:
+        body = {"messages": [{"role": "user", "content": [
+            {"type": "input_audio", "input_audio": {"data": base64.b64encode(data).decode(), "format": "wav"}}]}]}
+        status, out = post(dep.url + "/v1/chat/completions", body)
+        assert status == 400 and out["error"]["param"] == "audio_url" and needle in out["error"]["message"], out
+    wav = make_audio(5, 0.5)
+    with dep.client_security.channel(dep.encoder_addr) as ch:
+        stub = encoder_pb2_grpc.EncoderServiceStub(ch)
+        for items, needle in [
+            ([encoder_pb2.MediaItem(modality="audio", data=wav[:60])], "too short to be represented"),  # 8 samples
+            ([encoder_pb2.MediaItem(modality="image", data=make_image(1))], "modality 'image' is not encoded here"),
+            ([encoder_pb2.MediaItem(modality="audio", data=wav), encoder_pb2.MediaItem(modality="video", data=wav)],
+             "not encoded here"),
+        ]:
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Encode(encoder_pb2.EncodeRequest(request_id="bad-audio", items=items), timeout=30))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and needle in e.value.details(), e.value
+    body = dict(AUDIO_REQUESTS["one"])
+    status, out = post(dep.url + "/v1/chat/completions", body, 120)
+    assert status == 200 and out["choices"][0]["token_ids"] == reference["one"]
+    assert settled(lambda: sum(producer_stats(dep)[k] for k in ("items_held", "pending_reservations")), 0) == 0
