@@ -74,17 +74,26 @@ def sniff_audio_format(data: bytes) -> str | None:
     return None
 
 
+def sniffed_format(data: bytes, modality: str) -> str:
+    """The format ``data``'s first bytes name (``AUDIO_FORMATS`` / ``VIDEO_FORMATS``), or MediaError
+    for an empty item or an unknown signature (a declared media type proves nothing)."""
+    if not data:
+        raise MediaError(f"{modality} is empty")
+    sniff, formats = (sniff_audio_format, AUDIO_FORMATS) if modality == "audio" else (sniff_video_format,
+                                                                                     VIDEO_FORMATS)
+    sniffed = sniff(data)
+    if sniffed is None:
+        raise MediaError(f"{modality} is not a recognised {modality} file (first bytes: {data[:12].hex(' ')}); "
+                         f"accepted: {', '.join(formats)}")
+    return sniffed
+
+
 def check_audio(data: bytes, max_seconds: float) -> tuple[str, float, int]:
     """Reads the clip's header only and returns (format, seconds, decoded bytes), or raises MediaError:
     empty, not one of ``AUDIO_FORMATS`` (sniffed, then parsed as that format), no frames, or longer
     than ``max_seconds``. The decoded bytes are float32 PCM for every frame and channel (what vLLM's
     decoder allocates). The gateway calls this for every clip before any service sees it."""
-    if not data:
-        raise MediaError("audio is empty")
-    sniffed = sniff_audio_format(data)
-    if sniffed is None:
-        raise MediaError(f"audio is not a recognised audio file (first bytes: {data[:12].hex(' ')}); "
-                         f"accepted: {', '.join(AUDIO_FORMATS)}")
+    sniffed = sniffed_format(data, "audio")
     try:
         import soundfile
 
@@ -127,12 +136,7 @@ def check_video(data: bytes, max_seconds: float, max_frame_pixels: int) -> tuple
     samples: at most ``VIDEO_FRAMES`` RGB frames), or raises MediaError: empty, not one of
     ``VIDEO_FORMATS``, unreadable, no frames, frames over ``max_frame_pixels`` or longer than
     ``max_seconds``."""
-    if not data:
-        raise MediaError("video is empty")
-    sniffed = sniff_video_format(data)
-    if sniffed is None:
-        raise MediaError(f"video is not a recognised video file (first bytes: {data[:12].hex(' ')}); "
-                         f"accepted: {', '.join(VIDEO_FORMATS)}")
+    sniffed = sniffed_format(data, "video")
     try:
         import cv2
         import cv2.videoio_registry as vr

@@ -46,7 +46,7 @@ from aiohttp.abc import AbstractResolver
 from yarl import URL
 
 from services.common.errors import MediaError
-from services.common.media import IMAGE_FORMATS, VIDEO_FORMATS, check_audio, check_image, sniff_video_format
+from services.common.media import IMAGE_FORMATS, check_audio, check_image, sniffed_format
 from services.gateway.config import GatewayConfig
 
 if TYPE_CHECKING:
@@ -339,9 +339,7 @@ async def _load(source: str | bytes, cfg: GatewayConfig, fetcher: MediaFetcher |
     elif modality == "video":
         # The container is parsed (FFmpeg, through OpenCV) by the encoder that decodes it, not here: a
         # parser fault in the gateway's process would take every request with it.
-        if sniff_video_format(data) is None:
-            raise MediaError(f"video is not a recognised video file (first bytes: {data[:12].hex(' ')}); "
-                             f"accepted: {', '.join(VIDEO_FORMATS)}")
+        sniffed_format(data, "video")
     else:
         check_format(data, cfg.max_image_pixels)
     return data

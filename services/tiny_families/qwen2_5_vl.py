@@ -17,19 +17,22 @@ SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<
 PAD, IM_END = "<|endoftext|>", "<|im_end|>"
 IMAGE, VIDEO, V_START, V_END = "<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"
 
-# Qwen2.5-VL-Instruct's template; parts are matched by their ``type``.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if loop.first and message['role'] != 'system' %}"
-    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+# One turn of the Qwen-VL templates (shared with qwen3_vl); parts are matched by their ``type``.
+TURN = (
     "<|im_start|>{{ message['role'] }}\n"
     "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
     "{% else %}{% for part in message['content'] %}"
     "{% if part['type'] in ('image', 'image_url') %}<|vision_start|><|image_pad|><|vision_end|>"
     "{% elif part['type'] in ('video', 'video_url') %}<|vision_start|><|video_pad|><|vision_end|>"
     "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{% endfor %}<|im_end|>\n{% endif %}"
+)
+# Qwen2.5-VL-Instruct's template: a default system turn first.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    + TURN + "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
 VISION_CONFIG = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128,

@@ -15,24 +15,11 @@ from __future__ import annotations
 import pathlib
 
 from services.tiny_families import common
+from services.tiny_families.qwen2_5_vl import IM_END, IMAGE, PAD, SPECIAL, TURN, V_END, V_START, VIDEO
 
-SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-           "<|image_pad|>", "<|video_pad|>"]
-PAD, IM_END = "<|endoftext|>", "<|im_end|>"
-IMAGE, VIDEO, V_START, V_END = "<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"
-
-# Qwen-style template (Qwen3-VL-Instruct has no default system turn); parts are matched by ``type``.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] in ('image', 'image_url') %}<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif part['type'] in ('video', 'video_url') %}<|vision_start|><|video_pad|><|vision_end|>"
-    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+# Qwen3-VL-Instruct's template: no default system turn.
+CHAT_TEMPLATE = ("{% for message in messages %}" + TURN
+                 + "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 VISION_CONFIG = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128,
                      patch_size=16, spatial_merge_size=2, temporal_patch_size=2, in_channels=3,
