@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import hashlib
 import io
 import logging
@@ -362,25 +363,31 @@ class MediaDecoder:
         Raises BadInput (over a limit, bad bytes) or NoCapacity (no budget within
         ``decode_wait_s``)."""
         nbytes = self.check(datas, max_images)
+        return await self._decode_under_budget(
+            nbytes, "image", rid, [functools.partial(_decode_nth, i, data, self.cfg.max_image_pixels)
+                                   for i, data in enumerate(datas)])
+
+    async def _decode_under_budget(self, nbytes: int, modality: str, rid: str,
+                                   jobs: list[Callable[[], Any]]) -> tuple[list[Any], DecodeLease]:
+        """Takes ``nbytes`` of the budget (NoCapacity after ``decode_wait_s``), runs ``jobs`` on the
+        decode threads, and returns their results with the lease (given back here on failure)."""
         if not await self.budget.acquire(nbytes, self.cfg.decode_wait_s):
-            logger.warning("request %s: %d MiB of images waited %.1fs for the decode budget (%d of %d MiB in use)",
-                           rid, nbytes >> 20, self.cfg.decode_wait_s, self.budget.used >> 20,
+            logger.warning("request %s: %d MiB of %s waited %.1fs for the decode budget (%d of %d MiB in use)",
+                           rid, nbytes >> 20, modality, self.cfg.decode_wait_s, self.budget.used >> 20,
                            self.budget.capacity >> 20)
-            raise NoCapacity(f"this service is decoding {self.budget.used >> 20} MiB of images for other requests "
-                             f"(budget {self.cfg.decode_budget_mib:g} MiB); the request's {nbytes >> 20} MiB did "
-                             f"not fit within {self.cfg.decode_wait_s:g}s; retry later")
+            raise NoCapacity(f"this service is decoding {self.budget.used >> 20} MiB of media for other requests "
+                             f"(budget {self.cfg.decode_budget_mib:g} MiB); the request's {nbytes >> 20} MiB of "
+                             f"{modality} did not fit within {self.cfg.decode_wait_s:g}s; retry later")
         lease = DecodeLease(self.budget, nbytes)
         try:
             loop = asyncio.get_running_loop()
-            images = await asyncio.gather(*(loop.run_in_executor(self._pool, _decode_nth, i, data,
-                                                                 self.cfg.max_image_pixels)
-                                            for i, data in enumerate(datas)))
+            out = await asyncio.gather(*(loop.run_in_executor(self._pool, job) for job in jobs))
         except BaseException:
             # A cancelled request's decodes still finish on their threads (they cannot be
             # interrupted); the budget is given back now, the threads stay bounded.
             lease.release()
             raise
-        return list(images), lease
+        return list(out), lease
 
     def check_media(self, modality: str, datas: list[bytes], limit: int) -> int:
         """Header checks of one request's audio clips or videos (nothing decoded); returns their
@@ -408,19 +415,9 @@ class MediaDecoder:
         (vLLM's ``AudioMediaIO`` / ``VideoMediaIO`` ``load_bytes``, as the encoder builds them)
         off the loop. Returns what the loader made, per item, and the lease."""
         nbytes = self.check_media(modality, datas, limit)
-        if not await self.budget.acquire(nbytes, self.cfg.decode_wait_s):
-            raise NoCapacity(f"this service is decoding {self.budget.used >> 20} MiB of media for other requests "
-                             f"(budget {self.cfg.decode_budget_mib:g} MiB); the request's {nbytes >> 20} MiB of "
-                             f"{modality} did not fit within {self.cfg.decode_wait_s:g}s; retry later")
-        lease = DecodeLease(self.budget, nbytes)
-        try:
-            loop = asyncio.get_running_loop()
-            out = await asyncio.gather(*(loop.run_in_executor(self._pool, _load_nth, modality, i, data, loader)
-                                         for i, data in enumerate(datas)))
-        except BaseException:
-            lease.release()
-            raise
-        return list(out), lease
+        return await self._decode_under_budget(
+            nbytes, modality, rid, [functools.partial(_load_nth, modality, i, data, loader)
+                                    for i, data in enumerate(datas)])
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
