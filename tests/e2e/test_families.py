@@ -80,7 +80,7 @@ LAID_OUT_BY = {"llava": "encoder", "gemma3": "processor", "qwen2_5_vl": "encoder
 def _requests(family: str) -> dict[str, dict]:
     if family == "qwen2_audio":
         return AUDIO_REQUESTS
-    return {**REQUESTS, **VIDEO_REQUESTS} if family == "qwen2_5_vl" else REQUESTS
+    return {**REQUESTS, **VIDEO_REQUESTS} if family in ("qwen2_5_vl", "qwen3_vl") else REQUESTS
 
 
 @pytest.fixture(scope="module", params=list(LAID_OUT_BY))
@@ -100,11 +100,12 @@ def test_family_matches_plain_vllm_with_every_image_encoded_remotely(family, nam
     _check(family, name)
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl"], indirect=True)  # the same deployment as its image cases
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"], indirect=True)  # the deployments of the image cases
 @pytest.mark.parametrize("name", list(VIDEO_REQUESTS))
-def test_qwen2_5_vl_video_matches_plain_vllm_with_every_item_encoded_remotely(family, name):
+def test_qwen_vl_video_matches_plain_vllm_with_every_item_encoded_remotely(family, name):
     """Video (vLLM's video_url, decoded on the encoder by vLLM's opencv backend): each video's grid
-    and seconds per grid travel as metadata (M-RoPE), the LM lays the prompt out."""
+    (and Qwen2.5-VL's seconds per grid) travel as metadata (M-RoPE), the LM lays the prompt out
+    (Qwen3-VL's expansion has the frames' timestamps in it: the layout carries them)."""
     _check(family, name)
 
 
