@@ -396,3 +396,10 @@ def test_video_parts_are_items_with_video_rules():
     e = api_error(chat(*[{"type": "video_url", "video_url": {"url": data_url(mp4, "video/mp4")}}] * 2),
                   cfg=GatewayConfig(lms="x:1", max_videos=1))
     assert e.status == 400 and "at most 1 videos per request (--max-videos)" in e.message
+
+
+def test_the_grpc_apis_raw_media_may_be_audio():
+    call, req, media = parse_and_load(chat(audio("epd-media:1"), image("epd-media:0")), media=[PNG, WAV])
+    assert [(m.modality, m.data) for m in media] == [("audio", WAV), ("image", PNG)]
+    e = api_error(chat(audio("epd-media:0")), media=[PNG])  # an image's bytes in an audio part
+    assert e.status == 400 and e.param == "audio_url" and "not a recognised audio file" in e.message
