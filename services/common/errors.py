@@ -41,7 +41,7 @@ class MediaError(BadInput):
     def __init__(self, message: str, status: int = 400, modality: str = "image") -> None:
         super().__init__(message)
         self.status = status
-        self.modality = modality  # of the refused item: "image" or "audio"
+        self.modality = modality  # of the refused item: "image", "audio" or "video"
 
 
 class NoCapacity(EPDError):

@@ -117,7 +117,28 @@ VIDEO_FORMATS = ("MP4", "WEBM", "AVI")
 vLLM's ``VideoMediaIO`` with its default ``opencv`` backend, as ``vllm serve`` decodes a
 ``video_url``."""
 MAX_VIDEO_SECONDS = 600.0
-VIDEO_FRAMES = 32  # frames vLLM's VideoMediaIO samples from a clip (its num_frames default)
+MAX_SAMPLED_FRAMES = 768
+"""The most frames any of vLLM 0.32's video loaders samples from one clip (Qwen-VL's fps-driven
+loaders cap at 768): the budget's charge when the loader's own sampling cannot be computed."""
+
+
+@dataclass(frozen=True)
+class VideoHeader:
+    """What a video's container header says (``check_video``); nothing decoded."""
+
+    format: str
+    frames: int
+    fps: float
+    width: int
+    height: int
+
+    @property
+    def seconds(self) -> float:
+        return self.frames / self.fps
+
+    def decoded_bytes(self, sampled: int) -> int:
+        """RGB bytes of ``sampled`` frames."""
+        return sampled * self.width * self.height * 3
 
 
 def sniff_video_format(data: bytes) -> str | None:
@@ -131,12 +152,11 @@ def sniff_video_format(data: bytes) -> str | None:
     return None
 
 
-def check_video(data: bytes, max_seconds: float, max_frame_pixels: int) -> tuple[str, float, int]:
+def check_video(data: bytes, max_seconds: float, max_frame_pixels: int) -> VideoHeader:
     """Reads the video's container header (OpenCV opens it from memory, as vLLM's opencv backend
-    does; no frame is decoded) and returns (format, seconds, decoded bytes of the frames vLLM
-    samples: at most ``VIDEO_FRAMES`` RGB frames), or raises MediaError: empty, not one of
+    does; no frame is decoded) and returns it, or raises MediaError: empty, not one of
     ``VIDEO_FORMATS``, unreadable, no frames, frames over ``max_frame_pixels`` or longer than
-    ``max_seconds``."""
+    ``max_seconds``. Blocking (it parses the container): services call it off their event loop."""
     sniffed = sniffed_format(data, "video")
     try:
         import cv2
@@ -163,11 +183,11 @@ def check_video(data: bytes, max_seconds: float, max_frame_pixels: int) -> tuple
     if w * h > max_frame_pixels:
         raise MediaError(f"video frames are {w}x{h}, more than {max_frame_pixels} pixels (--max-image-pixels); "
                          "refused")
-    seconds = frames / fps
-    if seconds > max_seconds:
-        raise MediaError(f"video is {seconds:.1f} s long, more than the {max_seconds:g} s allowed "
+    header = VideoHeader(sniffed, frames, fps, w, h)
+    if header.seconds > max_seconds:
+        raise MediaError(f"video is {header.seconds:.1f} s long, more than the {max_seconds:g} s allowed "
                          "(--max-video-seconds); refused")
-    return sniffed, seconds, min(frames, VIDEO_FRAMES) * w * h * 3
+    return header
 
 
 def content_id(data: bytes) -> str:
@@ -389,9 +409,12 @@ class MediaDecoder:
             raise
         return list(out), lease
 
-    def check_media(self, modality: str, datas: list[bytes], limit: int) -> int:
-        """Header checks of one request's audio clips or videos (nothing decoded); returns their
-        decoded bytes. Raises BadInput naming the item and the limit."""
+    def check_media(self, modality: str, datas: list[bytes], limit: int,
+                    sampled_frames: Callable[[VideoHeader], int] | None = None) -> int:
+        """Header checks of one request's audio clips or videos (nothing decoded; blocking: run it
+        off the event loop); returns their decoded bytes. ``sampled_frames``: how many frames the
+        video loader will decode from a clip (default: ``MAX_SAMPLED_FRAMES`` at most). Raises
+        BadInput naming the item and the limit."""
         if len(datas) > limit:
             raise BadInput(f"{len(datas)} {modality} items in one request; this service allows at most {limit} "
                            f"(--max-{modality}s-per-prompt)")
@@ -401,7 +424,9 @@ class MediaDecoder:
                 if modality == "audio":
                     nbytes += check_audio(data, self.cfg.max_audio_seconds)[2]
                 else:
-                    nbytes += check_video(data, self.cfg.max_video_seconds, self.cfg.max_image_pixels)[2]
+                    header = check_video(data, self.cfg.max_video_seconds, self.cfg.max_image_pixels)
+                    sampled = sampled_frames(header) if sampled_frames else min(header.frames, MAX_SAMPLED_FRAMES)
+                    nbytes += header.decoded_bytes(max(1, sampled))
             except MediaError as e:
                 raise BadInput(f"{modality} {i}: {e}") from None
         if nbytes > self.budget.capacity:
@@ -410,11 +435,14 @@ class MediaDecoder:
         return nbytes
 
     async def decode_media(self, modality: str, datas: list[bytes], limit: int, loader: Callable[[bytes], Any],
-                           rid: str = "") -> tuple[list[Any], DecodeLease]:
-        """As ``decode`` for audio clips and videos: header checks, the budget, then ``loader``
-        (vLLM's ``AudioMediaIO`` / ``VideoMediaIO`` ``load_bytes``, as the encoder builds them)
-        off the loop. Returns what the loader made, per item, and the lease."""
-        nbytes = self.check_media(modality, datas, limit)
+                           rid: str = "", sampled_frames: Callable[[VideoHeader], int] | None = None
+                           ) -> tuple[list[Any], DecodeLease]:
+        """As ``decode`` for audio clips and videos: header checks (off the loop: a container
+        parser may take its time), the budget, then ``loader`` (vLLM's ``AudioMediaIO`` /
+        ``VideoMediaIO`` ``load_bytes``, as the encoder builds them) off the loop. Returns what the
+        loader made, per item, and the lease."""
+        nbytes = await asyncio.get_running_loop().run_in_executor(
+            self._pool, self.check_media, modality, datas, limit, sampled_frames)
         return await self._decode_under_budget(
             nbytes, modality, rid, [functools.partial(_load_nth, modality, i, data, loader)
                                     for i, data in enumerate(datas)])

@@ -82,12 +82,20 @@ def _placeholders(engine) -> dict[str, Callable[[int], str]]:
     return out
 
 
-async def _output_widths(endpoint: str, security: SecurityConfig) -> dict[str, int]:
+async def _output_widths(cfg: EncoderServiceConfig, port: int, security: SecurityConfig) -> dict[str, int]:
     """Per modality, the encoder output width the engine measured at start (vLLM's
     ``mm_encoder_output_widths``; Qwen3-VL's DeepStack rows are wider than the LM's hidden
     size), read from the engine's Transfer server: the engine process measured it, this one
-    cannot see its config. Raises RuntimeError when the engine's server does not answer."""
-    channel = security.aio_channel(endpoint)
+    cannot see its config. Dialled at the address it binds (loopback for a wildcard), not the
+    advertised one, which may be reachable only from outside (NAT); with TLS the certificate is
+    checked against the advertised name, as an LM checks it. Raises RuntimeError when the
+    engine's server does not answer."""
+    wildcard = ("", "0.0.0.0", "::", "[::]")
+    host = cfg.transfer_host if cfg.transfer_host not in wildcard else "127.0.0.1"
+    endpoint = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+    name = cfg.advertise_host or cfg.transfer_host
+    options = [("grpc.ssl_target_name_override", name)] if security.tls and name not in (host, *wildcard) else None
+    channel = security.aio_channel(endpoint, options)
     try:
         reply = await encoder_pb2_grpc.TransferServiceStub(channel).Stats(encoder_pb2.StatsRequest(), timeout=30)
     except grpc.aio.AioRpcError as e:
@@ -189,7 +197,7 @@ async def serve(cfg: EncoderServiceConfig, engine_cfg: EngineConfig, stop: async
             transfer_endpoint=transfer_endpoint,
             compat=compat_for(engine.vllm_config, engine_cfg.model),
         )
-        widths = await _output_widths(transfer_endpoint, security)
+        widths = await _output_widths(cfg, transfer_port, security)
         servicer = EncoderServicer(engine, info, _placeholders(engine), {"": mc.get_hidden_size(), **widths},
                                    dtype_enum(str(mc.dtype).removeprefix("torch.")), cfg.encode_timeout_s,
                                    decoder, layouts=layouts_context_free(engine))

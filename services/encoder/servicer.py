@@ -23,7 +23,7 @@ from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
 from services.common.engine import tokenize_async
 from services.common.errors import BadInput, Deadline, EPDError
 from services.common.layout import ItemLayout, item_layouts, placeholder_ranges
-from services.common.media import MediaDecoder, content_id
+from services.common.media import MAX_SAMPLED_FRAMES, MediaDecoder, VideoHeader, content_id
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +57,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         self._warned = False
         self._resolver = None  # vLLM's PlaceholderMetadataResolver, made on first use
         self._loaders: dict[str, Callable[[bytes], Any]] = {}  # vLLM's media decoders, made on first use
+        self._sampled: dict[str, Callable[[VideoHeader], int]] = {}  # video: frames its loader decodes per clip
 
     def _metadata_kwargs(self, feat) -> str:
         """The item's processed inputs the LM needs without the media (the fields this
@@ -132,7 +133,9 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
                         get_video_processor_cls_name(self.engine.model_config))):
                     video_kw["video_backend"] = backend
                 image_io = ImageMediaIO(**({"image_mode": "RGB"} | kwargs.get("image", {})))
-                self._loaders[modality] = VideoMediaIO(image_io, **video_kw).load_bytes
+                video_io = VideoMediaIO(image_io, **video_kw)
+                self._loaders[modality] = video_io.load_bytes
+                self._sampled[modality] = _frames_sampled_by(video_io)
         return self._loaders[modality]
 
     def _prompt(self, modality: str, n: int) -> str:
@@ -176,8 +179,9 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             if modality == "image":
                 media, lease = await self.decoder.decode(datas, self.limits[modality], rid)
             else:
-                media, lease = await self.decoder.decode_media(modality, datas, self.limits[modality],
-                                                               self._loader(modality), rid)
+                loader = self._loader(modality)
+                media, lease = await self.decoder.decode_media(modality, datas, self.limits[modality], loader, rid,
+                                                               self._sampled.get(modality))
             ITEMS.inc(len(media))
             prompt = {
                 "prompt": self._prompt(modality, len(media)),
@@ -242,6 +246,38 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         finally:
             if status != "ok":  # an ok one was counted before its last events
                 record(status)
+
+
+def _frames_sampled_by(video_io) -> Callable[[VideoHeader], int]:
+    """How many frames vLLM's video loader behind ``video_io`` (a ``VideoMediaIO``) will decode from
+    a clip with this header, computed with the loader's own sampling rule and arguments (Qwen-VL's
+    loaders sample by fps, up to 768 frames; the default one ``num_frames``), so the decode budget
+    is charged what the decode allocates. Falls back to ``min(frames, MAX_SAMPLED_FRAMES)``."""
+    import inspect
+
+    from vllm.multimodal.video_decoders import resolve_video_backend_kwargs
+    from vllm.multimodal.video_decoders.base import VideoSourceMetadata, VideoTargetMetadata
+
+    loader = video_io.video_loader
+    args = {name: p.default for name, p in inspect.signature(loader.load_bytes).parameters.items()
+            if p.default is not inspect.Parameter.empty}
+    args.update(video_io.kwargs, num_frames=video_io.num_frames)
+    known = ("num_frames", "fps", "max_duration", "frame_recovery", "backend")
+
+    def count(header: VideoHeader) -> int:
+        try:
+            source = loader._prepare_source(VideoSourceMetadata(header.frames, header.fps, header.seconds))
+            target = VideoTargetMetadata(num_frames=args.get("num_frames", -1), fps=args.get("fps", -1),
+                                         max_duration=args.get("max_duration", 300))
+            sampling, _ = resolve_video_backend_kwargs(args.get("backend", "opencv"),
+                                                       {k: v for k, v in args.items() if k not in known})
+            return len(loader.compute_frames_index_to_sample(source=source, target=target, **sampling))
+        except Exception:  # a loader vLLM changed: charge the most any loader takes
+            logger.warning("cannot compute the frames %s samples; charging up to %d", loader.__name__,
+                           MAX_SAMPLED_FRAMES, exc_info=True)
+            return min(header.frames, MAX_SAMPLED_FRAMES)
+
+    return count
 
 
 def dtype_enum(name: str) -> int:

@@ -140,7 +140,7 @@ def address_refusal(ip: IPAddress, allowed: list[Network]) -> str | None:
     return non_public_reason(ip)
 
 
-def check_url(url: str | URL, allowed: list[Network]) -> URL:
+def check_url(url: str | URL, allowed: list[Network], modality: str = "image") -> URL:
     """Validates one hop's URL without touching the network: http(s) scheme, a host, and, for an IP
     literal, an address that passes ``address_refusal`` (aiohttp never asks the resolver about
     literals). Host names are checked later, when ``GuardResolver`` resolves them. Returns the URL."""
@@ -148,22 +148,22 @@ def check_url(url: str | URL, allowed: list[Network]) -> URL:
     try:
         u = url if isinstance(url, URL) else URL(url)
     except (ValueError, TypeError) as e:
-        raise MediaError(f"image URL {_short(text)!r} is not a valid URL ({e})") from None
+        raise MediaError(f"{modality} URL {_short(text)!r} is not a valid URL ({e})") from None
     if u.scheme not in ("http", "https"):
-        raise MediaError(f"image URL scheme {u.scheme or 'none'!r} is not allowed in {_short(text)!r}; "
+        raise MediaError(f"{modality} URL scheme {u.scheme or 'none'!r} is not allowed in {_short(text)!r}; "
                          "use http(s) or a data: URL")
     host = (u.host or "").rstrip(".")
     if not host:
-        raise MediaError(f"image URL {_short(text)!r} has no host")
+        raise MediaError(f"{modality} URL {_short(text)!r} has no host")
     try:
         ip = ipaddress.ip_address(host.split("%")[0])
     except ValueError:
         if _NUMERIC_HOST.fullmatch(host):
-            raise MediaError(f"image URL host {host} is not a canonical IP address; refused") from None
+            raise MediaError(f"{modality} URL host {host} is not a canonical IP address; refused") from None
         return u
     reason = address_refusal(ip, allowed)
     if reason:
-        raise MediaError(f"image URL host {host} is a {reason} address; {_GUARD_HINT}")
+        raise MediaError(f"{modality} URL host {host} is a {reason} address; {_GUARD_HINT}")
     return u
 
 
@@ -236,36 +236,36 @@ class MediaFetcher:
                              "(--fetch-timeout-s); refused") from None
 
     async def _fetch(self, url: str, modality: str) -> bytes:
-        current = check_url(url, self.allowed)
+        current = check_url(url, self.allowed, modality)
         session = self._get_session()
         for _ in range(self.cfg.fetch_max_redirects + 1):
             try:
                 async with session.get(current, allow_redirects=False,
                                        headers={"Accept": f"{modality}/*"}) as resp:
                     if resp.status in _REDIRECTS:
-                        current = self._next_hop(resp, url)
+                        current = self._next_hop(resp, url, modality)
                         continue
                     self._check_response(resp, url, modality)
                     return await self._read(resp, url, modality)
             except aiohttp.ClientConnectorError as e:
                 if isinstance(e.os_error, HostRefused):
                     raise MediaError(str(e.os_error)) from None
-                raise MediaError(f"image URL {_short(url)} could not be fetched: {e}") from None
+                raise MediaError(f"{modality} URL {_short(url)} could not be fetched: {e}") from None
             except aiohttp.ClientError as e:
-                raise MediaError(f"image URL {_short(url)} could not be fetched: {e!r}") from None
-        raise MediaError(f"image URL {_short(url)} redirected more than {self.cfg.fetch_max_redirects} times "
+                raise MediaError(f"{modality} URL {_short(url)} could not be fetched: {e!r}") from None
+        raise MediaError(f"{modality} URL {_short(url)} redirected more than {self.cfg.fetch_max_redirects} times "
                          "(--fetch-max-redirects); refused")
 
-    def _next_hop(self, resp: aiohttp.ClientResponse, url: str) -> URL:
+    def _next_hop(self, resp: aiohttp.ClientResponse, url: str, modality: str = "image") -> URL:
         location = resp.headers.get("Location")
         if not location:
-            raise MediaError(f"image URL {_short(url)} answered HTTP {resp.status} without a Location")
+            raise MediaError(f"{modality} URL {_short(url)} answered HTTP {resp.status} without a Location")
         try:
             target = resp.url.join(URL(location))
         except ValueError as e:
-            raise MediaError(f"image URL {_short(url)} redirected to an invalid URL ({e})") from None
-        logger.debug("image URL %s redirects to %s", _short(url), target)
-        return check_url(target, self.allowed)
+            raise MediaError(f"{modality} URL {_short(url)} redirected to an invalid URL ({e})") from None
+        logger.debug("%s URL %s redirects to %s", modality, _short(url), target)
+        return check_url(target, self.allowed, modality)
 
     def _check_response(self, resp: aiohttp.ClientResponse, url: str, modality: str = "image") -> None:
         if not 200 <= resp.status < 300:
@@ -330,12 +330,12 @@ async def _load(source: str | bytes, cfg: GatewayConfig, fetcher: MediaFetcher |
             raise MediaError(f"http(s) {modality} URLs cannot be fetched: this gateway has no media fetcher")
         data = await fetcher.fetch(source, modality)
     else:
-        check_url(source, [])  # raises the scheme (or URL) error
+        check_url(source, [], modality)  # raises the scheme (or URL) error
         raise MediaError(f"unsupported {modality} URL {_short(source)!r}")
     if len(data) > limit:
         raise MediaError(f"{modality} larger than {limit} bytes (--max-{modality}-bytes)", status=413)
     if modality == "audio":
-        check_audio(data, cfg.max_audio_seconds)
+        await asyncio.to_thread(check_audio, data, cfg.max_audio_seconds)  # libsndfile reads the header
     elif modality == "video":
         # The container is parsed (FFmpeg, through OpenCV) by the encoder that decodes it, not here: a
         # parser fault in the gateway's process would take every request with it.

@@ -120,7 +120,7 @@ class OpenAICall:
     stream: bool
     parts: list[tuple[int, int]] = field(default_factory=list)  # (message, part) of each media item, in order
     sources: list[str | bytes] = field(default_factory=list)  # the items' URLs (or gRPC media bytes)
-    modalities: list[str] = field(default_factory=list)  # each item's: "image" or "audio"
+    modalities: list[str] = field(default_factory=list)  # each item's: "image", "audio" or "video"
     request_id: str = ""
     """The request's id in the LM's body: vLLM names its response ``chatcmpl-<id>`` / ``cmpl-<id>``
     from it. As with ``vllm serve``, the client's X-Request-Id wins (``id_given``); else the body's
@@ -135,10 +135,13 @@ class OpenAICall:
         body = copy.deepcopy(self.body) if self.parts else dict(self.body)
         if self.request_id and (self.id_given or not body.get("request_id")):
             body["request_id"] = self.request_id
+        # The LM lays a prompt out from the encoders' layouts only when every item has one; else its
+        # processor lays the whole prompt out and needs every item's bytes.
+        laid_out = all(item.source.placeholder_token_ids for item in req.items)
         for (i, j), item, m in zip(self.parts, req.items, media):
             kind = f"{m.modality}_url"
             part: dict[str, Any] = {"type": kind, "uuid": item.identifier}
-            if item.source.placeholder_token_ids:
+            if laid_out:
                 part[kind] = None
             else:
                 if m.modality == "image":

@@ -45,7 +45,9 @@ async def serve(cfg: GatewayConfig, stop: asyncio.Event | None = None, security:
         # Resolves names, checks every instance once, then keeps checking. No peer need be up: until
         # an LM is admitted (its model learned) /health and every request answer 503.
         await orch.start()
-        app = web.Application(middlewares=[request_context], client_max_size=cfg.max_image_bytes * 2 + (1 << 20))
+        # A body may carry the largest item one modality allows, base64-encoded (4/3), and then some.
+        largest = max(cfg.max_image_bytes * 2, cfg.max_audio_bytes, cfg.max_video_bytes)
+        app = web.Application(middlewares=[request_context], client_max_size=largest * 4 // 3 + (1 << 20))
         OpenAIRoutes(cfg, orch, fetcher=fetcher).add_to(app)
         app.router.add_get("/metrics", _metrics)
         # handler_cancellation: a client that disconnects cancels its handler, which

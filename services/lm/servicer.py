@@ -26,9 +26,9 @@ from prometheus_client import Counter, Histogram
 
 from ectransfer import tensors
 from epd.lm.v1 import lm_pb2, lm_pb2_grpc
-from services.common.errors import BadInput, EPDError
+from services.common.errors import BadInput, EPDError, MediaError
 from services.common.layout import ItemLayout
-from services.common.media import content_id
+from services.common.media import MAX_IMAGE_PIXELS, MAX_VIDEO_SECONDS, check_video, content_id
 from services.lm.frontend import CURRENT, Frontend, RequestContext
 from services.lm.peers import PeerChecker
 
@@ -83,14 +83,15 @@ MEDIA_PARTS = {"image_url": "image", "audio_url": "audio", "video_url": "video"}
 data: URL the gateway read (the LM encodes it itself)."""
 
 
-def check_media(body: dict, items: dict[str, lm_pb2.MMItem]) -> int:
-    """Refuses media the LM must not touch; returns the number of items with data.
+def check_media(body: dict, items: dict[str, lm_pb2.MMItem]) -> list[bytes]:
+    """Refuses media the LM must not touch; returns the bytes of the videos it carries as data
+    (``check_videos`` reads their headers before vLLM decodes them).
 
     A media part (``MEDIA_PARTS``) is either uuid-only (an item with a source: an encoder
     has it) or a data: URL, whose uuid, when it has one, is the content hash of its bytes
     (so no caller can label one item's bytes with another's identifier in vLLM's caches).
     The LM never downloads: any other URL is refused."""
-    with_data = 0
+    videos = []
     messages = body.get("messages")
     for m in messages if isinstance(messages, list) else []:
         content = m.get("content") if isinstance(m, dict) else None
@@ -110,15 +111,27 @@ def check_media(body: dict, items: dict[str, lm_pb2.MMItem]) -> int:
                 continue
             if not isinstance(url, str) or not url.startswith("data:"):
                 raise BadInput(f"the LM takes {modality} items as data: URLs only (the gateway fetches URLs)")
-            with_data += 1
-            if uuid is not None:
+            if uuid is not None or modality == "video":
                 try:
                     data = base64.b64decode(url.partition(",")[2], validate=True)
                 except (binascii.Error, ValueError):
                     raise BadInput(f"{modality} data: URL is not valid base64") from None
-                if uuid != content_id(data):
+                if uuid is not None and uuid != content_id(data):
                     raise BadInput(f"{modality} uuid {str(uuid)[:16]!r}... is not the content hash of its bytes")
-    return with_data
+                if modality == "video":
+                    videos.append(data)
+    return videos
+
+
+async def check_videos(videos: list[bytes]) -> None:
+    """Reads each video's container header off the event loop before vLLM decodes it here (the
+    request's media is encoded on this LM: local placement or no encoder): frames at most
+    ``MAX_IMAGE_PIXELS``, at most ``MAX_VIDEO_SECONDS``. BadInput otherwise."""
+    for i, data in enumerate(videos):
+        try:
+            await asyncio.to_thread(check_video, data, MAX_VIDEO_SECONDS, MAX_IMAGE_PIXELS)
+        except MediaError as e:
+            raise BadInput(f"video {i}: {e}") from None
 
 
 class LMServicer(lm_pb2_grpc.LMServiceServicer):
@@ -171,7 +184,7 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
         api = request.openai.api
         body = openai_body(request)
         if api == "chat":
-            check_media(body, {item.identifier: item for item in request.items})
+            await check_videos(check_media(body, {item.identifier: item for item in request.items}))
         serving = self.frontend.chat if api == "chat" else self.frontend.completion
         try:
             req = (ChatCompletionRequest if api == "chat" else CompletionRequest).model_validate(body)

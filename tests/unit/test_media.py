@@ -270,10 +270,14 @@ def test_audio_decodes_with_vllms_decoder_and_gives_its_budget_back():
 
 def test_video_is_checked_from_its_container_header():
     from services.common.images import make_video
-    from services.common.media import check_video
+    from services.common.media import VideoHeader, check_video
 
     mp4 = make_video(0, frames=8, size=(64, 48), fps=4)
-    assert check_video(mp4, 600, 10_000) == ("MP4", 2.0, 8 * 64 * 48 * 3)
+    header = check_video(mp4, 600, 10_000)
+    assert header == VideoHeader("MP4", 8, 4.0, 64, 48) and header.seconds == 2.0
+    # The budget is charged the frames the video loader will decode (its own sampling rule).
+    assert _decoder().check_media("video", [mp4], 2) == 8 * 64 * 48 * 3
+    assert _decoder().check_media("video", [mp4], 2, sampled_frames=lambda h: 4) == 4 * 64 * 48 * 3
     dec = _decoder(max_video_seconds=1.5)
     with pytest.raises(BadInput, match="video 0: video is 2.0 s long, more than the 1.5 s allowed"):
         dec.check_media("video", [mp4], 2)
@@ -283,3 +287,21 @@ def test_video_is_checked_from_its_container_header():
         _decoder().check_media("video", [mp4, image_bytes()], 2)
     with pytest.raises(BadInput, match="cannot be opened|holds no readable frames"):
         _decoder().check_media("video", [mp4[:200]], 2)
+
+
+def test_the_encoder_charges_the_frames_vllms_video_loader_samples():
+    """Qwen-VL's loaders sample by fps (2 per second, up to 768), the default one 32 frames: a long
+    HD clip is charged what its decode allocates, not a guess."""
+    from vllm.multimodal.media.image import ImageMediaIO
+    from vllm.multimodal.media.video import VideoMediaIO
+
+    from services.common.media import VideoHeader
+    from services.encoder.servicer import _frames_sampled_by
+
+    long_hd, short = VideoHeader("MP4", 12000, 30.0, 1920, 1080), VideoHeader("MP4", 8, 4.0, 64, 48)
+    counts = {backend: _frames_sampled_by(VideoMediaIO(ImageMediaIO(image_mode="RGB"), video_backend=backend))
+              for backend in ("opencv", "qwen2_vl", "qwen3_vl")}
+    assert [counts["opencv"](long_hd), counts["opencv"](short)] == [32, 8]
+    assert [counts["qwen2_vl"](long_hd), counts["qwen2_vl"](short)] == [768, 4]
+    # 768 sampled 1080p frames are 4.4 GiB: more than the default decode budget, so refused unread.
+    assert long_hd.decoded_bytes(768) > _decoder().budget.capacity

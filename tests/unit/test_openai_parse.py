@@ -232,26 +232,40 @@ def _laid_out(req: lm_pb2.GenerateRequest, k: int) -> None:
 
 def test_lm_body_puts_uuid_only_parts_data_urls_and_leaves_the_rest_as_sent():
     jpg = image_bytes("JPEG")
-    body = chat("compare", image(data_url(PNG)), image("epd-media:0"), image(data_url(PNG)), max_tokens=3)
+    body = chat("compare", image(data_url(PNG)), image("epd-media:0"), max_tokens=3)
     body["messages"].insert(0, {"role": "system", "content": "be brief"})
     sent = json.loads(json.dumps(body))
     call, req, media = parse_and_load(body, media=[jpg])
-    _laid_out(req, 0)  # an encoder laid it out: the LM splices the layout, never sees the bytes
-    req.items[1].source.CopyFrom(lm_pb2.ItemSource(transfer_endpoint="e:1", encoder_id="enc", num_embeds=4))
-    # items[2]: no source, the LM encodes it itself
+    _laid_out(req, 0)  # an encoder laid them out: the LM splices the layouts, never sees the bytes
+    _laid_out(req, 1)
     out = json.loads(call.lm_body(req, media))
     content = out["messages"][1]["content"]
     assert content[0] == {"type": "text", "text": "compare"}
     assert content[1] == {"type": "image_url", "image_url": None, "uuid": hashlib.sha256(PNG).hexdigest()}
-    # An encoder has its embedding but no layout: the LM processes the bytes, keyed by the content hash.
+    assert content[2] == {"type": "image_url", "image_url": None, "uuid": hashlib.sha256(jpg).hexdigest()}
+    assert {k: v for k, v in out.items() if k != "messages"} == {"max_tokens": 3}
+    assert out["messages"][0] == sent["messages"][0]
+    assert body == sent and call.body == sent  # the client's body is never changed
+
+
+def test_an_item_without_a_layout_sends_every_item_as_bytes():
+    """The LM lays a prompt out from the encoders' layouts only when every item has one; otherwise its
+    processor lays out the whole prompt and needs every item's bytes (the embeddings still come from
+    the encoders: items with a source keep their content hash as uuid)."""
+    jpg = image_bytes("JPEG")
+    call, req, media = parse_and_load(chat("compare", image(data_url(PNG)), image("epd-media:0"),
+                                           image(data_url(PNG)), max_tokens=3), media=[jpg])
+    _laid_out(req, 0)
+    req.items[1].source.CopyFrom(lm_pb2.ItemSource(transfer_endpoint="e:1", encoder_id="enc", num_embeds=4))
+    # items[2]: no source, the LM encodes it itself
+    content = json.loads(call.lm_body(req, media))["messages"][0]["content"]
+    assert content[1] == {"type": "image_url", "image_url": {"url": data_url(PNG)},
+                          "uuid": hashlib.sha256(PNG).hexdigest()}
     assert content[2] == {"type": "image_url", "image_url": {"url": "data:image/png;base64,"
                                                                     + base64.b64encode(jpg).decode()},
                           "uuid": hashlib.sha256(jpg).hexdigest()}
     # No source: a data: URL without uuid (the LM hashes it as vLLM does).
     assert content[3] == {"type": "image_url", "image_url": {"url": data_url(PNG)}}
-    assert {k: v for k, v in out.items() if k != "messages"} == {"max_tokens": 3}
-    assert out["messages"][0] == sent["messages"][0]
-    assert body == sent and call.body == sent  # the client's body is never changed
 
 
 def test_lm_body_is_made_afresh_for_each_attempt():
@@ -374,12 +388,14 @@ def test_audio_limits_count_duration_and_bytes():
 
 
 def test_lm_body_sends_audio_as_audio_url_parts():
-    call, req, media = parse_and_load(chat(input_audio(WAV), audio(data_url(WAV, "audio/x-wav")), "which?"))
+    call, req, media = parse_and_load(chat(input_audio(WAV), "which?"))
     _laid_out(req, 0)
     content = json.loads(call.lm_body(req, media))["messages"][0]["content"]
     assert content[0] == {"type": "audio_url", "audio_url": None, "uuid": hashlib.sha256(WAV).hexdigest()}
     # Not laid out: the LM decodes the bytes the gateway read, sent with the format's own media type.
-    assert content[1] == {"type": "audio_url", "audio_url": {"url": data_url(WAV, "audio/wav")}}
+    call, req, media = parse_and_load(chat(audio(data_url(WAV, "audio/x-wav")), "which?"))
+    content = json.loads(call.lm_body(req, media))["messages"][0]["content"]
+    assert content[0] == {"type": "audio_url", "audio_url": {"url": data_url(WAV, "audio/wav")}}
 
 
 def test_video_parts_are_items_with_video_rules():
