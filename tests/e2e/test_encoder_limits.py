@@ -58,35 +58,45 @@ def test_a_cancelled_encode_frees_the_items_it_left_in_the_pool(dep):
 
     with dep.client_security.channel(dep.encoder_addr) as ch:
         stub = encoder_pb2_grpc.EncoderServiceStub(ch)
-        for attempt in range(5):
-            # Items of an earlier attempt whose Encode finished are rightly kept (a lease): the baseline.
-            baseline, aborted = _held(dep), producer_stats(dep)["aborted_requests"]
-            items = [encoder_pb2.MediaItem(modality="image", data=make_image(7000 + 10 * attempt + i, (224, 224)))
-                     for i in range(8)]
-            call = stub.Encode(encoder_pb2.EncodeRequest(request_id=f"cancelled-{attempt}", items=items), timeout=60)
-            events = []
-            reader = threading.Thread(target=lambda call=call, events=events: events.extend(_drain(call)),
-                                      daemon=True)
-            reader.start()
-            deadline = time.monotonic() + 30
-            while producer_stats(dep)["items_held"] == 0:  # the first outputs are in the pool
-                assert time.monotonic() < deadline, "no encoder output reached the pool"
-                time.sleep(0.005)
-            call.cancel()
-            reader.join(10)
-            # The engine request ended aborted (the producer counts it): cancelled while encoding, the
-            # case under test. Otherwise the engine finished first (a fast machine) and its claims rightly
-            # hold the items for a consumer until the lease: try again with fresh images.
-            if _rises(lambda: producer_stats(dep)["aborted_requests"], aborted, within_s=5.0):
-                break
-        else:
-            pytest.skip("every Encode finished before it could be cancelled")
+        endpoint = stub.GetInfo(encoder_pb2.GetInfoRequest(), timeout=5).transfer_endpoint
+        with dep.client_security.channel(endpoint) as transfer:  # one channel: the poll must be quick
+            stats = encoder_pb2_grpc.TransferServiceStub(transfer).Stats
+            baseline = _cancel_mid_encode(stub, lambda: stats(encoder_pb2.StatsRequest(), timeout=5).values)
     t0 = time.monotonic()
     while (held := _held(dep)) > baseline and time.monotonic() - t0 < 20:  # well under the 60 s lease
         time.sleep(0.1)
     stats = producer_stats(dep)
     assert held <= baseline, (baseline, stats)  # freed by the cancel, not by the lease (60 s) expiring
     assert stats["cancels"] >= 1
+
+
+def _cancel_mid_encode(stub, stats) -> float:
+    """Cancels an Encode of 8 images as soon as its first output is in the pool, until one is
+    cancelled while encoding (the producer counts it aborted); returns the items held before it.
+    Skips the test if every Encode finished first (5 tries)."""
+    from epd.encoder.v1 import encoder_pb2
+
+    for attempt in range(5):
+        # Items of an earlier attempt whose Encode finished are rightly kept (a lease): the baseline.
+        now = stats()
+        baseline, aborted = now["items_held"] + now["pending_reservations"], now["aborted_requests"]
+        items = [encoder_pb2.MediaItem(modality="image", data=make_image(7000 + 10 * attempt + i, (224, 224)))
+                 for i in range(8)]
+        call = stub.Encode(encoder_pb2.EncodeRequest(request_id=f"cancelled-{attempt}", items=items), timeout=60)
+        reader = threading.Thread(target=lambda call=call: list(_drain(call)), daemon=True)
+        reader.start()
+        deadline = time.monotonic() + 30
+        while stats()["items_held"] == 0:  # the first outputs are in the pool: cancel while the rest encode
+            assert time.monotonic() < deadline, "no encoder output reached the pool"
+            time.sleep(0.002)
+        call.cancel()
+        reader.join(10)
+        # The engine request ended aborted (the producer counts it): cancelled while encoding, the
+        # case under test. Otherwise the engine finished first (a fast machine) and its claims rightly
+        # hold the items for a consumer until the lease: try again with fresh images.
+        if _rises(lambda: stats()["aborted_requests"], aborted, within_s=5.0):
+            return baseline
+    pytest.skip("every Encode finished before it could be cancelled")
 
 
 def _drain(call):
