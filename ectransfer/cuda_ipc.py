@@ -16,16 +16,20 @@ slot is stream-ordered after the copy.
 Selection: the producer keeps a nonce in a small slot of the pool; a consumer
 proves it can use CUDA IPC by opening the handle and reading the nonce back.
 
-The consumer does not trust the refs a producer sends: a pool is mapped with
-the size its first ref gave, a later ref that names the same pool with another
-handle or size is refused, and every range is checked against the mapped size
-(``check_range``) before any copy: an out-of-range device read would poison
-the LM's CUDA context for every request.
+The consumer does not trust the refs a producer sends: a pool is mapped at
+the size of the allocation the handle really opens (``allocation_nbytes``:
+the driver's ``cuMemGetAddressRange``), never the size a ref claims; a ref
+that claims more than that is refused, a later ref that names the same pool
+with another handle or size is refused, and every range is checked against
+the mapped size (``check_range``) before any copy: an out-of-range device
+read would poison the LM's CUDA context for every request.
 cupy is imported lazily; importing ``ectransfer`` never loads CUDA libraries.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import secrets
 import threading
 import uuid
@@ -108,11 +112,45 @@ class CudaIpcProducer(ProducerTransport):
         desc.cuda_ipc.CopyFrom(self.pool.ref(offset))
 
 
+_DRIVER: list = []
+
+
+def _driver():
+    """libcuda (the driver API), loaded once; cupy does not expose ``cuMemGetAddressRange``."""
+    if not _DRIVER:
+        name = ctypes.util.find_library("cuda") or "libcuda.so.1"
+        lib = ctypes.CDLL(name)
+        fn = lib.cuMemGetAddressRange_v2
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
+        _DRIVER.append(fn)
+    return _DRIVER[0]
+
+
+def allocation_nbytes(ptr: int) -> tuple[int, int]:
+    """(base, size) of the device allocation that contains ``ptr``, as the driver
+    knows it (``cuMemGetAddressRange``): for an opened IPC handle, the real size of
+    the producer's allocation, whatever its refs claim. Needs a current context
+    on the device (the caller's ``cp.cuda.Device``). Raises ProtocolError."""
+    base, size = ctypes.c_uint64(0), ctypes.c_size_t(0)
+    try:
+        err = _driver()(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr))
+    except OSError as e:  # no libcuda in this process
+        raise ProtocolError(f"cannot query CUDA allocation size: {e}") from None
+    if err != 0:
+        raise ProtocolError(f"cuMemGetAddressRange failed with CUDA error {err}")
+    return base.value, size.value
+
+
 class _Mapped:
-    def __init__(self, ptr: int, nbytes: int, device: int, handle: bytes) -> None:
+    """One opened foreign pool: ``nbytes`` is the allocation's real size (what a copy
+    may read), ``claimed`` the size the first ref gave (every later ref must repeat it)."""
+
+    def __init__(self, ptr: int, nbytes: int, device: int, handle: bytes, claimed: int) -> None:
         cp = _cupy()
         self.ptr = ptr
         self.handle = handle
+        self.claimed = claimed
         mem = cp.cuda.UnownedMemory(ptr, nbytes, owner=None, device_id=device)
         arr = cp.ndarray((nbytes,), dtype=cp.uint8, memptr=cp.cuda.MemoryPointer(mem, 0))
         self.buffer = torch.as_tensor(arr, device=f"cuda:{device}")
@@ -149,7 +187,7 @@ def mapping(ref: common_pb2.CudaIpcRef, device: int | None = None) -> torch.Tens
     with _LOCK:
         m = _MAPPED.get(ref.pool_id)
         if m is not None:
-            _check_same_pool(ref, m.handle, m.buffer.numel())
+            _check_same_pool(ref, m.handle, m.claimed)
         else:
             if ref.pool_nbytes <= 0:
                 raise ProtocolError(f"CUDA IPC pool {ref.pool_id} claims {ref.pool_nbytes} bytes")
@@ -160,7 +198,17 @@ def mapping(ref: common_pb2.CudaIpcRef, device: int | None = None) -> torch.Tens
                     ptr = cp.cuda.runtime.ipcOpenMemHandle(ref.handle, cp.cuda.runtime.cudaIpcMemLazyEnablePeerAccess)
             except Exception as e:  # noqa: BLE001 - another namespace, no peer access, no driver
                 raise ProtocolError(f"cannot open CUDA IPC handle of pool {ref.pool_id}: {e}") from None
-            m = _MAPPED[ref.pool_id] = _Mapped(ptr, ref.pool_nbytes, dev, bytes(ref.handle))
+            try:
+                with cp.cuda.Device(dev):
+                    base, real = allocation_nbytes(ptr)
+                if base != ptr or ref.pool_nbytes > real:
+                    raise ProtocolError(f"CUDA IPC pool {ref.pool_id} claims {ref.pool_nbytes} bytes; the "
+                                        f"allocation its handle opens has {real} (base {base:#x}, mapped {ptr:#x})")
+            except ProtocolError:
+                cp.cuda.runtime.ipcCloseMemHandle(ptr)
+                raise
+            # Mapped at the allocation's real size: a copy can never read past it, whatever a ref says.
+            m = _MAPPED[ref.pool_id] = _Mapped(ptr, real, dev, bytes(ref.handle), ref.pool_nbytes)
             _OPENED[0] += 1
     return m.buffer
 

@@ -180,3 +180,36 @@ def test_connector_halves_with_cuda_ipc_save_serve_and_load_exactly():
         sched.shutdown()
         pw.shutdown()
         ps.shutdown()
+
+
+def test_a_pool_is_mapped_at_its_real_size_and_an_inflated_claim_is_refused():
+    """A producer's ref claims the pool's size; the consumer maps the allocation the
+    handle really opens (the driver's cuMemGetAddressRange), so a ref claiming more
+    is refused before any copy, and the honest ref maps at the real size."""
+    import torch
+
+    from ectransfer import cuda_ipc
+    from ectransfer.protocol import ProtocolError
+    from epd.common.v1 import common_pb2
+
+    proc, items = _start("--raw", 1)
+    try:
+        desc = common_pb2.TensorDescriptor.FromString(bytes.fromhex(items[0]["desc"]))
+        honest = desc.cuda_ipc
+        inflated = common_pb2.CudaIpcRef()
+        inflated.CopyFrom(honest)
+        inflated.pool_nbytes = honest.pool_nbytes * 4
+        with pytest.raises(ProtocolError, match="claims"):
+            cuda_ipc.mapping(inflated)
+        buf = cuda_ipc.mapping(honest)
+        assert buf.numel() >= honest.pool_nbytes
+        base, size = cuda_ipc.allocation_nbytes(buf.data_ptr())
+        assert (base, size) == (buf.data_ptr(), buf.numel())
+        with pytest.raises(ProtocolError):  # the pool is known now: the same id with another size
+            cuda_ipc.mapping(inflated)
+        dest = torch.empty(desc.nbytes, dtype=torch.uint8, device="cuda")
+        cuda_ipc.copy_out(honest, desc.nbytes, dest)
+        cuda_ipc.forget(honest.pool_id)
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=30)

@@ -66,3 +66,11 @@ def test_check_range_uses_the_mapped_size_when_given(offset, nbytes, mapped, ok)
     else:
         with pytest.raises(ProtocolError, match="outside"):
             cuda_ipc.check_range(ref, nbytes, mapped)
+
+
+def test_without_a_cuda_driver_the_allocation_size_query_is_a_protocol_error(monkeypatch):
+    """On a host with no libcuda the real-size query fails as a refused ref, never a crash."""
+    monkeypatch.setattr(cuda_ipc, "_DRIVER", [])
+    monkeypatch.setattr(cuda_ipc.ctypes.util, "find_library", lambda name: "libcuda-not-here.so")
+    with pytest.raises(ProtocolError, match="cannot query"):
+        cuda_ipc.allocation_nbytes(0x1000)
