@@ -34,13 +34,13 @@ import io
 import logging
 import warnings
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from PIL import Image
 
 from services.common.errors import BadInput, MediaError, NoCapacity
+from services.common.interruptible import DecodeThreads
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +117,10 @@ VIDEO_FORMATS = ("MP4", "WEBM", "AVI")
 vLLM's ``VideoMediaIO`` with its default ``opencv`` backend, as ``vllm serve`` decodes a
 ``video_url``."""
 MAX_VIDEO_SECONDS = 600.0
+MAX_VIDEO_FPS = 120.0
+"""Highest frame rate accepted: a loader reads (grabs) every frame up to the last one it samples."""
+MAX_VIDEO_FRAMES = 36_000
+"""Most frames a video may hold (600 s at 60 fps): what a loader may have to read through."""
 MAX_SAMPLED_FRAMES = 768
 """The most frames any of vLLM 0.32's video loaders samples from one clip (Qwen-VL's fps-driven
 loaders cap at 768): the budget's charge when the loader's own sampling cannot be computed."""
@@ -152,11 +156,14 @@ def sniff_video_format(data: bytes) -> str | None:
     return None
 
 
-def check_video(data: bytes, max_seconds: float, max_frame_pixels: int) -> VideoHeader:
+def check_video(data: bytes, max_seconds: float, max_frame_pixels: int, *, max_fps: float = MAX_VIDEO_FPS,
+                max_frames: int = MAX_VIDEO_FRAMES) -> VideoHeader:
     """Reads the video's container header (OpenCV opens it from memory, as vLLM's opencv backend
     does; no frame is decoded) and returns it, or raises MediaError: empty, not one of
-    ``VIDEO_FORMATS``, unreadable, no frames, frames over ``max_frame_pixels`` or longer than
-    ``max_seconds``. Blocking (it parses the container): services call it off their event loop."""
+    ``VIDEO_FORMATS``, unreadable, no frames, frames over ``max_frame_pixels``, longer than
+    ``max_seconds``, faster than ``max_fps`` or more than ``max_frames`` frames (a loader reads
+    through every frame up to the last it samples). Blocking (it parses the container): services
+    call it off their event loop."""
     sniffed = sniffed_format(data, "video")
     try:
         import cv2
@@ -187,6 +194,12 @@ def check_video(data: bytes, max_seconds: float, max_frame_pixels: int) -> Video
     if header.seconds > max_seconds:
         raise MediaError(f"video is {header.seconds:.1f} s long, more than the {max_seconds:g} s allowed "
                          "(--max-video-seconds); refused")
+    if fps > max_fps:
+        raise MediaError(f"video runs at {fps:g} frames per second, more than the {max_fps:g} allowed "
+                         "(--max-video-fps); refused")
+    if frames > max_frames:
+        raise MediaError(f"video holds {frames} frames, more than the {max_frames} allowed (--max-video-frames); "
+                         "refused")
     return header
 
 
@@ -267,10 +280,19 @@ class MediaConfig:
     max_video_seconds: float = MAX_VIDEO_SECONDS
     """Longest video in seconds, read from its container header before decoding (frames at most
     --max-image-pixels each)."""
+    max_video_fps: float = MAX_VIDEO_FPS
+    """Highest video frame rate, read from the container header (a loader reads every frame up to the
+    last it samples)."""
+    max_video_frames: int = MAX_VIDEO_FRAMES
+    """Most frames in one video, read from the container header."""
+    decode_timeout_s: float = 30.0
+    """Longest decode of one item; past it the decode is stopped and the request refused (as when the
+    request is cancelled)."""
 
     def __post_init__(self) -> None:
         for name in ("max_image_pixels", "max_request_pixels", "decode_budget_mib", "decode_threads",
-                     "max_audio_seconds", "max_video_seconds"):
+                     "max_audio_seconds", "max_video_seconds", "max_video_fps", "max_video_frames",
+                     "decode_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.decode_wait_s < 0:
@@ -353,7 +375,7 @@ class MediaDecoder:
     def __init__(self, cfg: MediaConfig) -> None:
         self.cfg = cfg
         self.budget = ByteBudget(cfg.decode_budget_bytes)
-        self._pool = ThreadPoolExecutor(cfg.decode_threads, thread_name_prefix="epd-decode")  # threads start lazily
+        self.threads = DecodeThreads(cfg.decode_threads)  # each job stopped when its request is
 
     def check(self, datas: list[bytes], max_images: int) -> int:
         """Header checks of one request's images (nothing decoded); returns its
@@ -383,11 +405,11 @@ class MediaDecoder:
         Raises BadInput (over a limit, bad bytes) or NoCapacity (no budget within
         ``decode_wait_s``)."""
         nbytes = self.check(datas, max_images)
-        return await self._decode_under_budget(
+        return await self.decode_under_budget(
             nbytes, "image", rid, [functools.partial(_decode_nth, i, data, self.cfg.max_image_pixels)
                                    for i, data in enumerate(datas)])
 
-    async def _decode_under_budget(self, nbytes: int, modality: str, rid: str,
+    async def decode_under_budget(self, nbytes: int, modality: str, rid: str,
                                    jobs: list[Callable[[], Any]]) -> tuple[list[Any], DecodeLease]:
         """Takes ``nbytes`` of the budget (NoCapacity after ``decode_wait_s``), runs ``jobs`` on the
         decode threads, and returns their results with the lease (given back here on failure)."""
@@ -400,14 +422,25 @@ class MediaDecoder:
                              f"{modality} did not fit within {self.cfg.decode_wait_s:g}s; retry later")
         lease = DecodeLease(self.budget, nbytes)
         try:
-            loop = asyncio.get_running_loop()
-            out = await asyncio.gather(*(loop.run_in_executor(self._pool, job) for job in jobs))
+            out = await self.run_all(jobs, modality)
         except BaseException:
-            # A cancelled request's decodes still finish on their threads (they cannot be
-            # interrupted); the budget is given back now, the threads stay bounded.
-            lease.release()
+            lease.release()  # the stopped decodes end within a frame; their memory goes with them
             raise
-        return list(out), lease
+        return out, lease
+
+    async def run_all(self, jobs: list[Callable[[], Any]], what: str) -> list[Any]:
+        """Runs ``jobs`` on the decode threads, each under ``decode_timeout_s``; the first failure (or
+        the caller's cancellation) stops the others. A timeout is BadInput naming the limit."""
+        tasks = [asyncio.ensure_future(self.threads.run(job, self.cfg.decode_timeout_s)) for job in jobs]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except asyncio.TimeoutError:
+            raise BadInput(f"{what} took longer than {self.cfg.decode_timeout_s:g} s to decode (--decode-timeout-s); "
+                           "refused") from None
+        finally:
+            for t in tasks:
+                t.cancel()  # no-op for the finished ones; stops the rest
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     def check_media(self, modality: str, datas: list[bytes], limit: int,
                     sampled_frames: Callable[[VideoHeader], int] | None = None) -> int:
@@ -424,7 +457,8 @@ class MediaDecoder:
                 if modality == "audio":
                     nbytes += check_audio(data, self.cfg.max_audio_seconds)[2]
                 else:
-                    header = check_video(data, self.cfg.max_video_seconds, self.cfg.max_image_pixels)
+                    header = check_video(data, self.cfg.max_video_seconds, self.cfg.max_image_pixels,
+                                         max_fps=self.cfg.max_video_fps, max_frames=self.cfg.max_video_frames)
                     sampled = sampled_frames(header) if sampled_frames else min(header.frames, MAX_SAMPLED_FRAMES)
                     nbytes += header.decoded_bytes(max(1, sampled))
             except MediaError as e:
@@ -441,14 +475,14 @@ class MediaDecoder:
         parser may take its time), the budget, then ``loader`` (vLLM's ``AudioMediaIO`` /
         ``VideoMediaIO`` ``load_bytes``, as the encoder builds them) off the loop. Returns what the
         loader made, per item, and the lease."""
-        nbytes = await asyncio.get_running_loop().run_in_executor(
-            self._pool, self.check_media, modality, datas, limit, sampled_frames)
-        return await self._decode_under_budget(
+        (nbytes,) = await self.run_all([functools.partial(self.check_media, modality, datas, limit, sampled_frames)],
+                                       f"{modality} header")
+        return await self.decode_under_budget(
             nbytes, modality, rid, [functools.partial(_load_nth, modality, i, data, loader)
                                     for i, data in enumerate(datas)])
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Nothing to stop: each decode thread ends with its job (or is stopped with its request)."""
 
 
 def _decode_nth(i: int, data: bytes, max_pixels: int) -> Image.Image:

@@ -23,7 +23,8 @@ from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
 from services.common.engine import tokenize_async
 from services.common.errors import BadInput, Deadline, EPDError
 from services.common.layout import ItemLayout, item_layouts, placeholder_ranges
-from services.common.media import MAX_SAMPLED_FRAMES, MediaDecoder, VideoHeader, content_id
+from services.common.media import MediaDecoder, VideoHeader, content_id
+from services.common.vllm_media import frames_sampled_by, video_io_for
 
 logger = logging.getLogger(__name__)
 
@@ -123,19 +124,9 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             if modality == "audio":
                 self._loaders[modality] = AudioMediaIO(**kwargs.get("audio", {})).load_bytes
             else:
-                from vllm.multimodal.media.image import ImageMediaIO
-                from vllm.multimodal.media.video import VideoMediaIO
-                from vllm.multimodal.video import get_video_loader_backend_for_processor
-                from vllm.transformers_utils.processor import get_video_processor_cls_name
-
-                video_kw = dict(kwargs.get("video", {}))
-                if "video_backend" not in video_kw and (backend := get_video_loader_backend_for_processor(
-                        get_video_processor_cls_name(self.engine.model_config))):
-                    video_kw["video_backend"] = backend
-                image_io = ImageMediaIO(**({"image_mode": "RGB"} | kwargs.get("image", {})))
-                video_io = VideoMediaIO(image_io, **video_kw)
+                video_io = video_io_for(self.engine.model_config, kwargs)
                 self._loaders[modality] = video_io.load_bytes
-                self._sampled[modality] = _frames_sampled_by(video_io)
+                self._sampled[modality] = frames_sampled_by(video_io)
         return self._loaders[modality]
 
     def _prompt(self, modality: str, n: int) -> str:
@@ -246,38 +237,6 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         finally:
             if status != "ok":  # an ok one was counted before its last events
                 record(status)
-
-
-def _frames_sampled_by(video_io) -> Callable[[VideoHeader], int]:
-    """How many frames vLLM's video loader behind ``video_io`` (a ``VideoMediaIO``) will decode from
-    a clip with this header, computed with the loader's own sampling rule and arguments (Qwen-VL's
-    loaders sample by fps, up to 768 frames; the default one ``num_frames``), so the decode budget
-    is charged what the decode allocates. Falls back to ``min(frames, MAX_SAMPLED_FRAMES)``."""
-    import inspect
-
-    from vllm.multimodal.video_decoders import resolve_video_backend_kwargs
-    from vllm.multimodal.video_decoders.base import VideoSourceMetadata, VideoTargetMetadata
-
-    loader = video_io.video_loader
-    args = {name: p.default for name, p in inspect.signature(loader.load_bytes).parameters.items()
-            if p.default is not inspect.Parameter.empty}
-    args.update(video_io.kwargs, num_frames=video_io.num_frames)
-    known = ("num_frames", "fps", "max_duration", "frame_recovery", "backend")
-
-    def count(header: VideoHeader) -> int:
-        try:
-            source = loader._prepare_source(VideoSourceMetadata(header.frames, header.fps, header.seconds))
-            target = VideoTargetMetadata(num_frames=args.get("num_frames", -1), fps=args.get("fps", -1),
-                                         max_duration=args.get("max_duration", 300))
-            sampling, _ = resolve_video_backend_kwargs(args.get("backend", "opencv"),
-                                                       {k: v for k, v in args.items() if k not in known})
-            return len(loader.compute_frames_index_to_sample(source=source, target=target, **sampling))
-        except Exception:  # a loader vLLM changed: charge the most any loader takes
-            logger.warning("cannot compute the frames %s samples; charging up to %d", loader.__name__,
-                           MAX_SAMPLED_FRAMES, exc_info=True)
-            return min(header.frames, MAX_SAMPLED_FRAMES)
-
-    return count
 
 
 def dtype_enum(name: str) -> int:

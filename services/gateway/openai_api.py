@@ -30,6 +30,7 @@ from services.gateway.admission import AdmissionRefused
 from services.gateway.config import GatewayConfig
 from services.gateway.fetch import MediaFetcher, load_images
 from services.gateway.orchestrator import Media, Orchestrator, Timings
+from services.gateway.parts import LM_PART, PartError, media_parts
 
 logger = logging.getLogger(__name__)
 
@@ -97,16 +98,10 @@ def media_api_error(e: MediaError) -> ApiError:
     return ApiError(e.status, str(e), param=f"{e.modality}_url")
 
 
-# Content part types that carry media epd-serve does not serve: embeddings a client computed, and files.
-UNSERVED_MEDIA = frozenset({"image_embeds", "audio_embeds", "video_embeds", "image_pil", "file"})
-MEDIA_PARTS = {"image_url": "image", "audio_url": "audio", "input_audio": "audio", "video_url": "video"}
-"""Content part types the gateway serves, and their modality: OpenAI's image_url and input_audio
-(base64 data with its format), and vLLM's audio_url and video_url."""
 MIME = {"WAV": "audio/wav", "FLAC": "audio/flac", "OGG": "audio/ogg", "MP3": "audio/mpeg",
         "MP4": "video/mp4", "WEBM": "video/webm", "AVI": "video/x-msvideo"}
 LIMIT_FLAG = {"image": "max_images", "audio": "max_audios", "video": "max_videos"}
 ITEMS = {"image": "images", "audio": "audio clips", "video": "videos"}
-INPUT_AUDIO_FORMATS = ("wav", "mp3", "flac", "ogg")
 MEDIA_REF = "epd-media:"  # gRPC API: an image_url/audio_url that names OpenAIRequest.media[N]
 
 
@@ -139,7 +134,7 @@ class OpenAICall:
         # processor lays the whole prompt out and needs every item's bytes.
         laid_out = all(item.source.placeholder_token_ids for item in req.items)
         for (i, j), item, m in zip(self.parts, req.items, media):
-            kind = f"{m.modality}_url"
+            kind = LM_PART[m.modality]
             part: dict[str, Any] = {"type": kind, "uuid": item.identifier}
             if laid_out:
                 part[kind] = None
@@ -158,59 +153,32 @@ class OpenAICall:
 
 def parse_openai(api: str, raw: bytes, cfg: GatewayConfig, media: list[bytes] | None = None) -> OpenAICall:
     """Reads what the gateway needs from a request body, without I/O: whether it streams, and where its
-    images and audio clips are. Everything else is vLLM's to validate (on the LM). ``media``: the gRPC
-    API's raw media, named by ``epd-media:N`` URLs. Raises ApiError."""
+    media are, found by vLLM's own rule (``services.gateway.parts``). Everything else is vLLM's to
+    validate (on the LM). ``media``: the gRPC API's raw media, named by ``epd-media:N`` URLs. Raises
+    ApiError."""
     body = loads_strict(raw)
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
     call = OpenAICall(api, body, body.get("stream") is True)
-    messages = body.get("messages") if api == "chat" else None
-    for i, m in enumerate(messages if isinstance(messages, list) else []):
-        content = m.get("content") if isinstance(m, dict) else None
-        for j, part in enumerate(content if isinstance(content, list) else []):
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind in UNSERVED_MEDIA:
-                raise ApiError(400, f"messages[{i}].content[{j}]: {kind} parts are not served by epd-serve "
-                                    f"(served: {', '.join(MEDIA_PARTS)})", param="messages")
-            modality = MEDIA_PARTS.get(kind)
-            if modality is None:
-                continue
-            url = _part_url(part, kind, f"messages[{i}].content[{j}]")
-            limit = getattr(cfg, LIMIT_FLAG[modality])
-            if call.modalities.count(modality) >= limit:
-                raise ApiError(400, f"at most {limit} {ITEMS[modality]} per request (--max-{modality}s)",
-                               param="messages")
-            call.modalities.append(modality)
-            if url.startswith(MEDIA_REF):
-                k = url[len(MEDIA_REF):]
-                if media is None or not k.isdigit() or int(k) >= len(media):
-                    raise ApiError(400, f"messages[{i}].content[{j}]: {url!r} names no media item",
-                                   param="messages")
-                call.sources.append(media[int(k)])
-            else:
-                call.sources.append(url)
-            call.parts.append((i, j))
+    try:
+        found = media_parts(body.get("messages")) if api == "chat" else []
+    except PartError as e:
+        raise ApiError(400, str(e), param="messages") from None
+    for p in found:
+        limit = getattr(cfg, LIMIT_FLAG[p.modality])
+        if call.modalities.count(p.modality) >= limit:
+            raise ApiError(400, f"at most {limit} {ITEMS[p.modality]} per request (--max-{p.modality}s)",
+                           param="messages")
+        call.modalities.append(p.modality)
+        if p.source.startswith(MEDIA_REF):
+            k = p.source[len(MEDIA_REF):]
+            if media is None or not k.isdigit() or int(k) >= len(media):
+                raise ApiError(400, f"{p.where}: {p.source!r} names no media item", param="messages")
+            call.sources.append(media[int(k)])
+        else:
+            call.sources.append(p.source)
+        call.parts.append((p.message, p.part))
     return call
-
-
-def _part_url(part: dict, kind: str, where: str) -> str:
-    """The URL of a media part (an ``input_audio`` part's data as a data: URL), or ApiError."""
-    if kind == "input_audio":
-        audio = part.get("input_audio")
-        data = audio.get("data") if isinstance(audio, dict) else None
-        fmt = audio.get("format") if isinstance(audio, dict) else None
-        if not isinstance(data, str) or not data:
-            raise ApiError(400, f"{where}.input_audio.data is required (base64 audio)", param="messages")
-        if fmt not in INPUT_AUDIO_FORMATS:
-            raise ApiError(400, f"{where}.input_audio.format must be one of {', '.join(INPUT_AUDIO_FORMATS)}; "
-                                f"got {fmt!r}", param="messages")
-        return f"data:audio/{fmt};base64,{data}"
-    url = part.get(kind)
-    url = url.get("url") if isinstance(url, dict) else url
-    if not isinstance(url, str) or not url:
-        raise ApiError(400, f"{where}.{kind}.url is required (epd-serve names media by their content; a uuid "
-                            "alone cannot name an item)", param="messages")
-    return url
 
 
 async def load_media(call: OpenAICall, req: lm_pb2.GenerateRequest, cfg: GatewayConfig,

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.common.media import MediaConfig
 from services.lm.frontend import FrontendConfig
 
 
 @dataclass
-class LMServiceConfig(FrontendConfig):
+class LMServiceConfig(FrontendConfig, MediaConfig):
     """The service's own fields; ``FrontendConfig`` adds ``vllm serve``'s front-end flags
-    (chat template, tool-call and reasoning parsers, served model name, ...)."""
+    (chat template, tool-call and reasoning parsers, served model name, ...), ``MediaConfig``
+    the limits on the media this LM decodes itself (data: URLs the gateway sends when the LM
+    encodes a request's items: local placement, fallback, colocated)."""
 
     host: str = "127.0.0.1"
     """Address of the API port (Generate, GetInfo, health; reflection with --reflection)."""
@@ -34,5 +37,6 @@ class LMServiceConfig(FrontendConfig):
     authenticate (--auth-token-file or mutual TLS: the gateway's word is trusted), else loopback only."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.staging_mib <= 0:
             raise ValueError(f"staging_mib must be > 0, got {self.staging_mib}")

@@ -8,79 +8,41 @@ answered by the code ``vllm serve`` runs. epd-serve adds two things, both by
 composition on the objects vLLM takes as arguments (no subclass of a serving class,
 no patch):
 
-- ``LaidOutRenderer`` wraps the engine's renderer. vLLM renders the chat (its chat
-  template, tools, chat-template kwargs) and tokenizes it as always; for the images an
+- ``LaidOutRenderer`` wraps the engine's renderer. vLLM parses and renders the chat (its
+  chat template, tools, chat-template kwargs) as always; right after vLLM's parser, every
+  multimodal item it found is checked (``services.lm.media.check_items``: only what the
+  gateway sends gets through, whatever shape a content part has). For the items an
   encoder processed, which arrive as vLLM's uuid-only items (``{"type": "image_url",
   "image_url": null, "uuid": id}``), it splices in each item's prompt layout from the
-  encoder's metadata instead of running the image processor. The LM never decodes or
-  preprocesses such an image. Anything else (text, or images with data when no encoder
-  was used) goes to vLLM's renderer unchanged.
+  encoder's metadata instead of running the image processor: the LM never decodes or
+  preprocesses such an item. Anything else (text, or media the gateway sent as data: URLs
+  when no encoder was used) is tokenized and processed by vLLM's renderer unchanged; the
+  media themselves are loaded by the LM's media connector (``services.lm.media_connector``).
 - ``ConsumerEngine`` wraps the engine client: each request's ``SamplingParams`` get the
   ``ec_transfer_params`` naming the encoder of each item (the consumer connector pulls
   the embeddings), and the engine outputs are recorded for the service's timings and
   its failover signal (an item the encoder could not deliver).
 
-Both read the request's ``RequestContext`` from a context variable the servicer sets
-around each call: vLLM's serving code runs in the servicer's task, so the context
-reaches the renderer and the engine call of that request and no other.
+Both read the request's ``RequestContext`` (``services.lm.context.CURRENT``), which the
+servicer sets around each call: vLLM's serving code runs in the servicer's task, so the
+context reaches the renderer, the media connector and the engine call of that request and
+no other.
 """
 
 from __future__ import annotations
 
-import contextvars
+import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from services.common.errors import BadInput, EncoderUnavailable
 from services.common.layout import ItemLayout, splice_modalities
-
-if TYPE_CHECKING:  # imported where used: ectransfer.connector imports vLLM, which this module's importers
-    # (the CLI's parser, the gateway's tests) must not pay for
-    from ectransfer.connector.metadata import ItemSource
+from services.lm.context import CURRENT, RequestContext
+from services.lm.media import check_items
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class RequestContext:
-    """One Generate call's epd state, shared with vLLM's serving code through ``CURRENT``.
-
-    ``layouts``/``sources``: per item identifier, the prompt layout and the encoder
-    (``ItemSource``: endpoint, embedding width and dtype) from the encoders' metadata;
-    empty for a request without encoder items. Written by the servicer before the call; read by
-    ``LaidOutRenderer`` and ``ConsumerEngine``."""
-
-    layouts: dict[str, ItemLayout] = field(default_factory=dict)
-    sources: dict[str, ItemSource] = field(default_factory=dict)
-    mm_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Per item identifier, the metadata-only processed inputs (vLLM ``MultiModalKwargsItem``)
-    the encoder sent for families that need them without the media (Qwen-VL's grid for M-RoPE)."""
-    start: float = field(default_factory=time.perf_counter)
-    first_token_at: float = 0.0
-    last_token_at: float = 0.0
-    tokens: dict[int, int] = field(default_factory=dict)
-    """Output tokens so far per choice index."""
-    final: Any = None
-    """The last engine output (vLLM ``RequestOutput``) of the request."""
-    encoder_failure: EncoderUnavailable | None = None
-    """Set when the engine failed the request because an item's embedding could not be
-    obtained: the servicer turns it into the ``epd-fault: encoder`` status (the gateway
-    re-encodes elsewhere) instead of passing vLLM's error chunk on."""
-    laid_out: int = 0
-    """Prompts of this call laid out from encoder metadata (0 or 1)."""
-
-    @property
-    def completion_tokens(self) -> int:
-        return sum(self.tokens.values())
-
-    @property
-    def first_choice_tokens(self) -> int:
-        return self.tokens.get(0, 0)
-
-
-CURRENT: contextvars.ContextVar[RequestContext | None] = contextvars.ContextVar("epd_lm_request", default=None)
 
 
 class LaidOutRenderer:
@@ -97,27 +59,50 @@ class LaidOutRenderer:
     def __getattr__(self, name: str):
         return getattr(self._inner, name)
 
+    async def render_messages_async(self, messages, params):
+        """vLLM's parsing and chat template, then ``check_items``: every parsed item must be one the
+        gateway sent (the one way prompts are rendered here, whoever calls)."""
+        conv, prompt = await self._inner.render_messages_async(messages, params)
+        check_items(prompt, CURRENT.get() or RequestContext())
+        return conv, prompt
+
+    def render_messages(self, messages, params):
+        conv, prompt = self._inner.render_messages(messages, params)
+        check_items(prompt, CURRENT.get() or RequestContext())
+        return conv, prompt
+
     async def render_chat_async(self, conversations, chat_params, tok_params=None, *, prompt_extras=None,
                                 skip_mm_cache: bool = False):
-        ctx = CURRENT.get()
-        if ctx is None or not ctx.layouts:
-            return await self._inner.render_chat_async(conversations, chat_params, tok_params,
-                                                       prompt_extras=prompt_extras, skip_mm_cache=skip_mm_cache)
+        """vLLM's ``render_chat_async`` in its own steps (parse and template, tokenize, process), with
+        the items checked after parsing, and the prompts an encoder laid out spliced instead of
+        processed. The call's decode budget is given back once the prompts are processed."""
+        ctx = CURRENT.get() or RequestContext()
         arrival = time.time()
         if tok_params is None:
             tok_params = self._inner.default_chat_tok_params
-        convs, inputs = [], []
-        for messages in conversations:
-            conv, prompt = await self._inner.render_messages_async(messages, chat_params)
-            (tok,) = await self._inner.tokenize_prompts_async([prompt], tok_params)
-            engine_input = _lay_out(tok, ctx, self._metadata_fields)
-            if (salt := (prompt_extras or {}).get("cache_salt")) is not None:
-                engine_input["cache_salt"] = salt
-            engine_input["arrival_time"] = arrival
-            convs.append(conv)
-            inputs.append(engine_input)
-        ctx.laid_out += 1
-        return convs, inputs
+        try:
+            rendered = await asyncio.gather(*(self.render_messages_async(m, chat_params) for m in conversations))
+            convs, prompts = [c for c, _ in rendered], [p for _, p in rendered]
+            if not ctx.layouts:
+                extras = {**(prompt_extras or {}), "media_io_kwargs": chat_params.media_io_kwargs or {}}
+                inputs = await self._inner.render_cmpl_async(prompts, tok_params, prompt_extras=extras,
+                                                             skip_mm_cache=skip_mm_cache)
+                for engine_input in inputs:
+                    engine_input["arrival_time"] = arrival  # as vLLM stamps a chat: before its media loaded
+                return convs, inputs
+            inputs = []
+            for prompt in prompts:
+                (tok,) = await self._inner.tokenize_prompts_async([prompt], tok_params)
+                engine_input = _lay_out(tok, ctx, self._metadata_fields)
+                if (salt := (prompt_extras or {}).get("cache_salt")) is not None:
+                    engine_input["cache_salt"] = salt
+                engine_input["arrival_time"] = arrival
+                inputs.append(engine_input)
+            ctx.laid_out += 1
+            return convs, inputs
+        finally:
+            if ctx.media is not None:
+                ctx.media.release()
 
 
 LAID_OUT_MODALITIES = ("image", "audio", "video")

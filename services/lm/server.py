@@ -15,6 +15,7 @@ from ectransfer.shm import cleanup_orphans
 from epd.lm.v1 import lm_pb2, lm_pb2_grpc
 from services.common.engine import EngineConfig, build_async_engine, configure_process_env, serve_until_stopped
 from services.common.grpc_server import GrpcServer
+from services.common.media import MediaDecoder
 from services.lm.config import LMServiceConfig
 from services.lm.frontend import build_frontend
 from services.lm.peers import EncoderAllowList, OfferedCudaIpc, PeerChecker
@@ -60,6 +61,9 @@ async def serve(cfg: LMServiceConfig, engine_cfg: EngineConfig, stop: asyncio.Ev
         loop.add_signal_handler(sig, stop.set)
     configure_process_env()  # before vLLM is imported in this process
     from ectransfer.connector.common import compat_for
+    from services.lm import media_connector
+
+    media_connector.install()  # the LM never downloads; data: URLs load under the media limits
 
     # No processor cache: a prompt laid out from an encoder's metadata carries its
     # items without data, which vLLM's engine-side processor cache would take for
@@ -82,7 +86,7 @@ async def serve(cfg: LMServiceConfig, engine_cfg: EngineConfig, stop: asyncio.Ev
         info = lm_pb2.LMInfo(model=frontend.models.model_name(), compat=compat)
         server = GrpcServer(cfg.host, cfg.port, security)
         server.add(lm_pb2_grpc.add_LMServiceServicer_to_server,
-                   LMServicer(engine, info, peers, frontend),
+                   LMServicer(engine, info, peers, frontend, MediaDecoder(cfg)),
                    lm_pb2.DESCRIPTOR.services_by_name["LMService"].full_name)
         port = await server.start()
         if cfg.metrics_port:

@@ -15,8 +15,6 @@ engine request and releases its staging reservations through the connector's
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import contextlib
 import json
 import logging
@@ -26,10 +24,12 @@ from prometheus_client import Counter, Histogram
 
 from ectransfer import tensors
 from epd.lm.v1 import lm_pb2, lm_pb2_grpc
-from services.common.errors import BadInput, EPDError, MediaError
+from services.common.errors import BadInput, EPDError
 from services.common.layout import ItemLayout
-from services.common.media import MAX_IMAGE_PIXELS, MAX_VIDEO_SECONDS, check_video, content_id
-from services.lm.frontend import CURRENT, Frontend, RequestContext
+from services.common.media import MediaDecoder
+from services.lm.context import CURRENT, RequestContext
+from services.lm.frontend import Frontend
+from services.lm.media import RequestMedia
 from services.lm.peers import PeerChecker
 
 logger = logging.getLogger(__name__)
@@ -78,68 +78,16 @@ def openai_body(request: lm_pb2.GenerateRequest) -> dict:
     return body
 
 
-MEDIA_PARTS = {"image_url": "image", "audio_url": "audio", "video_url": "video"}
-"""Content part types the LM takes, and their modality: uuid-only (an encoder has the item) or a
-data: URL the gateway read (the LM encodes it itself)."""
-
-
-def check_media(body: dict, items: dict[str, lm_pb2.MMItem]) -> list[bytes]:
-    """Refuses media the LM must not touch; returns the bytes of the videos it carries as data
-    (``check_videos`` reads their headers before vLLM decodes them).
-
-    A media part (``MEDIA_PARTS``) is either uuid-only (an item with a source: an encoder
-    has it) or a data: URL, whose uuid, when it has one, is the content hash of its bytes
-    (so no caller can label one item's bytes with another's identifier in vLLM's caches).
-    The LM never downloads: any other URL is refused."""
-    videos = []
-    messages = body.get("messages")
-    for m in messages if isinstance(messages, list) else []:
-        content = m.get("content") if isinstance(m, dict) else None
-        for part in content if isinstance(content, list) else []:
-            if not isinstance(part, dict) or part.get("type") in (None, "text"):
-                continue
-            kind, uuid = part.get("type"), part.get("uuid")
-            modality = MEDIA_PARTS.get(kind)
-            if modality is None:
-                raise BadInput(f"content part type {kind!r} is not served here "
-                               f"(served: {', '.join(MEDIA_PARTS)})")
-            url = part.get(kind)
-            url = url.get("url") if isinstance(url, dict) else url
-            if not url:
-                if uuid not in items or not items[uuid].HasField("source"):
-                    raise BadInput(f"{modality} {str(uuid)[:16]!r}... has no data and no encoder")
-                continue
-            if not isinstance(url, str) or not url.startswith("data:"):
-                raise BadInput(f"the LM takes {modality} items as data: URLs only (the gateway fetches URLs)")
-            if uuid is not None or modality == "video":
-                try:
-                    data = base64.b64decode(url.partition(",")[2], validate=True)
-                except (binascii.Error, ValueError):
-                    raise BadInput(f"{modality} data: URL is not valid base64") from None
-                if uuid is not None and uuid != content_id(data):
-                    raise BadInput(f"{modality} uuid {str(uuid)[:16]!r}... is not the content hash of its bytes")
-                if modality == "video":
-                    videos.append(data)
-    return videos
-
-
-async def check_videos(videos: list[bytes]) -> None:
-    """Reads each video's container header off the event loop before vLLM decodes it here (the
-    request's media is encoded on this LM: local placement or no encoder): frames at most
-    ``MAX_IMAGE_PIXELS``, at most ``MAX_VIDEO_SECONDS``. BadInput otherwise."""
-    for i, data in enumerate(videos):
-        try:
-            await asyncio.to_thread(check_video, data, MAX_VIDEO_SECONDS, MAX_IMAGE_PIXELS)
-        except MediaError as e:
-            raise BadInput(f"video {i}: {e}") from None
-
-
 class LMServicer(lm_pb2_grpc.LMServiceServicer):
-    def __init__(self, engine, info: lm_pb2.LMInfo, peers: PeerChecker, frontend: Frontend) -> None:
+    def __init__(self, engine, info: lm_pb2.LMInfo, peers: PeerChecker, frontend: Frontend,
+                 decoder: MediaDecoder) -> None:
+        """``decoder``: the service's media limits and decode budget, for the media this LM decodes
+        itself (data: URLs from the gateway; ``services.lm.media``)."""
         self.engine = engine
         self.info = info
         self.peers = peers
         self.frontend = frontend
+        self.decoder = decoder
 
     async def GetInfo(self, request, context):
         return self.info
@@ -147,7 +95,7 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
     def _context(self, request: lm_pb2.GenerateRequest) -> RequestContext:
         from ectransfer.connector.metadata import ItemSource
 
-        ctx = RequestContext()
+        ctx = RequestContext(media=RequestMedia(self.decoder, request.request_id))
         for item in request.items:
             if not item.identifier or not item.HasField("source"):
                 continue
@@ -183,8 +131,6 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
 
         api = request.openai.api
         body = openai_body(request)
-        if api == "chat":
-            await check_videos(check_media(body, {item.identifier: item for item in request.items}))
         serving = self.frontend.chat if api == "chat" else self.frontend.completion
         try:
             req = (ChatCompletionRequest if api == "chat" else CompletionRequest).model_validate(body)
@@ -248,6 +194,8 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
             status = "cancelled"
             raise
         finally:
+            if ctx.media is not None:
+                ctx.media.release()  # normally done once the prompt was processed
             REQUESTS.labels(status).inc()
 
     def _last(self, rid: str, ctx: RequestContext) -> lm_pb2.GenerateResponse:

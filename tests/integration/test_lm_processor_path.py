@@ -5,7 +5,9 @@ LM's vLLM serving classes (``build_frontend``); the engine is a stand-in that
 records the request it was handed. An item an encoder has is processed under
 its identifier (vLLM's mm_hash, the uuid in the body), so the connector pulls
 the encoder's embedding for it; that identifier must be the content hash of the
-bytes, never a caller's label for other bytes."""
+bytes, never a caller's label for other bytes. The LM's own media connector is
+selected as in the service (``services.lm.media_connector``): every media part
+shape that did not come from the gateway is refused, and nothing is downloaded."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from epd.common.v1 import common_pb2
 from epd.lm.v1 import lm_pb2
 from services.common.errors import BadInput
 from services.common.images import data_url, make_image
-from services.common.media import content_id
+from services.common.media import MediaConfig, MediaDecoder, content_id
 from services.lm.frontend import FrontendConfig, build_frontend
 from services.lm.servicer import LMServicer
 
@@ -75,6 +77,18 @@ class _Peers:
         self.checked.append(endpoint)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def gateway_only_media():
+    """The LM process's media connector, as ``services.lm.server`` selects it (restored after)."""
+    from services.lm import media_connector
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv(media_connector.ENV, media_connector.NAME)
+    media_connector.install()
+    yield
+    mp.undo()
+
+
 @pytest.fixture(scope="module")
 def vllm_config(tiny_model):
     from vllm.engine.arg_utils import EngineArgs
@@ -97,18 +111,22 @@ def item(data: bytes, identifier: str | None = None, encoder: bool = True) -> tu
     return mm, part
 
 
-def _generate(vllm_config, tiny_model, images: list[tuple[lm_pb2.MMItem, dict]]):
+def _generate(vllm_config, tiny_model, images: list[tuple[lm_pb2.MMItem | None, dict]],
+              decoder: MediaDecoder | None = None):
+    """One Generate call through the LM's servicer and vLLM's serving classes: the parts in one user
+    message (their items, where not None, in ``GenerateRequest.items``)."""
     engine = _Engine(vllm_config)
     peers = _Peers()
     body = {"messages": [{"role": "user", "content": [p for _, p in images] + [
         {"type": "text", "text": "What is this?"}]}], "max_tokens": 4}
-    request = lm_pb2.GenerateRequest(request_id="r", items=[mm for mm, _ in images])
+    request = lm_pb2.GenerateRequest(request_id="r", items=[mm for mm, _ in images if mm is not None])
     request.openai.api = "chat"
     request.openai.body = json.dumps(body).encode()
+    decoder = decoder or MediaDecoder(MediaConfig())
 
     async def main():
         frontend = await build_frontend(engine, FrontendConfig(), tiny_model)
-        servicer = LMServicer(engine, lm_pb2.LMInfo(), peers, frontend)
+        servicer = LMServicer(engine, lm_pb2.LMInfo(), peers, frontend, decoder)
         return [r async for r in servicer.Generate(request, None)]
 
     try:
@@ -148,7 +166,7 @@ def test_an_image_without_an_encoder_is_processed_and_hashed_by_vllm(vllm_config
 
 def test_an_identifier_that_is_not_the_content_hash_of_the_bytes_is_refused(vllm_config, tiny_model):
     a, b = make_image(3, (64, 64)), make_image(4, (64, 64))
-    with pytest.raises(BadInput, match="image uuid .* is not the content hash of its bytes"):
+    with pytest.raises(BadInput, match="image 0: its uuid .* is not the content hash of its bytes"):
         _generate(vllm_config, tiny_model, [item(a, identifier=content_id(b))])
 
 
@@ -157,3 +175,87 @@ def test_an_image_without_data_and_without_an_encoder_is_refused(vllm_config, ti
     mm, _ = item(a, encoder=False)
     with pytest.raises(BadInput, match="has no data and no encoder"):
         _generate(vllm_config, tiny_model, [(mm, {"type": "image_url", "image_url": None, "uuid": mm.identifier})])
+
+
+@pytest.fixture(scope="module")
+def bait():
+    """An HTTP server on loopback that counts every request: nothing on the LM may reach it."""
+    import http.server
+    import threading
+
+    hits: list[str] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            hits.append(self.path)
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.end_headers()
+            self.wfile.write(make_image(9, (32, 32)))
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/bait.png", hits
+    server.shutdown()
+
+
+def _refusal(vllm_config, tiny_model, parts: list[tuple[lm_pb2.MMItem | None, dict]]) -> str:
+    """Sends ``parts`` straight to the LM (no gateway) and returns how it was refused: a BadInput
+    from the LM's check (INVALID_ARGUMENT at the service boundary) or vLLM's own 4xx answer.
+    Fails if anything reached the engine."""
+    try:
+        responses, engine, _ = _generate(vllm_config, tiny_model, parts)
+    except BadInput as e:
+        return str(e)
+    assert 400 <= responses[0].http_status < 500, responses[0].openai[:300]
+    assert engine.seen == []
+    return json.loads(responses[0].openai)["error"]["message"]
+
+
+VICTIM, ATTACKER = make_image(11, (64, 64)), make_image(12, (64, 64))
+
+
+@pytest.mark.parametrize("shape", [
+    "typed-http", "untyped-http", "untyped-http-string", "input-image-http", "file-url", "uuid-on-text-part",
+    "uuid-with-other-bytes", "uuid-only-not-sent", "untyped-uuid-with-other-bytes", "image-embeds",
+    "audio-url-http", "data-url-wrong-type",
+])
+def test_the_lm_refuses_every_media_shape_the_gateway_does_not_send_and_downloads_nothing(
+        vllm_config, tiny_model, bait, shape):
+    url, hits = bait
+    victim = content_id(VICTIM)
+    part = {
+        "typed-http": {"type": "image_url", "image_url": {"url": url}},
+        "untyped-http": {"image_url": {"url": url}},
+        "untyped-http-string": {"image_url": url, "text": "hi"},
+        "input-image-http": {"type": "input_image", "image_url": url, "detail": "auto"},
+        "file-url": {"type": "image_url", "image_url": {"url": "file:///etc/hostname"}},
+        "uuid-on-text-part": {"type": "text", "text": "hi", "uuid": victim, "image_url": {"url": data_url(ATTACKER)}},
+        "uuid-with-other-bytes": {"type": "image_url", "image_url": {"url": data_url(ATTACKER)}, "uuid": victim},
+        "uuid-only-not-sent": {"type": "image_url", "image_url": None, "uuid": victim},
+        "untyped-uuid-with-other-bytes": {"image_url": data_url(ATTACKER), "uuid": victim},
+        "image-embeds": {"type": "image_embeds", "image_embeds": "AAAA"},
+        "audio-url-http": {"type": "audio_url", "audio_url": {"url": url}},
+        "data-url-wrong-type": {"type": "image_url", "image_url": {"url": data_url(ATTACKER, "text/plain")}},
+    }[shape]
+    message = _refusal(vllm_config, tiny_model, [(None, part)])
+    assert message
+    assert hits == [], f"the LM fetched {hits}"
+
+
+def test_a_victim_item_an_encoder_has_is_not_taken_from_a_callers_bytes(vllm_config, tiny_model):
+    """The poisoning shape at the LM: the victim's identifier, with an encoder source, on a part
+    whose bytes are the attacker's: refused, so nothing is cached under the victim's identifier."""
+    mm, _ = item(VICTIM)
+    part = {"type": "text", "text": "hi", "uuid": mm.identifier, "image_url": {"url": data_url(ATTACKER)}}
+    assert "not the content hash" in _refusal(vllm_config, tiny_model, [(mm, part)])
+
+
+def test_an_image_over_the_lms_pixel_limit_is_refused_before_decoding(vllm_config, tiny_model):
+    big = make_image(13, (300, 300))
+    with pytest.raises(BadInput, match="more than the 50000 allowed"):
+        _generate(vllm_config, tiny_model, [item(big, encoder=False)],
+                  decoder=MediaDecoder(MediaConfig(max_image_pixels=50_000)))

@@ -1,50 +1,91 @@
-"""What the LM accepts in a request's media parts (services.lm.servicer.check_media): uuid-only
-parts of items an encoder has, or data: URLs whose uuid is their content hash; and the video headers
-it reads before vLLM decodes a video it encodes itself."""
+"""What the LM takes as a request's media (services.lm.media): items it loads itself only from
+data: URLs, under its media limits, each recorded with the content hash of its bytes; and the
+check on what vLLM's parser found: uuid-only items of the request's encoders, or data this call
+loaded whose uuid (if any) is its content hash."""
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import hashlib
 
 import pytest
 
-from epd.lm.v1 import lm_pb2
+from ectransfer.connector.metadata import ItemSource
 from services.common.errors import BadInput
-from services.common.images import make_audio, make_video
-from services.lm.servicer import check_media, check_videos
+from services.common.images import make_audio, make_image, make_video
+from services.common.media import MediaConfig, MediaDecoder, content_id
+from services.lm.context import RequestContext
+from services.lm.media import RequestMedia, check_items
 
 pytestmark = pytest.mark.unit
 
 
-def _body(*parts) -> dict:
-    return {"messages": [{"role": "user", "content": [*parts, {"type": "text", "text": "hi"}]}]}
+def _media(**cfg) -> RequestMedia:
+    return RequestMedia(MediaDecoder(MediaConfig(**cfg)), "r1")
 
 
-def _url(data: bytes, mime: str) -> str:
-    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+def _load(media: RequestMedia, modality: str, data: bytes):
+    return asyncio.run(media.load(modality, data, lambda b: {"decoded": len(b)}))
 
 
-def test_media_parts_of_every_modality_are_checked_and_videos_returned():
-    wav, mp4 = make_audio(1, 0.2), make_video(2, frames=4)
-    src = lm_pb2.MMItem(identifier="enc-1", source=lm_pb2.ItemSource(transfer_endpoint="e:1"))
-    videos = check_media(_body({"type": "audio_url", "audio_url": None, "uuid": "enc-1"},
-                               {"type": "audio_url", "audio_url": {"url": _url(wav, "audio/wav")},
-                                "uuid": hashlib.sha256(wav).hexdigest()},
-                               {"type": "video_url", "video_url": {"url": _url(mp4, "video/mp4")}}), {"enc-1": src})
-    assert videos == [mp4]
-    asyncio.run(check_videos(videos))
-    with pytest.raises(BadInput, match="audio 'other'... has no data and no encoder"):
-        check_media(_body({"type": "audio_url", "audio_url": None, "uuid": "other"}), {"enc-1": src})
-    with pytest.raises(BadInput, match="video uuid 'x'... is not the content hash"):
-        check_media(_body({"type": "video_url", "video_url": {"url": _url(mp4, "video/mp4")}, "uuid": "x"}), {})
-    with pytest.raises(BadInput, match="takes video items as data: URLs only"):
-        check_media(_body({"type": "video_url", "video_url": {"url": "http://x/v.mp4"}}), {})
-    with pytest.raises(BadInput, match="content part type 'input_audio' is not served here"):
-        check_media(_body({"type": "input_audio", "input_audio": {"data": "AA==", "format": "wav"}}), {})
+def test_a_loaded_item_is_recorded_with_the_content_hash_of_its_bytes_and_holds_budget_until_released():
+    media, png = _media(), make_image(1, (32, 32))
+    obj = _load(media, "image", png)
+    assert media.hash_of(obj) == content_id(png)
+    assert media.hash_of({"decoded": len(png)}) is None  # an equal object from elsewhere is not it
+    assert media.decoder.budget.used == 32 * 32 * 4
+    media.release()
+    media.release()
+    assert media.decoder.budget.used == 0 and media.hash_of(obj) is None
 
 
-def test_a_video_the_lm_would_decode_is_refused_by_its_header():
-    with pytest.raises(BadInput, match="video 0: video is not a recognised video file"):
-        asyncio.run(check_videos([b"not a video at all"]))
+@pytest.mark.parametrize("modality, data, cfg, needle", [
+    ("image", make_image(2, (64, 64)), {"max_image_pixels": 1000}, "more than the 1000 allowed"),
+    ("image", b"not an image", {}, "not a recognised image"),
+    ("audio", make_audio(1, 2.0), {"max_audio_seconds": 1.0}, "more than the 1 s allowed"),
+    ("video", make_video(1, frames=8, fps=4.0), {"max_video_fps": 2.0}, "--max-video-fps"),
+    ("video", make_video(1, frames=8, fps=4.0), {"max_video_frames": 4}, "--max-video-frames"),
+    ("video", make_video(1, frames=8, fps=4.0), {"max_video_seconds": 1.0}, "--max-video-seconds"),
+], ids=["pixels", "not-an-image", "audio-length", "video-fps", "video-frames", "video-length"])
+def test_an_item_over_a_limit_is_refused_from_its_header_and_holds_nothing(modality, data, cfg, needle):
+    media = _media(**cfg)
+    with pytest.raises(BadInput, match=needle):
+        _load(media, modality, data)
+    assert media.decoder.budget.used == 0 and not media.loaded
+
+
+def test_the_request_pixel_budget_counts_every_image_of_the_call():
+    media = _media(max_request_pixels=4000)
+    _load(media, "image", make_image(1, (50, 50)))
+    with pytest.raises(BadInput, match="--max-request-pixels"):
+        _load(media, "image", make_image(2, (50, 50)))
+
+
+def _ctx(media: RequestMedia | None = None, sources=("enc-item",)) -> RequestContext:
+    return RequestContext(sources={s: ItemSource("e:1", 64, "bfloat16") for s in sources}, media=media)
+
+
+def test_items_the_gateway_sends_pass_the_check():
+    media, png = _media(), make_image(3, (16, 16))
+    obj, obj2 = _load(media, "image", png), _load(media, "image", png)
+    check_items({"multi_modal_data": {"image": [None, obj, obj2]},
+                 "multi_modal_uuids": {"image": ["enc-item", content_id(png), None]}}, _ctx(media))
+    check_items({"multi_modal_data": {"image": [obj]}}, _ctx(media))  # no uuids at all: vLLM hashes
+    check_items({}, _ctx(None))  # text only
+
+
+@pytest.mark.parametrize("case", ["uuid-not-a-source", "no-uuid-no-data", "foreign-object", "other-hash",
+                                  "no-loader", "prompt-embeds", "vision-chunk"])
+def test_items_the_gateway_does_not_send_are_refused(case):
+    media, png, other = _media(), make_image(4, (16, 16)), make_image(5, (16, 16))
+    obj = _load(media, "image", png)
+    prompt = {
+        "uuid-not-a-source": {"multi_modal_data": {"image": [None]}, "multi_modal_uuids": {"image": ["victim"]}},
+        "no-uuid-no-data": {"multi_modal_uuids": {"image": [None]}},
+        "foreign-object": {"multi_modal_data": {"image": [{"decoded": 1}]}},
+        "other-hash": {"multi_modal_data": {"image": [obj]}, "multi_modal_uuids": {"image": [content_id(other)]}},
+        "no-loader": {"multi_modal_data": {"image": [obj]}},
+        "prompt-embeds": {"multi_modal_data": {"prompt_embeds": ["x"]}},
+        "vision-chunk": {"multi_modal_data": {"vision_chunk": [obj]}},
+    }[case]
+    with pytest.raises(BadInput):
+        check_items(prompt, _ctx(None if case == "no-loader" else media))

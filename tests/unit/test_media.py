@@ -296,10 +296,10 @@ def test_the_encoder_charges_the_frames_vllms_video_loader_samples():
     from vllm.multimodal.media.video import VideoMediaIO
 
     from services.common.media import VideoHeader
-    from services.encoder.servicer import _frames_sampled_by
+    from services.common.vllm_media import frames_sampled_by
 
     long_hd, short = VideoHeader("MP4", 12000, 30.0, 1920, 1080), VideoHeader("MP4", 8, 4.0, 64, 48)
-    counts = {backend: _frames_sampled_by(VideoMediaIO(ImageMediaIO(image_mode="RGB"), video_backend=backend))
+    counts = {backend: frames_sampled_by(VideoMediaIO(ImageMediaIO(image_mode="RGB"), video_backend=backend))
               for backend in ("opencv", "qwen2_vl", "qwen3_vl")}
     assert [counts["opencv"](long_hd), counts["opencv"](short)] == [32, 8]
     assert [counts["qwen2_vl"](long_hd), counts["qwen2_vl"](short)] == [768, 4]

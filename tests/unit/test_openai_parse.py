@@ -100,13 +100,14 @@ def test_image_data_url_becomes_an_item_identified_by_its_sha256():
     assert [(i.modality, i.identifier, i.HasField("source")) for i in req.items] == [("image", ident, False)]
 
 
-def test_several_images_are_found_in_order_across_messages_and_a_plain_string_url_works():
+def test_several_images_are_found_in_order_across_messages_and_an_untyped_plain_string_url_works():
+    """vLLM reads a part without ``type`` by its keys, and an untyped ``image_url`` may be a plain string."""
     jpg = image_bytes("JPEG")
     body = {"messages": [
         {"role": "system", "content": "be brief"},
         {"role": "user", "content": [{"type": "text", "text": "a"}, image(data_url(PNG))]},
         {"role": "assistant", "content": "ok"},
-        {"role": "user", "content": [{"type": "image_url", "image_url": data_url(jpg, "image/jpeg")}, "odd part"]},
+        {"role": "user", "content": [{"image_url": data_url(jpg, "image/jpeg")}, "odd part"]},
     ]}
     call, req, media = parse_and_load(body)
     assert call.parts == [(1, 1), (3, 0)]
@@ -139,23 +140,54 @@ def test_malformed_messages_are_left_to_vllm(body):
     assert call.parts == [] and call.body == body
 
 
-@pytest.mark.parametrize("kind", ["image_embeds", "audio_embeds", "video_embeds", "file"])
-def test_unserved_media_part_types_are_400(kind):
-    e = api_error(chat("hi", {"type": kind, kind: {"url": "x"}}))
+@pytest.mark.parametrize("kind", ["image_embeds", "audio_embeds", "video_embeds", "prompt_embeds", "image_pil"])
+@pytest.mark.parametrize("typed", [True, False], ids=["typed", "by-key"])
+def test_pre_computed_inputs_are_400_typed_or_not(kind, typed):
+    part = {"type": kind, kind: "AAAA"} if typed else {kind: "AAAA"}
+    e = api_error(chat("hi", part))
     assert e.status == 400 and e.param == "messages"
     assert f"messages[0].content[1]: {kind} parts are not served" in e.message
 
 
+@pytest.mark.parametrize("part", [{"type": "file", "file": {"file_id": "x"}}, {"type": 3}, {"type": "image"}])
+def test_part_types_vllm_does_not_know_are_left_to_vllm(part):
+    """vLLM refuses these itself (an unsupported or invalid type); nothing in them is media."""
+    assert parse(chat("hi", part)).parts == []
+
+
 @pytest.mark.parametrize("part", [
-    {"type": "image_url", "image_url": None, "uuid": "abc"},
-    {"type": "image_url", "uuid": "abc"},
+    {"type": "text", "text": "hi", "uuid": "abc"},
+    {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}, "uuid": "0" * 64},
+    {"image_url": None, "uuid": "abc"},
+    {"type": "image_url", "image_url": None, "uuid": 7},
+], ids=["on-text", "on-image", "uuid-only", "number"])
+def test_a_client_uuid_on_any_part_is_400(part):
+    e = api_error(chat("hi", part))
+    assert e.status == 400 and "messages[0].content[1]: a client may not set uuid" in e.message
+
+
+@pytest.mark.parametrize("part, modality", [
+    ({"image_url": {"url": "http://203.0.113.9/a.png"}}, "image"),
+    ({"image_url": "http://203.0.113.9/a.png", "text": "x"}, "image"),
+    ({"video_url": {"url": "http://203.0.113.9/a.mp4"}, "audio_url": {"url": "http://203.0.113.9/a.wav"}}, "audio"),
+    ({"type": "input_image", "image_url": "http://203.0.113.9/a.png", "detail": "auto"}, "image"),
+], ids=["untyped", "untyped-with-text", "key-order", "responses-input-image"])
+def test_parts_vllm_reads_as_media_by_their_keys_are_media_here_too(part, modality):
+    call = parse(chat("hi", part))
+    assert call.parts == [(0, 1)] and call.modalities == [modality]
+
+
+@pytest.mark.parametrize("part", [
+    {"type": "image_url", "image_url": None},
+    {"type": "image_url"},
     {"type": "image_url", "image_url": {}},
     {"type": "image_url", "image_url": {"url": ""}},
     {"type": "image_url", "image_url": {"url": 5}},
-], ids=["uuid-only", "no-image-url", "no-url", "empty-url", "non-string-url"])
+    {"type": "image_url", "image_url": "data:image/png;base64,AAAA"},
+], ids=["null", "no-image-url", "no-url", "empty-url", "non-string-url", "typed-plain-string"])
 def test_an_image_part_without_a_url_is_400(part):
     e = api_error(chat("hi", part))
-    assert e.status == 400 and "messages[0].content[1].image_url.url is required" in e.message
+    assert e.status == 400 and "messages[0].content[1]: image_url needs a URL" in e.message
 
 
 @pytest.mark.parametrize(
@@ -358,8 +390,8 @@ def test_audio_parts_are_read_in_order_with_images():
     ({"type": "input_audio", "input_audio": {"format": "wav"}}, "input_audio.data is required"),
     ({"type": "input_audio", "input_audio": "x"}, "input_audio.data is required"),
     (input_audio(WAV, "aiff"), "input_audio.format must be one of wav, mp3, flac, ogg"),
-    ({"type": "audio_url", "audio_url": None, "uuid": "abc"}, "audio_url.url is required"),
-], ids=["no-data", "not-an-object", "format", "uuid-only"])
+    ({"type": "audio_url", "audio_url": None}, "audio_url needs a URL"),
+], ids=["no-data", "not-an-object", "format", "no-url"])
 def test_malformed_audio_parts_are_400(part, needle):
     e = api_error(chat("hi", part))
     assert e.status == 400 and needle in e.message

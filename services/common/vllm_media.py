@@ -1,0 +1,65 @@
+"""vLLM's media loaders as the encoder and the LM use them (the gateway never imports this: it
+pulls in vLLM). vLLM is imported inside the functions: a service sets its process environment
+(``configure_process_env``) before vLLM is first imported."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from services.common.media import MAX_SAMPLED_FRAMES, VideoHeader
+
+logger = logging.getLogger(__name__)
+
+
+def video_io_for(model_config, media_io_kwargs: dict[str, dict[str, Any]] | None = None):
+    """vLLM's ``VideoMediaIO`` for ``model_config`` set up as its chat front end sets it up for
+    ``vllm serve`` (``MediaConnector.fetch_video``: the model's ``media_io_kwargs``, the video
+    backend its video processor asks for)."""
+    from vllm.multimodal.media.image import ImageMediaIO
+    from vllm.multimodal.media.video import VideoMediaIO
+    from vllm.multimodal.video import get_video_loader_backend_for_processor
+    from vllm.transformers_utils.processor import get_video_processor_cls_name
+
+    kwargs = media_io_kwargs if media_io_kwargs is not None else (
+        model_config.multimodal_config.media_io_kwargs or {})
+    video_kw = dict(kwargs.get("video", {}))
+    if "video_backend" not in video_kw and (backend := get_video_loader_backend_for_processor(
+            get_video_processor_cls_name(model_config))):
+        video_kw["video_backend"] = backend
+    image_io = ImageMediaIO(**({"image_mode": "RGB"} | kwargs.get("image", {})))
+    return VideoMediaIO(image_io, **video_kw)
+
+
+def frames_sampled_by(video_io) -> Callable[[VideoHeader], int]:
+    """How many frames vLLM's video loader behind ``video_io`` (a ``VideoMediaIO``) will decode from
+    a clip with this header, computed with the loader's own sampling rule and arguments (Qwen-VL's
+    loaders sample by fps, up to 768 frames; the default one ``num_frames``), so the decode budget
+    is charged what the decode allocates. Falls back to ``min(frames, MAX_SAMPLED_FRAMES)``."""
+    import inspect
+
+    from vllm.multimodal.video_decoders import resolve_video_backend_kwargs
+    from vllm.multimodal.video_decoders.base import VideoSourceMetadata, VideoTargetMetadata
+
+    loader = video_io.video_loader
+    args = {name: p.default for name, p in inspect.signature(loader.load_bytes).parameters.items()
+            if p.default is not inspect.Parameter.empty}
+    args.update(video_io.kwargs, num_frames=video_io.num_frames)
+    known = ("num_frames", "fps", "max_duration", "frame_recovery", "backend")
+
+    def count(header: VideoHeader) -> int:
+        try:
+            source = loader._prepare_source(VideoSourceMetadata(header.frames, header.fps, header.seconds))
+            target = VideoTargetMetadata(num_frames=args.get("num_frames", -1), fps=args.get("fps", -1),
+                                         max_duration=args.get("max_duration", 300))
+            sampling, _ = resolve_video_backend_kwargs(args.get("backend", "opencv"),
+                                                       {k: v for k, v in args.items() if k not in known})
+            return len(loader.compute_frames_index_to_sample(source=source, target=target, **sampling))
+        except Exception:  # a loader vLLM changed: charge the most any loader takes
+            logger.warning("cannot compute the frames %s samples; charging up to %d", loader.__name__,
+                           MAX_SAMPLED_FRAMES, exc_info=True)
+            return min(header.frames, MAX_SAMPLED_FRAMES)
+
+    return count
+

@@ -1,0 +1,140 @@
+"""Where a request's media are: its content parts, read by vLLM 0.32's own rule, without vLLM.
+
+The gateway and the LM's vLLM read one request body. If the gateway found fewer media items than
+vLLM does, the ones it missed would reach the LM unchecked (a URL the LM's vLLM would fetch, an
+identifier a caller chose), so the gateway reads parts exactly as vLLM's chat parser does
+(``vllm/renderers/chat_utils.py``: ``_parse_chat_message_content_mm_part`` and
+``_parse_chat_message_content_part``), for every message whatever its role:
+
+- a string part is text;
+- a dict whose ``type`` is one of vLLM's part types (``PART_TYPES``) and that has no ``uuid`` is
+  that type;
+- a dict with no ``type``, or with a ``uuid`` (vLLM then ignores ``type``), is typed by the first
+  of its keys in ``KEY_ORDER``; a dict with none of them is an error (vLLM: "Missing 'type'");
+- any other ``type`` is vLLM's to refuse (an unknown or non-string type).
+
+On top of vLLM's rule, what the gateway refuses (a 400 naming the part): a client ``uuid`` on
+any part (identifiers are content hashes the gateway makes; vLLM would use a client's verbatim
+as the item's cache key), and parts that carry pre-computed inputs (``PRECOMPUTED``: embeddings,
+prompt embeddings, PIL objects), which epd-serve does not serve.
+
+This module imports nothing from vLLM (the gateway stays free of torch). Its tables are checked
+against vLLM's own in tests/unit/test_parts_vllm.py, and tests/integration/test_parts_property.py
+generates bodies and checks that the items vLLM's parser extracts are exactly the ones found here.
+The LM checks every item vLLM parsed again (``services.lm.media``): this reader decides what the
+gateway loads, hashes and limits; the LM's check is the authority on what reaches its engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+TEXT, MEDIA, PRECOMPUTED, OTHER = "text", "media", "precomputed", "other"
+
+PART_TYPES: dict[str, str] = {
+    "text": TEXT, "thinking": TEXT, "input_text": TEXT, "output_text": TEXT, "refusal": TEXT,
+    "image_url": MEDIA, "input_image": MEDIA, "audio_url": MEDIA, "input_audio": MEDIA, "video_url": MEDIA,
+    "image_embeds": PRECOMPUTED, "audio_embeds": PRECOMPUTED, "video_embeds": PRECOMPUTED,
+    "prompt_embeds": PRECOMPUTED, "image_pil": PRECOMPUTED,
+    "tool_reference": OTHER,
+}
+"""vLLM 0.32's content part types (the keys of its ``MM_PARSER_MAP``) and what each carries."""
+
+KEY_ORDER = ("image_url", "image_pil", "image_embeds", "audio_embeds", "video_embeds", "prompt_embeds",
+             "audio_url", "input_audio", "video_url", "tool_reference")
+"""The keys vLLM types an untyped (or uuid-carrying) part by, in the order it tries them."""
+
+MODALITY = {"image_url": "image", "input_image": "image", "audio_url": "audio", "input_audio": "audio",
+            "video_url": "video"}
+"""Each media part type's modality."""
+
+LM_PART = {"image": "image_url", "audio": "audio_url", "video": "video_url"}
+"""The part type the gateway writes for each modality in the LM's body."""
+
+INPUT_AUDIO_FORMATS = ("wav", "mp3", "flac", "ogg")
+
+
+class PartError(ValueError):
+    """A part the gateway refuses (400); ``where`` names it (``messages[0].content[1]``)."""
+
+    def __init__(self, where: str, message: str) -> None:
+        super().__init__(f"{where}: {message}")
+        self.where = where
+
+
+@dataclass(frozen=True)
+class MediaPart:
+    """One media item of a request, in request order: where it is, its vLLM part type and
+    modality, and its source (a URL; an ``input_audio`` part's data as a data: URL)."""
+
+    message: int
+    part: int
+    kind: str
+    modality: str
+    source: str
+
+    @property
+    def where(self) -> str:
+        return f"messages[{self.message}].content[{self.part}]"
+
+
+def part_type(part: Any) -> str | None:
+    """The type vLLM gives ``part`` (a key of ``PART_TYPES``), "" for a string part, or None
+    when vLLM would not read it as any known type (it refuses those itself)."""
+    if isinstance(part, str):
+        return "text"
+    if not isinstance(part, dict):
+        return None
+    kind = part.get("type")
+    if isinstance(kind, str) and kind in PART_TYPES and part.get("uuid") is None:
+        return kind
+    if kind is None or part.get("uuid") is not None:
+        return next((key for key in KEY_ORDER if key in part), None)
+    return None
+
+
+def media_parts(messages: Any) -> list[MediaPart]:
+    """Every media part of a chat request's ``messages`` (any role), by vLLM's rule, in order.
+    Raises PartError for a client uuid, a pre-computed input, or a media part without a source.
+    Anything that is not a list of message objects has no media here (vLLM validates it)."""
+    found: list[MediaPart] = []
+    for i, message in enumerate(messages if isinstance(messages, list) else []):
+        content = message.get("content") if isinstance(message, dict) else None
+        for j, part in enumerate(content if isinstance(content, list) else []):
+            where = f"messages[{i}].content[{j}]"
+            if isinstance(part, dict) and part.get("uuid") is not None:
+                raise PartError(where, "a client may not set uuid (epd-serve names media by their content)")
+            kind = part_type(part)
+            role = PART_TYPES.get(kind or "")
+            if role == PRECOMPUTED:
+                raise PartError(where, f"{kind} parts are not served by epd-serve (pre-computed inputs; "
+                                       f"served media: {', '.join(MODALITY)})")
+            if role == MEDIA:
+                found.append(MediaPart(i, j, kind, MODALITY[kind], _source(part, kind, where)))
+    return found
+
+
+def _source(part: dict, kind: str, where: str) -> str:
+    """A media part's URL as vLLM reads it: a typed part's ``{"url": ...}`` object (a plain string
+    for ``input_image``, the Responses API's shape), an untyped part's object or value; an
+    ``input_audio`` part's base64 data and format as a data: URL."""
+    typed = part.get("type") == kind
+    value = part.get("image_url" if kind == "input_image" else kind)
+    if kind == "input_audio":
+        data = value.get("data") if isinstance(value, dict) else None
+        fmt = value.get("format") if isinstance(value, dict) else None
+        if not isinstance(data, str) or not data:
+            raise PartError(where, "input_audio.data is required (base64 audio)")
+        if fmt not in INPUT_AUDIO_FORMATS:
+            raise PartError(where, f"input_audio.format must be one of {', '.join(INPUT_AUDIO_FORMATS)}; "
+                                   f"got {fmt!r}")
+        return f"data:audio/{fmt};base64,{data}"
+    if kind == "input_image" or not typed:
+        url = value.get("url") if isinstance(value, dict) else value
+    else:
+        url = value.get("url") if isinstance(value, dict) else None
+    if not isinstance(url, str) or not url:
+        shape = "a string" if kind == "input_image" else '{"url": "..."}'
+        raise PartError(where, f"{kind} needs a URL ({shape}; a data: URL or http(s))")
+    return url

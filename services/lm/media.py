@@ -1,0 +1,163 @@
+"""The LM's media: what it decodes itself, and the check that every item vLLM parsed is one the
+gateway sent.
+
+The LM never downloads and never takes an identifier it cannot verify. Two pieces, both after
+vLLM's own parser (so they see the request exactly as vLLM reads it, whatever shape a content
+part has):
+
+- Loading (``RequestMedia``, used by ``services.lm.media_connector``, the vLLM media connector
+  this process selects): vLLM hands every media URL of a request to the connector. Only data:
+  URLs are loaded (the gateway sends the bytes of an item the LM encodes itself); each one's
+  header is checked under the LM's ``MediaConfig`` (pixels per image and per request, audio and
+  video length, video frame rate and frame count), its decoded size is taken from the service's
+  decode budget, and vLLM's own decoder runs on an interruptible thread (``MediaDecoder``). The
+  decoded object is recorded with the content hash of its bytes. http(s) and file URLs are
+  refused: no caller's input decides what the LM dials.
+- The check (``check_items``), run by the renderer between vLLM's parsing and its processing:
+  every parsed item must be one the gateway sent. A uuid-only item must be one whose source
+  (encoder) the request names; an item with data must be one this request's connector loaded,
+  and if it has a uuid, the uuid must be the content hash of its bytes. Anything else (a uuid
+  the caller chose, data from another path, a modality the LM does not take from the gateway)
+  is refused as bad input before anything reaches the engine.
+
+Owner: ``RequestMedia`` is made per Generate call by the servicer and released when the call's
+prompt has been processed (the renderer) or the call ends (the servicer), whichever is first;
+``release`` gives the decode budget back and is idempotent.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from services.common.errors import BadInput, MediaError
+from services.common.media import (
+    BYTES_PER_PIXEL,
+    MAX_SAMPLED_FRAMES,
+    DecodeLease,
+    MediaDecoder,
+    VideoHeader,
+    check_audio,
+    check_image,
+    check_video,
+    content_id,
+)
+
+if TYPE_CHECKING:
+    from services.lm.context import RequestContext
+
+MODALITIES = ("image", "audio", "video")
+"""What the LM takes from the gateway (as uuid-only items or data: URLs)."""
+
+
+class RequestMedia:
+    """One call's media decoded on this LM: per decoded object (by identity), the content hash of
+    the bytes it came from, and the decode budget they hold."""
+
+    def __init__(self, decoder: MediaDecoder, rid: str = "") -> None:
+        self.decoder, self.rid = decoder, rid
+        self.loaded: dict[int, tuple[Any, str]] = {}  # id(object) -> (object, content hash); holds the object
+        self.pixels = 0
+        self._leases: list[DecodeLease] = []
+
+    def hash_of(self, obj: Any) -> str | None:
+        """The content hash of the bytes ``obj`` was decoded from here, or None if it was not."""
+        entry = self.loaded.get(id(obj))
+        return entry[1] if entry is not None and entry[0] is obj else None
+
+    async def load(self, modality: str, data: bytes, loader: Callable[[bytes], Any],
+                   sampled_frames: Callable[[VideoHeader], int] | None = None) -> Any:
+        """``loader(data)`` (vLLM's decoder) after the header checks, under the decode budget, on an
+        interruptible thread; the result is recorded with ``content_id(data)``. Raises BadInput
+        (over a limit, bad bytes, too slow) or NoCapacity (no room in the budget in time)."""
+        cfg = self.decoder.cfg
+        (nbytes,) = await self.decoder.run_all([functools.partial(self._header, modality, data, sampled_frames)],
+                                               f"{modality} header")
+        if modality == "image":
+            self.pixels += nbytes // BYTES_PER_PIXEL
+            if self.pixels > cfg.max_request_pixels:
+                raise BadInput(f"the request's images have more than {cfg.max_request_pixels} pixels together "
+                               "(--max-request-pixels)")
+        if nbytes > self.decoder.budget.capacity:
+            raise BadInput(f"a {modality} item decodes to {nbytes >> 20} MiB, more than this service decodes at once "
+                           f"({cfg.decode_budget_mib:g} MiB, --decode-budget-mib)")
+        (obj,), lease = await self.decoder.decode_under_budget(nbytes, modality, self.rid,
+                                                               [functools.partial(_load, modality, loader, data)])
+        self._leases.append(lease)
+        self.loaded[id(obj)] = (obj, content_id(data))
+        return obj
+
+    def _header(self, modality: str, data: bytes, sampled_frames: Callable[[VideoHeader], int] | None) -> int:
+        """Decoded bytes of one item from its header alone (blocking: run on a decode thread)."""
+        cfg = self.decoder.cfg
+        try:
+            if modality == "image":
+                _, w, h = check_image(data, cfg.max_image_pixels)
+                return w * h * BYTES_PER_PIXEL
+            if modality == "audio":
+                return check_audio(data, cfg.max_audio_seconds)[2]
+            header = check_video(data, cfg.max_video_seconds, cfg.max_image_pixels, max_fps=cfg.max_video_fps,
+                                 max_frames=cfg.max_video_frames)
+            sampled = sampled_frames(header) if sampled_frames else min(header.frames, MAX_SAMPLED_FRAMES)
+            return header.decoded_bytes(max(1, sampled))
+        except MediaError as e:
+            raise BadInput(f"{modality}: {e}") from None
+
+    def release(self) -> None:
+        """Gives the call's decode budget back and drops the decoded media (they have been
+        processed, or the call ended). Idempotent; ``check_items`` runs before it."""
+        for lease in self._leases:
+            lease.release()
+        self._leases.clear()
+        self.loaded.clear()
+
+
+def _load(modality: str, loader: Callable[[bytes], Any], data: bytes) -> Any:
+    try:
+        return loader(data)
+    except Exception as e:  # noqa: BLE001 - decoders raise many types for bad data
+        raise BadInput(f"{modality} could not be decoded: {e}") from None
+
+
+def check_items(prompt: dict, ctx: RequestContext) -> None:
+    """Refuses (BadInput) a parsed prompt (vLLM's ``render_messages`` output: ``multi_modal_data``
+    and ``multi_modal_uuids`` per modality) with any item the gateway did not send this way: see
+    the module docstring. ``prompt_embeds`` never come here (vLLM refuses them: not enabled)."""
+    data = prompt.get("multi_modal_data") or {}
+    uuids = prompt.get("multi_modal_uuids") or {}
+    for modality in set(data) | set(uuids):
+        if modality not in MODALITIES:
+            raise BadInput(f"{modality} items are not taken by this LM (only {', '.join(MODALITIES)}, "
+                           "from the gateway)")
+        values = _as_list(data.get(modality))
+        idents = _as_list(uuids.get(modality))
+        if not values:
+            values = [None] * len(idents)
+        if not idents:
+            idents = [None] * len(values)
+        if len(values) != len(idents):
+            raise BadInput(f"{modality}: {len(values)} items but {len(idents)} identifiers")
+        for i, (value, ident) in enumerate(zip(values, idents)):
+            _check_item(modality, i, value, ident, ctx)
+
+
+def _check_item(modality: str, i: int, value: Any, ident: Any, ctx: RequestContext) -> None:
+    what = f"{modality} {i}"
+    if value is None:
+        if ident is None or ident not in ctx.sources:
+            raise BadInput(f"{what} has no data and no encoder this request names "
+                           f"({str(ident)[:16]!r}...): identifiers come from the gateway's encoders")
+        return
+    digest = ctx.media.hash_of(value) if ctx.media is not None else None
+    if digest is None:
+        raise BadInput(f"{what} was not loaded from a data: URL of this request (the LM takes media bytes "
+                       "only as data: URLs from the gateway)")
+    if ident is not None and ident != digest:
+        raise BadInput(f"{what}: its uuid {str(ident)[:16]!r}... is not the content hash of its bytes")
+
+
+def _as_list(value: Any) -> list:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, list | tuple) else [value]
