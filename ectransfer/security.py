@@ -20,8 +20,16 @@ that travels inside the (TLS-protected, token-checked) Transfer stream.
   grpcio call credentials; without TLS (a cluster whose mesh terminates TLS)
   a client interceptor adds the same header. Health checks are exempt (they
   reveal only SERVING or not, and Kubernetes probes carry no token).
-- Neither set: plain gRPC, as for one host on loopback. ``require_for``
-  refuses to bind a non-loopback address that way unless told to.
+- Neither set: plain gRPC, as for one host on loopback.
+
+What a server may bind (``require_for``): loopback, anything. Any other
+address needs a server certificate (``tls_cert`` + ``tls_key``) *and*
+authenticated callers (the token or client certificates): with the token
+alone the token and the embeddings would cross the network in clear, and
+anyone on the path could replay the one or read the other. ``insecure``
+(``--insecure``) says the network itself is trusted (a mesh that terminates
+TLS between the pods, or one host): then a non-loopback bind without TLS, or
+without authentication, is allowed with a warning.
 
 Everything here is grpcio's own TLS and call credentials; nothing is a
 hand-made scheme. Certificate files are read whenever a channel or port is
@@ -69,12 +77,13 @@ class SecurityConfig:
     one service name while peers are dialled by address)."""
     auth_token_file: str = ""
     """File holding a shared secret; every internal gRPC call must carry it (health checks excepted). Use it
-    with TLS across hosts, or alone where a mesh already encrypts the links."""
+    with TLS (--tls-cert/--tls-key) on any non-loopback address; alone only with --insecure, where a mesh
+    already encrypts the links or everything runs on one host."""
     reflection: bool = False
     """Serve gRPC server reflection (lists every service and message to anyone who connects)."""
     insecure: bool = False
-    """Allow serving a non-loopback address with neither TLS client certificates nor a token (only inside a
-    network where every host is trusted)."""
+    """Allow serving a non-loopback address without TLS (the token alone) or without authentication at all,
+    with a warning: only where the network is trusted (a mesh that terminates TLS, or one host)."""
     _token: str | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -118,15 +127,28 @@ class SecurityConfig:
 
     def require_for(self, host: str, what: str) -> None:
         """Refuses (ValueError) to serve ``what`` on a ``host`` that other
-        machines can reach when nothing authenticates its callers, unless
-        ``insecure`` says so (then it warns)."""
-        if self.authenticated or _loopback(host):
+        machines can reach unless both its callers authenticate (token or
+        client certificates) and the server speaks TLS (``tls_cert`` and
+        ``tls_key``), so that neither the token nor what the callers fetch
+        crosses the network in clear. ``insecure`` turns the refusal into a
+        warning. Loopback needs neither. Called by every server before it
+        binds (and by ``check`` before an engine starts)."""
+        if is_loopback(host):
             return
-        msg = (f"{what} would listen on {host} without authentication: anyone who can reach it could call it; "
-               f"set --auth-token-file or --tls-cert/--tls-key/--tls-ca")
+        missing = []
+        if not self.authenticated:
+            missing.append("without authentication: anyone who can reach it could call it; set --auth-token-file "
+                           "or client certificates (--tls-cert/--tls-key/--tls-ca)")
+        if not self.tls_cert:
+            missing.append("without TLS: the auth token and the embeddings would cross the network in clear; "
+                           "set --tls-cert/--tls-key")
+        if not missing:
+            return
+        msg = f"{what} would listen on {host} " + "; and ".join(missing)
         if not self.insecure:
-            raise ValueError(msg + " (or --insecure inside a network where every host is trusted)")
-        logger.warning("%s (--insecure)", msg)
+            raise ValueError(msg + " (or --insecure where the network is trusted: a mesh that terminates TLS, "
+                                   "or one host)")
+        logger.warning("%s (allowed by --insecure)", msg)
 
     # -- servers ---------------------------------------------------------------
 
@@ -181,7 +203,9 @@ class SecurityConfig:
         return ch
 
 
-def _loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an address, IPv6 with or without brackets) is this machine's loopback:
+    "localhost" or a loopback address. Any other name counts as reachable from elsewhere."""
     if host == "localhost":
         return True
     try:

@@ -18,7 +18,9 @@ only regular files (``O_NOFOLLOW``, ``S_ISREG``) whose name has the form this
 project creates (``validate_peer_segment``: ``epd-<role>-<pid>-<hex>``, never
 an LM's inbound staging), and checks every range against the size of its own
 mapping, not the size the producer claims. ``cleanup_orphans`` likewise looks
-only at regular files, opened without blocking or following links.
+only at regular files, opened without blocking or following links, and skips
+with a warning whatever it cannot open, lock or unlink: /dev/shm is shared with
+other users and containers, and a foreign entry must not stop a service starting.
 """
 
 from __future__ import annotations
@@ -88,7 +90,9 @@ def _open_regular(path: str, flags: int) -> int:
 
 def _owner_alive(path: str) -> bool:
     """Whether someone holds ``path``'s lock; also True for what is not ours
-    to judge (gone, a link, a FIFO or anything but a regular file)."""
+    to judge (gone, a link, a FIFO or anything but a regular file). Raises
+    OSError only when the lock itself cannot be tried (``cleanup_orphans``
+    then leaves the entry alone)."""
     try:
         fd = _open_regular(path, os.O_RDONLY)
     except FileNotFoundError:
@@ -106,20 +110,35 @@ def _owner_alive(path: str) -> bool:
 
 
 def cleanup_orphans() -> list[str]:
-    """Unlinks epd segments whose owner no longer holds them (it died)."""
-    removed = []
+    """Unlinks epd segments whose owner no longer holds them (it died), and
+    returns their names.
+
+    Every service calls this as it starts, and /dev/shm is shared with
+    whatever else runs on the host (other users, other containers), so an
+    entry it cannot judge or remove (permission denied, a directory, a lock
+    it cannot take) is skipped with a warning: this never raises OSError."""
+    removed: list[str] = []
     try:
         names = os.listdir(SHM_DIR)
     except FileNotFoundError:
         return removed
+    except OSError as e:
+        logger.warning("not cleaning orphaned shared-memory segments: cannot list %s (%s)", SHM_DIR, e.strerror or e)
+        return removed
     for name in names:
+        if _OWNED.fullmatch(name) is None:
+            continue
         path = os.path.join(SHM_DIR, name)
-        if _OWNED.match(name) and not _owner_alive(path):
-            try:
-                os.unlink(path)
-                removed.append(name)
-            except FileNotFoundError:
-                pass
+        try:
+            if _owner_alive(path):
+                continue
+            os.unlink(path)
+        except FileNotFoundError:
+            continue  # another service's sweep got there first
+        except OSError as e:
+            logger.warning("leaving %s alone: cannot check or remove it (%s)", path, e.strerror or e)
+            continue
+        removed.append(name)
     if removed:
         logger.warning("removed %d orphaned shared-memory segment(s): %s", len(removed), ", ".join(removed))
     return removed

@@ -99,9 +99,13 @@ def build_parser() -> argparse.ArgumentParser:
     for role in ("encoder", "lm", "gateway"):
         u.add_argument(f"--{role}-args", default="", help=f"more flags for the {role} service, one string "
                        f"(e.g. --lm-args '--enable-auto-tool-choice --tool-call-parser hermes')")
-    u.add_argument("--security", default="token", choices=["token", "tls", "none"],
-                   help="how the services prove themselves to each other: a fresh shared token (default), mutual "
-                        "TLS with a private CA plus the token, or nothing (loopback only)")
+    u.add_argument("--security", default="auto", choices=["auto", "token", "tls", "none"],
+                   help="how the services prove themselves to each other: a fresh shared token (loopback --host "
+                        "only), mutual TLS with a private CA plus the token, nothing (loopback only), or auto "
+                        "(default: token on a loopback --host, tls on any other)")
+    u.add_argument("--insecure", action="store_true",
+                   help="pass --insecure to every service: --security token or none on a non-loopback --host, "
+                        "with a warning (only where the network is trusted)")
 
     return p
 
@@ -172,9 +176,14 @@ def _main(argv: list[str] | None = None) -> int:
 
         from services.up import run_up
 
-        return run_up(model=ns.model or default_model(), host=ns.host, port=ns.port, engine_args=ns.vllm_args,
-                      security=ns.security, encoder_args=shlex.split(ns.encoder_args),
-                      lm_args=shlex.split(ns.lm_args), gateway_args=shlex.split(ns.gateway_args))
+        try:
+            return run_up(model=ns.model or default_model(), host=ns.host, port=ns.port, engine_args=ns.vllm_args,
+                          security=ns.security, encoder_args=shlex.split(ns.encoder_args),
+                          lm_args=shlex.split(ns.lm_args), gateway_args=shlex.split(ns.gateway_args),
+                          insecure=ns.insecure)
+        except ValueError as e:  # refused before anything started
+            print(f"epd: error: {e}", file=sys.stderr)
+            return 2
     return 2
 
 

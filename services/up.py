@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ectransfer.security import SecurityConfig
+from ectransfer.security import SecurityConfig, is_loopback
 from ectransfer.shm import cleanup_orphans
 from services.certs import make_certs, make_token
 
@@ -194,12 +194,25 @@ class Deployment:
     """Encoder services (they share the encoder half of the cores)."""
     n_lms: int = 1
     """LM services (they share the LM half of the cores)."""
-    security: str = "token"
-    """How the services prove themselves to each other: "token" (a fresh shared token), "tls" (a private CA,
-    mutual TLS on every link, and the token) or "none" (plain gRPC, loopback only)."""
+    security: str = "auto"
+    """How the services prove themselves to each other: "token" (a fresh shared token; on a loopback host
+    only), "tls" (a private CA, mutual TLS on every link, and the token), "none" (plain gRPC, loopback only)
+    or "auto" (token on a loopback host, tls on any other)."""
+    insecure: bool = False
+    """Pass --insecure to every service: "token" or "none" on a non-loopback host, with a warning (the network
+    is trusted; the services' own links stay on this host, but other machines can reach their ports)."""
 
     def __post_init__(self) -> None:
         h = self.host
+        if self.security == "auto":
+            self.security = "token" if is_loopback(h) else "tls"
+        if self.security not in ("token", "tls", "none"):
+            raise ValueError(f"security must be auto, token, tls or none; got {self.security!r}")
+        if self.security != "tls" and not (is_loopback(h) or self.insecure):
+            # Every service would refuse to start (SecurityConfig.require_for): say so before starting any.
+            raise ValueError(f"--host {h} can be reached from other machines, where --security {self.security} "
+                             "would serve without TLS: use --security tls (mutual TLS with a private CA made "
+                             "here), or --insecure where the network is trusted")
         self.port = self.port or free_port(h)
         self.gateway_grpc = f"{h}:{free_port(h)}"
         self.log_dir = self.log_dir or tempfile.mkdtemp(prefix="epd-up-")
@@ -208,6 +221,8 @@ class Deployment:
         """What a caller of the encoders' and LMs' APIs presents (readiness checks, tests)."""
         sec_args = self.security_args = [a for k, v in sec.items() for a in ("--" + k.replace("_", "-"), v)]
         """The security flags of this deployment's services (for a service a caller adds beside them)."""
+        if self.insecure:
+            sec_args.append("--insecure")
         common = ["--model", self.model, "--vllm-args", self.engine_args, *sec_args]
         enc_cores, lm_cores = split_cores()
         n_enc = self.n_encoders if self.with_encoder else 0
@@ -225,8 +240,6 @@ class Deployment:
 
     def _security_files(self) -> dict[str, str]:
         """The token (and certificates) in this deployment's log directory, 0600."""
-        if self.security not in ("token", "tls", "none"):
-            raise ValueError(f"security must be token, tls or none; got {self.security!r}")
         out: dict[str, str] = {}
         if self.security == "tls":
             out.update(make_certs(os.path.join(self.log_dir, "tls"), ["localhost", "127.0.0.1", "::1", self.host]))
@@ -322,11 +335,13 @@ class Deployment:
         self.stop()
 
 
-def run_up(model: str, host: str, port: int, engine_args: str, security: str = "token",
+def run_up(model: str, host: str, port: int, engine_args: str, security: str = "auto",
            encoder_args: list[str] | None = None, lm_args: list[str] | None = None,
-           gateway_args: list[str] | None = None) -> int:
+           gateway_args: list[str] | None = None, insecure: bool = False) -> int:
+    """``epd up``. Raises ValueError for a configuration refused before anything starts."""
     dep = Deployment(model=model, host=host, port=port, engine_args=engine_args, security=security,
-                     encoder_args=encoder_args or [], lm_args=lm_args or [], gateway_args=gateway_args or [])
+                     encoder_args=encoder_args or [], lm_args=lm_args or [], gateway_args=gateway_args or [],
+                     insecure=insecure)
     stop = {"now": False}
 
     def on_signal(signum, frame):

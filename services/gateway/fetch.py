@@ -26,6 +26,11 @@ and ``AUDIO_FORMATS`` / ``VIDEO_FORMATS``):
 - no proxies from the environment, no cookies kept, no content decoding (``Accept-Encoding:
   identity``), so the byte limit is the limit on what the gateway holds.
 
+Sharing the connection pool: every request's fetches share one pool of ``FETCH_CONNECTIONS``, of which one
+origin holds at most ``FETCH_CONNECTIONS_PER_HOST`` and one request at most ``FETCHES_PER_REQUEST`` at once,
+so an origin that answers slowly (or never, until ``--fetch-timeout-s``) delays the requests that point at
+it, not the others.
+
 Owner: the gateway's ``server.serve`` creates one ``MediaFetcher`` and closes it at shutdown;
 ``OpenAIRoutes`` and ``GatewayServicer`` use it through ``load_images``.
 """
@@ -59,6 +64,18 @@ IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 _REDIRECTS = (301, 302, 303, 307, 308)
 _GUARD_HINT = "refused (SSRF guard; see --fetch-allow-networks)"
 _NUMERIC_HOST = re.compile(r"[0-9.]+|0x[0-9a-f.x]*", re.IGNORECASE)  # 127.1, 2130706433, 0x7f.1
+
+FETCH_CONNECTIONS = 64
+"""Connections the gateway's fetcher has open at once, over every origin and request (aiohttp's ``limit``).
+A fetch past it waits for one to free up, inside its --fetch-timeout-s."""
+FETCH_CONNECTIONS_PER_HOST = 8
+"""Connections to one origin (host, port, scheme) at once, over every request (aiohttp's
+``limit_per_host``): an origin that holds its connections open keeps at most these out of the pool, and
+the fetches from it beyond them wait (inside their --fetch-timeout-s) while other origins are served."""
+FETCHES_PER_REQUEST = 4
+"""URLs of one request fetched at once (``load_images``); the others wait for a turn, and each one's
+--fetch-timeout-s starts when it gets one (the request as a whole is bounded by --request-timeout-s). One
+request's media URLs never hold more than this many connections, whatever origins they point at."""
 
 
 def sniff_image_format(data: bytes) -> str | None:
@@ -203,7 +220,8 @@ class GuardResolver(AbstractResolver):
 
 class MediaFetcher:
     """Fetches http(s) image URLs under the rules in the module docstring. One aiohttp session,
-    created on first use; ``close()`` (server shutdown) releases it. Safe to share across requests."""
+    created on first use; ``close()`` (server shutdown) releases it. Safe to share across requests: its
+    pool holds ``FETCH_CONNECTIONS``, at most ``FETCH_CONNECTIONS_PER_HOST`` of them to one origin."""
 
     def __init__(self, cfg: GatewayConfig) -> None:
         self.cfg = cfg
@@ -212,7 +230,8 @@ class MediaFetcher:
 
     def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None:
-            connector = aiohttp.TCPConnector(resolver=GuardResolver(self.allowed), limit=64)
+            connector = aiohttp.TCPConnector(resolver=GuardResolver(self.allowed), limit=FETCH_CONNECTIONS,
+                                             limit_per_host=FETCH_CONNECTIONS_PER_HOST)
             self._session = aiohttp.ClientSession(
                 connector=connector, trust_env=False, cookie_jar=aiohttp.DummyCookieJar(),
                 auto_decompress=False,  # the one deadline is fetch()'s, over every hop and the body
@@ -311,15 +330,18 @@ def decode_data_url(url: str, max_bytes: int, modality: str = "image") -> bytes:
 
 
 async def _load_one(source: str | bytes, cfg: GatewayConfig, fetcher: MediaFetcher | None,
-                    modality: str = "image") -> bytes:
+                    modality: str, turns: asyncio.Semaphore) -> bytes:
     try:
-        return await _load(source, cfg, fetcher, modality)
+        return await _load(source, cfg, fetcher, modality, turns)
     except MediaError as e:
         e.modality = modality
         raise
 
 
-async def _load(source: str | bytes, cfg: GatewayConfig, fetcher: MediaFetcher | None, modality: str) -> bytes:
+async def _load(source: str | bytes, cfg: GatewayConfig, fetcher: MediaFetcher | None, modality: str,
+                turns: asyncio.Semaphore) -> bytes:
+    """One source's checked bytes. ``turns``: the request's share of the fetcher (``FETCHES_PER_REQUEST``),
+    held for the fetch only, not for the checks after it."""
     limit = max_bytes(cfg, modality)
     if isinstance(source, bytes):
         data = source
@@ -328,7 +350,8 @@ async def _load(source: str | bytes, cfg: GatewayConfig, fetcher: MediaFetcher |
     elif source[:8].lower().startswith(("http://", "https://")):
         if fetcher is None:
             raise MediaError(f"http(s) {modality} URLs cannot be fetched: this gateway has no media fetcher")
-        data = await fetcher.fetch(source, modality)
+        async with turns:
+            data = await fetcher.fetch(source, modality)
     else:
         check_url(source, [], modality)  # raises the scheme (or URL) error
         raise MediaError(f"unsupported {modality} URL {_short(source)!r}")
@@ -348,10 +371,12 @@ async def _load(source: str | bytes, cfg: GatewayConfig, fetcher: MediaFetcher |
 async def load_images(sources: list[str | bytes], cfg: GatewayConfig, fetcher: MediaFetcher | None,
                       modalities: list[str] | None = None) -> list[bytes]:
     """Checked media bytes for ``sources`` (data: or http(s) URLs, or raw bytes from the gRPC API), in
-    order; ``modalities``: each source's ("image" when not given). URLs are fetched concurrently. The
-    first MediaError cancels the other fetches and is raised."""
+    order; ``modalities``: each source's ("image" when not given). Called once per request. URLs are
+    fetched concurrently, at most ``FETCHES_PER_REQUEST`` at once. The first MediaError cancels the other
+    fetches and is raised."""
     modalities = modalities or ["image"] * len(sources)
-    tasks = [asyncio.ensure_future(_load_one(s, cfg, fetcher, m)) for s, m in zip(sources, modalities)]
+    turns = asyncio.Semaphore(FETCHES_PER_REQUEST)  # this request's share of the fetcher's pool
+    tasks = [asyncio.ensure_future(_load_one(s, cfg, fetcher, m, turns)) for s, m in zip(sources, modalities)]
     try:
         return list(await asyncio.gather(*tasks))
     except BaseException:

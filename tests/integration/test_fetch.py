@@ -1,6 +1,8 @@
 """MediaFetcher against a real aiohttp server on 127.0.0.1: limits, redirects, timeouts, and the
 SSRF guard refusing before any connection. Every connection the fetcher makes is recorded (the
-event loop's ``sock_connect``), and one to anything but loopback fails the test."""
+event loop's ``sock_connect``), and one to anything but loopback fails the test. Then its pool
+shared between requests and origins, against two origins of which one holds its connections
+(``HeldOrigins``)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,14 @@ import pytest
 from services.common.errors import MediaError
 from services.common.images import make_audio, make_image
 from services.gateway.config import GatewayConfig
-from services.gateway.fetch import MediaFetcher, load_images
+from services.gateway.fetch import (
+    FETCH_CONNECTIONS,
+    FETCH_CONNECTIONS_PER_HOST,
+    FETCHES_PER_REQUEST,
+    MediaFetcher,
+    load_images,
+)
+from tests.integration.held_origins import HeldOrigins
 from tests.integration.media_server import MediaServer
 
 pytestmark = pytest.mark.integration
@@ -190,3 +199,57 @@ def test_audio_urls_are_fetched_under_the_same_guard_with_audio_rules(server):
     assert e.value.status == 413 and e.value.modality == "audio"
     with pytest.raises(MediaError, match="private address"):
         asyncio.run(go(["http://10.1.2.3/clip.wav"], ["audio"], GatewayConfig(lms="x:1")))
+
+
+# --- sharing the fetcher's pool between requests and origins -----------------------------------------------------
+
+
+def with_origins(test):
+    """Runs ``test(origins, fetcher, cfg)`` on a fresh loop with HeldOrigins and one MediaFetcher."""
+    cfg = GatewayConfig(**{**LOOPBACK_OK, "fetch_timeout_s": 30.0})
+
+    async def go():
+        origins, fetcher = await HeldOrigins().start(), MediaFetcher(cfg)
+        try:
+            return await test(origins, fetcher, cfg)
+        finally:
+            await origins.stop()
+            await fetcher.close()
+
+    return asyncio.run(go())
+
+
+def test_one_request_fetches_at_most_its_share_of_urls_at_once():
+    async def test(origins, fetcher, cfg):
+        request = asyncio.ensure_future(load_images([origins.url(0, f"/hold?i={i}") for i in range(8)], cfg, fetcher))
+        await asyncio.wait_for(origins.until_held(0, FETCHES_PER_REQUEST), 10)
+        await asyncio.sleep(0.3)  # room for any fetch beyond the share to arrive
+        held = origins.in_flight[origins.ports[0]]
+        origins.release.set()
+        return held, await asyncio.wait_for(request, 10), origins.most[origins.ports[0]]
+
+    held, images, most = with_origins(test)
+    assert held == most == FETCHES_PER_REQUEST
+    assert images == [make_image(0)] * 8  # the rest waited for a turn and were fetched
+
+
+def test_a_slow_origin_holds_at_most_its_share_of_the_pool_and_others_are_served():
+    """Enough requests at an origin that never answers to fill the whole pool without a per-origin
+    limit; a request for another origin is still served while they wait."""
+    async def test(origins, fetcher, cfg):
+        n = FETCH_CONNECTIONS // FETCHES_PER_REQUEST + 4
+        slow = [asyncio.ensure_future(load_images([origins.url(0, f"/hold?r={r}&i={i}") for i in range(8)],
+                                                  cfg, fetcher)) for r in range(n)]
+        await asyncio.wait_for(origins.until_held(0, FETCH_CONNECTIONS_PER_HOST), 10)
+        await asyncio.sleep(0.3)  # room for more of the slow fetches to connect, were they allowed
+        other = await asyncio.wait_for(load_images([origins.url(1, "/good.png")], cfg, fetcher), 10)
+        held = origins.in_flight[origins.ports[0]]
+        assert not any(t.done() for t in slow)
+        origins.release.set()
+        done = await asyncio.wait_for(asyncio.gather(*slow), 30)
+        return other, held, origins.most[origins.ports[0]], done
+
+    other, held, most, done = with_origins(test)
+    assert other == [make_image(0)]
+    assert held == most == FETCH_CONNECTIONS_PER_HOST
+    assert all(images == [make_image(0)] * 8 for images in done)

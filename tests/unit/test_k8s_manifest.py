@@ -2,9 +2,10 @@
 pass the Kubernetes API schemas strictly and offline (kubernetes-validate's
 bundled schemas: an unknown field fails), and stay in step with the CLI and with
 each other: every container's args and probe commands parse with ``epd``'s
-parser, every internal link carries TLS and the token, the gateway finds the
-headless Services, and Services, NetworkPolicies and PodDisruptionBudgets select
-the pods they mean."""
+parser, every internal link carries TLS and the token, the gateway holds a
+credential of its own, LMs dial only encoders on the pod network, the gateway
+finds the headless Services, Services, NetworkPolicies and PodDisruptionBudgets
+select the pods they mean, and DNS goes only to the cluster's resolver."""
 
 from __future__ import annotations
 
@@ -17,9 +18,11 @@ import subprocess
 
 import pytest
 
+from ectransfer.security import SecurityConfig
 from services.cli import build_parser
 from services.common.config import from_args
 from services.gateway.config import GatewayConfig
+from services.lm.peers import EncoderAllowList
 
 yaml = pytest.importorskip("yaml")
 kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is in the test extra: pip install -e .[test]")
@@ -31,7 +34,11 @@ OVERLAYS = ("cpu", "gpu-node", "multi-node")
 # on by default there), and the newest whose schemas kubernetes-validate bundles.
 K8S_VERSIONS = ("1.29", kv.latest_version())
 SECRET_DIR = "/etc/epd"
+ENGINE_SECRET, GATEWAY_SECRET = "epd-internal", "epd-gateway"
 ANY = "any"  # a NetworkPolicy rule with no peers: every source or destination
+CLUSTER_DNS = "kube-system/kube-dns"  # the one peer outside the namespace the policies may name
+CLUSTER_DNS_PEER = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
+                    "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}}}
 
 
 @functools.cache
@@ -90,8 +97,9 @@ def pods_selected(docs: list[dict], selector: dict) -> set[str]:
 
 def allowed(docs: list[dict], deployment: str, port: int, direction: str) -> set[str] | str:
     """The Deployments whose pods the NetworkPolicies let reach ``deployment``'s pods on ``port``
-    (direction "ingress"), or that those pods may reach on ``port`` ("egress"); ANY when a rule
-    names no peers or an ipBlock. Pods no policy selects for the direction are open (ANY)."""
+    (direction "ingress"), or that those pods may reach on ``port`` ("egress"), and CLUSTER_DNS for
+    the cluster's DNS pods; ANY when a rule names no peers or an ipBlock. Pods no policy selects for
+    the direction are open (ANY)."""
     labels = of_kind(docs, "Deployment")[deployment]["spec"]["template"]["metadata"]["labels"]
     policies = [p for p in of_kind(docs, "NetworkPolicy").values()
                 if selects(p["spec"]["podSelector"], labels) and direction.capitalize() in p["spec"]["policyTypes"]]
@@ -106,7 +114,10 @@ def allowed(docs: list[dict], deployment: str, port: int, direction: str) -> set
             if peers_key not in rule:
                 return ANY
             for peer in rule[peers_key]:
-                assert "namespaceSelector" not in peer, peer
+                if "namespaceSelector" in peer:
+                    assert peer == CLUSTER_DNS_PEER, f"a peer outside the namespace: {peer}"
+                    out.add(CLUSTER_DNS)
+                    continue
                 if "ipBlock" in peer:
                     return ANY
                 out |= pods_selected(docs, peer["podSelector"])
@@ -178,7 +189,7 @@ def test_every_internal_link_is_authenticated_and_probes_speak_tls(overlay):
         mount = next(m for m in c["volumeMounts"] if m["mountPath"] == SECRET_DIR)
         assert mount["readOnly"] is True, where
         volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
-        assert volume["secret"]["secretName"] == "epd-internal", where
+        assert volume["secret"]["secretName"] == (GATEWAY_SECRET if ns.cmd == "gateway" else ENGINE_SECRET), where
         if ns.cmd == "gateway":  # its own ports are public: kubelet's plaintext probes work there
             assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": ns.port}, where
             for probe in ("livenessProbe", "startupProbe"):
@@ -239,7 +250,7 @@ def test_network_policies_let_only_the_gateway_reach_apis_and_only_lms_reach_tra
         assert pods_selected(docs, policy["spec"]["podSelector"]), f"NetworkPolicy {name} selects no pod"
         for rule in policy["spec"].get("ingress", []) + policy["spec"].get("egress", []):
             for peer in rule.get("from", []) + rule.get("to", []):
-                if "podSelector" in peer:
+                if "podSelector" in peer and "namespaceSelector" not in peer:
                     assert pods_selected(docs, peer["podSelector"]), f"NetworkPolicy {name}: {peer} selects no pod"
     gateways, encoders, lms = serving(docs, "gateway"), serving(docs, "encoder"), serving(docs, "lm")
     for enc in encoders:
@@ -254,9 +265,79 @@ def test_network_policies_let_only_the_gateway_reach_apis_and_only_lms_reach_tra
         assert allowed(docs, gw, 8000, "ingress") == ANY and allowed(docs, gw, 50071, "ingress") == ANY
         assert allowed(docs, gw, 50051, "egress") == encoders and allowed(docs, gw, 50061, "egress") == lms
     for dep in of_kind(docs, "Deployment"):
-        assert allowed(docs, dep, 53, "egress") == ANY, dep  # DNS
         if dep not in gateways:  # only the gateway fetches image URLs
             assert allowed(docs, dep, 443, "egress") == set(), dep
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_dns_goes_only_to_the_clusters_resolver_over_udp_and_tcp(overlay):
+    docs = render(overlay)
+    for dep in of_kind(docs, "Deployment"):
+        assert allowed(docs, dep, 53, "egress") == {CLUSTER_DNS}, dep  # not any address on port 53
+    for name, policy in of_kind(docs, "NetworkPolicy").items():
+        rules = [r for r in policy["spec"]["egress"] if CLUSTER_DNS_PEER in r.get("to", [])]
+        assert len(rules) == 1, name
+        assert rules[0]["to"] == [CLUSTER_DNS_PEER], name
+        assert sorted((p["protocol"], p["port"]) for p in rules[0]["ports"]) == [("TCP", 53), ("UDP", 53)], name
+
+
+def secrets_mounted(pod: dict) -> set[str]:
+    return {v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_gateway_holds_a_credential_of_its_own_and_no_engine_credential(overlay):
+    """The gateway's pod mounts only its own Secret and the engines' pods only theirs: a stolen
+    gateway certificate is told apart from the engines' and cannot serve as epd-internal."""
+    docs = render(overlay)
+    for dep, pod, c in containers(docs):
+        where = (dep["metadata"]["name"], c["name"])
+        ns = parse(c["args"])
+        if ns.cmd == "gateway":
+            assert secrets_mounted(pod) == {GATEWAY_SECRET}, where
+            assert ns.tls_cert and ns.tls_ca, where  # presents its own certificate (mutual TLS)
+            assert ns.tls_server_name == "epd-internal", where  # and checks the engines' name
+        else:
+            assert secrets_mounted(pod) == {ENGINE_SECRET}, where
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_engine_binding_a_pod_address_meets_the_tls_and_authentication_rule(overlay, tmp_path):
+    """SecurityConfig.require_for, the check each service runs before it binds, passes for every
+    address an encoder or LM serves (the Secret's files stood in by local ones)."""
+    for name in ("auth-token", "cert.pem", "key.pem", "ca.pem"):
+        (tmp_path / name).write_text("x\n")
+    for dep, _, c in containers(render(overlay)):
+        ns = parse(c["args"])
+        if ns.cmd == "gateway":  # its own ports are the public API; it only dials with these settings
+            continue
+        for flag in ("auth_token_file", "tls_cert", "tls_key", "tls_ca"):
+            setattr(ns, flag, str(tmp_path / os.path.basename(getattr(ns, flag))))
+        security = from_args(SecurityConfig, ns)
+        for host in [ns.host] + ([ns.transfer_host] if ns.cmd == "encoder" else []):
+            security.require_for(host, f"{dep['metadata']['name']}/{c['name']} on {host}")  # raises if refused
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_lms_dial_only_encoders_on_the_pod_network(overlay):
+    docs = render(overlay)
+    transfer = {f"{ns.advertise_host}:{ns.transfer_port}" for ns in (parse(c["args"]) for _, _, c in containers(docs))
+                if ns.cmd == "encoder"}
+    assert transfer
+    lms = [parse(c["args"]) for _, _, c in containers(docs) if c["name"] == "lm"]
+    assert lms
+    for ns in lms:
+        # Empty would allow any endpoint here (the callers authenticate): it must be set.
+        assert ns.allowed_encoders, "the LM needs --allowed-encoders"
+        allow = EncoderAllowList.parse(ns.allowed_encoders, trusted_callers=True)
+        assert not allow.any
+        for endpoint in transfer:  # what the encoders advertise ($(POD_IP) stands in as 10.0.0.7)
+            assert allow.allows(endpoint), endpoint
+        for pod_ip in ("10.244.1.5", "10.42.0.5", "192.168.3.4", "172.17.0.3", "[fd00:10:244::5]"):
+            assert allow.allows(f"{pod_ip}:50052"), pod_ip  # the common clusters' pod networks
+        for outside in ("127.0.0.1", "[::1]", "169.254.169.254", "[fe80::1]", "8.8.8.8", "[2001:4860::8888]",
+                        "metadata.google.internal", "epd-gateway"):
+            assert not allow.allows(f"{outside}:50052"), outside
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

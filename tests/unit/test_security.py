@@ -15,13 +15,55 @@ from services.lm.peers import EncoderAllowList, PeerChecker
 pytestmark = pytest.mark.unit
 
 
-@pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3", "::", "epd-encoder"])
-def test_a_reachable_address_without_authentication_is_refused_unless_insecure(host, tmp_path, caplog):
-    with pytest.raises(ValueError, match="without authentication"):
+REACHABLE = ["0.0.0.0", "10.1.2.3", "::", "epd-encoder"]
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    from services.certs import make_certs
+
+    d = tmp_path_factory.mktemp("pki")
+    return {**make_certs(str(d / "tls"), ["localhost"]), "token": make_token(str(d / "token"))}
+
+
+@pytest.mark.parametrize("host", REACHABLE)
+def test_a_reachable_address_without_authentication_is_refused_unless_insecure(host, caplog):
+    with pytest.raises(ValueError, match="without authentication") as e:
         SecurityConfig().require_for(host, "the API")
+    assert "without TLS" in str(e.value) and "--insecure" in str(e.value)
     SecurityConfig(insecure=True).require_for(host, "the API")  # warns
-    assert "--insecure" in caplog.text
-    SecurityConfig(auth_token_file=make_token(str(tmp_path / "t"))).require_for(host, "the API")
+    assert "without authentication" in caplog.text and "allowed by --insecure" in caplog.text
+
+
+@pytest.mark.parametrize("host", REACHABLE)
+def test_a_reachable_address_with_the_token_alone_is_refused_unless_insecure(host, pki, caplog):
+    with pytest.raises(ValueError, match="without TLS: the auth token and the embeddings would cross") as e:
+        SecurityConfig(auth_token_file=pki["token"]).require_for(host, "the API")
+    assert "without authentication" not in str(e.value) and "--insecure" in str(e.value)
+    SecurityConfig(auth_token_file=pki["token"], insecure=True).require_for(host, "the API")  # a mesh: warns
+    assert "without TLS" in caplog.text and "allowed by --insecure" in caplog.text
+
+
+@pytest.mark.parametrize("host", REACHABLE)
+def test_a_reachable_address_with_tls_and_authentication_is_served_without_a_warning(host, pki, caplog):
+    cert = dict(tls_cert=pki["tls_cert"], tls_key=pki["tls_key"])
+    SecurityConfig(**cert, auth_token_file=pki["token"]).require_for(host, "the API")  # TLS + token
+    SecurityConfig(**cert, tls_ca=pki["tls_ca"]).require_for(host, "the API")  # mutual TLS
+    SecurityConfig(**cert, tls_ca=pki["tls_ca"], auth_token_file=pki["token"]).require_for(host, "the API")
+    assert caplog.text == ""
+
+
+def test_a_reachable_address_with_a_server_certificate_but_no_caller_authentication_is_refused(pki):
+    sec = SecurityConfig(tls_cert=pki["tls_cert"], tls_key=pki["tls_key"])
+    with pytest.raises(ValueError, match="without authentication") as e:
+        sec.require_for("10.1.2.3", "the API")
+    assert "without TLS" not in str(e.value)
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1", "localhost"])
+def test_loopback_with_the_token_alone_needs_no_tls(host, pki, caplog):
+    SecurityConfig(auth_token_file=pki["token"]).require_for(host, "the API")
+    assert caplog.text == ""
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "127.9.9.9", "::1", "localhost"])
@@ -103,3 +145,31 @@ def test_certificate_files_are_written_with_their_mode_even_over_an_old_file(tmp
     os.chmod(old, 0o644)
     make_token(str(old))
     assert stat.S_IMODE(os.stat(old).st_mode) == 0o600
+
+
+# --- callers that bind a non-loopback address: epd up -----------------------------------------------------------
+
+
+def test_epd_up_on_a_reachable_host_uses_tls_unless_told_otherwise(tmp_path):
+    from services.up import Deployment
+
+    dep = Deployment(model="m", host="0.0.0.0", log_dir=str(tmp_path))
+    assert dep.security == "tls" and dep.client_security.tls_cert and dep.client_security.token
+    for svc in dep.services:
+        assert "--tls-cert" in svc.args and "--auth-token-file" in svc.args and "--insecure" not in svc.args
+    assert Deployment(model="m", log_dir=str(tmp_path)).security == "token"  # loopback: as before
+
+
+@pytest.mark.parametrize("security", ["token", "none"])
+def test_epd_up_without_tls_on_a_reachable_host_is_refused_before_starting_unless_insecure(security, tmp_path,
+                                                                                           capsys):
+    from services.cli import main
+    from services.up import Deployment
+
+    with pytest.raises(ValueError, match="--security tls"):
+        Deployment(model="m", host="0.0.0.0", security=security, log_dir=str(tmp_path))
+    assert not any(tmp_path.iterdir())  # refused before any token or certificate was made
+    assert main(["up", "--model", "m", "--host", "0.0.0.0", "--security", security]) == 2
+    assert "--insecure where the network is trusted" in capsys.readouterr().err
+    dep = Deployment(model="m", host="0.0.0.0", security=security, insecure=True, log_dir=str(tmp_path))
+    assert all("--insecure" in svc.args and "--tls-cert" not in svc.args for svc in dep.services)

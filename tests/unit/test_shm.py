@@ -267,6 +267,80 @@ def test_cleanup_orphans_leaves_a_fifo_or_a_link_at_an_epd_name_alone_without_ha
         os.unlink(path(name))
 
 
+# --- cleanup_orphans next to foreign entries it cannot judge or remove ------------------------------------------
+
+
+def make_orphan(name: str) -> str:
+    """A 16-byte file at ``name`` that nobody holds: cleanup_orphans removes it."""
+    with open(path(name), "wb") as f:
+        f.write(b"\0" * 16)
+    return name
+
+
+def test_cleanup_orphans_skips_a_directory_at_an_epd_name_and_cleans_the_rest(names, caplog):
+    folder = names(dead_pid())
+    os.mkdir(path(folder), 0o700)
+    orphan = make_orphan(names(dead_pid()))
+    try:
+        with caplog.at_level("WARNING", logger="ectransfer.shm"):
+            removed = shm.cleanup_orphans()
+        assert folder not in removed and os.path.isdir(path(folder))
+        assert not os.path.exists(path(orphan))
+        assert any(folder in r.getMessage() for r in caplog.records)
+    finally:
+        os.rmdir(path(folder))
+
+
+def test_cleanup_orphans_skips_a_segment_it_may_not_unlink_and_cleans_the_rest(names, monkeypatch, caplog):
+    denied, orphan = make_orphan(names(dead_pid())), make_orphan(names(dead_pid()))
+    real_unlink = os.unlink
+
+    def unlink(p, *args, **kwargs):
+        if os.path.basename(p) == denied:
+            raise PermissionError(1, "Operation not permitted", p)  # another user's file in sticky /dev/shm
+        return real_unlink(p, *args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", unlink)
+    with caplog.at_level("WARNING", logger="ectransfer.shm"):
+        removed = shm.cleanup_orphans()
+    monkeypatch.undo()
+    assert denied not in removed and os.path.exists(path(denied))
+    assert not os.path.exists(path(orphan))
+    warned = [r.getMessage() for r in caplog.records if denied in r.getMessage()]
+    assert warned and "not permitted" in warned[0]
+
+
+def test_cleanup_orphans_skips_a_segment_it_cannot_lock_and_cleans_the_rest(names, monkeypatch, caplog):
+    import errno
+    import fcntl
+
+    unlockable, orphan = make_orphan(names(dead_pid())), make_orphan(names(dead_pid()))
+    real_flock = fcntl.flock
+
+    def flock(fd, op):
+        if os.path.basename(os.readlink(f"/proc/self/fd/{fd}")) == unlockable:
+            raise OSError(errno.ENOLCK, "No locks available")
+        return real_flock(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    with caplog.at_level("WARNING", logger="ectransfer.shm"):
+        removed = shm.cleanup_orphans()
+    monkeypatch.undo()
+    assert unlockable not in removed and os.path.exists(path(unlockable))
+    assert not os.path.exists(path(orphan))
+    assert any(unlockable in r.getMessage() for r in caplog.records)
+
+
+def test_cleanup_orphans_that_cannot_list_dev_shm_warns_and_removes_nothing(monkeypatch, caplog):
+    def listdir(p):
+        raise PermissionError(13, "Permission denied", p)
+
+    monkeypatch.setattr(os, "listdir", listdir)
+    with caplog.at_level("WARNING", logger="ectransfer.shm"):
+        assert shm.cleanup_orphans() == []
+    assert any(shm.SHM_DIR in r.getMessage() for r in caplog.records)
+
+
 def test_attach_refuses_a_fifo_or_a_link(names, tmp_path):
     import threading
 
