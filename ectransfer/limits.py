@@ -30,6 +30,9 @@ from dataclasses import dataclass, fields
 
 from ectransfer.protocol import CLIENT_KEEPALIVE_S, TRANSFER_GRPC_OPTIONS
 
+SERVER_MAX_RECEIVE = 1 << 20
+"""Largest message a Transfer server takes from a consumer (control messages are a few hundred bytes)."""
+
 
 class StreamStalled(Exception):
     """A consumer has not taken its session's queued messages within ``send_stall_s``."""
@@ -63,6 +66,9 @@ class TransferLimits:
         (``protocol.CLIENT_KEEPALIVE_S``) instead of answering them with GOAWAY
         ("too_many_pings"), which grpc does by default for pings closer than 5 min."""
         own = {
+            # A consumer sends only control messages (Hello, Reserve, Ack, Cancel): an
+            # unauthenticated first message (read before its refusal) is bounded by this.
+            "grpc.max_receive_message_length": SERVER_MAX_RECEIVE,
             "grpc.keepalive_time_ms": int(self.keepalive_s * 1000),
             "grpc.keepalive_timeout_ms": int(self.keepalive_timeout_s * 1000),
             # Any unacked ping (a BDP probe sent just before the peer froze holds

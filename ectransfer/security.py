@@ -220,7 +220,16 @@ def is_loopback(host: str) -> bool:
 class TokenInterceptor(grpc.aio.ServerInterceptor):
     """Refuses every call (health excepted) without ``authorization: Bearer
     <token>``, before its handler runs: nothing is read, reserved or cancelled
-    for an unauthenticated peer. The comparison is constant-time."""
+    for an unauthenticated peer. The comparison is constant-time.
+
+    It runs on the call's headers, before any request message is read: a
+    refused call with a single request message (Encode, Generate, GetInfo,
+    Stats) gets a handler that never reads it, so grpc buffers at most its
+    flow-control window of it, not the message. A refused streaming call
+    (Transfer) reads its first message, so that the caller gets the status
+    rather than a reset while it writes: that message is bounded by the
+    port's receive limit (1 MiB on a Transfer port: consumers send only
+    control messages)."""
 
     def __init__(self, token: str) -> None:
         self._expected = f"Bearer {token}".encode()
@@ -256,10 +265,13 @@ async def _first_request(request_iterator) -> None:
 
 
 def _refusal(handler):
-    async def unary(request, context):
+    """A handler that refuses the call. For a single-request method it is a request-streaming
+    handler that never reads: grpc then never buffers the (possibly large) request message."""
+
+    async def unread(request_iterator, context):
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, _REFUSAL)
 
-    async def streaming(request, context):
+    async def unread_streaming(request_iterator, context):
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, _REFUSAL)
         yield  # pragma: no cover - makes this an async generator
 
@@ -278,8 +290,8 @@ def _refusal(handler):
     if handler.request_streaming:
         return grpc.stream_unary_rpc_method_handler(stream_in, **kw)
     if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(streaming, **kw)
-    return grpc.unary_unary_rpc_method_handler(unary, **kw)
+        return grpc.stream_stream_rpc_method_handler(unread_streaming, **kw)
+    return grpc.stream_unary_rpc_method_handler(unread, **kw)
 
 
 # -- the token: client side without TLS ------------------------------------------------

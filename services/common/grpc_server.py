@@ -35,12 +35,17 @@ class GrpcServer:
     shutdown order of the house style).
     """
 
-    def __init__(self, host: str, port: int, security: SecurityConfig | None = None, public: bool = False) -> None:
-        """``public``: a client-facing API (the gateway's), open to callers like its REST port."""
+    def __init__(self, host: str, port: int, security: SecurityConfig | None = None, public: bool = False,
+                 interceptors: list | None = None, options: dict | None = None) -> None:
+        """``public``: a client-facing API (the gateway's), open to callers like its REST port.
+        ``interceptors`` run after authentication, before the error boundary; ``options`` replace
+        entries of ``GRPC_OPTIONS`` (the public port's smaller message limit)."""
         self.security = security or SecurityConfig()
         self.public = public
-        self.server = grpc.aio.server(interceptors=[*self.security.server_interceptors(), ErrorInterceptor()],
-                                      options=GRPC_OPTIONS)
+        opts = dict(GRPC_OPTIONS) | (options or {})
+        self.server = grpc.aio.server(
+            interceptors=[*self.security.server_interceptors(), *(interceptors or []), ErrorInterceptor()],
+            options=list(opts.items()))
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.host = host

@@ -8,6 +8,9 @@ from dataclasses import dataclass
 from services.common.media import MAX_AUDIO_SECONDS, MAX_IMAGE_PIXELS
 
 DISPATCH_MODES = ("overlap", "sequential")
+BODY_COPIES = 3
+"""Body budget charged per body byte (services.gateway.intake): the body, its parsed JSON, and the
+media decoded from it."""
 PLACEMENTS = ("auto", "encoder", "local")
 
 
@@ -86,6 +89,14 @@ class GatewayConfig:
     """Limit for fetching one http(s) image URL: connect, redirects and body together."""
     fetch_max_redirects: int = 3
     """Most redirects followed for one image URL (each hop is checked again)."""
+    max_body_readers: int = 256
+    """Request bodies (REST and gRPC) being read at once; one more is refused at once (503, Retry-After)."""
+    body_memory_mib: float = 1536.0
+    """Memory all request bodies may hold together, from their first byte until their answer ends, counted
+    three times per body byte (the text, what is parsed from it, the media decoded); a request that does not
+    fit is refused (503). At least three times the largest body (--max-*-bytes)."""
+    body_timeout_s: float = 30.0
+    """A request body must arrive within this (a slow upload is cut off: 408)."""
     fetch_allow_networks: str = ""
     """Comma-separated CIDRs that image URLs may resolve to even though they are loopback, private,
     link-local or otherwise non-public (refused by default: SSRF guard), e.g. 10.1.0.0/16."""
@@ -107,12 +118,25 @@ class GatewayConfig:
                      "fetch_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        if self.max_body_readers < 1 or self.body_timeout_s <= 0:
+            raise ValueError("max_body_readers must be >= 1 and body_timeout_s > 0")
+        if self.body_memory_mib * (1 << 20) < BODY_COPIES * self.max_body_bytes:
+            raise ValueError(f"body_memory_mib ({self.body_memory_mib:g}) must hold {BODY_COPIES} copies of the largest "
+                             f"body ({self.max_body_bytes >> 20} MiB, from --max-image-bytes, --max-audio-bytes and "
+                             f"--max-video-bytes): at least {-(-BODY_COPIES * self.max_body_bytes >> 20)}")
         if self.fetch_max_redirects < 0 or self.affinity_spill < 0:
             raise ValueError("fetch_max_redirects and affinity_spill must be >= 0")
         try:
             _ = self.allowed_networks  # parses --fetch-allow-networks
         except ValueError as e:
             raise ValueError(f"fetch_allow_networks: {e} (expected CIDRs such as 10.1.0.0/16)") from None
+
+    @property
+    def max_body_bytes(self) -> int:
+        """The largest request body: the largest item one modality allows, base64-encoded (4/3; images
+        twice, so two full-size images fit), and 1 MiB of text."""
+        largest = max(self.max_image_bytes * 2, self.max_audio_bytes, self.max_video_bytes)
+        return largest * 4 // 3 + (1 << 20)
 
     @property
     def encoder_list(self) -> list[str]:

@@ -29,6 +29,7 @@ from services.gateway import metrics
 from services.gateway.admission import AdmissionRefused
 from services.gateway.config import GatewayConfig
 from services.gateway.fetch import MediaFetcher, load_images
+from services.gateway.intake import BodyRefused, Intake
 from services.gateway.orchestrator import Media, Orchestrator, Timings
 from services.gateway.parts import LM_PART, PartError, media_parts
 
@@ -210,10 +211,13 @@ def epd_facts(timings: Timings, last: lm_pb2.GenerateResponse | None) -> dict[st
 
 
 class OpenAIRoutes:
-    def __init__(self, cfg: GatewayConfig, orch: Orchestrator, *, fetcher: MediaFetcher | None = None) -> None:
+    def __init__(self, cfg: GatewayConfig, orch: Orchestrator, *, fetcher: MediaFetcher | None = None,
+                 intake: Intake | None = None) -> None:
         """``fetcher``: owned by ``server.serve`` (which closes it); without one http(s) image URLs are
-        refused. The served model is ``orch.model``: unknown (every request 503) until an LM is admitted."""
+        refused. ``intake``: the body limits before admission (default: this config's own). The served
+        model is ``orch.model``: unknown (every request 503) until an LM is admitted."""
         self.cfg, self.orch, self.fetcher = cfg, orch, fetcher
+        self.intake = intake or Intake(cfg)
 
     @property
     def model(self) -> str:
@@ -261,21 +265,28 @@ class OpenAIRoutes:
         req = lm_pb2.GenerateRequest(request_id=engine_request_id(rid, prefix))
         req.openai.api = api
         headers = {REQUEST_ID_HEADER: rid}
-        ticket = None
+        ticket = lease = None
         try:
-            call = parse_openai(api, await request.read(), self.cfg)
+            raw, lease = await self.intake.read(request)
+            call = parse_openai(api, raw, self.cfg)
             call.request_id, call.id_given = rid, bool(given)
             self._check_ready()
             # Admission before any image is fetched: past capacity the request waits its turn or is
             # refused now (429/503 with Retry-After), never half-way through.
             ticket = await self.orch.admission.admit(self.orch.encodes_remotely(len(call.parts)))
             media = await load_media(call, req, self.cfg, self.fetcher)
-        except (ApiError, MediaError, AdmissionRefused) as e:
+        except (ApiError, MediaError, AdmissionRefused, BodyRefused) as e:
             if ticket is not None:
                 ticket.release()
+            if lease is not None:
+                lease.release()
             if isinstance(e, AdmissionRefused):
                 headers["Retry-After"] = str(e.retry_after_s)
                 err = ApiError(e.status, e.message, "rate_limit_error" if e.status == 429 else "server_error")
+            elif isinstance(e, BodyRefused):
+                if e.status == 503:
+                    headers["Retry-After"] = "1"
+                err = ApiError(e.status, e.message, "server_error" if e.status == 503 else "invalid_request_error")
             else:
                 err = e if isinstance(e, ApiError) else media_api_error(e)
             metrics.REQUESTS.labels(api, str(err.status)).inc()
@@ -283,6 +294,8 @@ class OpenAIRoutes:
         except BaseException:  # the client went away during a fetch, or a bug: the place goes back
             if ticket is not None:
                 ticket.release()
+            if lease is not None:
+                lease.release()
             raise
         timings = Timings(start=request.get(ARRIVAL_KEY) or time.perf_counter())
         gen = self.orch.generate(req, media, timings, ticket=ticket,
@@ -298,6 +311,7 @@ class OpenAIRoutes:
             # which aborts the engine request and frees what it holds.
             await gen.aclose()
             ticket.release()
+            lease.release()
 
     async def _respond(self, request, req, call: OpenAICall, n_media: int, gen, timings) -> web.StreamResponse:
         route = call.api

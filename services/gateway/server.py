@@ -16,11 +16,15 @@ from epd.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from services.common.grpc_server import GrpcServer
 from services.gateway.config import GatewayConfig
 from services.gateway.fetch import MediaFetcher
+from services.gateway.intake import GrpcIntake, Intake
 from services.gateway.openai_api import OpenAIRoutes, request_context
 from services.gateway.orchestrator import Orchestrator
 from services.gateway.servicer import GatewayServicer
 
 logger = logging.getLogger(__name__)
+
+PUBLIC_STREAMS_PER_CONNECTION = 32
+"""Concurrent calls one connection may make on the native gRPC API (HTTP/2 streams)."""
 
 
 async def _metrics(request: web.Request) -> web.Response:
@@ -45,10 +49,10 @@ async def serve(cfg: GatewayConfig, stop: asyncio.Event | None = None, security:
         # Resolves names, checks every instance once, then keeps checking. No peer need be up: until
         # an LM is admitted (its model learned) /health and every request answer 503.
         await orch.start()
-        # A body may carry the largest item one modality allows, base64-encoded (4/3), and then some.
-        largest = max(cfg.max_image_bytes * 2, cfg.max_audio_bytes, cfg.max_video_bytes)
-        app = web.Application(middlewares=[request_context], client_max_size=largest * 4 // 3 + (1 << 20))
-        OpenAIRoutes(cfg, orch, fetcher=fetcher).add_to(app)
+        # Every body is read under the intake limits (size, readers, memory, deadline) before admission.
+        intake = Intake(cfg)
+        app = web.Application(middlewares=[request_context], client_max_size=cfg.max_body_bytes)
+        OpenAIRoutes(cfg, orch, fetcher=fetcher, intake=intake).add_to(app)
         app.router.add_get("/metrics", _metrics)
         # handler_cancellation: a client that disconnects cancels its handler, which
         # cancels the LM call (and with it the engine request).
@@ -57,7 +61,9 @@ async def serve(cfg: GatewayConfig, stop: asyncio.Event | None = None, security:
         await web.TCPSite(runner, cfg.host, cfg.port).start()
         http_port, grpc_port = runner.addresses[0][1], 0
         if cfg.grpc_port:
-            grpc_server = GrpcServer(cfg.host, cfg.grpc_port, public=True)
+            grpc_server = GrpcServer(cfg.host, cfg.grpc_port, public=True, interceptors=[GrpcIntake(intake)],
+                                     options={"grpc.max_receive_message_length": cfg.max_body_bytes,
+                                              "grpc.max_concurrent_streams": PUBLIC_STREAMS_PER_CONNECTION})
             grpc_server.add(gateway_pb2_grpc.add_GatewayServiceServicer_to_server,
                             GatewayServicer(cfg, orch, fetcher=fetcher),
                             gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name)

@@ -22,6 +22,7 @@ REFERENCE_REQUESTS = {
     "fresh": image_chat(1000),  # used by one test only: its encode must be a cache miss
     "fresh_shm": image_chat(1001, size=(200, 150)),  # likewise, for the transport test
     "reuse": image_chat(1002),  # likewise, for the reuse test
+    "victim": image_chat(1003),  # likewise, for the trust-boundary test: never sent before its attack
     "text": text_chat("Tell me a story about a cat."),
     # The multi-instance tests (2 encoders, 2 LMs): larger images, so encodes are in flight long enough to kill.
     **{f"multi{i}": image_chat(600 + i, max_tokens=16, size=(224, 224)) for i in range(8)},

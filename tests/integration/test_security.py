@@ -167,3 +167,27 @@ def test_stats_on_the_transfer_port_needs_the_token(token):
             encoder_pb2_grpc.TransferServiceStub(ch).Stats(encoder_pb2.StatsRequest(), timeout=5)
     finally:
         producer.close()
+
+
+def test_a_refused_caller_s_large_request_message_is_never_read(token, monkeypatch):
+    """The token is checked on the call's headers; a refused Encode (one request message, here
+    32 MiB of media) gets a handler that never reads it: the request is never deserialized, and
+    the caller still gets UNAUTHENTICATED."""
+    parsed = []
+    real = encoder_pb2.EncodeRequest.FromString
+    monkeypatch.setattr(encoder_pb2.EncodeRequest, "FromString",
+                        staticmethod(lambda b: (parsed.append(len(b)), real(b))[1]))
+
+    async def main():
+        server, servicer, addr = await _serve(SecurityConfig(auth_token_file=token))
+        try:
+            req = encoder_pb2.EncodeRequest(items=[encoder_pb2.MediaItem(data=bytes(32 << 20))])
+            async with grpc.aio.insecure_channel(addr, options=[("grpc.max_send_message_length", 64 << 20)]) as ch:
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await _drain(encoder_pb2_grpc.EncoderServiceStub(ch).Encode(req, timeout=10))
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert servicer.calls == 0 and parsed == []
+        finally:
+            await server.stop(0)
+
+    asyncio.run(main())
