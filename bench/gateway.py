@@ -94,7 +94,7 @@ def start_lm(real: bool, logdir: str) -> tuple[Service, str]:
 
 def start_gateway(lm_addr: str, logdir: str) -> tuple[Service, int, int]:
     port, gport = free_port(), free_port()
-    gw = Service("gateway", ["gateway", "--host", "127.0.0.1", "--port", str(port), "--grpc-port", str(gport),
+    gw = Service("gateway", ["gateway", "--epd-facts", "--host", "127.0.0.1", "--port", str(port), "--grpc-port", str(gport),
                              "--lms", lm_addr, "--encoders", ""], os.path.join(logdir, "gateway-bench-gateway.log"))
     gw.start()
     try:

@@ -263,7 +263,7 @@ class System:
             lms, encoders = [epd_service("lm", "lm0", a), epd_service("lm", "lm1", b)], []
         else:  # epd, epd-auto (the gateway's --placement auto)
             encoders, lms = [epd_service("encoder", "encoder", a)], [epd_service("lm", "lm", b)]
-        self.front = Service("gateway", ["gateway", "--port", str(self.port), "--lms", ",".join(lms),
+        self.front = Service("gateway", ["gateway", "--epd-facts", "--port", str(self.port), "--lms", ",".join(lms),
                                          "--encoders", ",".join(encoders),
                                          "--placement", "auto" if name == "epd-auto" else "encoder"], log("gateway"))
 

@@ -198,6 +198,9 @@ class Deployment:
     """How the services prove themselves to each other: "token" (a fresh shared token; on a loopback host
     only), "tls" (a private CA, mutual TLS on every link, and the token), "none" (plain gRPC, loopback only)
     or "auto" (token on a loopback host, tls on any other)."""
+    epd_facts: bool | None = None
+    """The gateway's --epd-facts (the ``epd`` object in answers, instances on /health, the deployment's own
+    error details): None turns them on for a loopback host (a development deployment), off otherwise."""
     insecure: bool = False
     """Pass --insecure to every service: "token" or "none" on a non-loopback host, with a warning (the network
     is trusted; the services' own links stay on this host, but other machines can reach their ports)."""
@@ -230,11 +233,12 @@ class Deployment:
                                                              *common, *self.encoder_args]) for i in range(n_enc)]
         self.lms = [self._service("lm", i, self.n_lms, ["--cpu-cores", lm_cores, *common, *self.lm_args])
                     for i in range(self.n_lms)]
+        facts = is_loopback(h) if self.epd_facts is None else self.epd_facts
         self.gateway = Service("gateway", ["gateway", "--host", h, "--port", str(self.port),
                                            "--grpc-port", self.gateway_grpc.split(":")[1],
                                            "--encoders", ",".join(e.address for e in self.encoders),
                                            "--lms", ",".join(lm.address for lm in self.lms), *sec_args,
-                                           *self.gateway_args],
+                                           *(["--epd-facts"] if facts else []), *self.gateway_args],
                                os.path.join(self.log_dir, "gateway.log"))
         self.services = [*self.encoders, *self.lms, self.gateway]
 

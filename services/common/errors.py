@@ -10,6 +10,7 @@ trailer (``encoder``), which the gateway's retry logic reads.
 from __future__ import annotations
 
 import logging
+import secrets
 
 import grpc
 
@@ -78,13 +79,17 @@ class Deadline(EPDError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
-async def _abort(context, e: BaseException, method: str):
+async def _abort(context, e: BaseException, method: str, request=None):
     if isinstance(e, EPDError):
         trailers = [(FAULT_KEY, e.fault)] if e.fault else []
         trailers += [(FAULT_ENDPOINT_KEY, ep) for ep in e.endpoints]
         await context.abort(e.code, str(e), tuple(trailers))
-    logger.exception("internal error in %s", method)
-    await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {e!r}")
+    # The caller gets the request's id (or an error id), never the exception: its text can name
+    # files, addresses or internal state. The log has the traceback under the same id.
+    rid = getattr(request, "request_id", "") or f"error-{secrets.token_hex(6)}"
+    logger.exception("internal error in %s (request %s)", method, rid)
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method} (request {rid}; the service's log "
+                                                  "has the details)")
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
@@ -105,7 +110,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 except (grpc.aio.AbortError, GeneratorExit):
                     raise
                 except Exception as e:  # noqa: BLE001 - the error boundary
-                    await _abort(context, e, method)
+                    await _abort(context, e, method, request)
 
             return handler._replace(unary_stream=unary_stream)
         if handler.unary_unary:
@@ -117,7 +122,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 except grpc.aio.AbortError:
                     raise
                 except Exception as e:  # noqa: BLE001 - the error boundary
-                    await _abort(context, e, method)
+                    await _abort(context, e, method, request)
 
             return handler._replace(unary_unary=unary_unary)
         return handler

@@ -89,6 +89,12 @@ class GatewayConfig:
     """Limit for fetching one http(s) image URL: connect, redirects and body together."""
     fetch_max_redirects: int = 3
     """Most redirects followed for one image URL (each hop is checked again)."""
+    epd_facts: bool = False
+    """Tell callers about the deployment: the ``epd`` object in answers (timings, encode time, the encoders,
+    LM and transports used, items transferred or encoded locally, retries, placement), every instance's
+    address and state on /health, and the details of the deployment's own errors (which name instances).
+    Off: a caller learns nothing of the deployment's layout or of what it has cached (an encode time or
+    a transferred-item count says whether an image was seen before). For development and benchmarks."""
     max_body_readers: int = 256
     """Request bodies (REST and gRPC) being read at once; one more is refused at once (503, Retry-After)."""
     body_memory_mib: float = 1536.0

@@ -1,10 +1,10 @@
 """OpenAI REST (and the request half of the native gRPC API): the gateway reads
-only what disaggregation needs from a request, its images, and passes the body
+only what disaggregation needs from a request, its media, and passes the body
 on to an LM, whose vLLM serving classes validate and answer it exactly as
-``vllm serve`` does; their bytes come back unchanged (non-streaming responses
-get an ``epd`` object added, streams an ``: epd`` SSE comment before
-``[DONE]``). Also the one function that maps gRPC status codes to OpenAI-style
-HTTP errors."""
+``vllm serve`` does; their bytes come back unchanged (with ``--epd-facts``,
+non-streaming responses get an ``epd`` object added, streams an ``: epd`` SSE
+comment before ``[DONE]``). Also the one function that maps gRPC status codes
+to OpenAI-style HTTP errors."""
 
 from __future__ import annotations
 
@@ -61,9 +61,25 @@ class ApiError(Exception):
         self.status, self.message, self.type, self.param = status, message, type_, param
 
 
-def from_grpc(e: grpc.aio.AioRpcError) -> ApiError:
-    """The one place gRPC codes become HTTP errors."""
+_DEPLOYMENT_FAULTS = {
+    grpc.StatusCode.INTERNAL: "internal error",
+    grpc.StatusCode.UNAVAILABLE: "no instance could serve the request",
+    grpc.StatusCode.DEADLINE_EXCEEDED: "the request timed out in the deployment",
+    grpc.StatusCode.FAILED_PRECONDITION: "the deployment's instances do not agree",
+    grpc.StatusCode.UNAUTHENTICATED: "the deployment's instances refused each other's credentials",
+    grpc.StatusCode.PERMISSION_DENIED: "the deployment's instances refused each other's credentials",
+}
+"""Codes whose details describe the deployment (instance addresses, what failed where), not the request:
+without ``--epd-facts`` a caller gets this summary and the request id; the gateway's log has the details."""
+
+
+def from_grpc(e: grpc.aio.AioRpcError, rid: str = "", facts: bool = True) -> ApiError:
+    """The one place gRPC codes become HTTP errors. ``facts`` off (``--epd-facts``): a deployment
+    fault's details are replaced by a summary naming the request (``rid``)."""
     status, type_ = _HTTP_STATUS.get(e.code(), (500, "server_error"))
+    summary = _DEPLOYMENT_FAULTS.get(e.code())
+    if summary is not None and not facts:
+        return ApiError(status, f"{summary} (request {rid or 'unknown'}; the gateway's log has the details)", type_)
     return ApiError(status, e.details() or e.code().name, type_)
 
 
@@ -243,11 +259,14 @@ class OpenAIRoutes:
             {"id": self.model, "object": "model", "created": 0, "owned_by": "epd-serve"}]})
 
     async def health(self, request: web.Request) -> web.Response:
-        """200 while at least one LM is admitted (a readiness probe), else 503 with
-        the reason; the body lists every instance (admitted or not), why each one
-        that is out is out, and the served model."""
+        """200 while at least one LM is admitted (a readiness probe), else 503. With
+        ``--epd-facts`` the body also says why, lists every instance (admitted or not)
+        and why each one that is out is out; without, only the status and model."""
         instances = self.orch.health()
         ok = any(instances.get("lms", {}).values())
+        if not self.cfg.epd_facts:
+            return web.json_response({"status": "ok" if ok else "unavailable", "model": self.orch.model},
+                                     status=200 if ok else 503)
         status = "ok" if ok else self.orch.lm_wait_reason() or "no healthy LM"
         return web.json_response({"status": status, "model": self.orch.model, **instances,
                                   "out": self.orch.not_admitted()}, status=200 if ok else 503)
@@ -321,8 +340,8 @@ class OpenAIRoutes:
         try:
             first = await anext(gen, None)
         except grpc.aio.AioRpcError as e:
-            err = from_grpc(e)
-            finished(route, err.status, rid, timings, n_media, err.message, engine_id=req.request_id)
+            err = from_grpc(e, rid, self.cfg.epd_facts)
+            finished(route, err.status, rid, timings, n_media, e.details() or "", engine_id=req.request_id)
             return error_response(err, headers)
         if first is None or first.http_status != 200:
             status = first.http_status if first is not None else 502
@@ -337,11 +356,12 @@ class OpenAIRoutes:
                 async for resp in gen:
                     last = resp
             except grpc.aio.AioRpcError as e:
-                err = from_grpc(e)
-                finished(route, err.status, rid, timings, n_media, err.message, engine_id=req.request_id)
+                err = from_grpc(e, rid, self.cfg.epd_facts)
+                finished(route, err.status, rid, timings, n_media, e.details() or "", engine_id=req.request_id)
                 return error_response(err, headers)
             out = json.loads(first.openai)
-            out["epd"] = epd_facts(timings, last)
+            if self.cfg.epd_facts:
+                out["epd"] = epd_facts(timings, last)
             finished(route, 200, rid, timings, n_media, engine_id=req.request_id)
             return web.json_response(out, headers=headers, dumps=lambda o: json.dumps(o, ensure_ascii=False))
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
@@ -360,10 +380,11 @@ class OpenAIRoutes:
             finished(route, 200, rid, timings, n_media, engine_id=req.request_id)
         except grpc.aio.AioRpcError as e:
             # Past the first event there is no retry: the stream ends with an error event.
-            err = from_grpc(e)
-            finished(route, err.status, rid, timings, n_media, err.message, engine_id=req.request_id)
+            err = from_grpc(e, rid, self.cfg.epd_facts)
+            finished(route, err.status, rid, timings, n_media, e.details() or "", engine_id=req.request_id)
             await response.write(b"data: " + json.dumps(error_body(err)).encode() + b"\n\n")
-        await response.write(b": epd " + json.dumps(epd_facts(timings, last)).encode() + b"\n\n")
+        if self.cfg.epd_facts:
+            await response.write(b": epd " + json.dumps(epd_facts(timings, last)).encode() + b"\n\n")
         await response.write(done or b"data: [DONE]\n\n")
         await response.write_eof()
         return response

@@ -433,7 +433,8 @@ class Orchestrator:
             except Exception as e:
                 if not isinstance(e, grpc.aio.AioRpcError):
                     logger.exception("request %s: encoder %s stream failed", req.request_id, g.inst.address)
-                    e = rpc_error(grpc.StatusCode.INTERNAL, f"encoder {g.inst.address}: {e!r}")
+                    e = rpc_error(grpc.StatusCode.INTERNAL, f"encoder {g.inst.address}: {type(e).__name__} "
+                                                            "(the gateway's log has the traceback)")
                 elif e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                     e = rpc_error(e.code(), f"encoder {g.inst.address} did not encode within "
                                             f"{self.cfg.encode_timeout_s:g}s")

@@ -115,11 +115,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 for event in _events(resp.openai, call.stream):
                     yield gateway_pb2.OpenAIResponse(body=event)
         except grpc.aio.AioRpcError as e:
-            finished(route, from_grpc(e).status, rid, timings, len(media), e.details() or "",
-                     engine_id=req.request_id)
-            raise _Status(e.code(), e.details() or e.code().name) from None
+            err = from_grpc(e, rid, self.cfg.epd_facts)
+            finished(route, err.status, rid, timings, len(media), e.details() or "", engine_id=req.request_id)
+            raise _Status(e.code(), err.message) from None
         finished(route, 200, rid, timings, len(media), engine_id=req.request_id)
-        yield gateway_pb2.OpenAIResponse(epd=json.dumps(epd_facts(timings, last)).encode())
+        if self.cfg.epd_facts:
+            yield gateway_pb2.OpenAIResponse(epd=json.dumps(epd_facts(timings, last)).encode())
 
 
 def _events(payload: bytes, stream: bool) -> list[bytes]:

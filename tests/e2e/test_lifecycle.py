@@ -39,7 +39,7 @@ def mismatched(deployment, tmp_path_factory):
     gw_port = free_port()
     lm = Service("lm-alt", ["lm", "--port", lm_addr.split(":")[1], "--model", alt, "--cpu-cores", split_cores()[1],
                             *deployment.security_args], str(logs / "lm.log"))
-    gw = Service("gw-alt", ["gateway", "--port", str(gw_port), "--encoders", deployment.encoder_addr,
+    gw = Service("gw-alt", ["gateway", "--epd-facts", "--port", str(gw_port), "--encoders", deployment.encoder_addr,
                             "--lms", lm_addr, *deployment.security_args], str(logs / "gw.log"))
     env = dict(os.environ)
     try:

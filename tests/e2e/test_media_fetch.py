@@ -47,7 +47,7 @@ def media_server():
 def fetch_gateway(deployment):
     """A second gateway on the deployment's encoder and LM that may fetch from loopback."""
     port = free_port()
-    svc = Service("gateway-fetch", ["gateway", "--host", "127.0.0.1", "--port", str(port),
+    svc = Service("gateway-fetch", ["gateway", "--epd-facts", "--host", "127.0.0.1", "--port", str(port),
                                     "--encoders", deployment.encoder_addr, "--lms", deployment.lm_addr,
                                     "--fetch-allow-networks", "127.0.0.0/8",
                                     "--fetch-timeout-s", str(FETCH_TIMEOUT_S), *deployment.security_args],

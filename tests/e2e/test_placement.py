@@ -24,7 +24,7 @@ pytestmark = pytest.mark.e2e
 
 def _gateway(deployment, name: str, *args: str):
     port = free_port()
-    svc = Service(f"gateway-{name}", ["gateway", "--host", "127.0.0.1", "--port", str(port),
+    svc = Service(f"gateway-{name}", ["gateway", "--epd-facts", "--host", "127.0.0.1", "--port", str(port),
                                       "--encoders", deployment.encoder_addr, "--lms", deployment.lm_addr,
                                       *args, *deployment.security_args],
                   os.path.join(deployment.log_dir, f"gateway-{name}.log"))

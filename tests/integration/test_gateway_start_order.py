@@ -47,7 +47,7 @@ class Gateway:
 
     def __init__(self, security: SecurityConfig | None = None, **cfg) -> None:
         # HTTP on port 0 (the port bound is reported); gRPC's port 0 means "off", so a free one (see above).
-        defaults = dict(port=0, grpc_port=free_port(), health_interval_s=0.1,
+        defaults = dict(port=0, grpc_port=free_port(), health_interval_s=0.1, epd_facts=True,
                         encode_timeout_s=2.0, request_timeout_s=10.0)
         self.cfg = GatewayConfig(**{**defaults, **cfg})
         self.security = security
@@ -409,3 +409,17 @@ def test_two_grpc_calls_with_one_request_id_reach_the_lm_under_distinct_ids_and_
             assert len(set(sent)) == 2 and all(r.startswith("g-id-") for r in sent), sent
 
     run(body)
+
+
+def test_without_epd_facts_answers_say_nothing_of_the_deployment(tmp_path):
+    """The default gateway: no ``epd`` object, /health says only whether it serves, and a
+    deployment fault (no LM reachable) names the request, not the instances."""
+
+    async def main():
+        lm_port = free_port()
+        async with Gateway(lms=f"127.0.0.1:{lm_port}", epd_facts=False) as gw:
+            status, health = await gw.get("/health")
+            assert status == 503 and health == {"status": "unavailable", "model": None}
+            assert str(lm_port) not in json.dumps(health)
+
+    asyncio.run(main())

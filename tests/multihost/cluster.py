@@ -139,7 +139,7 @@ class Cluster:
                    "pod": (self.encoder_addr(self.enc1), self.lm_addr(self.lm1))}
         for gname, (encs, lms) in targets.items():
             self._service(f"gw-{gname}", self.gw, [
-                "gateway", "--host", self.gw.ip, "--port", str(GATEWAY_PORTS[gname]), "--encoders", encs,
+                "gateway", "--epd-facts", "--host", self.gw.ip, "--port", str(GATEWAY_PORTS[gname]), "--encoders", encs,
                 # Checks every 2 s (timeout 2 s): a gateway starved for a moment on a loaded 2-core host
                 # must not eject every instance at once; names are re-resolved on that tick.
                 "--lms", lms, "--health-interval-s", "2", "--dns-refresh-s", "1",

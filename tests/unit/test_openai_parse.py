@@ -451,3 +451,23 @@ def test_the_grpc_apis_raw_media_may_be_audio():
     assert [(m.modality, m.data) for m in media] == [("audio", WAV), ("image", PNG)]
     e = api_error(chat(audio("epd-media:0")), media=[PNG])  # an image's bytes in an audio part
     assert e.status == 400 and e.param == "audio_url" and "not a recognised audio file" in e.message
+
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL,
+                                  grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.PERMISSION_DENIED])
+def test_a_deployment_faults_details_reach_a_caller_only_with_epd_facts(code):
+    from services.gateway.openai_api import from_grpc
+
+    e = grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), "encoder 10.1.2.3:50051: boom")
+    hidden = from_grpc(e, "req-7", facts=False)
+    assert "10.1.2.3" not in hidden.message and "req-7" in hidden.message
+    assert from_grpc(e, "req-7", facts=True).message == "encoder 10.1.2.3:50051: boom"
+    assert hidden.status == from_grpc(e).status
+
+
+def test_a_requests_own_error_reaches_the_caller_unchanged_without_epd_facts():
+    from services.gateway.openai_api import from_grpc
+
+    e = grpc.aio.AioRpcError(grpc.StatusCode.INVALID_ARGUMENT, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                             "image 0: its uuid is not the content hash of its bytes")
+    assert from_grpc(e, "r", facts=False).message == "image 0: its uuid is not the content hash of its bytes"
