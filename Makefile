@@ -10,7 +10,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.epd-installed-$(EXTRA)
 PYTEST_ARGS ?=
 
-.PHONY: install protos model demo up test test-all test-unit bench-transfer bench-transfer-cuda bench-transfer-hosts bench-serving bench-capacity bench-gateway clean
+.PHONY: install protos model demo up test test-all test-unit bench-transfer bench-transfer-cuda bench-transfer-hosts bench-serving bench-capacity bench-gateway bench-hostile clean
 
 install: $(STAMP) protos
 
@@ -85,6 +85,10 @@ bench-serving: install
 bench-gateway: install
 	$(PY) -m pip install -q "matplotlib>=3.8"
 	$(PY) bench/gateway.py --quick --json bench/results/gateway-cpu.json --plot bench/results/gateway-cpu.png
+
+bench-hostile: install
+	$(PY) -m pip install -q "matplotlib>=3.8"
+	$(PY) bench/hostile.py --json bench/results/hostile-cpu.json --plot bench/results/hostile-cpu.png
 
 clean:
 	rm -rf $(VENV) epd build *.egg-info .pytest_cache
