@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import traceback
 
 import grpc
 
@@ -79,17 +80,32 @@ class Deadline(EPDError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
-async def _abort(context, e: BaseException, method: str, request=None):
+def _status(e: BaseException, method: str, request=None) -> tuple:
+    """The (code, details, trailers) a handler's exception ends its call with."""
     if isinstance(e, EPDError):
         trailers = [(FAULT_KEY, e.fault)] if e.fault else []
         trailers += [(FAULT_ENDPOINT_KEY, ep) for ep in e.endpoints]
-        await context.abort(e.code, str(e), tuple(trailers))
+        return e.code, str(e), tuple(trailers)
     # The caller gets the request's id (or an error id), never the exception: its text can name
     # files, addresses or internal state. The log has the traceback under the same id.
     rid = getattr(request, "request_id", "") or f"error-{secrets.token_hex(6)}"
-    logger.exception("internal error in %s (request %s)", method, rid)
-    await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method} (request {rid}; the service's log "
-                                                  "has the details)")
+    logger.error("internal error in %s (request %s)", method, rid, exc_info=e)
+    return grpc.StatusCode.INTERNAL, f"internal error in {method} (request {rid}; the service's log has the " \
+                                     "details)", ()
+
+
+def _forget(e: BaseException) -> None:
+    """Drops what ``e`` keeps alive: its traceback's frames (a handler's locals: a request's body,
+    its decoded media) and the exceptions chained to it. grpc keeps the exception that ended a
+    call (``AbortError``) for the call's lifetime, and what hangs off it is freed only with it."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)
+        e.__traceback__ = None
+        nxt = e.__cause__ or e.__context__
+        e.__cause__ = e.__context__ = None
+        e = nxt
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
@@ -104,25 +120,33 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             inner = handler.unary_stream
 
             async def unary_stream(request, context):
+                status = None
                 try:
                     async for item in inner(request, context):
                         yield item
                 except (grpc.aio.AbortError, GeneratorExit):
                     raise
                 except Exception as e:  # noqa: BLE001 - the error boundary
-                    await _abort(context, e, method, request)
+                    status = _status(e, method, request)
+                    _forget(e)
+                # Aborted outside the except block, so the AbortError grpc keeps carries no chain.
+                if status is not None:
+                    await context.abort(*status)
 
             return handler._replace(unary_stream=unary_stream)
         if handler.unary_unary:
             inner_uu = handler.unary_unary
 
             async def unary_unary(request, context):
+                status = None
                 try:
                     return await inner_uu(request, context)
                 except grpc.aio.AbortError:
                     raise
                 except Exception as e:  # noqa: BLE001 - the error boundary
-                    await _abort(context, e, method, request)
+                    status = _status(e, method, request)
+                    _forget(e)
+                await context.abort(*status)
 
             return handler._replace(unary_unary=unary_unary)
         return handler

@@ -304,11 +304,14 @@ class MediaConfig:
 
 
 class ByteBudget:
-    """An asyncio semaphore counted in bytes, first come first served (a large
-    request is not overtaken forever by small ones). Used on one event loop."""
+    """An asyncio semaphore counted in bytes. ``fifo`` (the decode budgets): first come first
+    served, so a large request is not overtaken forever by small ones. Not ``fifo`` (the gateway's
+    body budget): any waiter that fits goes ahead, so small bodies never wait behind a large one
+    (a large one may wait its whole timeout). Used on one event loop."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, fifo: bool = True) -> None:
         self.capacity = capacity
+        self.fifo = fifo
         self.used = 0
         self._waiters: collections.deque[tuple[int, asyncio.Future]] = collections.deque()
 
@@ -322,7 +325,7 @@ class ByteBudget:
         seconds; False if there was no room in time (nothing is held then)."""
         if nbytes > self.capacity:
             raise ValueError(f"{nbytes} bytes never fit a budget of {self.capacity}")
-        if not self._waiters and self.used + nbytes <= self.capacity:
+        if (not self._waiters or not self.fifo) and self.used + nbytes <= self.capacity:
             self.used += nbytes
             return True
         entry = (nbytes, asyncio.get_running_loop().create_future())
@@ -346,6 +349,15 @@ class ByteBudget:
         self._grant()
 
     def _grant(self) -> None:
+        if not self.fifo:
+            for entry in list(self._waiters):
+                nbytes, fut = entry
+                if self.used + nbytes <= self.capacity:
+                    self._waiters.remove(entry)
+                    if not fut.done():
+                        self.used += nbytes
+                        fut.set_result(None)
+            return
         while self._waiters and self.used + self._waiters[0][0] <= self.capacity:
             nbytes, fut = self._waiters.popleft()
             if not fut.done():

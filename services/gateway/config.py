@@ -103,6 +103,9 @@ class GatewayConfig:
     fit is refused (503). At least three times the largest body (--max-*-bytes)."""
     body_timeout_s: float = 30.0
     """A request body must arrive within this (a slow upload is cut off: 408)."""
+    body_min_rate_kib: float = 64.0
+    """After its first 2 s, a request body must arrive at least this fast (KiB per second), or it is cut off
+    (408): a slow drip holds its share of --body-memory-mib for seconds, not --body-timeout-s."""
     fetch_allow_networks: str = ""
     """Comma-separated CIDRs that image URLs may resolve to even though they are loopback, private,
     link-local or otherwise non-public (refused by default: SSRF guard), e.g. 10.1.0.0/16."""
@@ -124,8 +127,8 @@ class GatewayConfig:
                      "fetch_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
-        if self.max_body_readers < 1 or self.body_timeout_s <= 0:
-            raise ValueError("max_body_readers must be >= 1 and body_timeout_s > 0")
+        if self.max_body_readers < 1 or self.body_timeout_s <= 0 or self.body_min_rate_kib < 0:
+            raise ValueError("max_body_readers must be >= 1, body_timeout_s > 0 and body_min_rate_kib >= 0")
         if self.body_memory_mib * (1 << 20) < BODY_COPIES * self.max_body_bytes:
             raise ValueError(f"body_memory_mib ({self.body_memory_mib:g}) must hold {BODY_COPIES} copies of the largest "
                              f"body ({self.max_body_bytes >> 20} MiB, from --max-image-bytes, --max-audio-bytes and "

@@ -321,7 +321,7 @@ def decode_data_url(url: str, max_bytes: int, modality: str = "image") -> bytes:
         raise MediaError(f"data URL has media type {mime or 'none'!r}, expected {modality}/*")
     if ";base64" not in header:
         raise MediaError(f"{modality} data URLs must be base64-encoded")
-    if len(payload) * 3 // 4 > max_bytes:
+    if len(payload) * 3 // 4 - (len(payload) - len(payload.rstrip("="))) > max_bytes:  # padding is no data
         raise MediaError(f"{modality} larger than {max_bytes} bytes (--max-{modality}-bytes)", status=413)
     try:
         return base64.b64decode(payload, validate=True)

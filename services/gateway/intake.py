@@ -6,53 +6,75 @@ how long one may take, on both public ports. Anyone who can reach the gateway ge
   read, else as soon as it grows past the limit.
 - At most ``--max-body-readers`` bodies are being read at once; one more is refused at once
   (503, Retry-After: 1).
-- Every body must arrive within ``--body-timeout-s`` (a slow drip is cut off: 408).
-- Every request holds ``BODY_COPIES`` times its body's size from one budget, ``--body-memory-mib``,
-  from its first byte until its answer ends (the text, what is parsed from it, and the media
-  decoded from that), so what all requests hold is bounded, read, parsed, waiting for admission
-  or in flight. A chunk that does not fit within ``WAIT_S`` ends its request with 503.
+- A body must arrive within ``--body-timeout-s``, and after a grace of ``RATE_GRACE_S`` at no
+  less than ``--body-min-rate-kib`` per second (a slow drip is cut off within seconds: 408).
+- Every request holds ``BODY_COPIES`` times its body's size from one budget, ``--body-memory-mib``
+  (the text, what is parsed from it, the media decoded from that), plus twice the bytes of any
+  media it fetched (``charge_fetched``), from its first byte until its answer ends, so what all
+  requests hold is bounded, read, parsed, waiting for admission or in flight. A body with a
+  Content-Length takes its whole share before it is read (admitted whole or refused at once, so
+  partly read bodies never wait on each other); a chunked one takes it chunk by chunk. Room that
+  is not there within ``WAIT_S`` is a 503. The budget is not first-come-first-served: a small body
+  never waits behind a large one.
 
 REST reads the body itself (aiohttp pauses the socket while a handler is not reading, so an
 unread body holds at most its buffer). The native gRPC API's calls go through ``GrpcIntake``, a
-server interceptor: it gives each GatewayService call a handler that reserves the largest body
-from the budget *before* grpc reads the request message (a request-streaming handler; grpc
-buffers only its flow-control window until the handler reads), reads it under the deadline, and
-keeps what the message really needs.
+server interceptor: it gives each GatewayService call a handler that takes one of
+``GRPC_READERS`` read slots and twice the largest body from the budget *before* grpc reads the
+request message (a request-streaming handler; grpc buffers only its flow-control window until the
+handler reads), reads it under the deadline, and then keeps what the message needs. What a gRPC
+call's message cannot do, unlike a REST body, is show its progress: a call that never sends its
+message holds its slot until ``--body-timeout-s``, so at most ``GRPC_READERS`` such calls stall
+the gRPC API (never the REST one) at a time.
 
 Owner: ``server.serve`` makes one ``Intake``; the REST routes and ``GrpcIntake`` use it on the
 gateway's event loop. A ``BodyLease`` is released by whoever took it when the request ends
-(idempotent).
+(idempotent); ``CURRENT_LEASE`` lets the media loader charge fetched bytes to the request's lease.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
+import time
 
 import grpc
 from aiohttp import web
 from prometheus_client import Counter, Gauge
 
+from services.common.errors import EPDError
 from services.common.media import ByteBudget
 from services.gateway.config import BODY_COPIES, GatewayConfig
 
 logger = logging.getLogger(__name__)
 
 WAIT_S = 1.0
-"""How long a chunk waits for room in the body budget before its request is refused."""
+"""How long a request waits for room in the body budget before it is refused."""
 CHUNK = 64 << 10
+RATE_GRACE_S = 2.0
+"""Seconds a body may take before the minimum upload rate applies."""
+GRPC_READERS = 4
+"""gRPC request messages being received at once (each holds twice the largest body until read)."""
+FETCHED_COPIES = 2
+"""Budget charged per fetched media byte: the bytes, and their base64 in an LM body."""
 
 REFUSED = Counter("epd_gateway_bodies_refused_total", "Request bodies refused before admission", ["reason"])
 HELD = Gauge("epd_gateway_body_bytes_held", "Budget held by request bodies (BODY_COPIES per byte)")
 READING = Gauge("epd_gateway_bodies_reading", "Request bodies being read")
 
+_CODES = {408: grpc.StatusCode.DEADLINE_EXCEEDED, 413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+          503: grpc.StatusCode.UNAVAILABLE}
 
-class BodyRefused(Exception):
-    """A body the gateway will not take: ``status`` 408, 413 or 503, with a message."""
+
+class BodyRefused(EPDError):
+    """A body the gateway will not take: ``status`` 408, 413 or 503, with a message (the gRPC API's
+    error boundary answers the matching code)."""
 
     def __init__(self, status: int, message: str, reason: str) -> None:
         super().__init__(message)
         self.status, self.message = status, message
+        self.code = _CODES[status]
         REFUSED.labels(reason).inc()
 
 
@@ -64,20 +86,39 @@ class BodyLease:
         self.nbytes = 0
 
     async def grow(self, nbytes: int) -> None:
-        if not await self._budget.acquire(nbytes, WAIT_S):
-            raise BodyRefused(503, f"the gateway holds {self._budget.used >> 20} MiB of request bodies, its limit "
+        if nbytes <= 0:
+            return
+        if nbytes > self._budget.capacity or not await self._budget.acquire(nbytes, WAIT_S):
+            raise BodyRefused(503, f"the gateway holds {self._budget.used >> 20} MiB of requests, its limit "
                                    "(--body-memory-mib); retry later", "memory")
         self.nbytes += nbytes
         HELD.inc(nbytes)
 
-    def shrink_to(self, nbytes: int) -> None:
+    async def resize(self, nbytes: int) -> None:
+        """Holds exactly ``nbytes``: gives back what is over, takes what is missing."""
         if nbytes < self.nbytes:
             self._budget.release(self.nbytes - nbytes)
             HELD.dec(self.nbytes - nbytes)
             self.nbytes = nbytes
+        else:
+            await self.grow(nbytes - self.nbytes)
 
     def release(self) -> None:
-        self.shrink_to(0)
+        if self.nbytes:
+            self._budget.release(self.nbytes)
+            HELD.dec(self.nbytes)
+            self.nbytes = 0
+
+
+CURRENT_LEASE: contextvars.ContextVar[BodyLease | None] = contextvars.ContextVar("epd_body_lease", default=None)
+"""The lease of the request the current task serves (set by the REST route and ``GrpcIntake``)."""
+
+
+async def charge_fetched(nbytes: int) -> None:
+    """Charges media a request fetched (http(s) URLs) to its lease. Raises BodyRefused (503)."""
+    lease = CURRENT_LEASE.get()
+    if lease is not None:
+        await lease.grow(FETCHED_COPIES * nbytes)
 
 
 class Intake:
@@ -86,8 +127,10 @@ class Intake:
     def __init__(self, cfg: GatewayConfig) -> None:
         self.cfg = cfg
         self.max_body = cfg.max_body_bytes
-        self.budget = ByteBudget(int(cfg.body_memory_mib * (1 << 20)))
+        self.budget = ByteBudget(int(cfg.body_memory_mib * (1 << 20)), fifo=False)
         self.reading = 0
+        self.grpc_reading = 0
+        self.min_rate = cfg.body_min_rate_kib * 1024
 
     def start_reading(self) -> None:
         if self.reading >= self.cfg.max_body_readers:
@@ -104,23 +147,38 @@ class Intake:
         return BodyRefused(413, f"request body of {n} bytes or more is larger than the {self.max_body} allowed "
                                 "(set by --max-image-bytes, --max-audio-bytes and --max-video-bytes)", "size")
 
+    def _too_slow(self, got: int, elapsed: float) -> BodyRefused:
+        return BodyRefused(408, f"the request body arrived too slowly ({got} bytes in {elapsed:.1f} s; at least "
+                                f"{self.cfg.body_min_rate_kib:g} KiB/s after {RATE_GRACE_S:g} s, all of it within "
+                                f"{self.cfg.body_timeout_s:g} s: --body-min-rate-kib, --body-timeout-s)", "timeout")
+
     async def read(self, request: web.Request) -> tuple[bytes, BodyLease]:
         """A REST request's body and its lease. Raises BodyRefused (nothing held then)."""
-        if request.content_length is not None and request.content_length > self.max_body:
-            raise self._too_large(request.content_length)
+        declared = request.content_length
+        if declared is not None and declared > self.max_body:
+            raise self._too_large(declared)
         self.start_reading()
         lease, buf = BodyLease(self.budget), bytearray()
         try:
-            async with asyncio.timeout(self.cfg.body_timeout_s):
-                while chunk := await request.content.read(CHUNK):
-                    if len(buf) + len(chunk) > self.max_body:
-                        raise self._too_large(len(buf) + len(chunk))
+            if declared is not None:
+                await lease.grow(BODY_COPIES * declared)  # the whole share up front
+            start = time.monotonic()
+            while True:
+                elapsed = time.monotonic() - start
+                if elapsed > self.cfg.body_timeout_s or (elapsed > RATE_GRACE_S
+                                                         and len(buf) < self.min_rate * (elapsed - RATE_GRACE_S)):
+                    raise self._too_slow(len(buf), elapsed)
+                try:
+                    chunk = await asyncio.wait_for(request.content.read(CHUNK), 0.5)
+                except asyncio.TimeoutError:
+                    continue  # check the deadline and the rate again
+                if not chunk:
+                    break
+                if len(buf) + len(chunk) > (declared if declared is not None else self.max_body):
+                    raise self._too_large(len(buf) + len(chunk))
+                if declared is None:
                     await lease.grow(BODY_COPIES * len(chunk))
-                    buf += chunk
-        except TimeoutError:
-            lease.release()
-            raise BodyRefused(408, f"the request body did not arrive within {self.cfg.body_timeout_s:g} s "
-                                   "(--body-timeout-s)", "timeout") from None
+                buf += chunk
         except BaseException:
             lease.release()
             raise
@@ -129,24 +187,40 @@ class Intake:
         return bytes(buf), lease
 
     async def reserve_message(self) -> BodyLease:
-        """A gRPC call's lease for its one request message, before grpc reads it: the largest body.
-        Raises BodyRefused."""
+        """A gRPC call's lease for its one request message, before grpc reads it: a read slot and
+        twice the largest body (the message as grpc holds it, and its deserialized copy). Raises
+        BodyRefused (nothing held then)."""
+        if self.grpc_reading >= GRPC_READERS:
+            raise BodyRefused(503, f"the gateway is receiving {self.grpc_reading} gRPC request messages, its limit; "
+                                   "retry later", "readers")
         self.start_reading()
+        self.grpc_reading += 1
         lease = BodyLease(self.budget)
         try:
-            await lease.grow(BODY_COPIES * self.max_body)
+            await lease.grow(2 * self.max_body)
         except BaseException:
-            self.done_reading()
+            self.done_grpc_reading()
             raise
         return lease
+
+    def done_grpc_reading(self) -> None:
+        self.grpc_reading -= 1
+        self.done_reading()
+
+
+def message_nbytes(request) -> int:
+    """The size of a GatewayService request's payload (its body and media; protobuf's
+    ``ByteSize`` walks the whole message, 0.1 s for 86 MB)."""
+    return len(request.body) + sum(len(m) for m in request.media)
 
 
 class GrpcIntake(grpc.aio.ServerInterceptor):
     """The intake limits on the gateway's native gRPC API (see the module docstring): each
     GatewayService call (one request message, a stream of answers) gets a request-streaming
-    handler that takes the body budget and a reader slot before grpc reads the message, reads it
+    handler that takes a read slot and the body budget before grpc reads the message, reads it
     within ``--body-timeout-s``, and hands it to the servicer's own handler; the lease is held
-    until the call ends."""
+    until the call ends, and then the message's payload is dropped even if grpc keeps the
+    message object (it does, with the call, until the call's state is collected)."""
 
     SERVICE = "/epd.gateway.v1.GatewayService/"
 
@@ -161,31 +235,31 @@ class GrpcIntake(grpc.aio.ServerInterceptor):
         intake, inner = self.intake, handler.unary_stream
 
         async def call(request_iterator, context):
+            status, request, lease = None, None, None
             try:
                 lease = await intake.reserve_message()
-            except BodyRefused as e:
-                await context.abort(_CODE[e.status], e.message)
-            try:
                 try:
-                    async with asyncio.timeout(intake.cfg.body_timeout_s):
-                        request = await anext(aiter(request_iterator), None)
+                    request = await asyncio.wait_for(anext(aiter(request_iterator), None), intake.cfg.body_timeout_s)
+                except asyncio.TimeoutError:
+                    raise BodyRefused(408, "the request message did not arrive within "
+                                           f"{intake.cfg.body_timeout_s:g} s (--body-timeout-s)", "timeout") from None
                 finally:
-                    intake.done_reading()
+                    intake.done_grpc_reading()
                 if request is None:
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no request message")
-                lease.shrink_to(BODY_COPIES * request.ByteSize())
+                    raise BodyRefused(408, "no request message", "timeout")
+                await lease.resize(BODY_COPIES * message_nbytes(request))
+                CURRENT_LEASE.set(lease)
                 async for response in inner(request, context):
                     yield response
-            except TimeoutError:
-                REFUSED.labels("timeout").inc()
-                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the request message did not arrive within "
-                                    f"{intake.cfg.body_timeout_s:g} s (--body-timeout-s)")
+            except BodyRefused as e:
+                status = (e.code, e.message)
             finally:
-                lease.release()
+                if lease is not None:
+                    lease.release()
+                if request is not None:
+                    request.Clear()  # the payload goes now, whoever still holds the message
+            if status is not None:
+                await context.abort(*status)
 
         return grpc.stream_stream_rpc_method_handler(call, request_deserializer=handler.request_deserializer,
                                                      response_serializer=handler.response_serializer)
-
-
-_CODE = {408: grpc.StatusCode.DEADLINE_EXCEEDED, 413: grpc.StatusCode.RESOURCE_EXHAUSTED,
-         503: grpc.StatusCode.UNAVAILABLE}

@@ -29,7 +29,7 @@ from services.gateway import metrics
 from services.gateway.admission import AdmissionRefused
 from services.gateway.config import GatewayConfig
 from services.gateway.fetch import MediaFetcher, load_images
-from services.gateway.intake import BodyRefused, Intake
+from services.gateway.intake import CURRENT_LEASE, BodyRefused, Intake, charge_fetched
 from services.gateway.orchestrator import Media, Orchestrator, Timings
 from services.gateway.parts import LM_PART, PartError, media_parts
 
@@ -139,6 +139,12 @@ class OpenAICall:
     own ``request_id``; else this one, made by the gateway."""
     id_given: bool = False
 
+    def drop_payload(self) -> None:
+        """Frees the request's body and media sources once it is answered, whatever still refers to
+        this object (a retry closure, a task in a reference cycle)."""
+        self.body = {}
+        self.sources.clear()
+
     def lm_body(self, req: lm_pb2.GenerateRequest, media: list[Media]) -> bytes:
         """The body for one LM attempt: each item an encoder laid out becomes a uuid-only part (the
         LM never sees its bytes); any other item a data: URL of the bytes the gateway read (the LM
@@ -208,6 +214,9 @@ async def load_media(call: OpenAICall, req: lm_pb2.GenerateRequest, cfg: Gateway
     except MediaError as e:
         logger.info("request %s: media refused (%d): %s", req.request_id, e.status, e)
         raise
+    # Fetched media are held as long as the request; its body's share of the budget does not cover them.
+    await charge_fetched(sum(len(d) for d, src in zip(datas, call.sources)
+                             if isinstance(src, str) and not src.startswith("data:")))
     media = []
     for data, modality in zip(datas, call.modalities):
         ident = content_id(data)
@@ -287,7 +296,9 @@ class OpenAIRoutes:
         ticket = lease = None
         try:
             raw, lease = await self.intake.read(request)
+            CURRENT_LEASE.set(lease)
             call = parse_openai(api, raw, self.cfg)
+            del raw  # parsed: the text goes
             call.request_id, call.id_given = rid, bool(given)
             self._check_ready()
             # Admission before any image is fetched: past capacity the request waits its turn or is
@@ -331,6 +342,9 @@ class OpenAIRoutes:
             await gen.aclose()
             ticket.release()
             lease.release()
+            call.drop_payload()
+            media.clear()
+            req.ClearField("openai")
 
     async def _respond(self, request, req, call: OpenAICall, n_media: int, gen, timings) -> web.StreamResponse:
         route = call.api

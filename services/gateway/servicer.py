@@ -97,30 +97,35 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 yield out
         finally:
             ticket.release()
+            call.drop_payload()
+            req.ClearField("openai")
 
     async def _run(self, call, req, rid: str, timings: Timings, ticket):
         media = await load_media(call, req, self.cfg, self.fetcher)  # MediaError: INVALID_ARGUMENT
-        route = "grpc"
-        last = None
         try:
-            async for resp in self.orch.generate(req, media, timings, ticket=ticket,
-                                                 prepare=lambda r: setattr(r.openai, "body", call.lm_body(r, media))):
-                if resp.http_status and resp.http_status != 200:
-                    finished(route, resp.http_status, rid, timings, len(media), resp.openai[:200].decode(errors="replace"),
-                             engine_id=req.request_id)
-                    raise _http_error(resp.http_status, resp.openai)
-                if not resp.openai:
-                    last = resp
-                    continue
-                for event in _events(resp.openai, call.stream):
-                    yield gateway_pb2.OpenAIResponse(body=event)
-        except grpc.aio.AioRpcError as e:
-            err = from_grpc(e, rid, self.cfg.epd_facts)
-            finished(route, err.status, rid, timings, len(media), e.details() or "", engine_id=req.request_id)
-            raise _Status(e.code(), err.message) from None
-        finished(route, 200, rid, timings, len(media), engine_id=req.request_id)
-        if self.cfg.epd_facts:
-            yield gateway_pb2.OpenAIResponse(epd=json.dumps(epd_facts(timings, last)).encode())
+            route = "grpc"
+            last = None
+            try:
+                async for resp in self.orch.generate(req, media, timings, ticket=ticket,
+                                                     prepare=lambda r: setattr(r.openai, "body", call.lm_body(r, media))):
+                    if resp.http_status and resp.http_status != 200:
+                        finished(route, resp.http_status, rid, timings, len(media), resp.openai[:200].decode(errors="replace"),
+                                 engine_id=req.request_id)
+                        raise _http_error(resp.http_status, resp.openai)
+                    if not resp.openai:
+                        last = resp
+                        continue
+                    for event in _events(resp.openai, call.stream):
+                        yield gateway_pb2.OpenAIResponse(body=event)
+            except grpc.aio.AioRpcError as e:
+                err = from_grpc(e, rid, self.cfg.epd_facts)
+                finished(route, err.status, rid, timings, len(media), e.details() or "", engine_id=req.request_id)
+                raise _Status(e.code(), err.message) from None
+            finished(route, 200, rid, timings, len(media), engine_id=req.request_id)
+            if self.cfg.epd_facts:
+                yield gateway_pb2.OpenAIResponse(epd=json.dumps(epd_facts(timings, last)).encode())
+        finally:
+            media.clear()  # the bytes go with the answer, whatever refers to the list
 
 
 def _events(payload: bytes, stream: bool) -> list[bytes]:

@@ -16,7 +16,7 @@ from aiohttp import web
 from epd.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from services.common.grpc_server import GrpcServer
 from services.gateway.config import BODY_COPIES, GatewayConfig
-from services.gateway.intake import BodyRefused, GrpcIntake, Intake
+from services.gateway.intake import GRPC_READERS, BodyRefused, GrpcIntake, Intake
 
 pytestmark = pytest.mark.integration
 
@@ -121,6 +121,40 @@ def test_a_slow_upload_is_cut_off_at_the_body_deadline():
     asyncio.run(main())
 
 
+def test_a_drip_is_cut_off_by_the_minimum_rate_long_before_the_deadline():
+    intake = Intake(_cfg(body_timeout_s=30.0, body_min_rate_kib=16))
+
+    async def main():
+        async with _rest(intake) as port:
+            t0 = asyncio.get_running_loop().time()
+            status, rest = await _raw(port, _head(1 << 20), [b"{"] * 30, delay=0.1)
+            took = asyncio.get_running_loop().time() - t0
+        assert status == 408 and b"too slowly" in rest and took < 10
+        assert intake.budget.used == 0 and intake.reading == 0
+
+    asyncio.run(main())
+
+
+def test_a_small_body_goes_ahead_of_a_large_one_waiting_for_room():
+    """The body budget is not first come, first served: a waiting 3 x 2 MiB share does not hold
+    up a body of a few bytes."""
+    intake = Intake(_cfg())
+
+    async def main():
+        async with _rest(intake) as port:
+            assert await intake.budget.acquire(intake.budget.capacity - 1024, 1)  # almost full
+            big = asyncio.ensure_future(_raw(port, _head(2 << 20), [b"x" * (2 << 20)]))
+            while not intake.budget.waiting:
+                await asyncio.sleep(0.01)
+            t0 = asyncio.get_running_loop().time()
+            status, _ = await _raw(port, _head(2), [b"{}"])
+            assert status == 200 and asyncio.get_running_loop().time() - t0 < 0.5
+            assert (await big)[0] == 503  # no room within the wait
+            intake.budget.release(intake.budget.capacity - 1024)
+
+    asyncio.run(main())
+
+
 def test_one_body_more_than_max_body_readers_is_refused_at_once_and_others_still_get_through():
     intake = Intake(_cfg(max_body_readers=2, body_timeout_s=3.0))
 
@@ -177,6 +211,7 @@ async def _grpc(intake: Intake):
                         options={"grpc.max_receive_message_length": intake.max_body})
     server.add(gateway_pb2_grpc.add_GatewayServiceServicer_to_server, servicer, "epd.gateway.v1.GatewayService")
     port = await server.start()
+    intake.grpc_port = port  # for tests that open their own channel
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}",
                                              options=[("grpc.max_send_message_length", 64 << 20)]) as ch:
@@ -194,6 +229,31 @@ def test_the_grpc_api_holds_what_its_message_needs_and_gives_it_back_when_the_ca
             assert answers[0].body == b"1000"
             assert 0 < servicer.held[0] <= BODY_COPIES * 1100  # trimmed from the largest body to this message
             assert intake.budget.used == 0 and intake.reading == 0
+
+    asyncio.run(main())
+
+
+def test_grpc_calls_that_never_send_their_message_stall_at_most_the_grpc_readers_and_never_rest():
+    intake = Intake(_cfg(body_timeout_s=2.0, max_body_readers=16, body_memory_mib=48))
+
+    async def main():
+        async with _grpc(intake) as (stub, servicer), _rest(intake) as port:
+            # Calls whose message never comes: raw stream-stream calls that write nothing.
+            method = "/epd.gateway.v1.GatewayService/ChatCompletion"
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{intake.grpc_port}") as raw:
+                stalled = [raw.stream_stream(method)() for _ in range(GRPC_READERS)]
+                while intake.grpc_reading < GRPC_READERS:
+                    await asyncio.sleep(0.01)
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await anext(aiter(stub.ChatCompletion(gateway_pb2.OpenAIRequest(body=b"{}"), timeout=10)))
+                assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+                status, _ = await _raw(port, _head(2), [b"{}"])  # REST is not held up
+                assert status == 200
+                for call in stalled:
+                    with pytest.raises(grpc.aio.AioRpcError) as e:
+                        await call.read()
+                    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert intake.grpc_reading == 0 and intake.budget.used == 0
 
     asyncio.run(main())
 

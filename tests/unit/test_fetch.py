@@ -220,7 +220,8 @@ class _FakeOrch:
     async def generate(self, req, media, timings, prepare=None, ticket=None):
         if prepare is not None:
             prepare(req)
-        self.calls.append((req, media))
+        # What reached the LM, as it was then (the servicer drops the payload once answered).
+        self.calls.append((type(req).FromString(req.SerializeToString()), list(media)))
         yield lm_pb2.GenerateResponse(request_id=req.request_id, http_status=200, openai=b'{"object": "chat.completion"}')
         yield lm_pb2.GenerateResponse(request_id=req.request_id, finish_reason="stop", timings=lm_pb2.Timings())
 
@@ -253,7 +254,7 @@ def _grpc_call(svc: GatewayServicer, request: gateway_pb2.OpenAIRequest) -> list
 
 def test_grpc_api_loads_media_bytes_and_refuses_guarded_urls_as_bad_input():
     orch = _FakeOrch()
-    svc = GatewayServicer(CFG, orch=orch, fetcher=MediaFetcher(CFG))
+    svc = GatewayServicer(GatewayConfig(lms="x:1", epd_facts=True), orch=orch, fetcher=MediaFetcher(CFG))
     png = image_bytes("PNG")
     out = _grpc_call(svc, _grpc_request(png))
     assert json.loads(out[0].body) == {"object": "chat.completion"} and json.loads(out[-1].epd)["retries"] == 0
