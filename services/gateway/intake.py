@@ -20,7 +20,7 @@ how long one may take, on both public ports. Anyone who can reach the gateway ge
 REST reads the body itself (aiohttp pauses the socket while a handler is not reading, so an
 unread body holds at most its buffer). The native gRPC API's calls go through ``GrpcIntake``, a
 server interceptor: it gives each GatewayService call a handler that takes one of
-``GRPC_READERS`` read slots and twice the largest body from the budget *before* grpc reads the
+``GRPC_READERS`` read slots (waiting ``WAIT_S`` for one) and twice the largest body from the budget *before* grpc reads the
 request message (a request-streaming handler; grpc buffers only its flow-control window until the
 handler reads), reads it under the deadline, and then keeps what the message needs. What a gRPC
 call's message cannot do, unlike a REST body, is show its progress: a call that never sends its
@@ -130,6 +130,7 @@ class Intake:
         self.budget = ByteBudget(int(cfg.body_memory_mib * (1 << 20)), fifo=False)
         self.reading = 0
         self.grpc_reading = 0
+        self._grpc_slots = asyncio.Semaphore(GRPC_READERS)
         self.min_rate = cfg.body_min_rate_kib * 1024
 
     def start_reading(self) -> None:
@@ -164,21 +165,29 @@ class Intake:
                 await lease.grow(BODY_COPIES * declared)  # the whole share up front
             start = time.monotonic()
             while True:
-                elapsed = time.monotonic() - start
-                if elapsed > self.cfg.body_timeout_s or (elapsed > RATE_GRACE_S
-                                                         and len(buf) < self.min_rate * (elapsed - RATE_GRACE_S)):
-                    raise self._too_slow(len(buf), elapsed)
                 try:
                     chunk = await asyncio.wait_for(request.content.read(CHUNK), 0.5)
                 except asyncio.TimeoutError:
-                    continue  # check the deadline and the rate again
-                if not chunk:
+                    chunk = None  # nothing came for 0.5 s: judge the pace below
+                if chunk:
+                    # What else has arrived, before the pace is judged: an event loop that stalled
+                    # while the body arrived is not the client's slowness.
+                    while more := request.content.read_nowait(CHUNK):
+                        chunk += more
+                if chunk == b"":
                     break
-                if len(buf) + len(chunk) > (declared if declared is not None else self.max_body):
-                    raise self._too_large(len(buf) + len(chunk))
-                if declared is None:
-                    await lease.grow(BODY_COPIES * len(chunk))
-                buf += chunk
+                if chunk:
+                    if len(buf) + len(chunk) > (declared if declared is not None else self.max_body):
+                        raise self._too_large(len(buf) + len(chunk))
+                    if declared is None:
+                        await lease.grow(BODY_COPIES * len(chunk))
+                    buf += chunk
+                    if request.content.at_eof():
+                        break
+                elapsed = time.monotonic() - start
+                if elapsed > self.cfg.body_timeout_s or (elapsed > RATE_GRACE_S and
+                                                         len(buf) < self.min_rate * (elapsed - RATE_GRACE_S)):
+                    raise self._too_slow(len(buf), elapsed)
         except BaseException:
             lease.release()
             raise
@@ -190,10 +199,16 @@ class Intake:
         """A gRPC call's lease for its one request message, before grpc reads it: a read slot and
         twice the largest body (the message as grpc holds it, and its deserialized copy). Raises
         BodyRefused (nothing held then)."""
-        if self.grpc_reading >= GRPC_READERS:
+        try:
+            await asyncio.wait_for(self._grpc_slots.acquire(), WAIT_S)
+        except asyncio.TimeoutError:
             raise BodyRefused(503, f"the gateway is receiving {self.grpc_reading} gRPC request messages, its limit; "
-                                   "retry later", "readers")
-        self.start_reading()
+                                   "retry later", "readers") from None
+        try:
+            self.start_reading()
+        except BodyRefused:
+            self._grpc_slots.release()
+            raise
         self.grpc_reading += 1
         lease = BodyLease(self.budget)
         try:
@@ -205,6 +220,7 @@ class Intake:
 
     def done_grpc_reading(self) -> None:
         self.grpc_reading -= 1
+        self._grpc_slots.release()
         self.done_reading()
 
 

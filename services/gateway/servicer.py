@@ -84,6 +84,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             call = parse_openai(api, request.body, self.cfg, list(request.media))
         except ApiError as e:
             raise _Status(_GRPC_CODE.get(e.status, grpc.StatusCode.INVALID_ARGUMENT), e.message) from None
+        request.ClearField("body")  # parsed: the text goes (the media stay, shared with ``call.sources``)
         call.request_id, call.id_given = rid or uuid.uuid4().hex, bool(rid)
         rid = call.request_id
         req = lm_pb2.GenerateRequest(request_id=engine_request_id(rid, prefix))
