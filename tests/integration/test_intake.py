@@ -24,7 +24,7 @@ pytestmark = pytest.mark.integration
 def _cfg(**kw) -> GatewayConfig:
     # Small limits: a 2 MiB body at most (images 0.5 MiB, audio and video 1 MiB).
     base = dict(lms="lm:1", max_image_bytes=512 << 10, max_audio_bytes=1 << 20, max_video_bytes=1 << 20,
-                body_memory_mib=16, body_timeout_s=1.0, max_body_readers=4)
+                body_memory_mib=32, body_timeout_s=1.0, max_body_readers=4)
     return GatewayConfig(**{**base, **kw})
 
 
