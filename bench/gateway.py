@@ -92,10 +92,13 @@ def start_lm(real: bool, logdir: str) -> tuple[Service, str]:
     return lm, addr
 
 
-def start_gateway(lm_addr: str, logdir: str) -> tuple[Service, int, int]:
+def start_gateway(lm_addr: str, logdir: str, flags: list[str] | tuple[str, ...] = ("--epd-facts",),
+                  log: str = "gateway-bench-gateway.log") -> tuple[Service, int, int]:
+    """A gateway subprocess on loopback in front of ``lm_addr`` (no encoders), with ``flags``; returns
+    it, its HTTP port and its gRPC port once /health answers."""
     port, gport = free_port(), free_port()
-    gw = Service("gateway", ["gateway", "--epd-facts", "--host", "127.0.0.1", "--port", str(port), "--grpc-port", str(gport),
-                             "--lms", lm_addr, "--encoders", ""], os.path.join(logdir, "gateway-bench-gateway.log"))
+    gw = Service("gateway", ["gateway", "--host", "127.0.0.1", "--port", str(port), "--grpc-port", str(gport),
+                             "--lms", lm_addr, "--encoders", "", *flags], os.path.join(logdir, log))
     gw.start()
     try:
         wait_ready({gw: lambda: http_ok(f"http://127.0.0.1:{port}/health")}, time.monotonic() + 60.0, poll_s=0.2)

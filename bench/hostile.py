@@ -67,12 +67,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import aiohttp
 import grpc
 import psutil
-from gateway import machine, start_lm
+from gateway import machine, start_gateway, start_lm
 from machine import pct
 
 from epd.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from services.gateway.config import BODY_COPIES, GatewayConfig
-from services.up import Service, free_port, http_ok, wait_ready
+from services.up import Service
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MANIFEST = os.path.join(ROOT, "docker", "k8s", "base", "gateway.yaml")
@@ -240,19 +240,6 @@ def pin(pid: int, cpus: set[int]) -> None:
             os.sched_setaffinity(int(tid), cpus)
         except OSError:
             pass  # the thread ended
-
-
-def start_gateway(lm_addr: str, logdir: str, flags: list[str]) -> tuple[Service, int, int]:
-    port, gport = free_port(), free_port()
-    gw = Service("gateway", ["gateway", "--host", "127.0.0.1", "--port", str(port), "--grpc-port", str(gport),
-                             "--lms", lm_addr, "--encoders", "", *flags],
-                 os.path.join(logdir, "hostile-bench-gateway.log")).start()
-    try:
-        wait_ready({gw: lambda: http_ok(f"http://127.0.0.1:{port}/health")}, time.monotonic() + 60.0, poll_s=0.2)
-    except BaseException:
-        gw.stop()
-        raise
-    return gw, port, gport
 
 
 class Sampler:
@@ -602,7 +589,7 @@ def run(args, cfg: GatewayConfig, flags: list[str], info: dict) -> dict:
     try:
         lm, lm_addr = start_lm(False, logdir)
         procs.append(lm)
-        gw, port, gport = start_gateway(lm_addr, logdir, flags)
+        gw, port, gport = start_gateway(lm_addr, logdir, flags, log="hostile-bench-gateway.log")
         procs.append(gw)
         pin(gw.proc.pid, gw_cores)
         model = asyncio.run(warm_up(port, gport))
