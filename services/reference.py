@@ -9,7 +9,8 @@ anything else::
 
 Input: a JSON list of OpenAI-style request bodies (chat ``messages`` with
 image_url data URLs, or a completion ``prompt``; ``max_tokens``). Output: a JSON
-list of token-id lists, one per request.
+list of token-id lists, one per request; with ``--with-prompts``, a list of
+``{"tokens": [...], "prompt_token_ids": [...]}`` (the prompt as vLLM expanded it).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import os
 import sys
 
 
-def run(model: str, requests: list[dict]) -> list[list[int]]:
+def run(model: str, requests: list[dict], with_prompts: bool = False) -> list:
     from services.common.engine import EngineConfig, configure_process_env, engine_kwargs
 
     configure_process_env()  # before vLLM is imported
@@ -36,16 +37,18 @@ def run(model: str, requests: list[dict]) -> list[list[int]]:
             out = llm.chat(body["messages"], params, use_tqdm=False)
         else:
             out = llm.generate({"prompt": body["prompt"]}, params, use_tqdm=False)
-        results.append(list(out[0].outputs[0].token_ids))
+        tokens = list(out[0].outputs[0].token_ids)
+        results.append({"tokens": tokens, "prompt_token_ids": list(out[0].prompt_token_ids)} if with_prompts
+                       else tokens)
     return results
 
 
-def run_subprocess(model: str, requests: list[dict], timeout: float = 600) -> list[list[int]]:
+def run_subprocess(model: str, requests: list[dict], timeout: float = 600, with_prompts: bool = False) -> list:
     """Runs ``run`` in a fresh interpreter and returns its result."""
     import subprocess
 
-    proc = subprocess.run([sys.executable, "-m", "services.reference", "--model", model],
-                          input=json.dumps(requests), capture_output=True, text=True, timeout=timeout)
+    argv = [sys.executable, "-m", "services.reference", "--model", model, *(["--with-prompts"] if with_prompts else [])]
+    proc = subprocess.run(argv, input=json.dumps(requests), capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"reference run failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -54,8 +57,9 @@ def run_subprocess(model: str, requests: list[dict], timeout: float = 600) -> li
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
+    p.add_argument("--with-prompts", action="store_true", help="also each prompt's token ids as vLLM expanded it")
     ns = p.parse_args()
-    tokens = run(ns.model, json.load(sys.stdin))
+    tokens = run(ns.model, json.load(sys.stdin), with_prompts=ns.with_prompts)
     sys.stdout.write("\n" + json.dumps(tokens) + "\n")
     return 0
 

@@ -2,8 +2,8 @@
 
 ``Deployment`` starts the three services as subprocesses (each in its own
 session, so its vLLM engine processes go down with it), shows progress until
-each is ready, and stops them in reverse order on ``stop()``: SIGTERM, then
-SIGKILL after a grace period. Shared-memory segments left by a killed child are
+each is ready, and stops them on ``stop()``: the gateway first, then the
+encoders and LMs together (SIGTERM, then SIGKILL after a grace period). Shared-memory segments left by a killed child are
 removed at the end. The e2e tests and the demo use the same class.
 """
 
@@ -100,16 +100,24 @@ class Service:
             return ""
 
     def stop(self, grace: float = 15.0) -> None:
+        self.terminate()
+        self.finish(time.monotonic() + grace)
+
+    def terminate(self) -> None:
+        """Asks the service to stop (SIGTERM): it stops its own engine in order."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+    def finish(self, deadline: float) -> None:
+        """Waits for a ``terminate``d service until ``deadline`` (monotonic); then SIGKILL for what is
+        left of its session (stragglers: engine processes)."""
         if self.proc is None:
             return
-        if self.proc.poll() is None:
-            # The service stops its own engine in order; only stragglers get SIGKILL.
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(grace)
-            except subprocess.TimeoutExpired:
-                pass
-        _signal_group(self.proc, signal.SIGKILL)  # stragglers in the session (engine processes)
+        try:
+            self.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        _signal_group(self.proc, signal.SIGKILL)
         self.proc.wait()
 
 
@@ -327,9 +335,16 @@ class Deployment:
         except TimeoutError as e:
             raise TimeoutError(f"not ready after {timeout:.0f}s (logs in {self.log_dir}): {e}") from None
 
-    def stop(self) -> None:
-        for svc in reversed(self.services):
-            svc.stop()
+    def stop(self, grace: float = 15.0) -> None:
+        """The gateway first (no new requests reach the engines), then every encoder and LM together:
+        each stops its own engine, in parallel (SIGKILL for what is left after ``grace``)."""
+        self.gateway.stop(grace)
+        engines = [svc for svc in self.services if svc is not self.gateway]
+        for svc in engines:
+            svc.terminate()
+        deadline = time.monotonic() + grace
+        for svc in engines:
+            svc.finish(deadline)
         cleanup_orphans()
 
     def __enter__(self) -> Deployment:

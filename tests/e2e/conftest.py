@@ -4,7 +4,8 @@ session, and plain-vLLM reference tokens computed once, in a subprocess.
 The session's deployment runs with mutual TLS and the auth token on every
 internal link (gateway -> encoder, gateway -> LM, LM -> encoder Transfer, the
 control lane's session secret), with certificates it makes itself; the other
-deployments of the suite use ``epd up``'s default, the token alone."""
+deployments of the suite use ``epd up``'s default, the token alone. Its LM carries the test-only
+perturbation hook (tests/e2e/perturb), switched off except inside test_perturbation."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 
 from services.reference import run_subprocess
 from services.up import Deployment
-from tests.e2e.helpers import image_chat, text_chat
+from tests.e2e.helpers import image_chat, perturb_chat, start_perturbable, text_chat
 
 # Every request whose tokens a test compares with plain vLLM.
 REFERENCE_REQUESTS = {
@@ -23,6 +24,8 @@ REFERENCE_REQUESTS = {
     "fresh_shm": image_chat(1001, size=(200, 150)),  # likewise, for the transport test
     "reuse": image_chat(1002),  # likewise, for the reuse test
     "victim": image_chat(1003),  # likewise, for the trust-boundary test: never sent before its attack
+    "colocated": image_chat(1004),  # likewise, for the colocated gateway: its LM must encode it itself
+    **{f"perturb{i}": perturb_chat(9100 + i) for i in range(3)},  # the perturbation check's, never sent otherwise
     "text": text_chat("Tell me a story about a cat."),
     # The multi-instance tests (2 encoders, 2 LMs): larger images, so encodes are in flight long enough to kill.
     **{f"multi{i}": image_chat(600 + i, max_tokens=16, size=(224, 224)) for i in range(8)},
@@ -34,7 +37,7 @@ def deployment(tiny_model):
     # vLLM's front-end flags for tool calls, as tests/e2e/test_openai_parity.py gives `vllm serve`.
     dep = Deployment(model=tiny_model, quiet=True, security="tls",
                      lm_args=["--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
-    dep.start()
+    start_perturbable(dep)  # the perturbation hook, off until test_perturbation turns it on
     yield dep
     dep.stop()
 

@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 import urllib.error
 import urllib.request
 
 from services.common.images import data_url, make_image
+
+
+def perturb_chat(seed: int) -> dict:
+    """A request for the perturbation check: a 224x224 image, 12 greedy tokens."""
+    return {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(make_image(seed, (224, 224)))}},
+        {"type": "text", "text": "Describe the picture."}]}],
+        "max_tokens": 12, "temperature": 0, "return_token_ids": True}
 
 
 def image_chat(seed: int, text: str = "What is in this picture?", max_tokens: int = 12,
@@ -76,3 +85,42 @@ def producer_stats(dep) -> dict[str, float]:
         info = encoder_pb2_grpc.EncoderServiceStub(ch).GetInfo(encoder_pb2.GetInfoRequest(), timeout=5)
     with dep.client_security.channel(info.transfer_endpoint) as ch:
         return dict(encoder_pb2_grpc.TransferServiceStub(ch).Stats(encoder_pb2.StatsRequest(), timeout=5).values)
+
+
+PERTURB_HOOK_DIR = os.path.join(os.path.dirname(__file__), "perturb")
+
+
+def start_perturbable(dep):
+    """Starts ``dep`` (a ``Deployment``) with the test-only perturbation hook loaded in its services
+    (``tests/e2e/perturb/sitecustomize.py``), switched off: ``perturbation(dep)`` turns it on."""
+    import pytest
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("PYTHONPATH", os.pathsep.join(p for p in (PERTURB_HOOK_DIR, os.environ.get("PYTHONPATH")) if p))
+    mp.setenv("EPD_TEST_PERTURB_SWITCH", os.path.join(dep.log_dir, "perturb-on"))
+    mp.setenv("EPD_TEST_PERTURB_LOG", os.path.join(dep.log_dir, "perturbed.txt"))
+    try:
+        return dep.start()
+    finally:
+        mp.undo()
+
+
+def check_perturbation_changes_tokens(dep, bodies: list[dict], reference: list[list[int]]) -> None:
+    """With the hook on, every embedding the LM injects is negated and scaled: the requests still
+    succeed, each image went through the hook, nothing was encoded on the LM, and the greedy tokens
+    are no longer plain vLLM's (``reference``). The hook is off again afterwards."""
+    switch = os.path.join(dep.log_dir, "perturb-on")
+    log = os.path.join(dep.log_dir, "perturbed.txt")
+    before = open(log).read().split() if os.path.exists(log) else []
+    lm_runs = metric(dep.lm_metrics, "epd_lm_local_encoder_runs_total")
+    open(switch, "w").close()
+    try:
+        results = [post(dep.url + "/v1/chat/completions", b, 120) for b in bodies]
+    finally:
+        os.remove(switch)
+    assert all(status == 200 for status, _ in results), results
+    assert metric(dep.lm_metrics, "epd_lm_local_encoder_runs_total") == lm_runs  # every image transferred
+    perturbed = open(log).read().split()[len(before):]
+    assert len(set(perturbed)) == len(bodies), perturbed  # each image's embedding went through the hook
+    got = [body["choices"][0]["token_ids"] for _, body in results]
+    assert all(g != r for g, r in zip(got, reference)), (got, reference)

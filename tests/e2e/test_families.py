@@ -12,13 +12,22 @@ reference run per family (tiny offline checkpoints, ``services/tiny_families``).
 from __future__ import annotations
 
 import base64
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from services.common.images import data_url, make_audio, make_image, make_video
 from services.reference import run_subprocess
 from services.up import Deployment
-from tests.e2e.helpers import metric, post, producer_stats, settled
+from tests.e2e.helpers import (
+    check_perturbation_changes_tokens,
+    metric,
+    perturb_chat,
+    post,
+    producer_stats,
+    settled,
+    start_perturbable,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -85,13 +94,24 @@ def _requests(family: str) -> dict[str, dict]:
 
 @pytest.fixture(scope="module", params=list(LAID_OUT_BY))
 def family(request):
+    """The family's deployment and plain vLLM's answers (tokens and expanded prompts) to its requests,
+    the reference computed while the deployment starts."""
     from services.cli import default_model
 
     model = default_model(family=request.param)
-    reference = dict(zip(_requests(request.param), run_subprocess(model, list(_requests(request.param).values()))))
-    dep = Deployment(model=model, quiet=True)
-    dep.start()
-    yield request.param, dep, reference
+    bodies = {**_requests(request.param), **(PERTURB if request.param == "qwen2_5_vl" else {})}
+    with ThreadPoolExecutor(1) as pool:
+        ref = pool.submit(run_subprocess, model, list(bodies.values()), with_prompts=True)
+        dep = Deployment(model=model, quiet=True)
+        try:
+            start_perturbable(dep)  # the perturbation hook, off until its test turns it on
+            results = dict(zip(bodies, ref.result()))
+        except BaseException:
+            dep.stop()
+            raise
+    reference = {name: r["tokens"] for name, r in results.items()}
+    prompts = {name: r["prompt_token_ids"] for name, r in results.items()}
+    yield request.param, dep, reference, prompts, model
     dep.stop()
 
 
@@ -109,10 +129,55 @@ def test_qwen_vl_video_matches_plain_vllm_with_every_item_encoded_remotely(famil
     _check(family, name)
 
 
+PERTURB = {f"perturb{i}": perturb_chat(9100 + i) for i in range(3)}
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl"], indirect=True)
+def test_an_embedding_changed_in_transit_changes_the_tokens(family):
+    """The LM generates from the transferred embedding, for a family whose items travel as
+    metadata-only items (Qwen2.5-VL: the grid drives M-RoPE): see tests/e2e/test_perturbation.py."""
+    _, dep, reference, _, _ = family
+    check_perturbation_changes_tokens(dep, list(PERTURB.values()), [reference[n] for n in PERTURB])
+
+
+PLACEHOLDER = {"qwen2_audio": "<|AUDIO|>", "qwen2_5_vl": "<|image_pad|>", "qwen3_vl": "<|image_pad|>",
+               "gemma3": "<image_soft_token>", "llava": "<image>"}
+
+
+def test_vllm_expands_each_item_like_the_familys_transformers_processor(family):
+    """The tiny checkpoint is one vLLM and transformers read alike: plain vLLM's prompt for one item
+    (from the reference run) is token for token what the family's own transformers processor makes
+    of the same chat, and the placeholder is expanded."""
+    import io
+
+    from transformers import AutoProcessor
+
+    fam, _, _, prompts, model = family
+    processor = AutoProcessor.from_pretrained(model)
+    part = _requests(fam)["one"]["messages"][0]["content"][0]
+    if fam == "qwen2_audio":
+        import soundfile
+
+        wave, rate = soundfile.read(io.BytesIO(base64.b64decode(part["input_audio"]["data"])), dtype="float32")
+        modality, kw = "audio", {"audio": wave, "sampling_rate": rate}
+    else:
+        from PIL import Image
+
+        image = Image.open(io.BytesIO(base64.b64decode(part["image_url"]["url"].split(",", 1)[1]))).convert("RGB")
+        modality, kw = "image", {"images": [image]}
+    text = _requests(fam)["one"]["messages"][0]["content"][-1]["text"]
+    chat = [{"role": "user", "content": [{"type": modality}, {"type": "text", "text": text}]}]
+    prompt = processor.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    hf_ids = processor(text=[prompt], return_tensors="np", **kw)["input_ids"][0].tolist()
+    placeholder = processor.tokenizer.convert_tokens_to_ids(PLACEHOLDER[fam])
+    assert prompts["one"].count(placeholder) > 1
+    assert prompts["one"] == hf_ids, fam
+
+
 def _check(family, name: str) -> None:
     from openai import OpenAI
 
-    fam, dep, reference = family
+    fam, dep, reference, _, _ = family
     client = OpenAI(base_url=dep.url + "/v1", api_key="unused", max_retries=0, timeout=120)
     lm_runs = metric(dep.lm_metrics, "epd_lm_local_encoder_runs_total")
     layouts = {by: metric(dep.lm_metrics, "epd_lm_prompt_layouts_total", by=by) for by in ("encoder", "processor")}
@@ -143,7 +208,7 @@ def test_bad_audio_is_a_clear_400_and_the_encoder_holds_nothing(family):
 
     from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
 
-    _, dep, reference = family
+    _, dep, reference, _, _ = family
     for data, needle in [(b"hello there, not audio", "not a recognised audio file"),
                          (b"RIFF\x24\x00\x00\x00WAVEfmt " + bytes(8), "header cannot be read")]:
         body = {"messages": [{"role": "user", "content": [

@@ -3,7 +3,8 @@
 Two more gateways on the session deployment's encoder and LM: one with
 ``--placement local`` (the LM encodes the image itself, as colocated vLLM does)
 and one with ``--placement auto``; the session's gateway runs the default,
-``encoder``. Also admission past capacity: a gateway that admits one request at a
+``encoder``. A third with no encoder at all serves colocated (the serving
+benchmark's baseline system): the LM's vLLM encodes the image itself. Also admission past capacity: a gateway that admits one request at a
 time and lets one wait answers every request or refuses it at once with 429
 (``Retry-After``), never half-way through."""
 
@@ -22,11 +23,11 @@ from tests.e2e.helpers import image_chat, post
 pytestmark = pytest.mark.e2e
 
 
-def _gateway(deployment, name: str, *args: str):
+def _gateway(deployment, name: str, *args: str, encoders: bool = True):
     port = free_port()
     svc = Service(f"gateway-{name}", ["gateway", "--epd-facts", "--host", "127.0.0.1", "--port", str(port),
-                                      "--encoders", deployment.encoder_addr, "--lms", deployment.lm_addr,
-                                      *args, *deployment.security_args],
+                                      "--encoders", deployment.encoder_addr if encoders else "",
+                                      "--lms", deployment.lm_addr, *args, *deployment.security_args],
                   os.path.join(deployment.log_dir, f"gateway-{name}.log"))
     svc.start(dict(os.environ, PYTHONUNBUFFERED="1"))
     url = f"http://127.0.0.1:{port}"
@@ -40,6 +41,7 @@ def gateways(deployment):
     try:
         for choice in ("local", "auto"):
             started.append((choice, *_gateway(deployment, choice, "--placement", choice)))
+        started.append(("colocated", *_gateway(deployment, "colocated", encoders=False)))
         yield {choice: url for choice, _, url in started} | {"encoder": deployment.url}
     finally:
         for _, svc, _ in started:
@@ -90,3 +92,12 @@ def test_past_capacity_every_request_is_answered_or_refused_at_admission(deploym
                 assert len(out["choices"][0]["token_ids"]) == 24
     finally:
         svc.stop()
+
+
+def test_a_gateway_without_encoders_serves_colocated_with_exact_tokens(gateways, reference):
+    """The LM's vLLM encodes an image it has never seen, as plain vLLM does."""
+    status, body = post(gateways["colocated"] + "/v1/chat/completions", REFERENCE_REQUESTS["colocated"])
+    assert status == 200, body
+    assert body["choices"][0]["token_ids"] == reference["colocated"]
+    assert body["epd"]["local_encoder_runs"] == 1 and body["epd"]["transferred_items"] == 0
+    assert body["epd"]["encoders"] == []

@@ -1,5 +1,7 @@
-"""Issue 3 must-show: the foundation's exactness holds with each CPU transport
-forced, and the same host chooses shared memory on its own."""
+"""The foundation's exactness holds with each CPU transport: the same host chooses shared memory on
+its own (the session deployment), and gRPC chunks forced (a deployment whose LM allows only grpc).
+Forcing shm (``--transports shm``) takes the same data path as choosing it; what differs, refusing
+a failed probe instead of falling back, is tested without engines (tests/integration)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from tests.e2e.helpers import metric, post
 pytestmark = pytest.mark.e2e
 
 
-@pytest.fixture(scope="module", params=["grpc", "shm"])
+@pytest.fixture(scope="module", params=["grpc"])
 def forced(tiny_model, request):
     """A deployment whose LM allows exactly one transport."""
     with Deployment(model=tiny_model, quiet=True, lm_args=["--transports", request.param]) as dep:

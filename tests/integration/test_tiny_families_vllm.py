@@ -4,6 +4,11 @@ placeholder to exactly as many tokens as the family's transformers processor.
 
 Each family runs in its own interpreter (``python -m`` this module), so one
 engine lives at a time and its memory is returned when the process exits.
+
+Slow (``make test-all``): the default run covers the same path with the checkpoints
+``epd tiny-model`` builds, in tests/e2e/test_families.py (plain vLLM generates for every
+family, and its expanded prompt equals the transformers processor's); this one builds
+each family afresh in a temporary folder.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 FAMILIES = {  # family -> (modality, placeholder token, max_model_len)
     "qwen2_audio": ("audio", "<|AUDIO|>", 1024),

@@ -1,7 +1,9 @@
-"""Test-only hook (issue 12): with ``EPD_TEST_PERTURB_EMBEDDINGS=1`` in a process's environment,
-the LM worker's connector negates and scales every embedding it injects into vLLM's encoder
-cache, and appends each identifier to ``EPD_TEST_PERTURB_LOG``. Loaded only when a test puts this
-directory on ``PYTHONPATH`` (``tests/e2e/test_perturbation.py``); production code has no such hook."""
+"""Test-only hook: with ``EPD_TEST_PERTURB_SWITCH=<path>`` in a process's environment, the LM
+worker's connector negates and scales every embedding it injects into vLLM's encoder cache while
+the file ``<path>`` exists, and appends each identifier it changed to ``EPD_TEST_PERTURB_LOG``.
+Loaded only when a test puts this directory on ``PYTHONPATH`` (the e2e session deployment and the
+family deployments, for ``test_an_embedding_changed_in_transit_changes_the_tokens``); production
+code has no such hook. Off (no file), it changes nothing."""
 
 import importlib.abc
 import os
@@ -12,10 +14,13 @@ _TARGET = "ectransfer.connector.consumer"
 
 def _patch(module) -> None:
     load = module.ConsumerWorker.load
+    switch = os.environ["EPD_TEST_PERTURB_SWITCH"]
     log = os.environ.get("EPD_TEST_PERTURB_LOG", "")
 
     def perturbed(self, encoder_cache, meta):
         load(self, encoder_cache, meta)
+        if not meta.loads or not os.path.exists(switch):
+            return
         for spec in meta.loads:
             t = encoder_cache.get(spec.identifier)
             if t is not None:
@@ -49,5 +54,5 @@ class _Hook(importlib.abc.MetaPathFinder):
         return spec
 
 
-if os.environ.get("EPD_TEST_PERTURB_EMBEDDINGS") == "1":
+if os.environ.get("EPD_TEST_PERTURB_SWITCH"):
     sys.meta_path.insert(0, _Hook())
