@@ -348,7 +348,7 @@ class Deployment:
         cleanup_orphans()
 
     def __enter__(self) -> Deployment:
-        return self.start()
+        return self if self.gateway.alive() else self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()

@@ -9,6 +9,8 @@ perturbation hook (tests/e2e/perturb), switched off except inside test_perturbat
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
 from services.reference import run_subprocess
@@ -33,7 +35,15 @@ REFERENCE_REQUESTS = {
 
 
 @pytest.fixture(scope="session")
-def deployment(tiny_model):
+def _reference_run(tiny_model):
+    """Plain vLLM's answers to REFERENCE_REQUESTS, computed in a subprocess from the session's start,
+    beside the deployment starting."""
+    with ThreadPoolExecutor(1) as pool:
+        yield pool.submit(run_subprocess, tiny_model, list(REFERENCE_REQUESTS.values()))
+
+
+@pytest.fixture(scope="session")
+def deployment(tiny_model, _reference_run):
     # vLLM's front-end flags for tool calls, as tests/e2e/test_openai_parity.py gives `vllm serve`.
     dep = Deployment(model=tiny_model, quiet=True, security="tls",
                      lm_args=["--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
@@ -43,10 +53,8 @@ def deployment(tiny_model):
 
 
 @pytest.fixture(scope="session")
-def reference(tiny_model) -> dict[str, list[int]]:
-    names = list(REFERENCE_REQUESTS)
-    tokens = run_subprocess(tiny_model, [REFERENCE_REQUESTS[n] for n in names])
-    return dict(zip(names, tokens))
+def reference(_reference_run) -> dict[str, list[int]]:
+    return dict(zip(REFERENCE_REQUESTS, _reference_run.result()))
 
 
 @pytest.fixture

@@ -29,10 +29,18 @@ def test_burst_of_200_with_pools_for_4_items_completes_exactly_and_drains(tiny_m
     for b in bodies:
         unique.setdefault(b["messages"][0]["content"][0]["image_url"]["url"] + b["messages"][0]["content"][1]["text"], b)
     keys = list(unique)
-    reference = dict(zip(keys, run_subprocess(tiny_model, [unique[k] for k in keys])))
+    with ThreadPoolExecutor(1) as ref_pool:  # plain vLLM's answers, computed while the deployment starts
+        ref = ref_pool.submit(run_subprocess, tiny_model, [unique[k] for k in keys])
+        dep = Deployment(model=tiny_model, quiet=True, encoder_args=["--outbound-pool-mib", POOL_MIB],
+                         lm_args=["--staging-mib", POOL_MIB])
+        dep.start()
+        try:
+            reference = dict(zip(keys, ref.result()))
+        except BaseException:
+            dep.stop()
+            raise
 
-    with Deployment(model=tiny_model, quiet=True, encoder_args=["--outbound-pool-mib", POOL_MIB],
-                    lm_args=["--staging-mib", POOL_MIB]) as dep:
+    with dep:
         with ThreadPoolExecutor(16) as pool:
             results = list(pool.map(lambda b: post(dep.url + "/v1/chat/completions", b, 120), bodies))
         failures = [(s, r) for s, r in results if s != 200]
