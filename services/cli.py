@@ -160,7 +160,13 @@ def _main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             print(f"epd: error: {e}", file=sys.stderr)
             return 2
-        asyncio.run(run)
+        from services.common.engine import UnsupportedModel
+
+        try:
+            asyncio.run(run)
+        except UnsupportedModel as e:  # read from the model's config, before any engine started
+            print(f"epd: error: {e}", file=sys.stderr)
+            return 2
         return 0
     if ns.cmd == "health":
         from services.up import grpc_serving

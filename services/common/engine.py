@@ -106,6 +106,29 @@ def engine_kwargs(cfg: EngineConfig, ec_transfer_config: dict[str, Any] | None =
     return kw
 
 
+class UnsupportedModel(ValueError):
+    """A model the service must not serve as configured (refused before its engine starts)."""
+
+
+def refuse_encoder_decoder(cfg: EngineConfig, role: str) -> None:
+    """Issue 25's guard: vLLM 0.32 hands an encoder-decoder model's encoder output (Whisper's) to
+    the decoder's cross-attention once, as ``encoder_outputs``; its scheduler allocates
+    cross-attention blocks only for inputs it encodes itself and its model runner never asks the
+    EC connector to load for such a model. An engine that is an EC consumer for one therefore
+    decodes *without the audio*, silently (greedy tokens equal neither the audio's nor
+    silence's). Until the LM injects encoder outputs into cross-attention itself, such a model is
+    refused at start (``role``: who refuses, for the message), read from the model's config the
+    way vLLM reads it (``ModelConfig.is_encoder_decoder``)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    if AsyncEngineArgs(**engine_kwargs(cfg)).create_model_config().is_encoder_decoder:
+        raise UnsupportedModel(
+            f"{cfg.model} is an encoder-decoder model (Whisper-class): the {role} cannot serve it. "
+            "vLLM 0.32 never loads a transferred encoder output into an encoder-decoder model's "
+            "cross-attention, so an LM fed from an encoder would decode without the audio; "
+            "epd-serve refuses rather than answer wrongly. Serve this model with `vllm serve` for now.")
+
+
 def placeholder_metadata_fields(cfg: EngineConfig,
                                 modalities: tuple[str, ...] = ("image", "audio", "video")) -> set[str]:
     """The processed fields this model's data parser declares as placeholder metadata for

@@ -28,6 +28,7 @@ from services.common.engine import (
     build_async_engine,
     configure_process_env,
     placeholder_metadata_fields,
+    refuse_encoder_decoder,
     serve_until_stopped,
 )
 from services.common.grpc_server import GrpcServer
@@ -172,6 +173,8 @@ async def serve(cfg: EncoderServiceConfig, engine_cfg: EngineConfig, stop: async
         loop.add_signal_handler(sig, stop.set)
     configure_process_env()  # before vLLM is imported in this process
     from ectransfer.connector.common import compat_for
+
+    refuse_encoder_decoder(engine_cfg, "encoder service (no LM could use its outputs)")
 
     try:
         reserved = reserve_port(cfg.transfer_host, cfg.transfer_port)

@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.common.errors import BadInput, EncoderUnavailable
+from services.common.errors import BadInput, EncoderUnavailable, EPDError
 from services.common.layout import ItemLayout, splice_modalities
 from services.lm.context import CURRENT, RequestContext
 from services.lm.media import check_items
@@ -185,6 +185,9 @@ class ConsumerEngine:
         # vLLM forwards, or vllm_xargs) would make the LM dial what the caller chose.
         extra.pop("ec_transfer_params", None)
         if ctx is not None and ctx.sources:
+            if self._engine.model_config.is_encoder_decoder:  # never reached: the LM refuses to start
+                raise EPDError("an encoder-decoder model cannot take transferred encoder outputs "
+                               "(services.common.engine.refuse_encoder_decoder)")
             extra["ec_transfer_params"] = ECTransferParams(ctx.sources).to_dict()
         sampling_params.extra_args = extra or None
         gen = self._engine.generate(prompt, sampling_params, request_id, *args, **kwargs)

@@ -13,7 +13,13 @@ from ectransfer.connector.config import ConnectorTuning
 from ectransfer.security import SecurityConfig
 from ectransfer.shm import cleanup_orphans
 from epd.lm.v1 import lm_pb2, lm_pb2_grpc
-from services.common.engine import EngineConfig, build_async_engine, configure_process_env, serve_until_stopped
+from services.common.engine import (
+    EngineConfig,
+    build_async_engine,
+    configure_process_env,
+    refuse_encoder_decoder,
+    serve_until_stopped,
+)
 from services.common.grpc_server import GrpcServer
 from services.common.media import MediaDecoder
 from services.lm.config import LMServiceConfig
@@ -64,6 +70,7 @@ async def serve(cfg: LMServiceConfig, engine_cfg: EngineConfig, stop: asyncio.Ev
     from services.lm import media_connector
 
     media_connector.install()  # the LM never downloads; data: URLs load under the media limits
+    refuse_encoder_decoder(engine_cfg, "LM (an EC consumer)")  # no engine start is spent on it
 
     # No processor cache: a prompt laid out from an encoder's metadata carries its
     # items without data, which vLLM's engine-side processor cache would take for
