@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import copy
+import functools
 import json
 import logging
 import re
@@ -31,7 +32,7 @@ from services.gateway.config import GatewayConfig
 from services.gateway.fetch import MediaFetcher, load_images
 from services.gateway.intake import CURRENT_LEASE, BodyRefused, Intake, charge_fetched
 from services.gateway.orchestrator import Media, Orchestrator, Timings
-from services.gateway.parts import LM_PART, PartError, media_parts
+from services.gateway.parts import LM_PART, MediaPart, PartError, anthropic_media_parts, media_parts
 
 logger = logging.getLogger(__name__)
 
@@ -83,12 +84,16 @@ def from_grpc(e: grpc.aio.AioRpcError, rid: str = "", facts: bool = True) -> Api
     return ApiError(status, e.details() or e.code().name, type_)
 
 
-def error_body(e: ApiError) -> dict[str, Any]:
+def error_body(e: ApiError, anthropic: bool = False) -> dict[str, Any]:
+    """An error as vLLM's server writes it: OpenAI's shape, or Anthropic's for the Messages API
+    (vLLM's ``translate_error_response``: the type and message only)."""
+    if anthropic:
+        return {"type": "error", "error": {"type": e.type, "message": e.message}}
     return {"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.status}}
 
 
-def error_response(e: ApiError, headers: dict[str, str] | None = None) -> web.Response:
-    return web.json_response(error_body(e), status=e.status, headers=headers)
+def error_response(e: ApiError, headers: dict[str, str] | None = None, anthropic: bool = False) -> web.Response:
+    return web.json_response(error_body(e, anthropic), status=e.status, headers=headers)
 
 
 def loads_strict(raw: bytes) -> Any:
@@ -122,15 +127,53 @@ ITEMS = {"image": "images", "audio": "audio clips", "video": "videos"}
 MEDIA_REF = "epd-media:"  # gRPC API: an image_url/audio_url that names OpenAIRequest.media[N]
 
 
+@dataclass(frozen=True)
+class Api:
+    """One endpoint of ``vllm serve`` the gateway answers. Chat and completions go to the LM's serving
+    classes by name; every other one to the LM's copy of vLLM's own app (``services.lm.vllm_app``) by
+    method and path. ``media``: where its media are (``messages``: chat parts; ``input``: the
+    Responses API's input items; ``anthropic``: Messages image blocks; empty: none). ``encode``: its
+    items go through encoders (tokenize and count_tokens only lay prompts out: the LM's processor
+    expands the placeholders, no vision run). ``done``: its stream ends with ``data: [DONE]``."""
+
+    name: str
+    method: str
+    path: str
+    prefix: str
+    media: str = ""
+    encode: bool = True
+    done: bool = False
+    anthropic: bool = False
+
+    @property
+    def lm_api(self) -> str:
+        return self.name if self.name in ("chat", "completions") else "http"
+
+
+APIS: tuple[Api, ...] = (
+    Api("chat", "POST", "/v1/chat/completions", "chatcmpl", "messages", done=True),
+    Api("completions", "POST", "/v1/completions", "cmpl", done=True),
+    Api("responses", "POST", "/v1/responses", "resp", "input"),
+    Api("responses_get", "GET", "/v1/responses/{response_id}", "resp"),
+    Api("responses_cancel", "POST", "/v1/responses/{response_id}/cancel", "resp"),
+    Api("messages", "POST", "/v1/messages", "msg", "anthropic", anthropic=True),
+    Api("count_tokens", "POST", "/v1/messages/count_tokens", "msg", "anthropic", encode=False, anthropic=True),
+    Api("tokenize", "POST", "/tokenize", "tok", "messages", encode=False),
+    Api("detokenize", "POST", "/detokenize", "tok"),
+    Api("version", "GET", "/version", "req"),
+)
+API = {a.name: a for a in APIS}
+
+
 @dataclass
 class OpenAICall:
     """One OpenAI request on its way through the gateway: the client's body (never changed; each LM
     attempt gets a copy from ``lm_body``), where its image parts are, and the images' sources."""
 
-    api: str  # "chat" | "completions"
+    api: str  # a name in APIS
     body: dict[str, Any]
     stream: bool
-    parts: list[tuple[int, int]] = field(default_factory=list)  # (message, part) of each media item, in order
+    parts: list[MediaPart] = field(default_factory=list)  # where each media item is, in order
     sources: list[str | bytes] = field(default_factory=list)  # the items' URLs (or gRPC media bytes)
     modalities: list[str] = field(default_factory=list)  # each item's: "image", "audio" or "video"
     request_id: str = ""
@@ -151,27 +194,42 @@ class OpenAICall:
         never downloads), with its content hash as uuid when an encoder has its embedding. Audio goes
         as vLLM's ``audio_url`` part (an ``input_audio`` part too)."""
         body = copy.deepcopy(self.body) if self.parts else dict(self.body)
-        if self.request_id and (self.id_given or not body.get("request_id")):
+        spec = API[self.api]
+        if self.request_id and spec.lm_api != "http" and (self.id_given or not body.get("request_id")):
             body["request_id"] = self.request_id
+        items = list(req.items) if spec.encode else [None] * len(media)
         # The LM lays a prompt out from the encoders' layouts only when every item has one; else its
         # processor lays the whole prompt out and needs every item's bytes.
-        laid_out = all(item.source.placeholder_token_ids for item in req.items)
-        for (i, j), item, m in zip(self.parts, req.items, media):
-            kind = LM_PART[m.modality]
-            part: dict[str, Any] = {"type": kind, "uuid": item.identifier}
-            if laid_out:
-                part[kind] = None
+        laid_out = spec.encode and all(item.source.placeholder_token_ids for item in req.items)
+        for p, item, m in zip(self.parts, items, media):
+            data_url = None if laid_out else _data_url(m)
+            ident = item.identifier if item is not None and (laid_out or item.HasField("source")) else None
+            if spec.media == "anthropic":
+                # vLLM's converter drops any uuid: the LM knows an encoder's image by its content hash.
+                block = body["messages"][p.message]["content"][p.part]
+                if p.inner >= 0:
+                    block = block["content"][p.inner]
+                block["source"] = {"type": "base64", "media_type": "image/png",
+                                   "data": base64.b64encode(m.data).decode()}
+                continue
+            if spec.media == "input" and m.modality == "image":
+                part: dict[str, Any] = {"type": "input_image", "image_url": data_url}
             else:
-                if m.modality == "image":
-                    mime = "image/png"  # the LM's image decoder sniffs the format
-                else:
-                    sniffed = sniff_audio_format(m.data) if m.modality == "audio" else sniff_video_format(m.data)
-                    mime = MIME.get(sniffed or "", f"{m.modality}/octet-stream")
-                part[kind] = {"url": f"data:{mime};base64," + base64.b64encode(m.data).decode()}
-                if not item.HasField("source"):
-                    del part["uuid"]  # the LM encodes it itself and hashes it as vLLM does
-            body["messages"][i]["content"][j] = part
+                kind = LM_PART[m.modality]
+                part = {"type": kind, kind: None if data_url is None else {"url": data_url}}
+            if ident is not None:
+                part["uuid"] = ident  # else the LM encodes it itself and hashes it as vLLM does
+            body[p.container][p.message]["content"][p.part] = part
         return json.dumps(body, ensure_ascii=False).encode()
+
+
+def _data_url(m: Media) -> str:
+    if m.modality == "image":
+        mime = "image/png"  # the LM's image decoder sniffs the format
+    else:
+        sniffed = sniff_audio_format(m.data) if m.modality == "audio" else sniff_video_format(m.data)
+        mime = MIME.get(sniffed or "", f"{m.modality}/octet-stream")
+    return f"data:{mime};base64," + base64.b64encode(m.data).decode()
 
 
 def parse_openai(api: str, raw: bytes, cfg: GatewayConfig, media: list[bytes] | None = None) -> OpenAICall:
@@ -179,28 +237,34 @@ def parse_openai(api: str, raw: bytes, cfg: GatewayConfig, media: list[bytes] | 
     media are, found by vLLM's own rule (``services.gateway.parts``). Everything else is vLLM's to
     validate (on the LM). ``media``: the gRPC API's raw media, named by ``epd-media:N`` URLs. Raises
     ApiError."""
-    body = loads_strict(raw)
+    spec = API[api]
+    body = loads_strict(raw) if raw or spec.method != "GET" else {}
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
     call = OpenAICall(api, body, body.get("stream") is True)
     try:
-        found = media_parts(body.get("messages")) if api == "chat" else []
+        if spec.media == "anthropic":
+            found = anthropic_media_parts(body.get("messages"))
+        elif spec.media:
+            found = media_parts(body.get(spec.media), spec.media)
+        else:
+            found = []
     except PartError as e:
-        raise ApiError(400, str(e), param="messages") from None
+        raise ApiError(400, str(e), param=spec.media) from None
     for p in found:
         limit = getattr(cfg, LIMIT_FLAG[p.modality])
         if call.modalities.count(p.modality) >= limit:
             raise ApiError(400, f"at most {limit} {ITEMS[p.modality]} per request (--max-{p.modality}s)",
-                           param="messages")
+                           param=spec.media)
         call.modalities.append(p.modality)
         if p.source.startswith(MEDIA_REF):
             k = p.source[len(MEDIA_REF):]
             if media is None or not k.isdigit() or int(k) >= len(media):
-                raise ApiError(400, f"{p.where}: {p.source!r} names no media item", param="messages")
+                raise ApiError(400, f"{p.where}: {p.source!r} names no media item", param=spec.media)
             call.sources.append(media[int(k)])
         else:
             call.sources.append(p.source)
-        call.parts.append((p.message, p.part))
+        call.parts.append(p)
     return call
 
 
@@ -220,7 +284,8 @@ async def load_media(call: OpenAICall, req: lm_pb2.GenerateRequest, cfg: Gateway
     media = []
     for data, modality in zip(datas, call.modalities):
         ident = content_id(data)
-        req.items.add(modality=modality, identifier=ident)
+        if API[call.api].encode:  # else the LM lays the prompt out itself, from the bytes in its body
+            req.items.add(modality=modality, identifier=ident)
         media.append(Media(data, ident, modality))
     return media
 
@@ -255,9 +320,11 @@ class OpenAIRoutes:
             raise ApiError(503, why, "server_error")
 
     def add_to(self, app: web.Application) -> None:
-        app.router.add_post("/v1/chat/completions", self.chat)
-        app.router.add_post("/v1/completions", self.completions)
+        for spec in APIS:
+            app.router.add_route(spec.method, spec.path, functools.partial(self._serve, api=spec.name))
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/ping", self.ping)
+        app.router.add_post("/ping", self.ping)
         app.router.add_get("/health", self.health)
 
     async def models(self, request: web.Request) -> web.Response:
@@ -266,6 +333,11 @@ class OpenAIRoutes:
             return error_response(ApiError(503, self.orch.lm_wait_reason() or "no LM is ready yet", "server_error"))
         return web.json_response({"object": "list", "data": [
             {"id": self.model, "object": "model", "created": 0, "owned_by": "epd-serve"}]})
+
+    async def ping(self, request: web.Request) -> web.Response:
+        """As ``vllm serve``'s /ping (and its /health): 200 with no body while serving (here: an LM
+        is admitted), else 503."""
+        return web.Response(status=200 if any(self.orch.health().get("lms", {}).values()) else 503)
 
     async def health(self, request: web.Request) -> web.Response:
         """200 while at least one LM is admitted (a readiness probe), else 503. With
@@ -281,17 +353,22 @@ class OpenAIRoutes:
                                   "out": self.orch.not_admitted()}, status=200 if ok else 503)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._serve(request, "chat", "chatcmpl")
+        return await self._serve(request, api="chat")
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._serve(request, "completions", "cmpl")
+        return await self._serve(request, api="completions")
 
-    async def _serve(self, request: web.Request, api: str, prefix: str) -> web.StreamResponse:
+    async def _serve(self, request: web.Request, api: str) -> web.StreamResponse:
+        """Every API's request: read (intake, the API's media reader), admitted, its media loaded and
+        hashed, encoded and answered by an LM (the orchestrator), relayed (``_respond``)."""
+        spec = API[api]
         given = request.get(REQUEST_ID_KEY)
         rid = given or uuid.uuid4().hex
         request[REQUEST_ID_KEY] = rid
-        req = lm_pb2.GenerateRequest(request_id=engine_request_id(rid, prefix))
-        req.openai.api = api
+        req = lm_pb2.GenerateRequest(request_id=engine_request_id(rid, spec.prefix))
+        req.openai.api = spec.lm_api
+        if spec.lm_api == "http":
+            req.openai.method, req.openai.path = spec.method, request.path
         headers = {REQUEST_ID_HEADER: rid}
         ticket = lease = None
         try:
@@ -303,7 +380,7 @@ class OpenAIRoutes:
             self._check_ready()
             # Admission before any image is fetched: past capacity the request waits its turn or is
             # refused now (429/503 with Retry-After), never half-way through.
-            ticket = await self.orch.admission.admit(self.orch.encodes_remotely(len(call.parts)))
+            ticket = await self.orch.admission.admit(self.orch.encodes_remotely(len(call.parts) if spec.encode else 0))
             media = await load_media(call, req, self.cfg, self.fetcher)
         except (ApiError, MediaError, AdmissionRefused, BodyRefused) as e:
             if ticket is not None:
@@ -320,7 +397,7 @@ class OpenAIRoutes:
             else:
                 err = e if isinstance(e, ApiError) else media_api_error(e)
             metrics.REQUESTS.labels(api, str(err.status)).inc()
-            return error_response(err, headers)
+            return error_response(err, headers, spec.anthropic)
         except BaseException:  # the client went away during a fetch, or a bug: the place goes back
             if ticket is not None:
                 ticket.release()
@@ -328,7 +405,7 @@ class OpenAIRoutes:
                 lease.release()
             raise
         timings = Timings(start=request.get(ARRIVAL_KEY) or time.perf_counter())
-        gen = self.orch.generate(req, media, timings, ticket=ticket,
+        gen = self.orch.generate(req, media if spec.encode else [], timings, ticket=ticket,
                                  prepare=lambda r: setattr(r.openai, "body", call.lm_body(r, media)))
         try:
             return await self._respond(request, req, call, len(media), gen, timings)
@@ -348,6 +425,7 @@ class OpenAIRoutes:
 
     async def _respond(self, request, req, call: OpenAICall, n_media: int, gen, timings) -> web.StreamResponse:
         route = call.api
+        spec = API[route]
         # The client's id (X-Request-Id) answers and logs; the engines saw it made unique (req.request_id).
         rid = request.get(REQUEST_ID_KEY) or req.request_id
         headers = {REQUEST_ID_HEADER: rid}
@@ -356,15 +434,17 @@ class OpenAIRoutes:
         except grpc.aio.AioRpcError as e:
             err = from_grpc(e, rid, self.cfg.epd_facts)
             finished(route, err.status, rid, timings, n_media, e.details() or "", engine_id=req.request_id)
-            return error_response(err, headers)
+            return error_response(err, headers, spec.anthropic)
         if first is None or first.http_status != 200:
             status = first.http_status if first is not None else 502
             payload = first.openai if first is not None else json.dumps(
-                error_body(ApiError(502, "the LM sent no answer", "server_error"))).encode()
+                error_body(ApiError(502, "the LM sent no answer", "server_error"), spec.anthropic)).encode()
             finished(route, status, rid, timings, n_media, payload[:200].decode(errors="replace"),
                      engine_id=req.request_id)
-            return web.Response(body=payload, status=status, content_type="application/json", headers=headers)
-        if not call.stream:
+            return web.Response(body=payload, status=status, headers={
+                **headers, "Content-Type": (first.content_type if first is not None else "") or "application/json"})
+        streaming = first.content_type.startswith("text/event-stream") if first.content_type else call.stream
+        if not streaming:
             last = None
             try:
                 async for resp in gen:
@@ -372,13 +452,16 @@ class OpenAIRoutes:
             except grpc.aio.AioRpcError as e:
                 err = from_grpc(e, rid, self.cfg.epd_facts)
                 finished(route, err.status, rid, timings, n_media, e.details() or "", engine_id=req.request_id)
-                return error_response(err, headers)
-            out = json.loads(first.openai)
-            if self.cfg.epd_facts:
-                out["epd"] = epd_facts(timings, last)
+                return error_response(err, headers, spec.anthropic)
             finished(route, 200, rid, timings, n_media, engine_id=req.request_id)
-            return web.json_response(out, headers=headers, dumps=lambda o: json.dumps(o, ensure_ascii=False))
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
+            content_type = first.content_type or "application/json"
+            if self.cfg.epd_facts and content_type.startswith("application/json"):
+                out = json.loads(first.openai)
+                if isinstance(out, dict):
+                    out["epd"] = epd_facts(timings, last)
+                    return web.json_response(out, headers=headers, dumps=lambda o: json.dumps(o, ensure_ascii=False))
+            return web.Response(body=first.openai, status=200, headers={**headers, "Content-Type": content_type})
+        response = web.StreamResponse(headers={"Content-Type": first.content_type or "text/event-stream; charset=utf-8",
                                                "Cache-Control": "no-cache", **headers})
         await response.prepare(request)
         done, last = b"", None
@@ -396,10 +479,14 @@ class OpenAIRoutes:
             # Past the first event there is no retry: the stream ends with an error event.
             err = from_grpc(e, rid, self.cfg.epd_facts)
             finished(route, err.status, rid, timings, n_media, e.details() or "", engine_id=req.request_id)
-            await response.write(b"data: " + json.dumps(error_body(err)).encode() + b"\n\n")
+            event = b"event: error\n" if spec.anthropic else b""
+            await response.write(event + b"data: " + json.dumps(error_body(err, spec.anthropic)).encode() + b"\n\n")
         if self.cfg.epd_facts:
             await response.write(b": epd " + json.dumps(epd_facts(timings, last)).encode() + b"\n\n")
-        await response.write(done or b"data: [DONE]\n\n")
+        if spec.done:
+            await response.write(done or b"data: [DONE]\n\n")
+        elif done:
+            await response.write(done)
         await response.write_eof()
         return response
 

@@ -66,17 +66,21 @@ class PartError(ValueError):
 @dataclass(frozen=True)
 class MediaPart:
     """One media item of a request, in request order: where it is, its vLLM part type and
-    modality, and its source (a URL; an ``input_audio`` part's data as a data: URL)."""
+    modality, and its source (a URL; an ``input_audio`` part's data as a data: URL). ``inner``: an
+    Anthropic tool result's image, ``content[part].content[inner]``; else -1."""
 
     message: int
     part: int
     kind: str
     modality: str
     source: str
+    inner: int = -1
+    container: str = "messages"
 
     @property
     def where(self) -> str:
-        return f"messages[{self.message}].content[{self.part}]"
+        inner = f".content[{self.inner}]" if self.inner >= 0 else ""
+        return f"{self.container}[{self.message}].content[{self.part}]{inner}"
 
 
 def part_type(part: Any) -> str | None:
@@ -94,7 +98,7 @@ def part_type(part: Any) -> str | None:
     return None
 
 
-def media_parts(messages: Any) -> list[MediaPart]:
+def media_parts(messages: Any, container: str = "messages") -> list[MediaPart]:
     """Every media part of a chat request's ``messages`` (any role), by vLLM's rule, in order.
     Raises PartError for a client uuid, a pre-computed input, or a media part without a source.
     Anything that is not a list of message objects has no media here (vLLM validates it)."""
@@ -102,7 +106,7 @@ def media_parts(messages: Any) -> list[MediaPart]:
     for i, message in enumerate(messages if isinstance(messages, list) else []):
         content = message.get("content") if isinstance(message, dict) else None
         for j, part in enumerate(content if isinstance(content, list) else []):
-            where = f"messages[{i}].content[{j}]"
+            where = f"{container}[{i}].content[{j}]"
             if isinstance(part, dict) and part.get("uuid") is not None:
                 raise PartError(where, "a client may not set uuid (epd-serve names media by their content)")
             kind = part_type(part)
@@ -111,8 +115,57 @@ def media_parts(messages: Any) -> list[MediaPart]:
                 raise PartError(where, f"{kind} parts are not served by epd-serve (pre-computed inputs; "
                                        f"served media: {', '.join(MODALITY)})")
             if role == MEDIA:
-                found.append(MediaPart(i, j, kind, MODALITY[kind], _source(part, kind, where)))
+                found.append(MediaPart(i, j, kind, MODALITY[kind], _source(part, kind, where), container=container))
     return found
+
+
+def anthropic_media_parts(messages: Any) -> list[MediaPart]:
+    """Every image of an Anthropic Messages body, by vLLM 0.32's converter
+    (``vllm/entrypoints/anthropic/serving.py``: ``_convert_block`` and ``_convert_user_tool_result``):
+    a content block of type ``image`` with a source, and, in a user message, the ``image`` items of a
+    ``tool_result`` block's content list (vLLM puts those first, in a message of their own, then the
+    message's own images; a system message's images are dropped). Each source is read as ``_convert_image_source_to_url``
+    reads it (``url``: its URL; anything else: base64 data with its media type). Everything else in
+    the body is text to vLLM's converter (it drops keys it does not know, ``uuid`` included)."""
+    found: list[MediaPart] = []
+    for i, message in enumerate(messages if isinstance(messages, list) else []):
+        content = message.get("content") if isinstance(message, dict) else None
+        if message.get("role") == "system" if isinstance(message, dict) else True:
+            continue  # vLLM keeps only a system message's text
+        own: list[MediaPart] = []  # vLLM emits a message's tool-result images first, then its own
+        for j, block in enumerate(content if isinstance(content, list) else []):
+            if not isinstance(block, dict):
+                continue
+            if block.get("type") == "image" and block.get("source"):
+                where = f"messages[{i}].content[{j}].source"
+                own.append(MediaPart(i, j, "image", "image", _usable(_anthropic_url(block["source"], where), where)))
+            elif block.get("type") == "tool_result" and message.get("role") == "user" \
+                    and isinstance(block.get("content"), list):
+                for k, item in enumerate(block["content"]):
+                    if isinstance(item, dict) and item.get("type") == "image":
+                        where = f"messages[{i}].content[{j}].content[{k}].source"
+                        url = _anthropic_url(item.get("source", {}), where)
+                        if url:  # vLLM skips an image whose source makes no URL
+                            found.append(MediaPart(i, j, "image", "image", _usable(url, where), inner=k))
+        found += own
+    return found
+
+
+def _anthropic_url(source: Any, where: str) -> str:
+    """``_convert_image_source_to_url``: a ``url`` source's URL, else a data: URL of the base64 data
+    with its media type (image/jpeg when none is given)."""
+    if not isinstance(source, dict):
+        raise PartError(where, "an image source must be an object (base64 or url)")
+    if source.get("type") == "url":
+        url = source.get("url", "")
+        return url if isinstance(url, str) else ""
+    return f"data:{source.get('media_type', 'image/jpeg')};base64,{source.get('data', '')}"
+
+
+def _usable(url: str, where: str) -> str:
+    if not url or url.endswith(";base64,"):
+        raise PartError(where, "an image needs base64 data or a url")
+    return url
 
 
 def _source(part: dict, kind: str, where: str) -> str:

@@ -40,6 +40,10 @@ class RequestContext:
     """Output tokens so far per choice index."""
     final: Any = None
     """The last engine output (vLLM ``RequestOutput``) of the request."""
+    ec_report: dict | None = None
+    """The consumer connector's report for the request (vLLM's ``RequestOutput.ec_transfer_params``),
+    taken off the outputs before vLLM's serving code sees them: it is for the service (its facts and
+    metrics), never part of an answer."""
     encoder_failure: EncoderUnavailable | None = None
     """Set when the engine failed the request because an item's embedding could not be
     obtained: the servicer turns it into the ``epd-fault: encoder`` status (the gateway

@@ -40,7 +40,8 @@ from typing import Any
 from services.common.errors import BadInput, EncoderUnavailable, EPDError
 from services.common.layout import ItemLayout, splice_modalities
 from services.lm.context import CURRENT, RequestContext
-from services.lm.media import check_items
+from services.lm.media import EncodedElsewhere, check_items
+from services.lm.vllm_app import build_vllm_app
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +126,15 @@ def _lay_out(tok_prompt: dict, ctx: RequestContext, metadata_fields: dict[str, s
     if data or any(v for v in uuids.values()):
         raise BadInput(f"only {', '.join(LAID_OUT_MODALITIES)} items can come from an encoder; got "
                        f"{sorted(set(data) | set(uuids))}")
+    for modality, (values, idents) in list(per.items()):
+        # Items named by their bytes (EncodedElsewhere: the Messages API's images) are the
+        # uuid-only items they stand for.
+        if values and not idents:
+            idents = [None] * len(values)
+        if len(idents) == len(values):
+            idents = [v.identifier if isinstance(v, EncodedElsewhere) else u for v, u in zip(values, idents)]
+            values = [None if isinstance(v, EncodedElsewhere) else v for v in values]
+        per[modality] = (values, idents)
     layouts: dict[str, list[ItemLayout]] = {}
     for modality, (values, idents) in per.items():
         if any(v is not None for v in values) or len(idents) != len(values):
@@ -214,6 +224,9 @@ async def _recorded(gen, ctx: RequestContext, request_id: str, delta: bool):
                     info.error or f"request {request_id}: an embedding from encoder(s) {', '.join(named)} "
                     "could not be obtained", named)
                 raise ctx.encoder_failure
+            if out.ec_transfer_params is not None:
+                ctx.ec_report = out.ec_transfer_params
+                out.ec_transfer_params = None  # vLLM would copy it into answers (Responses, Messages)
             if any(c.token_ids for c in out.outputs):
                 ctx.last_token_at = time.perf_counter()
                 ctx.first_token_at = ctx.first_token_at or ctx.last_token_at
@@ -286,6 +299,8 @@ class Frontend:
     completion: Any
     models: Any
     engine: ConsumerEngine
+    app: Any = None
+    """vLLM's own HTTP application over ``engine`` (``services.lm.vllm_app``): every other route."""
 
 
 def serve_args(cfg: FrontendConfig, model: str):
@@ -345,4 +360,5 @@ async def build_frontend(engine, cfg: FrontendConfig, model: str) -> Frontend:
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         enable_force_include_usage=args.enable_force_include_usage)
-    return Frontend(chat=chat, completion=completion, models=models, engine=client)
+    app = await build_vllm_app(client, args)
+    return Frontend(chat=chat, completion=completion, models=models, engine=client, app=app)

@@ -51,6 +51,18 @@ MODALITIES = ("image", "audio", "video")
 """What the LM takes from the gateway (as uuid-only items or data: URLs)."""
 
 
+class EncodedElsewhere:
+    """What the LM's media connector returns, instead of decoding, for a data: URL whose bytes an
+    encoder of this request has laid out (the gateway names it by the content hash of those bytes):
+    the Anthropic Messages API, whose converter drops uuids, sends each image's bytes. The renderer
+    turns it into the uuid-only item it stands for; nothing is decoded here."""
+
+    __slots__ = ("identifier", "modality")
+
+    def __init__(self, modality: str, identifier: str) -> None:
+        self.modality, self.identifier = modality, identifier
+
+
 class RequestMedia:
     """One call's media decoded on this LM: per decoded object (by identity), the content hash of
     the bytes it came from, and the decode budget they hold."""
@@ -65,6 +77,16 @@ class RequestMedia:
         """The content hash of the bytes ``obj`` was decoded from here, or None if it was not."""
         entry = self.loaded.get(id(obj))
         return entry[1] if entry is not None and entry[0] is obj else None
+
+    def encoded_elsewhere(self, modality: str, data: bytes, ctx: RequestContext) -> EncodedElsewhere | None:
+        """An ``EncodedElsewhere`` for ``data`` when an encoder of this request laid it out (its
+        content hash has a source and a layout), recorded like a decoded item; else None."""
+        ident = content_id(data)
+        if ident not in ctx.sources or ident not in ctx.layouts:
+            return None
+        obj = EncodedElsewhere(modality, ident)
+        self.loaded[id(obj)] = (obj, ident)
+        return obj
 
     async def load(self, modality: str, data: bytes, loader: Callable[[bytes], Any],
                    sampled_frames: Callable[[VideoHeader], int] | None = None) -> Any:

@@ -69,6 +69,9 @@ class GatewayOnlyMediaConnector(MediaConnector):
         ctx = CURRENT.get()
         if ctx is None or ctx.media is None:
             raise BadInput(f"{modality} data outside a Generate call is not loaded here")
+        laid_out = ctx.media.encoded_elsewhere(modality, data, ctx)
+        if laid_out is not None:  # an encoder has it: not decoded here
+            return laid_out
         sampled = frames_sampled_by(media_io) if modality == "video" else None
         return await ctx.media.load(modality, data, media_io.load_bytes, sampled)
 

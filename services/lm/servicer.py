@@ -44,7 +44,7 @@ TTFT = Histogram("epd_lm_ttft_seconds", "Arrival at the LM to first token",
 TRANSFER = Histogram("epd_lm_transfer_seconds", "Time a request waited for encoder outputs",
                      buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5))
 
-_APIS = ("chat", "completions")
+_APIS = ("chat", "completions", "http")
 
 
 def validation_error(frontend: Frontend, exc) -> tuple[int, bytes]:
@@ -69,6 +69,8 @@ def openai_body(request: lm_pb2.GenerateRequest) -> dict:
     body that is not a JSON object (everything inside it is vLLM's to validate)."""
     if request.openai.api not in _APIS:
         raise BadInput(f"openai.api must be one of {', '.join(_APIS)}; got {request.openai.api!r}")
+    if request.openai.api == "http" and not request.openai.body:
+        return {}  # a GET
     try:
         body = json.loads(request.openai.body)
     except (ValueError, UnicodeDecodeError) as e:
@@ -168,6 +170,11 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
             for endpoint in {s.endpoint for s in ctx.sources.values()}:
                 await self.peers.check(endpoint)
             try:
+                if request.openai.api == "http":
+                    async for msg in self._http(request, ctx):
+                        yield msg
+                    status = "ok"
+                    return
                 answer = await self._answer(request, ctx)
                 if isinstance(answer, tuple):
                     code, payload = answer
@@ -198,11 +205,43 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
                 ctx.media.release()  # normally done once the prompt was processed
             REQUESTS.labels(status).inc()
 
+    async def _http(self, request: lm_pb2.GenerateRequest, ctx: RequestContext):
+        """A route of vLLM's own app (``services.lm.vllm_app``): the first message has the status,
+        content type and the whole body (or, for a stream, its first chunk; each further chunk is a
+        message); the last one the request's facts, as for chat."""
+        from services.lm.vllm_app import Started, call
+
+        openai_body(request)  # a JSON object (or nothing, for a GET): everything inside is vLLM's to read
+        rid = request.request_id
+        method, path = request.openai.method or "POST", request.openai.path
+        async with contextlib.aclosing(call(self.frontend.app, method, path, request.openai.body)) as answer:
+            started: Started | None = None
+            body: list[bytes] = []  # a plain response's chunks, sent as one message
+            streamed = 0
+            async for part in answer:
+                if ctx.encoder_failure is not None:
+                    raise ctx.encoder_failure
+                if isinstance(part, Started):
+                    started = part
+                elif started.content_type.startswith("text/event-stream"):
+                    yield lm_pb2.GenerateResponse(request_id=rid, openai=part,
+                                                  http_status=0 if streamed else started.status,
+                                                  content_type="" if streamed else started.content_type)
+                    streamed += 1
+                else:
+                    body.append(part)
+        if ctx.encoder_failure is not None:
+            raise ctx.encoder_failure
+        if not streamed:
+            yield lm_pb2.GenerateResponse(request_id=rid, openai=b"".join(body),
+                                          http_status=started.status, content_type=started.content_type)
+        yield self._last(rid, ctx)
+
     def _last(self, rid: str, ctx: RequestContext) -> lm_pb2.GenerateResponse:
         from ectransfer.connector.metadata import ConsumerFinished, TransferReport
 
         final = ctx.final
-        ec = ConsumerFinished.from_dict(final.ec_transfer_params if final is not None else None).report \
+        ec = ConsumerFinished.from_dict(ctx.ec_report).report \
             or TransferReport()
         if ctx.laid_out:
             LAYOUTS.labels("encoder").inc()

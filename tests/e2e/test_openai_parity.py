@@ -277,3 +277,181 @@ def test_the_openai_client_sees_the_same(servers):
         out[name] = (texts, usage.model_dump() if usage else None, full.choices[0].message.content,
                      [round(t.logprob, 2) for t in full.choices[0].logprobs.content])
     assert out["epd"] == out["vllm"]
+
+
+# Issue 22: the rest of `vllm serve`'s generative surface, answered by vLLM's own app on the LM.
+_VOLATILE_MORE = {"created_at", "completed_at"}
+
+
+def _norm(x, key: str = ""):
+    if isinstance(x, dict):
+        return {k: _norm(v, k) for k, v in x.items() if k not in _VOLATILE | _VOLATILE_MORE}
+    if isinstance(x, list):
+        return [_norm(v) for v in x]
+    if isinstance(x, float):
+        return round(x, 2)
+    if isinstance(x, str) and x.startswith(("resp_", "msg_", "chatcmpl-", "call_", "fc_", "rs_")):
+        return x.split("_")[0]  # an id inside a text field (item ids in events)
+    return x
+
+
+def _sse(raw: bytes) -> list[tuple[str, dict]]:
+    """A stream's events as (event name, data), epd's ``: epd`` comment left out."""
+    out, name = [], ""
+    for line in raw.decode().splitlines():
+        if line.startswith("event: "):
+            name = line[7:]
+        elif line.startswith("data: ") and line != "data: [DONE]":
+            out.append((name, json.loads(line[6:])))
+            name = ""
+    return out
+
+
+def _collapsed(events: list[tuple[str, dict]]) -> list:
+    """A stream as a client reads it: runs of text deltas joined into one (how a server splits its
+    text into deltas depends on timing, in ``vllm serve`` too), sequence numbers dropped."""
+    out: list = []
+    for name, data in events:
+        data = {k: v for k, v in data.items() if k != "sequence_number"}
+        if name == "response.output_text.delta" or (name == "content_block_delta" and "text" in data["delta"]):
+            text = data["delta"] if name.startswith("response.") else data["delta"]["text"]
+            if out and out[-1][0] == name:
+                out[-1][1] += text
+                continue
+            out.append([name, text])
+        else:
+            out.append([name, _norm(data)])
+    return out
+
+
+def _diff(a, b, path: str = "") -> list[str]:
+    """Where two JSON values differ (paths, for an assertion's message)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for k in sorted(set(a) | set(b), key=str) for d in _diff(a.get(k), b.get(k), f"{path}.{k}")]
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _diff(x, y, f"{path}[{i}]")]
+    return [] if a == b else [f"{path}: {str(a)[:120]} != {str(b)[:120]}"]
+
+
+def _b64(url: str) -> str:
+    return url.split(",", 1)[1]
+
+
+def _input_image(url: str) -> dict:
+    return {"type": "input_image", "image_url": url}
+
+
+def _anthropic_image(url: str) -> dict:
+    return {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": _b64(url)}}
+
+
+RESPONSES = {
+    "text": {"input": "Tell me a story.", "max_output_tokens": 10},
+    "image": {"input": [{"role": "user", "content": [_input_image(IMG_A), {"type": "input_text",
+                                                                           "text": "What is it?"}]}],
+              "max_output_tokens": 10},
+    "two images and instructions": {"instructions": "Answer briefly.", "input": [{"role": "user", "content": [
+        _input_image(IMG_B), {"type": "input_text", "text": "and"}, _input_image(IMG_A)]}], "max_output_tokens": 8},
+    "tool call": {"input": "Weather in Paris?", "max_output_tokens": 30, "tool_choice": {
+        "type": "function", "name": "get_weather"}, "tools": [dict(TOOLS[0]["function"], type="function")]},
+}
+MESSAGES = {
+    "image as base64": {"max_tokens": 10, "messages": [{"role": "user", "content": [
+        _anthropic_image(IMG_A), {"type": "text", "text": "What is it?"}]}]},
+    "system prompt": {"max_tokens": 10, "system": "You answer briefly.", "messages": [
+        {"role": "user", "content": [_anthropic_image(IMG_B), {"type": "text", "text": "Describe it."}]}]},
+    "text": {"max_tokens": 10, "messages": [{"role": "user", "content": "Hello there"}]},
+    "tool use": {"max_tokens": 30, "tools": [{"name": "get_weather", "description": "Weather in a city",
+                                              "input_schema": TOOLS[0]["function"]["parameters"]}],
+                 "tool_choice": {"type": "tool", "name": "get_weather"},
+                 "messages": [{"role": "user", "content": "Weather in Paris?"}]},
+}
+SURFACE_BAD = {
+    "responses: unknown model": ("/v1/responses", {"input": "hi", "model": "no-such-model"}),
+    "responses: bad parameter": ("/v1/responses", {"input": "hi", "temperature": -3}),
+    "messages: no max_tokens": ("/v1/messages", {"messages": [{"role": "user", "content": "hi"}]}),
+    "messages: unknown model": ("/v1/messages", {"max_tokens": 4, "model": "no-such-model",
+                                                 "messages": [{"role": "user", "content": "hi"}]}),
+    "tokenize: neither prompt nor messages": ("/tokenize", {}),
+    "detokenize: a token past the vocabulary": ("/detokenize", {"tokens": [10 ** 9]}),
+}
+
+
+def _local_runs(deployment) -> float:
+    from tests.e2e.helpers import metric
+
+    return metric(deployment.lm_metrics, "epd_lm_local_encoder_runs_total")
+
+
+@pytest.mark.parametrize("case", list(RESPONSES))
+def test_responses_match_vllm_serve(servers, deployment, case):
+    local = _local_runs(deployment)
+    got = _both(servers, "/v1/responses", RESPONSES[case])
+    (sv, bv), (se, be) = got["vllm"], got["epd"]
+    assert sv == se == 200, (bv[:500], be[:500])
+    assert _norm(json.loads(be)) == _norm(json.loads(bv))
+    assert _local_runs(deployment) == local  # the images went through the encoder
+
+
+@pytest.mark.parametrize("case", list(MESSAGES))
+def test_messages_match_vllm_serve(servers, deployment, case):
+    local = _local_runs(deployment)
+    got = _both(servers, "/v1/messages", MESSAGES[case])
+    (sv, bv), (se, be) = got["vllm"], got["epd"]
+    assert sv == se == 200, (bv[:500], be[:500])
+    assert _norm(json.loads(be)) == _norm(json.loads(bv))
+    assert _local_runs(deployment) == local
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/responses", RESPONSES["image"]), ("/v1/messages", MESSAGES["image as base64"])], ids=["responses", "messages"])
+def test_streams_match_vllm_serve_event_by_event(servers, path, body):
+    got = _both(servers, path, dict(body, stream=True))
+    (sv, bv), (se, be) = got["vllm"], got["epd"]
+    assert sv == se == 200, (bv[:500], be[:500])
+    ours, want = _collapsed(_sse(be)), _collapsed(_sse(bv))
+    assert ours == want, _diff(ours, want)  # the same events, the same text
+    assert b"data: [DONE]" not in be  # these APIs end with their own last event
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/tokenize", {"prompt": "Hello world, again"}),
+    ("/tokenize", {"messages": [_user(_image(IMG_A), "What is it?", _image(IMG_B))]}),
+    ("/tokenize", {"messages": [_user("Hi")], "add_generation_prompt": True, "return_token_strs": True}),
+    ("/detokenize", {"tokens": [10, 11, 12, 300]}),
+    ("/v1/messages/count_tokens", {"messages": [{"role": "user", "content": [
+        _anthropic_image(IMG_A), {"type": "text", "text": "Count me"}]}]}),
+], ids=["tokenize text", "tokenize chat with images", "tokenize token strs", "detokenize", "count_tokens"])
+def test_token_endpoints_match_vllm_serve(servers, deployment, path, body):
+    from tests.e2e.helpers import metric
+
+    runs = metric(deployment.encoder_metrics, "epd_encoder_vision_runs_total")
+    local = _local_runs(deployment)
+    got = _both(servers, path, body)
+    (sv, bv), (se, be) = got["vllm"], got["epd"]
+    assert sv == se == 200, (bv[:500], be[:500])
+    assert _norm(json.loads(be)) == _norm(json.loads(bv))
+    # Counting lays the prompt out (the LM's processor); no vision tower runs anywhere.
+    assert metric(deployment.encoder_metrics, "epd_encoder_vision_runs_total") == runs
+    assert _local_runs(deployment) == local
+
+
+@pytest.mark.parametrize("case", list(SURFACE_BAD))
+def test_surface_errors_match_vllm_serve(servers, case):
+    path, body = SURFACE_BAD[case]
+    got = _both(servers, path, body)
+    (sv, bv), (se, be) = got["vllm"], got["epd"]
+    assert sv == se, (sv, bv[:300], se, be[:300])
+    assert _norm(json.loads(be)) == _norm(json.loads(bv))
+
+
+def test_probes_match_vllm_serve(servers):
+    for path in ("/version", "/ping"):
+        with urllib.request.urlopen(servers["vllm"] + path, timeout=10) as r:
+            want = (r.status, r.read())
+        with urllib.request.urlopen(servers["epd"] + path, timeout=10) as r:
+            ours = (r.status, r.read())
+        if path == "/version":
+            assert _norm(json.loads(ours[1])) == _norm(json.loads(want[1]))
+        else:
+            assert ours == want

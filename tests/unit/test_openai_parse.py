@@ -95,7 +95,7 @@ def test_completions_bodies_are_not_searched_for_images():
 def test_image_data_url_becomes_an_item_identified_by_its_sha256():
     call, req, media = parse_and_load(chat("what is this?", image(data_url(PNG))))
     ident = hashlib.sha256(PNG).hexdigest()
-    assert call.parts == [(0, 1)]
+    assert [(p.message, p.part) for p in call.parts] == [(0, 1)]
     assert [(m.data, m.identifier, m.modality) for m in media] == [(PNG, ident, "image")]
     assert [(i.modality, i.identifier, i.HasField("source")) for i in req.items] == [("image", ident, False)]
 
@@ -110,7 +110,7 @@ def test_several_images_are_found_in_order_across_messages_and_an_untyped_plain_
         {"role": "user", "content": [{"image_url": data_url(jpg, "image/jpeg")}, "odd part"]},
     ]}
     call, req, media = parse_and_load(body)
-    assert call.parts == [(1, 1), (3, 0)]
+    assert [(p.message, p.part) for p in call.parts] == [(1, 1), (3, 0)]
     assert call.sources == [data_url(PNG), data_url(jpg, "image/jpeg")]
     assert [m.identifier for m in media] == [hashlib.sha256(PNG).hexdigest(), hashlib.sha256(jpg).hexdigest()]
     assert [i.identifier for i in req.items] == [m.identifier for m in media]
@@ -174,7 +174,7 @@ def test_a_client_uuid_on_any_part_is_400(part):
 ], ids=["untyped", "untyped-with-text", "key-order", "responses-input-image"])
 def test_parts_vllm_reads_as_media_by_their_keys_are_media_here_too(part, modality):
     call = parse(chat("hi", part))
-    assert call.parts == [(0, 1)] and call.modalities == [modality]
+    assert [(p.message, p.part) for p in call.parts] == [(0, 1)] and call.modalities == [modality]
 
 
 @pytest.mark.parametrize("part", [

@@ -1,0 +1,133 @@
+"""vLLM's own HTTP application inside the LM, called in-process: every route of `vllm serve` that the
+LM answers (Responses, Anthropic Messages, tokenize and detokenize, version) is answered
+by the code `vllm serve` runs, over the LM's ``ConsumerEngine`` (so its renderer is the
+``LaidOutRenderer`` and its engine calls carry the gateway's ``ec_transfer_params``, as for chat).
+
+``build_vllm_app`` makes the app as ``vllm serve`` does (``build_app`` + ``init_app_state``, with
+``vllm serve``'s own parsed arguments); ``call`` runs one request through it as ASGI, with no socket:
+the request's body goes in, the response's status, content type and body chunks come out as they
+are produced. The caller (``LMServicer.Generate``) owns the call: closing the generator ``call``
+returns cancels vLLM's handler, which aborts the engine request as a client hanging up on
+`vllm serve` does.
+
+Only ``ROUTES`` are answered: the gateway's public surface. Everything else vLLM's app has (LoRA
+loading, sleep and wake, elastic scaling, the scale-out token routes, metrics) is refused here as
+not found, whatever the gateway sends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from services.common.errors import BadInput
+
+ROUTES: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
+    (method, re.compile(pattern)) for method, pattern in (
+        ("POST", r"/v1/responses"),
+        ("GET", r"/v1/responses/[A-Za-z0-9_.-]{1,200}"),
+        ("POST", r"/v1/responses/[A-Za-z0-9_.-]{1,200}/cancel"),
+        ("POST", r"/v1/messages"),
+        ("POST", r"/v1/messages/count_tokens"),
+        ("POST", r"/tokenize"),
+        ("POST", r"/detokenize"),
+        ("GET", r"/version"),
+    ))
+"""The routes of vLLM's app the LM answers (method, full-match path)."""
+
+MAX_RESPONSE_BYTES = 64 << 20
+"""A non-streaming answer larger than this is refused (it would be one gRPC message)."""
+
+
+def allowed(method: str, path: str) -> bool:
+    return any(m == method and p.fullmatch(path) for m, p in ROUTES)
+
+
+@dataclass
+class Started:
+    """The first thing ``call`` yields: the response's status and content type."""
+
+    status: int
+    content_type: str
+
+
+async def build_vllm_app(engine_client, args):
+    """vLLM's FastAPI app for ``args`` (``vllm serve``'s parsed flags) over ``engine_client``, with its
+    state initialised as ``vllm serve`` initialises it."""
+    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+    from vllm.entrypoints.launchers.app import build_app
+
+    tasks = await engine_client.get_supported_tasks()
+    app = build_app(args, tasks, engine_client.model_config)
+    await init_app_state(engine_client, app.state, args, tasks)
+    return app
+
+
+async def call(app, method: str, path: str, body: bytes) -> AsyncIterator[Started | bytes]:
+    """One request through ``app``: yields ``Started`` once, then the body's chunks (one for a plain
+    response, one per write for a stream). Raises BadInput for a route the LM does not answer."""
+    if not allowed(method, path):
+        raise BadInput(f"the LM does not answer {method} {path[:80]}")
+    scope = {
+        "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+        "method": method, "scheme": "http", "path": path, "raw_path": path.encode(), "root_path": "",
+        "query_string": b"", "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 0),
+        "headers": [(b"host", b"lm"), (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode())],
+    }
+    out: asyncio.Queue = asyncio.Queue()
+    gone = asyncio.Event()
+    sent_body = False
+
+    async def receive() -> dict:
+        nonlocal sent_body
+        if not sent_body:
+            sent_body = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await gone.wait()  # a streaming response listens for the client leaving: only when we stop
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        await out.put(message)
+
+    async def run() -> None:
+        try:
+            await app(scope, receive, send)
+        finally:
+            await out.put(None)
+
+    task = asyncio.get_running_loop().create_task(run())
+    try:
+        started = False
+        size = 0
+        while True:
+            message = await out.get()
+            if message is None:
+                task.result()  # the app's own exception, if it raised one
+                if not started:
+                    raise RuntimeError(f"vLLM's app sent no response to {method} {path}")
+                return
+            if message["type"] == "http.response.start":
+                headers = {k.decode().lower(): v.decode() for k, v in message.get("headers", [])}
+                started = True
+                yield Started(message["status"], headers.get("content-type", ""))
+            elif message["type"] == "http.response.body":
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > MAX_RESPONSE_BYTES:
+                    raise BadInput(f"the answer to {method} {path} is larger than {MAX_RESPONSE_BYTES >> 20} MiB")
+                if chunk:
+                    yield chunk
+                if not message.get("more_body", False):
+                    await task
+                    return
+    finally:
+        gone.set()
+        if not task.done():
+            task.cancel()
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - the caller went away; nothing to report
+                pass
