@@ -227,6 +227,8 @@ class Intake:
 def message_nbytes(request) -> int:
     """The size of a GatewayService request's payload (its body and media; protobuf's
     ``ByteSize`` walks the whole message, 0.1 s for 86 MB)."""
+    if not hasattr(request, "media"):  # a ResponseRef: an id
+        return request.ByteSize()
     return len(request.body) + sum(len(m) for m in request.media)
 
 

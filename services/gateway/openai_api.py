@@ -1,38 +1,32 @@
-"""OpenAI REST (and the request half of the native gRPC API): the gateway reads
-only what disaggregation needs from a request, its media, and passes the body
-on to an LM, whose vLLM serving classes validate and answer it exactly as
-``vllm serve`` does; their bytes come back unchanged (with ``--epd-facts``,
-non-streaming responses get an ``epd`` object added, streams an ``: epd`` SSE
-comment before ``[DONE]``). Also the one function that maps gRPC status codes
-to OpenAI-style HTTP errors."""
+"""The OpenAI-compatible REST API (and Anthropic's Messages API, and the rest of ``vllm serve``'s
+routes): a transport over the request core (``services.gateway.core``). Each route reads its body
+through the intake (bounded before admission), hands it to the core, and relays the LM's answer:
+vLLM's bytes unchanged (with ``--epd-facts``, a JSON answer gets an ``epd`` object added, a stream an
+``: epd`` SSE comment at its end). Also how a gRPC status from the deployment becomes the HTTP error
+a client sees (``from_grpc``, over the core's one table)."""
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import copy
 import functools
 import json
 import logging
 import re
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 from aiohttp import web
 
 from epd.lm.v1 import lm_pb2
-from services.common.errors import MediaError
-from services.common.media import content_id, sniff_audio_format, sniff_video_format
 from services.gateway import metrics
-from services.gateway.admission import AdmissionRefused
 from services.gateway.config import GatewayConfig
-from services.gateway.fetch import MediaFetcher, load_images
-from services.gateway.intake import CURRENT_LEASE, BodyRefused, Intake, charge_fetched
-from services.gateway.orchestrator import Media, Orchestrator, Timings
-from services.gateway.parts import LM_PART, MediaPart, PartError, anthropic_media_parts, media_parts
+from services.gateway.core import RequestCore, body_refused, http_status
+from services.gateway.fetch import MediaFetcher
+from services.gateway.intake import CURRENT_LEASE, BodyRefused, Intake
+from services.gateway.orchestrator import Orchestrator, Timings
+from services.gateway.request import API, APIS, ApiError, OpenAICall
 
 logger = logging.getLogger(__name__)
 
@@ -40,27 +34,6 @@ REQUEST_ID_HEADER = "X-Request-Id"
 REQUEST_ID_KEY = "epd_request_id"
 ARRIVAL_KEY = "epd_arrival"
 REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
-
-_HTTP_STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
-    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
-    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
-    grpc.StatusCode.FAILED_PRECONDITION: (502, "server_error"),
-    # The gateway's own credentials or an LM's allow-list: a deployment fault, not the client's.
-    grpc.StatusCode.UNAUTHENTICATED: (502, "server_error"),
-    grpc.StatusCode.PERMISSION_DENIED: (502, "server_error"),
-    grpc.StatusCode.UNAVAILABLE: (503, "server_error"),
-    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "server_error"),
-    grpc.StatusCode.CANCELLED: (499, "server_error"),
-}
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param = status, message, type_, param
-
 
 _DEPLOYMENT_FAULTS = {
     grpc.StatusCode.INTERNAL: "internal error",
@@ -75,9 +48,10 @@ without ``--epd-facts`` a caller gets this summary and the request id; the gatew
 
 
 def from_grpc(e: grpc.aio.AioRpcError, rid: str = "", facts: bool = True) -> ApiError:
-    """The one place gRPC codes become HTTP errors. ``facts`` off (``--epd-facts``): a deployment
-    fault's details are replaced by a summary naming the request (``rid``)."""
-    status, type_ = _HTTP_STATUS.get(e.code(), (500, "server_error"))
+    """A gRPC status from the deployment as the HTTP error a client gets (``core.STATUS``). ``facts``
+    off (``--epd-facts``): a deployment fault's details are replaced by a summary naming the request
+    (``rid``)."""
+    status, type_ = http_status(e.code())
     summary = _DEPLOYMENT_FAULTS.get(e.code())
     if summary is not None and not facts:
         return ApiError(status, f"{summary} (request {rid or 'unknown'}; the gateway's log has the details)", type_)
@@ -93,201 +67,9 @@ def error_body(e: ApiError, anthropic: bool = False) -> dict[str, Any]:
 
 
 def error_response(e: ApiError, headers: dict[str, str] | None = None, anthropic: bool = False) -> web.Response:
+    if e.retry_after is not None:
+        headers = {**(headers or {}), "Retry-After": e.retry_after}
     return web.json_response(error_body(e, anthropic), status=e.status, headers=headers)
-
-
-def loads_strict(raw: bytes) -> Any:
-    """A request body as JSON (RFC 8259): unlike ``json.loads`` it refuses the NaN, Infinity and
-    -Infinity literals. Raises ApiError (400)."""
-    def refuse(literal: str) -> Any:
-        raise ValueError(f"{literal} is not a JSON number")
-
-    try:
-        return json.loads(raw, parse_constant=refuse)
-    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
-        raise ApiError(400, f"request body is not valid JSON: {e}") from None
-
-
-def engine_request_id(client_id: str, prefix: str) -> str:
-    """The id the encoders and the LM see for one request: the client's ``X-Request-Id`` with a random
-    suffix (clients may send the same id twice; an engine needs unique ones, and the client's id still
-    finds the request in every service's logs), or ``<prefix>-<uuid>`` without one."""
-    return f"{client_id}-{uuid.uuid4().hex[:12]}" if client_id else f"{prefix}-{uuid.uuid4().hex}"
-
-
-def media_api_error(e: MediaError) -> ApiError:
-    """A refused media item as the REST API answers it: 400 or 413, param image_url (audio_url)."""
-    return ApiError(e.status, str(e), param=f"{e.modality}_url")
-
-
-MIME = {"WAV": "audio/wav", "FLAC": "audio/flac", "OGG": "audio/ogg", "MP3": "audio/mpeg",
-        "MP4": "video/mp4", "WEBM": "video/webm", "AVI": "video/x-msvideo"}
-LIMIT_FLAG = {"image": "max_images", "audio": "max_audios", "video": "max_videos"}
-ITEMS = {"image": "images", "audio": "audio clips", "video": "videos"}
-MEDIA_REF = "epd-media:"  # gRPC API: an image_url/audio_url that names OpenAIRequest.media[N]
-
-
-@dataclass(frozen=True)
-class Api:
-    """One endpoint of ``vllm serve`` the gateway answers. Chat and completions go to the LM's serving
-    classes by name; every other one to the LM's copy of vLLM's own app (``services.lm.vllm_app``) by
-    method and path. ``media``: where its media are (``messages``: chat parts; ``input``: the
-    Responses API's input items; ``anthropic``: Messages image blocks; empty: none). ``encode``: its
-    items go through encoders (tokenize and count_tokens only lay prompts out: the LM's processor
-    expands the placeholders, no vision run). ``done``: its stream ends with ``data: [DONE]``."""
-
-    name: str
-    method: str
-    path: str
-    prefix: str
-    media: str = ""
-    encode: bool = True
-    done: bool = False
-    anthropic: bool = False
-
-    @property
-    def lm_api(self) -> str:
-        return self.name if self.name in ("chat", "completions") else "http"
-
-
-APIS: tuple[Api, ...] = (
-    Api("chat", "POST", "/v1/chat/completions", "chatcmpl", "messages", done=True),
-    Api("completions", "POST", "/v1/completions", "cmpl", done=True),
-    Api("responses", "POST", "/v1/responses", "resp", "input"),
-    Api("responses_get", "GET", "/v1/responses/{response_id}", "resp"),
-    Api("responses_cancel", "POST", "/v1/responses/{response_id}/cancel", "resp"),
-    Api("messages", "POST", "/v1/messages", "msg", "anthropic", anthropic=True),
-    Api("count_tokens", "POST", "/v1/messages/count_tokens", "msg", "anthropic", encode=False, anthropic=True),
-    Api("tokenize", "POST", "/tokenize", "tok", "messages", encode=False),
-    Api("detokenize", "POST", "/detokenize", "tok"),
-    Api("version", "GET", "/version", "req"),
-)
-API = {a.name: a for a in APIS}
-
-
-@dataclass
-class OpenAICall:
-    """One OpenAI request on its way through the gateway: the client's body (never changed; each LM
-    attempt gets a copy from ``lm_body``), where its image parts are, and the images' sources."""
-
-    api: str  # a name in APIS
-    body: dict[str, Any]
-    stream: bool
-    parts: list[MediaPart] = field(default_factory=list)  # where each media item is, in order
-    sources: list[str | bytes] = field(default_factory=list)  # the items' URLs (or gRPC media bytes)
-    modalities: list[str] = field(default_factory=list)  # each item's: "image", "audio" or "video"
-    request_id: str = ""
-    """The request's id in the LM's body: vLLM names its response ``chatcmpl-<id>`` / ``cmpl-<id>``
-    from it. As with ``vllm serve``, the client's X-Request-Id wins (``id_given``); else the body's
-    own ``request_id``; else this one, made by the gateway."""
-    id_given: bool = False
-
-    def drop_payload(self) -> None:
-        """Frees the request's body and media sources once it is answered, whatever still refers to
-        this object (a retry closure, a task in a reference cycle)."""
-        self.body = {}
-        self.sources.clear()
-
-    def lm_body(self, req: lm_pb2.GenerateRequest, media: list[Media]) -> bytes:
-        """The body for one LM attempt: each item an encoder laid out becomes a uuid-only part (the
-        LM never sees its bytes); any other item a data: URL of the bytes the gateway read (the LM
-        never downloads), with its content hash as uuid when an encoder has its embedding. Audio goes
-        as vLLM's ``audio_url`` part (an ``input_audio`` part too)."""
-        body = copy.deepcopy(self.body) if self.parts else dict(self.body)
-        spec = API[self.api]
-        if self.request_id and spec.lm_api != "http" and (self.id_given or not body.get("request_id")):
-            body["request_id"] = self.request_id
-        items = list(req.items) if spec.encode else [None] * len(media)
-        # The LM lays a prompt out from the encoders' layouts only when every item has one; else its
-        # processor lays the whole prompt out and needs every item's bytes.
-        laid_out = spec.encode and all(item.source.placeholder_token_ids for item in req.items)
-        for p, item, m in zip(self.parts, items, media):
-            data_url = None if laid_out else _data_url(m)
-            ident = item.identifier if item is not None and (laid_out or item.HasField("source")) else None
-            if spec.media == "anthropic":
-                # vLLM's converter drops any uuid: the LM knows an encoder's image by its content hash.
-                block = body["messages"][p.message]["content"][p.part]
-                if p.inner >= 0:
-                    block = block["content"][p.inner]
-                block["source"] = {"type": "base64", "media_type": "image/png",
-                                   "data": base64.b64encode(m.data).decode()}
-                continue
-            if spec.media == "input" and m.modality == "image":
-                part: dict[str, Any] = {"type": "input_image", "image_url": data_url}
-            else:
-                kind = LM_PART[m.modality]
-                part = {"type": kind, kind: None if data_url is None else {"url": data_url}}
-            if ident is not None:
-                part["uuid"] = ident  # else the LM encodes it itself and hashes it as vLLM does
-            body[p.container][p.message]["content"][p.part] = part
-        return json.dumps(body, ensure_ascii=False).encode()
-
-
-def _data_url(m: Media) -> str:
-    if m.modality == "image":
-        mime = "image/png"  # the LM's image decoder sniffs the format
-    else:
-        sniffed = sniff_audio_format(m.data) if m.modality == "audio" else sniff_video_format(m.data)
-        mime = MIME.get(sniffed or "", f"{m.modality}/octet-stream")
-    return f"data:{mime};base64," + base64.b64encode(m.data).decode()
-
-
-def parse_openai(api: str, raw: bytes, cfg: GatewayConfig, media: list[bytes] | None = None) -> OpenAICall:
-    """Reads what the gateway needs from a request body, without I/O: whether it streams, and where its
-    media are, found by vLLM's own rule (``services.gateway.parts``). Everything else is vLLM's to
-    validate (on the LM). ``media``: the gRPC API's raw media, named by ``epd-media:N`` URLs. Raises
-    ApiError."""
-    spec = API[api]
-    body = loads_strict(raw) if raw or spec.method != "GET" else {}
-    if not isinstance(body, dict):
-        raise ApiError(400, "request body must be a JSON object")
-    call = OpenAICall(api, body, body.get("stream") is True)
-    try:
-        if spec.media == "anthropic":
-            found = anthropic_media_parts(body.get("messages"))
-        elif spec.media:
-            found = media_parts(body.get(spec.media), spec.media)
-        else:
-            found = []
-    except PartError as e:
-        raise ApiError(400, str(e), param=spec.media) from None
-    for p in found:
-        limit = getattr(cfg, LIMIT_FLAG[p.modality])
-        if call.modalities.count(p.modality) >= limit:
-            raise ApiError(400, f"at most {limit} {ITEMS[p.modality]} per request (--max-{p.modality}s)",
-                           param=spec.media)
-        call.modalities.append(p.modality)
-        if p.source.startswith(MEDIA_REF):
-            k = p.source[len(MEDIA_REF):]
-            if media is None or not k.isdigit() or int(k) >= len(media):
-                raise ApiError(400, f"{p.where}: {p.source!r} names no media item", param=spec.media)
-            call.sources.append(media[int(k)])
-        else:
-            call.sources.append(p.source)
-        call.parts.append(p)
-    return call
-
-
-async def load_media(call: OpenAICall, req: lm_pb2.GenerateRequest, cfg: GatewayConfig,
-                     fetcher: MediaFetcher | None) -> list[Media]:
-    """Loads every media item of ``call`` (data: decoded, http(s) fetched concurrently, every header
-    checked), adds one item per image or audio clip to ``req`` in order and returns them as Media.
-    Raises MediaError."""
-    try:
-        datas = await load_images(call.sources, cfg, fetcher, call.modalities)
-    except MediaError as e:
-        logger.info("request %s: media refused (%d): %s", req.request_id, e.status, e)
-        raise
-    # Fetched media are held as long as the request; its body's share of the budget does not cover them.
-    await charge_fetched(sum(len(d) for d, src in zip(datas, call.sources)
-                             if isinstance(src, str) and not src.startswith("data:")))
-    media = []
-    for data, modality in zip(datas, call.modalities):
-        ident = content_id(data)
-        if API[call.api].encode:  # else the LM lays the prompt out itself, from the bytes in its body
-            req.items.add(modality=modality, identifier=ident)
-        media.append(Media(data, ident, modality))
-    return media
 
 
 def epd_facts(timings: Timings, last: lm_pb2.GenerateResponse | None) -> dict[str, Any]:
@@ -302,22 +84,17 @@ def epd_facts(timings: Timings, last: lm_pb2.GenerateResponse | None) -> dict[st
 
 class OpenAIRoutes:
     def __init__(self, cfg: GatewayConfig, orch: Orchestrator, *, fetcher: MediaFetcher | None = None,
-                 intake: Intake | None = None) -> None:
+                 intake: Intake | None = None, core: RequestCore | None = None) -> None:
         """``fetcher``: owned by ``server.serve`` (which closes it); without one http(s) image URLs are
         refused. ``intake``: the body limits before admission (default: this config's own). The served
         model is ``orch.model``: unknown (every request 503) until an LM is admitted."""
         self.cfg, self.orch, self.fetcher = cfg, orch, fetcher
         self.intake = intake or Intake(cfg)
+        self.core = core or RequestCore(cfg, orch, fetcher)
 
     @property
     def model(self) -> str:
         return self.orch.model or ""
-
-    def _check_ready(self) -> None:
-        """503, saying what the gateway waits for, until an LM has been admitted."""
-        why = self.orch.lm_wait_reason()
-        if why is not None:
-            raise ApiError(503, why, "server_error")
 
     def add_to(self, app: web.Application) -> None:
         for spec in APIS:
@@ -359,69 +136,39 @@ class OpenAIRoutes:
         return await self._serve(request, api="completions")
 
     async def _serve(self, request: web.Request, api: str) -> web.StreamResponse:
-        """Every API's request: read (intake, the API's media reader), admitted, its media loaded and
-        hashed, encoded and answered by an LM (the orchestrator), relayed (``_respond``)."""
+        """Every API's request: its body read under the intake's bounds, then the core (parse with the
+        API's media reader, admission, media, encode -> LM), then the answer relayed (``_respond``)."""
         spec = API[api]
         given = request.get(REQUEST_ID_KEY)
         rid = given or uuid.uuid4().hex
         request[REQUEST_ID_KEY] = rid
-        req = lm_pb2.GenerateRequest(request_id=engine_request_id(rid, spec.prefix))
-        req.openai.api = spec.lm_api
-        if spec.lm_api == "http":
-            req.openai.method, req.openai.path = spec.method, request.path
         headers = {REQUEST_ID_HEADER: rid}
-        ticket = lease = None
+        lease = None
         try:
             raw, lease = await self.intake.read(request)
             CURRENT_LEASE.set(lease)
-            call = parse_openai(api, raw, self.cfg)
-            del raw  # parsed: the text goes
-            call.request_id, call.id_given = rid, bool(given)
-            self._check_ready()
-            # Admission before any image is fetched: past capacity the request waits its turn or is
-            # refused now (429/503 with Retry-After), never half-way through.
-            ticket = await self.orch.admission.admit(self.orch.encodes_remotely(len(call.parts) if spec.encode else 0))
-            media = await load_media(call, req, self.cfg, self.fetcher)
-        except (ApiError, MediaError, AdmissionRefused, BodyRefused) as e:
-            if ticket is not None:
-                ticket.release()
-            if lease is not None:
-                lease.release()
-            if isinstance(e, AdmissionRefused):
-                headers["Retry-After"] = str(e.retry_after_s)
-                err = ApiError(e.status, e.message, "rate_limit_error" if e.status == 429 else "server_error")
-            elif isinstance(e, BodyRefused):
-                if e.status == 503:
-                    headers["Retry-After"] = "1"
-                err = ApiError(e.status, e.message, "server_error" if e.status == 503 else "invalid_request_error")
-            else:
-                err = e if isinstance(e, ApiError) else media_api_error(e)
-            metrics.REQUESTS.labels(api, str(err.status)).inc()
-            return error_response(err, headers, spec.anthropic)
-        except BaseException:  # the client went away during a fetch, or a bug: the place goes back
-            if ticket is not None:
-                ticket.release()
-            if lease is not None:
-                lease.release()
-            raise
-        timings = Timings(start=request.get(ARRIVAL_KEY) or time.perf_counter())
-        gen = self.orch.generate(req, media if spec.encode else [], timings, ticket=ticket,
-                                 prepare=lambda r: setattr(r.openai, "body", call.lm_body(r, media)))
+            admitted = await self.core.admit(api, raw, client_id=rid, id_given=bool(given), path=request.path,
+                                             lease=lease, arrival=request.get(ARRIVAL_KEY))
+        except (ApiError, BodyRefused) as e:
+            if isinstance(e, BodyRefused):
+                if lease is not None:
+                    lease.release()
+                e = body_refused(e)
+            metrics.REQUESTS.labels(api, str(e.status)).inc()
+            return error_response(e, headers, spec.anthropic)
+        gen = admitted.generate()
         try:
-            return await self._respond(request, req, call, len(media), gen, timings)
+            return await self._respond(request, admitted.req, admitted.call, len(admitted.media), gen,
+                                       admitted.timings)
         except (ConnectionResetError, asyncio.CancelledError):
             logger.info("request %s: the client went away after %.0f ms; cancelling its LM call",
-                        req.request_id, timings.since_start_ms())
+                        admitted.req.request_id, admitted.timings.since_start_ms())
             raise
         finally:
             # A client that went away (or any error) must cancel the LM call now,
             # which aborts the engine request and frees what it holds.
             await gen.aclose()
-            ticket.release()
-            lease.release()
-            call.drop_payload()
-            media.clear()
-            req.ClearField("openai")
+            admitted.close()
 
     async def _respond(self, request, req, call: OpenAICall, n_media: int, gen, timings) -> web.StreamResponse:
         route = call.api

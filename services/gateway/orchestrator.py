@@ -227,13 +227,14 @@ class Orchestrator:
 
     async def generate(self, req: lm_pb2.GenerateRequest, media: list[Media], timings: Timings,
                        prepare: Callable[[lm_pb2.GenerateRequest], None] | None = None,
-                       ticket: Ticket | None = None) -> AsyncIterator[lm_pb2.GenerateResponse]:
+                       ticket: Ticket | None = None, lm: str | None = None) -> AsyncIterator[lm_pb2.GenerateResponse]:
         """Yields the LM's responses. Raises grpc.aio.AioRpcError (from either
         service, or made here) once retries are exhausted or not allowed.
         ``prepare(req)`` runs before each LM call, once the attempt's items have
         their sources (the OpenAI routes write the LM's body there). ``ticket``:
         the request's admission (its encoder slot is given back when the
-        images are encoded on the LM)."""
+        images are encoded on the LM). ``lm``: the LM that must answer (it holds
+        state the request refers to, a stored response); no other is tried."""
         deadline = time.monotonic() + self.cfg.request_timeout_s
         excluded = {"encoder": set(), "lm": set()}
         base_id = req.request_id
@@ -247,7 +248,7 @@ class Orchestrator:
                 sent = False
                 try:
                     async with contextlib.aclosing(self._attempt(req, media, timings, deadline, excluded,
-                                                                 prepare, ticket)) as gen:
+                                                                 prepare, ticket, lm)) as gen:
                         async for resp in gen:
                             sent = True
                             yield resp
@@ -287,7 +288,7 @@ class Orchestrator:
         return max(0.001, deadline - time.monotonic())
 
     async def _attempt(self, req, media, timings: Timings, deadline: float, excluded: dict[str, set[str]],
-                       prepare=None, ticket: Ticket | None = None):
+                       prepare=None, ticket: Ticket | None = None, pinned: str | None = None):
         for item in req.items:
             item.ClearField("source")
         timings.encoders = []
@@ -309,7 +310,15 @@ class Orchestrator:
                     ticket.drop_encoder()
             # All ejected (a health blip on a busy host): try the ejected ones rather than fail outright.
             # Never one that was not admitted yet: its model is unknown.
-            lm = self._lm_policy.pick(self.lms.healthy(excluded["lm"]) or self.lms.ejected(excluded["lm"]))
+            if pinned is not None:
+                lm = next((i for i in self.lms.healthy(excluded["lm"]) + self.lms.ejected(excluded["lm"])
+                           if i.address == pinned), None)
+                if lm is None:
+                    raise _Failure(rpc_error(grpc.StatusCode.UNAVAILABLE, f"the LM that holds this request's state "
+                                                                          f"({pinned}) is not available"),
+                                   "lm", [], retryable=False)
+            else:
+                lm = self._lm_policy.pick(self.lms.healthy(excluded["lm"]) or self.lms.ejected(excluded["lm"]))
             if lm is None:
                 why = self.lm_wait_reason() or "no healthy LM instance"
                 raise _Failure(rpc_error(grpc.StatusCode.UNAVAILABLE, why), "lm", [], retryable=False)

@@ -16,6 +16,7 @@ from ectransfer.security import SecurityConfig
 from epd.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from services.common.grpc_server import GrpcServer
 from services.gateway.config import GatewayConfig
+from services.gateway.core import RequestCore
 from services.gateway.fetch import MediaFetcher
 from services.gateway.intake import GrpcIntake, Intake
 from services.gateway.openai_api import OpenAIRoutes, request_context
@@ -69,7 +70,8 @@ async def serve(cfg: GatewayConfig, stop: asyncio.Event | None = None, security:
         # Every body is read under the intake limits (size, readers, memory, deadline) before admission.
         intake = Intake(cfg)
         app = web.Application(middlewares=[request_context], client_max_size=cfg.max_body_bytes)
-        OpenAIRoutes(cfg, orch, fetcher=fetcher, intake=intake).add_to(app)
+        core = RequestCore(cfg, orch, fetcher)  # one for both transports: they share what it remembers
+        OpenAIRoutes(cfg, orch, fetcher=fetcher, intake=intake, core=core).add_to(app)
         app.router.add_get("/metrics", _metrics)
         # handler_cancellation: a client that disconnects cancels its handler, which
         # cancels the LM call (and with it the engine request).
@@ -84,7 +86,7 @@ async def serve(cfg: GatewayConfig, stop: asyncio.Event | None = None, security:
                                      options={"grpc.max_receive_message_length": cfg.max_body_bytes,
                                               "grpc.max_concurrent_streams": PUBLIC_STREAMS_PER_CONNECTION})
             grpc_server.add(gateway_pb2_grpc.add_GatewayServiceServicer_to_server,
-                            GatewayServicer(cfg, orch, fetcher=fetcher),
+                            GatewayServicer(cfg, orch, fetcher=fetcher, core=core),
                             gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name)
             grpc_port = await grpc_server.start()
             await grpc_server.set_serving(True)

@@ -1,44 +1,29 @@
-"""Native gRPC API (GatewayService): the OpenAI API over gRPC, on the REST path.
+"""Native gRPC API (GatewayService): every REST endpoint over gRPC, through the same request core.
 
-A request is the REST body (``parse_openai``), with raw image bytes allowed as
-``epd-media:N``; the answer is what REST sends: vLLM's JSON, one chunk per
-message when streaming. An error status the REST API would send becomes the
-matching gRPC code with vLLM's message.
+A request is the REST body (``services.gateway.request.parse_openai``), with raw media allowed as
+``epd-media:N``; the answer is what REST sends: vLLM's JSON, one event's data per message when
+streaming. An error the REST API would answer with an HTTP status ends the call with that status's
+gRPC code (``core.grpc_code``: the one table) and the message.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 
 import grpc
 
 from epd.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from epd.lm.v1 import lm_pb2
-from services.common.errors import BadInput, EPDError, PeerUnavailable
-from services.gateway.admission import AdmissionRefused
+from services.common.errors import BadInput, EPDError
 from services.gateway.config import GatewayConfig
+from services.gateway.core import Admitted, RequestCore, grpc_code
 from services.gateway.fetch import MediaFetcher
-from services.gateway.openai_api import (
-    REQUEST_ID_HEADER,
-    REQUEST_ID_RE,
-    ApiError,
-    engine_request_id,
-    epd_facts,
-    finished,
-    from_grpc,
-    load_media,
-    parse_openai,
-)
-from services.gateway.orchestrator import Orchestrator, Timings
+from services.gateway.openai_api import REQUEST_ID_HEADER, REQUEST_ID_RE, epd_facts, finished, from_grpc
+from services.gateway.orchestrator import Orchestrator
+from services.gateway.request import API, ApiError
 
-# HTTP statuses of REST answers as gRPC codes (the inverse of openai_api's mapping).
-_GRPC_CODE = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
-              403: grpc.StatusCode.PERMISSION_DENIED, 404: grpc.StatusCode.NOT_FOUND,
-              413: grpc.StatusCode.RESOURCE_EXHAUSTED, 422: grpc.StatusCode.INVALID_ARGUMENT,
-              429: grpc.StatusCode.RESOURCE_EXHAUSTED, 499: grpc.StatusCode.CANCELLED,
-              501: grpc.StatusCode.UNIMPLEMENTED, 503: grpc.StatusCode.UNAVAILABLE,
-              504: grpc.StatusCode.DEADLINE_EXCEEDED}
+_RESPONSE_ID = re.compile(r"[A-Za-z0-9_.-]{1,200}")
 
 
 class _Status(EPDError):
@@ -51,82 +36,113 @@ class _Status(EPDError):
 
 def _http_error(status: int, payload: bytes) -> _Status:
     try:
-        message = json.loads(payload)["error"]["message"]
+        body = json.loads(payload)
+        message = body["error"]["message"]  # OpenAI's shape, and Anthropic's ({"type": "error", "error": ...})
     except (ValueError, KeyError, TypeError):
         message = payload.decode(errors="replace")
-    return _Status(_GRPC_CODE.get(status, grpc.StatusCode.INTERNAL), message)
+    return _Status(grpc_code(status), message)
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
-    def __init__(self, cfg: GatewayConfig, orch: Orchestrator, *, fetcher: MediaFetcher | None = None) -> None:
-        """``fetcher``: owned by ``server.serve`` (which closes it); without one http(s) image URLs are
+    def __init__(self, cfg: GatewayConfig, orch: Orchestrator, *, fetcher: MediaFetcher | None = None,
+                 core: RequestCore | None = None) -> None:
+        """``fetcher``: owned by ``server.serve`` (which closes it); without one http(s) media URLs are
         refused."""
         self.cfg, self.orch, self.fetcher = cfg, orch, fetcher
+        self.core = core or RequestCore(cfg, orch, fetcher)  # the server shares one with the REST API
 
     async def ChatCompletion(self, request, context):
-        async for out in self._serve(request, context, "chat", "chatcmpl"):
+        async for out in self._serve(request, context, "chat"):
             yield out
 
     async def Completion(self, request, context):
-        async for out in self._serve(request, context, "completions", "cmpl"):
+        async for out in self._serve(request, context, "completions"):
             yield out
 
-    async def _serve(self, request: gateway_pb2.OpenAIRequest, context, api: str, prefix: str):
-        timings = Timings()
+    async def Responses(self, request, context):
+        async for out in self._serve(request, context, "responses"):
+            yield out
+
+    async def GetResponse(self, request, context):
+        async for out in self._by_id(request, context, "responses_get", "/v1/responses/{}"):
+            yield out
+
+    async def CancelResponse(self, request, context):
+        async for out in self._by_id(request, context, "responses_cancel", "/v1/responses/{}/cancel"):
+            yield out
+
+    async def Messages(self, request, context):
+        async for out in self._serve(request, context, "messages"):
+            yield out
+
+    async def CountTokens(self, request, context):
+        async for out in self._serve(request, context, "count_tokens"):
+            yield out
+
+    async def Tokenize(self, request, context):
+        async for out in self._serve(request, context, "tokenize"):
+            yield out
+
+    async def Detokenize(self, request, context):
+        async for out in self._serve(request, context, "detokenize"):
+            yield out
+
+    async def Version(self, request, context):
+        async for out in self._serve(request, context, "version"):
+            yield out
+
+    async def _by_id(self, request: gateway_pb2.ResponseRef, context, api: str, path: str):
+        if not _RESPONSE_ID.fullmatch(request.response_id):
+            raise BadInput(f"response_id must match {_RESPONSE_ID.pattern}")
+        body = b"" if API[api].method == "GET" else b"{}"
+        async for out in self._serve(gateway_pb2.OpenAIRequest(body=body, request_id=request.request_id), context,
+                                     api, path.format(request.response_id)):
+            yield out
+
+    async def _serve(self, request: gateway_pb2.OpenAIRequest, context, api: str, path: str = ""):
         # OpenAIRequest.request_id, else the x-request-id call metadata (REST's header).
         rid = request.request_id or dict(context.invocation_metadata() or ()).get(REQUEST_ID_HEADER.lower(), "")
         if rid and not REQUEST_ID_RE.fullmatch(rid):
             raise BadInput(f"request_id ({REQUEST_ID_HEADER}) must match {REQUEST_ID_RE.pattern}")
-        why = self.orch.lm_wait_reason()
-        if why is not None:  # before any image is loaded: nothing could take the request
-            raise PeerUnavailable(why)
+        body = request.body
+        request.ClearField("body")  # parsed below: the text goes (the media stay, shared with the call's sources)
         try:
-            call = parse_openai(api, request.body, self.cfg, list(request.media))
-        except ApiError as e:
-            raise _Status(_GRPC_CODE.get(e.status, grpc.StatusCode.INVALID_ARGUMENT), e.message) from None
-        request.ClearField("body")  # parsed: the text goes (the media stay, shared with ``call.sources``)
-        call.request_id, call.id_given = rid or uuid.uuid4().hex, bool(rid)
-        rid = call.request_id
-        req = lm_pb2.GenerateRequest(request_id=engine_request_id(rid, prefix))
-        req.openai.api = api
+            admitted = await self.core.admit(api, body, client_id=rid or uuid.uuid4().hex, id_given=bool(rid),
+                                             path=path, media=list(request.media))
+        except ApiError as e:  # 429: RESOURCE_EXHAUSTED, 503: UNAVAILABLE (retry later), 400s: INVALID_ARGUMENT
+            raise _Status(grpc_code(e.status), e.message) from None
         try:
-            ticket = await self.orch.admission.admit(self.orch.encodes_remotely(len(call.parts)))
-        except AdmissionRefused as e:  # 429: RESOURCE_EXHAUSTED, 503: UNAVAILABLE (retry later)
-            raise _Status(_GRPC_CODE[e.status], e.message) from None
-        try:
-            async for out in self._run(call, req, rid, timings, ticket):
+            async for out in self._run(admitted):
                 yield out
         finally:
-            ticket.release()
-            call.drop_payload()
-            req.ClearField("openai")
+            admitted.close()
 
-    async def _run(self, call, req, rid: str, timings: Timings, ticket):
-        media = await load_media(call, req, self.cfg, self.fetcher)  # MediaError: INVALID_ARGUMENT
+    async def _run(self, admitted: Admitted):
+        req, media, timings, call = admitted.req, admitted.media, admitted.timings, admitted.call
+        rid = call.request_id
+        route = "grpc"
+        last = None
+        stream = None
         try:
-            route = "grpc"
-            last = None
-            try:
-                async for resp in self.orch.generate(req, media, timings, ticket=ticket,
-                                                     prepare=lambda r: setattr(r.openai, "body", call.lm_body(r, media))):
-                    if resp.http_status and resp.http_status != 200:
-                        finished(route, resp.http_status, rid, timings, len(media), resp.openai[:200].decode(errors="replace"),
-                                 engine_id=req.request_id)
-                        raise _http_error(resp.http_status, resp.openai)
-                    if not resp.openai:
-                        last = resp
-                        continue
-                    for event in _events(resp.openai, call.stream):
-                        yield gateway_pb2.OpenAIResponse(body=event)
-            except grpc.aio.AioRpcError as e:
-                err = from_grpc(e, rid, self.cfg.epd_facts)
-                finished(route, err.status, rid, timings, len(media), e.details() or "", engine_id=req.request_id)
-                raise _Status(e.code(), err.message) from None
-            finished(route, 200, rid, timings, len(media), engine_id=req.request_id)
-            if self.cfg.epd_facts:
-                yield gateway_pb2.OpenAIResponse(epd=json.dumps(epd_facts(timings, last)).encode())
-        finally:
-            media.clear()  # the bytes go with the answer, whatever refers to the list
+            async for resp in admitted.generate():
+                if resp.http_status and resp.http_status != 200:
+                    finished(route, resp.http_status, rid, timings, len(media), resp.openai[:200].decode(errors="replace"),
+                             engine_id=req.request_id)
+                    raise _http_error(resp.http_status, resp.openai)
+                if stream is None:
+                    stream = resp.content_type.startswith("text/event-stream") if resp.content_type else call.stream
+                if not resp.openai:
+                    last = resp
+                    continue
+                for event in _events(resp.openai, stream):
+                    yield gateway_pb2.OpenAIResponse(body=event)
+        except grpc.aio.AioRpcError as e:
+            err = from_grpc(e, rid, self.cfg.epd_facts)
+            finished(route, err.status, rid, timings, len(media), e.details() or "", engine_id=req.request_id)
+            raise _Status(e.code(), err.message) from None
+        finished(route, 200, rid, timings, len(media), engine_id=req.request_id)
+        if self.cfg.epd_facts:
+            yield gateway_pb2.OpenAIResponse(epd=json.dumps(epd_facts(timings, last)).encode())
 
 
 def _events(payload: bytes, stream: bool) -> list[bytes]:

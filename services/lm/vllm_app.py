@@ -18,6 +18,7 @@ not found, whatever the gateway sends.
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -34,6 +35,10 @@ ROUTES: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
         ("POST", r"/tokenize"),
         ("POST", r"/detokenize"),
         ("GET", r"/version"),
+        # Answered by vLLM's "scale-out endpoints are disabled" 403: the LM never enables them.
+        ("POST", r"/v1/(chat/completions|completions|messages|responses)/render"),
+        ("POST", r"/v1/(chat/completions|completions)/derender"),
+        ("POST", r"/inference/v1/(generate|abort_requests)"),
     ))
 """The routes of vLLM's app the LM answers (method, full-match path)."""
 
@@ -56,12 +61,23 @@ class Started:
 async def build_vllm_app(engine_client, args):
     """vLLM's FastAPI app for ``args`` (``vllm serve``'s parsed flags) over ``engine_client``, with its
     state initialised as ``vllm serve`` initialises it."""
-    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
-    from vllm.entrypoints.launchers.app import build_app
+    # vLLM's app bootstraps SageMaker's hosting standards, whose logging_config sets the root logger
+    # and its handlers to ERROR when it is imported (its LOG_LEVEL default) and again at bootstrap:
+    # every log line of the LM service below ERROR would vanish. The root logger is the service's;
+    # its levels are put back once the app is built.
+    root = logging.getLogger()
+    levels = (root.level, [(h, h.level) for h in root.handlers])
+    try:
+        from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+        from vllm.entrypoints.launchers.app import build_app
 
-    tasks = await engine_client.get_supported_tasks()
-    app = build_app(args, tasks, engine_client.model_config)
-    await init_app_state(engine_client, app.state, args, tasks)
+        tasks = await engine_client.get_supported_tasks()
+        app = build_app(args, tasks, engine_client.model_config)
+        await init_app_state(engine_client, app.state, args, tasks)
+    finally:
+        root.setLevel(levels[0])
+        for handler, level in levels[1]:
+            handler.setLevel(level)
     return app
 
 

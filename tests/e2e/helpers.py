@@ -99,6 +99,8 @@ def start_perturbable(dep):
     mp.setenv("PYTHONPATH", os.pathsep.join(p for p in (PERTURB_HOOK_DIR, os.environ.get("PYTHONPATH")) if p))
     mp.setenv("EPD_TEST_PERTURB_SWITCH", os.path.join(dep.log_dir, "perturb-on"))
     mp.setenv("EPD_TEST_PERTURB_LOG", os.path.join(dep.log_dir, "perturbed.txt"))
+    # Stored responses on, as tests/e2e/test_openai_parity.py gives `vllm serve` (previous_response_id).
+    mp.setenv("VLLM_ENABLE_RESPONSES_API_STORE", "1")
     try:
         return dep.start()
     finally:

@@ -120,3 +120,12 @@ def test_curl_chat_streaming_and_one_request_id_through_every_service(deployment
             with open(path, errors="replace") as f:
                 return rid in f.read()
         assert settled(logged, True), name
+
+
+def test_every_service_logs_its_own_lines(deployment):
+    """Each service's INFO lines reach its log (vLLM's app, built in the LM, must not silence them)."""
+    import os
+
+    for name, line in (("lm", "lm ready"), ("encoder", "encoder ready"), ("gateway", "gateway listening")):
+        with open(os.path.join(deployment.log_dir, f"{name}.log"), errors="replace") as f:
+            assert line in f.read(), name

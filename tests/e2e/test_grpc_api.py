@@ -56,6 +56,60 @@ def test_native_grpc_bad_value_is_vllms_error(deployment):
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in e.value.details()
 
 
+def _rest(deployment, path: str, body: dict | None) -> dict:
+    import urllib.request
+
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(deployment.url + path, data, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        out = json.loads(r.read())
+    out.pop("epd", None)
+    return out
+
+
+def test_native_grpc_serves_the_rest_of_the_surface_as_rest_does(deployment):
+    """Responses (an input_image as epd-media:0), Messages (a url source epd-media:0), tokenize and
+    version over gRPC: the answers REST gives for the same bodies with the image inline."""
+    from services.common.images import data_url
+
+    img = make_image(77)
+    text = {"type": "input_text", "text": "What is it?"}
+    body = {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "epd-media:0"}, text]}],
+            "max_output_tokens": 6, "temperature": 0}
+    got = json.loads(_grpc(deployment, "Responses", body, [img])[0].body)
+    body["input"][0]["content"][0]["image_url"] = data_url(img)
+    want = _rest(deployment, "/v1/responses", body)
+    assert got["output"][0]["content"][0]["text"] == want["output"][0]["content"][0]["text"]
+    assert got["usage"] == want["usage"]
+
+    body = {"model": deployment.model, "max_tokens": 6, "temperature": 0, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "url", "url": "epd-media:0"}}, {"type": "text", "text": "Hi"}]}]}
+    events = [json.loads(m.body) for m in _grpc(deployment, "Messages", dict(body, stream=True), [img]) if m.body]
+    assert [e["type"] for e in events][0] == "message_start" and events[-1]["type"] == "message_stop"
+    streamed = "".join(e["delta"].get("text", "") for e in events if e["type"] == "content_block_delta")
+    body["messages"][0]["content"][0]["source"] = {"type": "base64", "media_type": "image/png",
+                                                   "data": data_url(img).split(",", 1)[1]}
+    assert streamed == _rest(deployment, "/v1/messages", body)["content"][0]["text"]
+
+    body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "epd-media:0"}}]}]}
+    got = json.loads(_grpc(deployment, "Tokenize", body, [img])[0].body)
+    body["messages"][0]["content"][0]["image_url"]["url"] = data_url(img)
+    assert got == _rest(deployment, "/tokenize", body)
+    assert json.loads(_grpc(deployment, "Version", {})[0].body) == _rest(deployment, "/version", None)
+
+
+def test_native_grpc_stored_response_lookups_answer_as_vllm_does_without_a_store(deployment):
+    """Without VLLM_ENABLE_RESPONSES_API_STORE vLLM keeps no responses: an id is not found."""
+    with grpc.insecure_channel(deployment.gateway_grpc) as ch:
+        stub = gateway_pb2_grpc.GatewayServiceStub(ch)
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.GetResponse(gateway_pb2.ResponseRef(response_id="resp_nope"), timeout=60))
+        assert e.value.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT), e.value
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.GetResponse(gateway_pb2.ResponseRef(response_id="../etc"), timeout=60))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
 @pytest.mark.parametrize("which,service", [("encoder_addr", "epd.encoder.v1.EncoderService"),
                                            ("lm_addr", "epd.lm.v1.LMService"),
                                            ("gateway_grpc", "epd.gateway.v1.GatewayService")])

@@ -43,8 +43,9 @@ def _engine_flags(model: str) -> list[str]:
 def vllm_serve(tiny_model, tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("vllm-serve") / "server.log"
+    # Stored responses on, as the session deployment's LM has them (tests/e2e/helpers.start_perturbable).
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
-               VLLM_WORKER_MULTIPROC_METHOD="spawn")
+               VLLM_WORKER_MULTIPROC_METHOD="spawn", VLLM_ENABLE_RESPONSES_API_STORE="1")
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1",
                                  "--port", str(port), *_engine_flags(tiny_model), *FRONTEND_FLAGS],
@@ -442,6 +443,42 @@ def test_surface_errors_match_vllm_serve(servers, case):
     got = _both(servers, path, body)
     (sv, bv), (se, be) = got["vllm"], got["epd"]
     assert sv == se, (sv, bv[:300], se, be[:300])
+    assert _norm(json.loads(be)) == _norm(json.loads(bv))
+
+
+def _get(url: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=60) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def test_stored_responses_and_previous_response_id_match_vllm_serve(servers):
+    """With VLLM_ENABLE_RESPONSES_API_STORE=1 on both: a follow-up naming the first response, the
+    stored response fetched by id, and an unknown id."""
+    first = _both(servers, "/v1/responses", {"input": [{"role": "user", "content": [
+        _input_image(IMG_A), {"type": "input_text", "text": "Remember this picture."}]}], "max_output_tokens": 6})
+    ids = {name: json.loads(body)["id"] for name, (status, body) in first.items()}
+    follow = {name: _http(servers[name] + "/v1/responses", {
+        "model": servers["model"], "temperature": 0, "input": "What was in it?", "max_output_tokens": 6,
+        "previous_response_id": ids[name]}) for name in ("vllm", "epd")}
+    (sv, bv), (se, be) = follow["vllm"], follow["epd"]
+    assert sv == se == 200, (bv[:500], be[:500])
+    assert _norm(json.loads(be)) == _norm(json.loads(bv))
+    stored = {name: _get(servers[name] + "/v1/responses/" + ids[name]) for name in ("vllm", "epd")}
+    assert stored["vllm"][0] == stored["epd"][0] == 200
+    assert _norm(json.loads(stored["epd"][1])) == _norm(json.loads(stored["vllm"][1]))
+    missing = {name: _get(servers[name] + "/v1/responses/resp_unknown") for name in ("vllm", "epd")}
+    assert missing["vllm"][0] == missing["epd"][0] and missing["vllm"][0] >= 400
+    assert _norm(json.loads(missing["epd"][1])) == _norm(json.loads(missing["vllm"][1]))
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions/render", "/v1/responses/render", "/inference/v1/generate"])
+def test_scale_out_routes_answer_as_vllm_serve_without_scale_out(servers, path):
+    got = _both(servers, path, {"messages": [_user("hi")]})
+    (sv, bv), (se, be) = got["vllm"], got["epd"]
+    assert sv == se == 403, (bv[:300], be[:300])
     assert _norm(json.loads(be)) == _norm(json.loads(bv))
 
 

@@ -26,8 +26,8 @@ from services.common.images import data_url
 from services.gateway import routing
 from services.gateway.config import GatewayConfig
 from services.gateway.instances import InstancePool
-from services.gateway.openai_api import MEDIA_REF, parse_openai
 from services.gateway.orchestrator import Media, Orchestrator, Timings
+from services.gateway.request import MEDIA_REF, parse_openai
 from tests.integration.gateway_fakes import FakeEncoder, FakeLM, World, serve_fake, wait_until
 
 pytestmark = pytest.mark.integration
@@ -866,5 +866,28 @@ def test_an_encoder_fault_the_lm_cannot_attribute_re_encodes_without_excluding_h
         aff = c.encoder_for(ident)  # nobody to blame: the retry re-encodes on the same (healthy) encoder
         assert len(aff.requests) == 2 and c.encode_calls() == 2
         assert c.lm_requests()[-1].items[0].source.transfer_endpoint == aff.endpoint
+
+    run_cluster(body)
+
+
+def test_a_request_pinned_to_an_lm_goes_there_and_nowhere_else():
+    """A request about a stored response (``lm=``: the LM that holds it) goes to that LM every time;
+    with it gone, the request fails at once (503) rather than reaching an LM that never saw it."""
+    async def body(c: Cluster):
+        orch = await c.start()
+        for target in c.lm_addresses:
+            for n in range(3):
+                req, media = request(f"r-pin-{n}", [])
+                out = [r async for r in orch.generate(req, media, Timings(), lm=target,
+                                                      prepare=prepare(orch, req, media))]
+                assert tokens(out) == [1, 2, 3]
+            assert [len(lm.requests) for lm in c.lms][c.lm_addresses.index(target)] == 3
+        await c.stop_server(c.lm_addresses[0])
+        req, media = request("r-pin-gone", [])
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            _ = [r async for r in orch.generate(req, media, Timings(), lm=c.lm_addresses[0],
+                                                prepare=prepare(orch, req, media))]
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert len(c.lms[1].requests) == 3  # not sent elsewhere
 
     run_cluster(body)

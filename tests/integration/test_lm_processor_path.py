@@ -259,3 +259,22 @@ def test_an_image_over_the_lms_pixel_limit_is_refused_before_decoding(vllm_confi
     with pytest.raises(BadInput, match="more than the 50000 allowed"):
         _generate(vllm_config, tiny_model, [item(big, encoder=False)],
                   decoder=MediaDecoder(MediaConfig(max_image_pixels=50_000)))
+
+
+def test_building_vllms_app_leaves_the_services_logging_as_it_was(vllm_config, tiny_model):
+    """vLLM's app pulls in SageMaker's hosting standards, which set the root logger to ERROR: the
+    LM's own INFO and WARNING lines would vanish. The root logger's levels are put back."""
+    import logging
+
+    root = logging.getLogger()
+    handler = logging.StreamHandler()
+    handler.setLevel(logging.INFO)
+    root.addHandler(handler)
+    before = root.level
+    root.setLevel(logging.INFO)
+    try:
+        _generate(vllm_config, tiny_model, [])
+        assert root.level == logging.INFO and handler.level == logging.INFO
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(before)

@@ -15,7 +15,7 @@ import pytest
 from epd.gateway.v1 import gateway_pb2
 from services.gateway.config import GatewayConfig
 from services.gateway.fetch import check_format, decode_data_url
-from services.gateway.openai_api import parse_openai
+from services.gateway.request import parse_openai
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytestmark = pytest.mark.unit

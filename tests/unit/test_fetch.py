@@ -217,7 +217,7 @@ class _FakeOrch:
     def encodes_remotely(self, n_media: int) -> bool:
         return False
 
-    async def generate(self, req, media, timings, prepare=None, ticket=None):
+    async def generate(self, req, media, timings, prepare=None, ticket=None, lm=None):
         if prepare is not None:
             prepare(req)
         # What reached the LM, as it was then (the servicer drops the payload once answered).
@@ -265,10 +265,10 @@ def test_grpc_api_loads_media_bytes_and_refuses_guarded_urls_as_bad_input():
     content = json.loads(req.openai.body)["messages"][0]["content"]
     assert [p["type"] for p in content] == ["image_url", "text"]
     assert content[0]["image_url"]["url"] == data_url(png)
-    with pytest.raises(BadInput) as e:
+    with pytest.raises(EPDError) as e:
         _grpc_call(svc, _grpc_request("http://169.254.169.254/"))
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "link-local" in str(e.value)
-    with pytest.raises(BadInput, match="decompression.bomb") as e:
+    with pytest.raises(EPDError, match="decompression.bomb") as e:
         _grpc_call(svc, _grpc_request(bomb_png(10000)))
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert len(orch.calls) == 1  # refused images never reach the LM
@@ -282,6 +282,7 @@ def test_grpc_api_refuses_a_media_ref_that_names_nothing_as_invalid_argument():
     with pytest.raises(EPDError) as e:
         _grpc_call(svc, req)
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "'epd-media:0' names no media item" in str(e.value)
-    with pytest.raises(MediaError, match="no media fetcher"):  # http(s) needs the server's fetcher
+    with pytest.raises(EPDError, match="no media fetcher") as e:  # http(s) needs the server's fetcher
         _grpc_call(svc, _grpc_request("https://example.com/cat.png"))
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert orch.calls == []

@@ -16,17 +16,17 @@ from epd.lm.v1 import lm_pb2
 from services.common.errors import MediaError
 from services.common.images import make_audio
 from services.gateway.config import GatewayConfig
-from services.gateway.openai_api import (
+from services.gateway.openai_api import from_grpc
+from services.gateway.orchestrator import Media
+from services.gateway.request import (
     ApiError,
     OpenAICall,
     engine_request_id,
-    from_grpc,
     load_media,
     loads_strict,
     media_api_error,
     parse_openai,
 )
-from services.gateway.orchestrator import Media
 
 pytestmark = pytest.mark.unit
 

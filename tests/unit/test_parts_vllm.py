@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 
 from epd.lm.v1 import lm_pb2
 from services.gateway.config import GatewayConfig
-from services.gateway.openai_api import ApiError, parse_openai
 from services.gateway.orchestrator import Media
 from services.gateway.parts import KEY_ORDER, MEDIA, MODALITY, PART_TYPES, PRECOMPUTED, TEXT
+from services.gateway.request import ApiError, parse_openai
 
 pytestmark = pytest.mark.unit
 

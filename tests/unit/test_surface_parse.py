@@ -13,8 +13,9 @@ from helpers import data_url, image_bytes
 
 from epd.lm.v1 import lm_pb2
 from services.gateway.config import GatewayConfig
-from services.gateway.openai_api import API, APIS, ApiError, error_body, load_media, parse_openai
+from services.gateway.openai_api import error_body
 from services.gateway.parts import anthropic_media_parts
+from services.gateway.request import API, APIS, ApiError, load_media, parse_openai
 
 pytestmark = pytest.mark.unit
 
@@ -44,7 +45,7 @@ def test_every_api_has_a_route_and_only_chat_and_completions_are_named_to_the_lm
     assert len({(a.method, a.path) for a in APIS}) == len(APIS)
 
 
-def test_responses_input_images_become_uuid_only_input_image_parts():
+def test_responses_input_images_carry_their_id_and_their_bytes():
     body = {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": data_url(PNG)},
                                                    {"type": "input_text", "text": "hi"}]}], "stream": True}
     call, req, media = _load("responses", body)
@@ -52,7 +53,8 @@ def test_responses_input_images_become_uuid_only_input_image_parts():
     assert [i.identifier for i in req.items] == [IDENT]
     _laid_out(req)
     sent = json.loads(call.lm_body(req, media))
-    assert sent["input"][0]["content"][0] == {"type": "input_image", "image_url": None, "uuid": IDENT}
+    # The bytes go with the id: vLLM stores the input as given and renders it again for a follow-up.
+    assert sent["input"][0]["content"][0] == {"type": "input_image", "image_url": data_url(PNG), "uuid": IDENT}
     assert "request_id" not in sent  # vLLM's app names Responses by its own ids
 
 
@@ -113,3 +115,65 @@ def test_anthropic_errors_have_anthropics_shape():
     assert error_body(err, anthropic=True) == {"type": "error", "error": {"type": "invalid_request_error",
                                                                           "message": "bad"}}
     assert API["messages"].anthropic and not API["responses"].anthropic
+
+
+def test_response_homes_remember_the_newest_ids_within_their_bound():
+    from services.gateway.core import ResponseHomes
+
+    homes = ResponseHomes(capacity=2)
+    homes.record("resp_a", "lm1:1")
+    homes.record("resp_b", "lm2:1")
+    homes.record("resp_a", "lm1:1")  # used again: the newest
+    homes.record("resp_c", "lm2:1")
+    assert (homes.get("resp_a"), homes.get("resp_b"), homes.get("resp_c")) == ("lm1:1", None, "lm2:1")
+    assert homes.get(None) is None and homes.get(["resp_a"]) is None  # a body's odd value: no pin
+
+
+def test_a_responses_answers_id_is_read_from_its_body_or_its_first_event():
+    from epd.lm.v1 import lm_pb2
+    from services.gateway.core import response_id
+
+    whole = lm_pb2.GenerateResponse(openai=b'{"id": "resp_1", "object": "response"}', http_status=200,
+                                    content_type="application/json")
+    first_event = lm_pb2.GenerateResponse(
+        openai=b'event: response.created\ndata: {"type": "response.created", "response": {"id": "resp_2"}}\n\n',
+        http_status=200, content_type="text/event-stream; charset=utf-8")
+    assert response_id(whole) == "resp_1" and response_id(first_event) == "resp_2"
+    assert response_id(lm_pb2.GenerateResponse(openai=b"not json")) is None
+
+
+def test_requests_about_a_stored_response_are_pinned_to_its_lm():
+    from services.gateway.core import RequestCore
+
+    class _Orch:
+        def lm_wait_reason(self):
+            return None
+
+        def encodes_remotely(self, n):
+            return False
+
+        class admission:
+            @staticmethod
+            async def admit(remote):
+                class _T:
+                    def release(self):
+                        pass
+
+                    def drop_encoder(self):
+                        pass
+                return _T()
+
+    core = RequestCore(CFG, _Orch())
+    core.homes.record("resp_9", "lm-b:1")
+
+    def pinned(api, body, path=""):
+        raw = json.dumps(body).encode() if body is not None else b""
+        admitted = asyncio.run(core.admit(api, raw, client_id="c", id_given=False, path=path))
+        admitted.close()
+        return admitted.pinned
+
+    assert pinned("responses", {"input": "hi", "previous_response_id": "resp_9"}) == "lm-b:1"
+    assert pinned("responses", {"input": "hi"}) is None
+    assert pinned("responses_get", None, "/v1/responses/resp_9") == "lm-b:1"
+    assert pinned("responses_cancel", {}, "/v1/responses/resp_9/cancel") == "lm-b:1"
+    assert pinned("responses_get", None, "/v1/responses/resp_other") is None

@@ -1,0 +1,209 @@
+"""The gateway's one request core, for every API and both transports (REST: ``openai_api``; the
+native gRPC API: ``servicer``).
+
+``RequestCore.admit`` takes a request body for one ``Api`` (``openai_api.APIS``) and does everything
+before an LM is called: parse (the API's media reader, vLLM's rule), check an LM is ready, admission,
+load and hash the media. It answers an ``Admitted`` request, or raises ``ApiError`` (an HTTP status,
+message and error type, and ``Retry-After`` where a client should come back). ``Admitted.generate``
+runs it (encode -> LM, failover: ``orchestrator``) and yields the LM's messages; the transports only
+relay them. ``Admitted.close`` releases what the request holds; its owner (the transport's handler)
+calls it once, in a ``finally``.
+
+The error mapping between HTTP statuses and gRPC codes is here, once, both ways (``STATUS``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from epd.lm.v1 import lm_pb2
+from services.common.errors import MediaError
+from services.gateway.admission import AdmissionRefused
+from services.gateway.config import GatewayConfig
+from services.gateway.fetch import MediaFetcher
+from services.gateway.intake import BodyRefused
+from services.gateway.orchestrator import Media, Orchestrator, Timings
+from services.gateway.request import API, Api, ApiError, OpenAICall, engine_request_id, load_media, parse_openai
+
+_C = grpc.StatusCode
+STATUS: tuple[tuple[grpc.StatusCode, int, str, str], ...] = (
+    # (gRPC code, HTTP status, OpenAI error type, direction: "both", "to_http" or "to_grpc")
+    (_C.INVALID_ARGUMENT, 400, "invalid_request_error", "both"),
+    (_C.OUT_OF_RANGE, 400, "invalid_request_error", "to_http"),
+    (_C.INVALID_ARGUMENT, 422, "invalid_request_error", "to_grpc"),
+    (_C.NOT_FOUND, 404, "not_found_error", "both"),
+    (_C.RESOURCE_EXHAUSTED, 429, "rate_limit_error", "both"),
+    (_C.RESOURCE_EXHAUSTED, 413, "invalid_request_error", "to_grpc"),
+    # The gateway's own credentials or an LM's allow-list, instances that do not agree: a
+    # deployment fault, not the client's (502); a 401/403 from an LM's answer keeps its meaning.
+    (_C.FAILED_PRECONDITION, 502, "server_error", "to_http"),
+    (_C.UNAUTHENTICATED, 502, "server_error", "to_http"),
+    (_C.PERMISSION_DENIED, 502, "server_error", "to_http"),
+    (_C.UNAUTHENTICATED, 401, "authentication_error", "to_grpc"),
+    (_C.PERMISSION_DENIED, 403, "permission_error", "to_grpc"),
+    (_C.UNAVAILABLE, 503, "server_error", "both"),
+    (_C.DEADLINE_EXCEEDED, 504, "server_error", "both"),
+    (_C.CANCELLED, 499, "server_error", "both"),
+    (_C.UNIMPLEMENTED, 501, "server_error", "both"),
+)
+"""HTTP <-> gRPC. A code with no row is HTTP 500 (server_error); a status with no row is INTERNAL."""
+
+TO_HTTP: dict[grpc.StatusCode, tuple[int, str]] = {}
+TO_GRPC: dict[int, grpc.StatusCode] = {}
+for _code, _status, _type, _way in STATUS:
+    if _way in ("both", "to_http"):
+        TO_HTTP.setdefault(_code, (_status, _type))
+    if _way in ("both", "to_grpc"):
+        TO_GRPC.setdefault(_status, _code)
+
+
+def http_status(code: grpc.StatusCode) -> tuple[int, str]:
+    return TO_HTTP.get(code, (500, "server_error"))
+
+
+def grpc_code(status: int) -> grpc.StatusCode:
+    return TO_GRPC.get(status, grpc.StatusCode.INTERNAL)
+
+
+class ResponseHomes:
+    """Which LM answered each Responses API response (its id), so that a later request about it
+    (``GET``/cancel ``/v1/responses/{id}``, ``previous_response_id``) goes to the LM whose vLLM
+    stored it (``VLLM_ENABLE_RESPONSES_API_STORE=1``: kept in memory, per LM). Bounded: the oldest
+    entries go first (their lookups then go to any LM, which answers not found)."""
+
+    def __init__(self, capacity: int = 65536) -> None:
+        self.capacity = capacity
+        self._homes: OrderedDict[str, str] = OrderedDict()
+
+    def record(self, response_id: str, lm: str) -> None:
+        self._homes[response_id] = lm
+        self._homes.move_to_end(response_id)
+        while len(self._homes) > self.capacity:
+            self._homes.popitem(last=False)
+
+    def get(self, response_id: str | None) -> str | None:
+        return self._homes.get(response_id) if isinstance(response_id, str) else None
+
+
+def response_id(first: lm_pb2.GenerateResponse) -> str | None:
+    """The id of a Responses API answer, from its first message: the JSON response, or a stream's
+    first event (``response.created``, carrying the response)."""
+    payload = first.openai
+    if first.content_type.startswith("text/event-stream"):
+        data = next((line[6:] for line in payload.split(b"\n") if line.startswith(b"data: ")), b"")
+        try:
+            return (json.loads(data).get("response") or {}).get("id")
+        except (ValueError, AttributeError):
+            return None
+    try:
+        out = json.loads(payload)
+    except ValueError:
+        return None
+    return out.get("id") if isinstance(out, dict) else None
+
+
+@dataclass
+class Admitted:
+    """A request past admission with its media loaded: what ``generate`` runs, and what ``close``
+    releases (the admission ticket, the body's share of the intake budget, the body and media)."""
+
+    api: Api
+    call: OpenAICall
+    req: lm_pb2.GenerateRequest
+    media: list[Media]
+    timings: Timings
+    ticket: Any
+    lease: Any = None
+    pinned: str | None = None
+    """The LM that must answer (it holds the stored response the request names)."""
+    _orch: Orchestrator | None = field(default=None, repr=False)
+    _homes: ResponseHomes | None = field(default=None, repr=False)
+
+    async def generate(self):
+        """The LM's messages for this request (``Orchestrator.generate``): encodes (for an API that
+        encodes), then the LM call, with failover before the first token. A Responses answer's id
+        is remembered with the LM that gave it."""
+        call, media = self.call, self.media
+        first = True
+        async with contextlib.aclosing(self._orch.generate(
+                self.req, media if self.api.encode else [], self.timings, ticket=self.ticket, lm=self.pinned,
+                prepare=lambda r: setattr(r.openai, "body", call.lm_body(r, media)))) as answer:
+            async for resp in answer:
+                if first and self.api.name == "responses" and resp.http_status == 200 and self._homes is not None:
+                    rid = response_id(resp)
+                    if rid and self.timings.lm:
+                        self._homes.record(rid, self.timings.lm)
+                first = False
+                yield resp
+
+    def close(self) -> None:
+        self.ticket.release()
+        if self.lease is not None:
+            self.lease.release()
+        self.call.drop_payload()
+        self.media.clear()
+        self.req.ClearField("openai")
+
+
+class RequestCore:
+    def __init__(self, cfg: GatewayConfig, orch: Orchestrator, fetcher: MediaFetcher | None = None) -> None:
+        """``fetcher``: owned by ``server.serve``; without one http(s) media URLs are refused."""
+        self.cfg, self.orch, self.fetcher = cfg, orch, fetcher
+        self.homes = ResponseHomes()
+
+    async def admit(self, api: str, raw: bytes, *, client_id: str, id_given: bool, path: str = "",
+                    media: list[bytes] | None = None, lease=None, arrival: float | None = None) -> Admitted:
+        """``raw``: the body (``media``: the gRPC API's raw media, named by ``epd-media:N``);
+        ``client_id``: the request's id (the client's when ``id_given``); ``path``: the route's path
+        as requested (a Responses id in it). ``lease``: the body's share of the intake budget, given
+        back by ``Admitted.close`` (or here, on a refusal). Raises ApiError."""
+        spec = API[api]
+        ticket = None
+        try:
+            call = parse_openai(api, raw, self.cfg, media)
+            del raw  # parsed: the text goes
+            call.request_id, call.id_given = client_id, id_given
+            why = self.orch.lm_wait_reason()
+            if why is not None:  # before any media is loaded: nothing could take the request
+                raise ApiError(503, why, "server_error")
+            req = lm_pb2.GenerateRequest(request_id=engine_request_id(client_id, spec.prefix))
+            req.openai.api = spec.lm_api
+            if spec.lm_api == "http":
+                req.openai.method, req.openai.path = spec.method, path or spec.path
+            # Admission before any media is fetched: past capacity the request waits its turn or is
+            # refused now (429/503 with Retry-After), never half-way through.
+            try:
+                ticket = await self.orch.admission.admit(
+                    self.orch.encodes_remotely(len(call.parts) if spec.encode else 0))
+            except AdmissionRefused as e:
+                raise ApiError(e.status, e.message, "rate_limit_error" if e.status == 429 else "server_error",
+                               retry_after=str(e.retry_after_s)) from None
+            try:
+                loaded = await load_media(call, req, self.cfg, self.fetcher)
+            except MediaError as e:
+                raise ApiError(e.status, str(e), param=f"{e.modality}_url") from None
+        except BaseException:  # refused, the client went away during a fetch, or a bug: the places go back
+            if ticket is not None:
+                ticket.release()
+            if lease is not None:
+                lease.release()
+            raise
+        # A request about a stored response goes to the LM that holds it.
+        named = call.body.get("previous_response_id") if api == "responses" else \
+            path.rstrip("/").removesuffix("/cancel").rsplit("/", 1)[-1] if api.startswith("responses_") else None
+        return Admitted(spec, call, req, loaded, Timings(start=arrival or time.perf_counter()), ticket, lease,
+                        pinned=self.homes.get(named), _orch=self.orch, _homes=self.homes)
+
+
+def body_refused(e: BodyRefused) -> ApiError:
+    """The intake's refusal (body too large, too slow, no room to read it now) as the core's."""
+    if e.status == 503:
+        return ApiError(503, e.message, "server_error", retry_after="1")
+    return ApiError(e.status, e.message)

@@ -1,0 +1,243 @@
+"""What a request to the gateway is, for every API it serves: the endpoints (``APIS``: each one's
+route, where its media are, whether its items go through encoders), the body as the gateway reads it
+(``parse_openai``: the API's media reader, vLLM's rule, ``services.gateway.parts``), its media loaded
+and hashed (``load_media``), and the body each LM attempt gets (``OpenAICall.lm_body``). No I/O but
+``load_media``'s fetches; no transport (REST: ``openai_api``; gRPC: ``servicer``; both through
+``core``)."""
+
+from __future__ import annotations
+
+import base64
+import copy
+import json
+import logging
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from epd.lm.v1 import lm_pb2
+from services.common.errors import MediaError
+from services.common.media import content_id, sniff_audio_format, sniff_video_format
+from services.gateway.config import GatewayConfig
+from services.gateway.fetch import MediaFetcher, load_images
+from services.gateway.intake import charge_fetched
+from services.gateway.orchestrator import Media
+from services.gateway.parts import LM_PART, MediaPart, PartError, anthropic_media_parts, media_parts
+
+logger = logging.getLogger(__name__)
+
+
+class ApiError(Exception):
+    """A request answered with an error before (or instead of) an LM's answer: an HTTP status, the
+    message, the OpenAI error type and param, and ``retry_after`` (the header's seconds) where coming
+    back later helps. The gRPC API answers it with ``core.grpc_code(status)``."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 retry_after: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.retry_after = status, message, type_, param, retry_after
+
+
+def loads_strict(raw: bytes) -> Any:
+    """A request body as JSON (RFC 8259): unlike ``json.loads`` it refuses the NaN, Infinity and
+    -Infinity literals. Raises ApiError (400)."""
+    def refuse(literal: str) -> Any:
+        raise ValueError(f"{literal} is not a JSON number")
+
+    try:
+        return json.loads(raw, parse_constant=refuse)
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise ApiError(400, f"request body is not valid JSON: {e}") from None
+
+
+def engine_request_id(client_id: str, prefix: str) -> str:
+    """The id the encoders and the LM see for one request: the client's ``X-Request-Id`` with a random
+    suffix (clients may send the same id twice; an engine needs unique ones, and the client's id still
+    finds the request in every service's logs), or ``<prefix>-<uuid>`` without one."""
+    return f"{client_id}-{uuid.uuid4().hex[:12]}" if client_id else f"{prefix}-{uuid.uuid4().hex}"
+
+
+def media_api_error(e: MediaError) -> ApiError:
+    """A refused media item as the REST API answers it: 400 or 413, param image_url (audio_url)."""
+    return ApiError(e.status, str(e), param=f"{e.modality}_url")
+
+
+MIME = {"WAV": "audio/wav", "FLAC": "audio/flac", "OGG": "audio/ogg", "MP3": "audio/mpeg",
+        "MP4": "video/mp4", "WEBM": "video/webm", "AVI": "video/x-msvideo"}
+LIMIT_FLAG = {"image": "max_images", "audio": "max_audios", "video": "max_videos"}
+ITEMS = {"image": "images", "audio": "audio clips", "video": "videos"}
+MEDIA_REF = "epd-media:"  # gRPC API: an image_url/audio_url that names OpenAIRequest.media[N]
+
+
+@dataclass(frozen=True)
+class Api:
+    """One endpoint of ``vllm serve`` the gateway answers. Chat and completions go to the LM's serving
+    classes by name; every other one to the LM's copy of vLLM's own app (``services.lm.vllm_app``) by
+    method and path. ``media``: where its media are (``messages``: chat parts; ``input``: the
+    Responses API's input items; ``anthropic``: Messages image blocks; empty: none). ``encode``: its
+    items go through encoders (tokenize and count_tokens only lay prompts out: the LM's processor
+    expands the placeholders, no vision run). ``done``: its stream ends with ``data: [DONE]``."""
+
+    name: str
+    method: str
+    path: str
+    prefix: str
+    media: str = ""
+    encode: bool = True
+    done: bool = False
+    anthropic: bool = False
+
+    @property
+    def lm_api(self) -> str:
+        return self.name if self.name in ("chat", "completions") else "http"
+
+
+APIS: tuple[Api, ...] = (
+    Api("chat", "POST", "/v1/chat/completions", "chatcmpl", "messages", done=True),
+    Api("completions", "POST", "/v1/completions", "cmpl", done=True),
+    Api("responses", "POST", "/v1/responses", "resp", "input"),
+    Api("responses_get", "GET", "/v1/responses/{response_id}", "resp"),
+    Api("responses_cancel", "POST", "/v1/responses/{response_id}/cancel", "resp"),
+    Api("messages", "POST", "/v1/messages", "msg", "anthropic", anthropic=True),
+    Api("count_tokens", "POST", "/v1/messages/count_tokens", "msg", "anthropic", encode=False, anthropic=True),
+    Api("tokenize", "POST", "/tokenize", "tok", "messages", encode=False),
+    Api("detokenize", "POST", "/detokenize", "tok"),
+    Api("version", "GET", "/version", "req"),
+    # vLLM's scale-out routes: `vllm serve` without --enable-scale-out answers each with its 403, and
+    # so does the LM's copy of vLLM's app (the LM never enables them).
+    *(Api("scale_out" + path.replace("/", "_"), "POST", path, "req") for path in (
+        "/v1/chat/completions/render", "/v1/completions/render", "/v1/messages/render", "/v1/responses/render",
+        "/v1/chat/completions/derender", "/v1/completions/derender", "/inference/v1/generate",
+        "/inference/v1/abort_requests")),
+)
+API = {a.name: a for a in APIS}
+
+
+@dataclass
+class OpenAICall:
+    """One OpenAI request on its way through the gateway: the client's body (never changed; each LM
+    attempt gets a copy from ``lm_body``), where its image parts are, and the images' sources."""
+
+    api: str  # a name in APIS
+    body: dict[str, Any]
+    stream: bool
+    parts: list[MediaPart] = field(default_factory=list)  # where each media item is, in order
+    sources: list[str | bytes] = field(default_factory=list)  # the items' URLs (or gRPC media bytes)
+    modalities: list[str] = field(default_factory=list)  # each item's: "image", "audio" or "video"
+    request_id: str = ""
+    """The request's id in the LM's body: vLLM names its response ``chatcmpl-<id>`` / ``cmpl-<id>``
+    from it. As with ``vllm serve``, the client's X-Request-Id wins (``id_given``); else the body's
+    own ``request_id``; else this one, made by the gateway."""
+    id_given: bool = False
+
+    def drop_payload(self) -> None:
+        """Frees the request's body and media sources once it is answered, whatever still refers to
+        this object (a retry closure, a task in a reference cycle)."""
+        self.body = {}
+        self.sources.clear()
+
+    def lm_body(self, req: lm_pb2.GenerateRequest, media: list[Media]) -> bytes:
+        """The body for one LM attempt: each item an encoder laid out becomes a uuid-only part (the
+        LM never sees its bytes); any other item a data: URL of the bytes the gateway read (the LM
+        never downloads), with its content hash as uuid when an encoder has its embedding. Audio goes
+        as vLLM's ``audio_url`` part (an ``input_audio`` part too)."""
+        body = copy.deepcopy(self.body) if self.parts else dict(self.body)
+        spec = API[self.api]
+        if self.request_id and spec.lm_api != "http" and (self.id_given or not body.get("request_id")):
+            body["request_id"] = self.request_id
+        items = list(req.items) if spec.encode else [None] * len(media)
+        # The LM lays a prompt out from the encoders' layouts only when every item has one; else its
+        # processor lays the whole prompt out and needs every item's bytes.
+        laid_out = spec.encode and all(item.source.placeholder_token_ids for item in req.items)
+        for p, item, m in zip(self.parts, items, media):
+            data_url = None if laid_out else _data_url(m)
+            ident = item.identifier if item is not None and (laid_out or item.HasField("source")) else None
+            if spec.media == "anthropic":
+                # vLLM's converter drops any uuid: the LM knows an encoder's image by its content hash.
+                block = body["messages"][p.message]["content"][p.part]
+                if p.inner >= 0:
+                    block = block["content"][p.inner]
+                block["source"] = {"type": "base64", "media_type": "image/png",
+                                   "data": base64.b64encode(m.data).decode()}
+                continue
+            if spec.media == "input" and m.modality == "image":
+                # The bytes go too, even for an item an encoder laid out (the LM knows it by its hash
+                # and does not decode it): vLLM stores a response's input as given, and a follow-up
+                # (previous_response_id) renders it again, with no encoder named for it then.
+                part: dict[str, Any] = {"type": "input_image", "image_url": _data_url(m)}
+            else:
+                kind = LM_PART[m.modality]
+                part = {"type": kind, kind: None if data_url is None else {"url": data_url}}
+            if ident is not None:
+                part["uuid"] = ident  # else the LM encodes it itself and hashes it as vLLM does
+            body[p.container][p.message]["content"][p.part] = part
+        return json.dumps(body, ensure_ascii=False).encode()
+
+
+def _data_url(m: Media) -> str:
+    if m.modality == "image":
+        mime = "image/png"  # the LM's image decoder sniffs the format
+    else:
+        sniffed = sniff_audio_format(m.data) if m.modality == "audio" else sniff_video_format(m.data)
+        mime = MIME.get(sniffed or "", f"{m.modality}/octet-stream")
+    return f"data:{mime};base64," + base64.b64encode(m.data).decode()
+
+
+def parse_openai(api: str, raw: bytes, cfg: GatewayConfig, media: list[bytes] | None = None) -> OpenAICall:
+    """Reads what the gateway needs from a request body, without I/O: whether it streams, and where its
+    media are, found by vLLM's own rule (``services.gateway.parts``). Everything else is vLLM's to
+    validate (on the LM). ``media``: the gRPC API's raw media, named by ``epd-media:N`` URLs. Raises
+    ApiError."""
+    spec = API[api]
+    body = loads_strict(raw) if raw or spec.method != "GET" else {}
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    call = OpenAICall(api, body, body.get("stream") is True)
+    try:
+        if spec.media == "anthropic":
+            found = anthropic_media_parts(body.get("messages"))
+        elif spec.media:
+            found = media_parts(body.get(spec.media), spec.media)
+        else:
+            found = []
+    except PartError as e:
+        raise ApiError(400, str(e), param=spec.media) from None
+    for p in found:
+        limit = getattr(cfg, LIMIT_FLAG[p.modality])
+        if call.modalities.count(p.modality) >= limit:
+            raise ApiError(400, f"at most {limit} {ITEMS[p.modality]} per request (--max-{p.modality}s)",
+                           param=spec.media)
+        call.modalities.append(p.modality)
+        if p.source.startswith(MEDIA_REF):
+            k = p.source[len(MEDIA_REF):]
+            if media is None or not k.isdigit() or int(k) >= len(media):
+                raise ApiError(400, f"{p.where}: {p.source!r} names no media item", param=spec.media)
+            call.sources.append(media[int(k)])
+        else:
+            call.sources.append(p.source)
+        call.parts.append(p)
+    return call
+
+
+async def load_media(call: OpenAICall, req: lm_pb2.GenerateRequest, cfg: GatewayConfig,
+                     fetcher: MediaFetcher | None) -> list[Media]:
+    """Loads every media item of ``call`` (data: decoded, http(s) fetched concurrently, every header
+    checked), adds one item per image or audio clip to ``req`` in order and returns them as Media.
+    Raises MediaError."""
+    try:
+        datas = await load_images(call.sources, cfg, fetcher, call.modalities)
+    except MediaError as e:
+        logger.info("request %s: media refused (%d): %s", req.request_id, e.status, e)
+        raise
+    # Fetched media are held as long as the request; its body's share of the budget does not cover them.
+    await charge_fetched(sum(len(d) for d, src in zip(datas, call.sources)
+                             if isinstance(src, str) and not src.startswith("data:")))
+    media = []
+    for data, modality in zip(datas, call.modalities):
+        ident = content_id(data)
+        if API[call.api].encode:  # else the LM lays the prompt out itself, from the bytes in its body
+            req.items.add(modality=modality, identifier=ident)
+        media.append(Media(data, ident, modality))
+    return media
+
+
