@@ -43,6 +43,26 @@ def _http_error(status: int, payload: bytes) -> _Status:
     return _Status(grpc_code(status), message)
 
 
+def _endpoint(api: str):
+    """The RPC for the REST endpoint ``api`` (an OpenAIRequest: the REST body and raw media)."""
+    async def rpc(self, request, context):
+        async for out in self._serve(request, context, api):
+            yield out
+
+    rpc.__doc__ = f"The REST API's {API[api].method} {API[api].path}, over gRPC."
+    return rpc
+
+
+def _by_id_endpoint(api: str, path: str):
+    """The RPC for a REST endpoint about one stored response (a ResponseRef)."""
+    async def rpc(self, request, context):
+        async for out in self._by_id(request, context, api, path):
+            yield out
+
+    rpc.__doc__ = f"The REST API's {API[api].method} {API[api].path}, over gRPC."
+    return rpc
+
+
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     def __init__(self, cfg: GatewayConfig, orch: Orchestrator, *, fetcher: MediaFetcher | None = None,
                  core: RequestCore | None = None) -> None:
@@ -51,45 +71,17 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         self.cfg, self.orch, self.fetcher = cfg, orch, fetcher
         self.core = core or RequestCore(cfg, orch, fetcher)  # the server shares one with the REST API
 
-    async def ChatCompletion(self, request, context):
-        async for out in self._serve(request, context, "chat"):
-            yield out
-
-    async def Completion(self, request, context):
-        async for out in self._serve(request, context, "completions"):
-            yield out
-
-    async def Responses(self, request, context):
-        async for out in self._serve(request, context, "responses"):
-            yield out
-
-    async def GetResponse(self, request, context):
-        async for out in self._by_id(request, context, "responses_get", "/v1/responses/{}"):
-            yield out
-
-    async def CancelResponse(self, request, context):
-        async for out in self._by_id(request, context, "responses_cancel", "/v1/responses/{}/cancel"):
-            yield out
-
-    async def Messages(self, request, context):
-        async for out in self._serve(request, context, "messages"):
-            yield out
-
-    async def CountTokens(self, request, context):
-        async for out in self._serve(request, context, "count_tokens"):
-            yield out
-
-    async def Tokenize(self, request, context):
-        async for out in self._serve(request, context, "tokenize"):
-            yield out
-
-    async def Detokenize(self, request, context):
-        async for out in self._serve(request, context, "detokenize"):
-            yield out
-
-    async def Version(self, request, context):
-        async for out in self._serve(request, context, "version"):
-            yield out
+    # One RPC per REST endpoint (request.APIS), each through ``_serve``.
+    ChatCompletion = _endpoint("chat")
+    Completion = _endpoint("completions")
+    Responses = _endpoint("responses")
+    GetResponse = _by_id_endpoint("responses_get", "/v1/responses/{}")
+    CancelResponse = _by_id_endpoint("responses_cancel", "/v1/responses/{}/cancel")
+    Messages = _endpoint("messages")
+    CountTokens = _endpoint("count_tokens")
+    Tokenize = _endpoint("tokenize")
+    Detokenize = _endpoint("detokenize")
+    Version = _endpoint("version")
 
     async def _by_id(self, request: gateway_pb2.ResponseRef, context, api: str, path: str):
         if not _RESPONSE_ID.fullmatch(request.response_id):

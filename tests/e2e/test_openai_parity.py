@@ -384,24 +384,15 @@ def _local_runs(deployment) -> float:
     return metric(deployment.lm_metrics, "epd_lm_local_encoder_runs_total")
 
 
-@pytest.mark.parametrize("case", list(RESPONSES))
-def test_responses_match_vllm_serve(servers, deployment, case):
+@pytest.mark.parametrize("path,case", [("/v1/responses", c) for c in RESPONSES] +
+                         [("/v1/messages", c) for c in MESSAGES])
+def test_responses_and_messages_match_vllm_serve(servers, deployment, path, case):
     local = _local_runs(deployment)
-    got = _both(servers, "/v1/responses", RESPONSES[case])
+    got = _both(servers, path, (RESPONSES if path == "/v1/responses" else MESSAGES)[case])
     (sv, bv), (se, be) = got["vllm"], got["epd"]
     assert sv == se == 200, (bv[:500], be[:500])
     assert _norm(json.loads(be)) == _norm(json.loads(bv))
     assert _local_runs(deployment) == local  # the images went through the encoder
-
-
-@pytest.mark.parametrize("case", list(MESSAGES))
-def test_messages_match_vllm_serve(servers, deployment, case):
-    local = _local_runs(deployment)
-    got = _both(servers, "/v1/messages", MESSAGES[case])
-    (sv, bv), (se, be) = got["vllm"], got["epd"]
-    assert sv == se == 200, (bv[:500], be[:500])
-    assert _norm(json.loads(be)) == _norm(json.loads(bv))
-    assert _local_runs(deployment) == local
 
 
 @pytest.mark.parametrize("path,body", [
