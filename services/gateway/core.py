@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
+import re
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -25,12 +27,15 @@ import grpc
 
 from epd.lm.v1 import lm_pb2
 from services.common.errors import MediaError
+from services.gateway import metrics
 from services.gateway.admission import AdmissionRefused
 from services.gateway.config import GatewayConfig
 from services.gateway.fetch import MediaFetcher
 from services.gateway.intake import BodyRefused
 from services.gateway.orchestrator import Media, Orchestrator, Timings
 from services.gateway.request import API, Api, ApiError, OpenAICall, engine_request_id, load_media, parse_openai
+
+logger = logging.getLogger(__name__)
 
 _C = grpc.StatusCode
 STATUS: tuple[tuple[grpc.StatusCode, int, str, str], ...] = (
@@ -62,6 +67,11 @@ for _code, _status, _type, _way in STATUS:
         TO_HTTP.setdefault(_code, (_status, _type))
     if _way in ("both", "to_grpc"):
         TO_GRPC.setdefault(_status, _code)
+
+
+REQUEST_ID_HEADER = "X-Request-Id"
+REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
+"""A client's request id (REST's header, the gRPC API's field or metadata)."""
 
 
 def http_status(code: grpc.StatusCode) -> tuple[int, str]:
@@ -200,6 +210,62 @@ class RequestCore:
             path.rstrip("/").removesuffix("/cancel").rsplit("/", 1)[-1] if api.startswith("responses_") else None
         return Admitted(spec, call, req, loaded, Timings(start=arrival or time.perf_counter()), ticket, lease,
                         pinned=self.homes.get(named), _orch=self.orch, _homes=self.homes)
+
+
+_DEPLOYMENT_FAULTS = {
+    grpc.StatusCode.INTERNAL: "internal error",
+    grpc.StatusCode.UNAVAILABLE: "no instance could serve the request",
+    grpc.StatusCode.DEADLINE_EXCEEDED: "the request timed out in the deployment",
+    grpc.StatusCode.FAILED_PRECONDITION: "the deployment's instances do not agree",
+    grpc.StatusCode.UNAUTHENTICATED: "the deployment's instances refused each other's credentials",
+    grpc.StatusCode.PERMISSION_DENIED: "the deployment's instances refused each other's credentials",
+}
+"""Codes whose details describe the deployment (instance addresses, what failed where), not the request:
+without ``--epd-facts`` a caller gets this summary and the request id; the gateway's log has the details."""
+
+
+def from_grpc(e: grpc.aio.AioRpcError, rid: str = "", facts: bool = True) -> ApiError:
+    """A gRPC status from the deployment as the HTTP error a client gets (``STATUS``). ``facts``
+    off (``--epd-facts``): a deployment fault's details are replaced by a summary naming the request
+    (``rid``)."""
+    status, type_ = http_status(e.code())
+    summary = _DEPLOYMENT_FAULTS.get(e.code())
+    if summary is not None and not facts:
+        return ApiError(status, f"{summary} (request {rid or 'unknown'}; the gateway's log has the details)", type_)
+    return ApiError(status, e.details() or e.code().name, type_)
+
+
+def error_body(e: ApiError, anthropic: bool = False) -> dict[str, Any]:
+    """An error as vLLM's server writes it: OpenAI's shape, or Anthropic's for the Messages API
+    (vLLM's ``translate_error_response``: the type and message only)."""
+    if anthropic:
+        return {"type": "error", "error": {"type": e.type, "message": e.message}}
+    return {"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.status}}
+
+
+def epd_facts(timings: Timings, last: lm_pb2.GenerateResponse | None) -> dict[str, Any]:
+    """What the gateway adds to a response as ``epd``."""
+    return {"timings": timings.as_dict(),
+            "local_encoder_runs": last.local_encoder_runs if last else 0,
+            "transferred_items": last.transferred_items if last else 0,
+            "transports": timings.transports, "encoders": timings.encoders, "lm": timings.lm,
+            "retries": timings.retries, "placement": timings.placement,
+            "placement_reason": timings.placement_reason}
+
+
+def finished(route: str, status: int, rid: str, timings: Timings, media: int, error: str = "",
+             engine_id: str = "") -> None:
+    """Metrics and the one log line per finished request (REST and gRPC). ``rid``: the client's id;
+    ``engine_id``: the id the encoders and the LM logged it under, when it differs."""
+    metrics.observe(route, status, timings, media)
+    name = f"{rid} (engine id {engine_id})" if engine_id and engine_id != rid else rid
+    if status == 200:
+        logger.info("request %s: 200 in %.1f ms (ttft %.1f ms, %d item(s), encoders %s, lm %s, retries %d)",
+                    name, timings.total_ms, timings.ttft_ms, media, ",".join(timings.encoders) or "-",
+                    timings.lm or "-", timings.retries)
+    else:
+        logger.warning("request %s: %d after %.1f ms (lm %s, retries %d): %s",
+                       name, status, timings.total_ms, timings.lm or "-", timings.retries, error)
 
 
 def body_refused(e: BodyRefused) -> ApiError:

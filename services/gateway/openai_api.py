@@ -2,8 +2,7 @@
 routes): a transport over the request core (``services.gateway.core``). Each route reads its body
 through the intake (bounded before admission), hands it to the core, and relays the LM's answer:
 vLLM's bytes unchanged (with ``--epd-facts``, a JSON answer gets an ``epd`` object added, a stream an
-``: epd`` SSE comment at its end). Also how a gRPC status from the deployment becomes the HTTP error
-a client sees (``from_grpc``, over the core's one table)."""
+``: epd`` SSE comment at its end)."""
 
 from __future__ import annotations
 
@@ -11,75 +10,38 @@ import asyncio
 import functools
 import json
 import logging
-import re
 import time
 import uuid
-from typing import Any
 
 import grpc
 from aiohttp import web
 
-from epd.lm.v1 import lm_pb2
 from services.gateway import metrics
 from services.gateway.config import GatewayConfig
-from services.gateway.core import RequestCore, body_refused, http_status
+from services.gateway.core import (
+    REQUEST_ID_HEADER,
+    REQUEST_ID_RE,
+    RequestCore,
+    body_refused,
+    epd_facts,
+    error_body,
+    finished,
+    from_grpc,
+)
 from services.gateway.fetch import MediaFetcher
 from services.gateway.intake import CURRENT_LEASE, BodyRefused, Intake
-from services.gateway.orchestrator import Orchestrator, Timings
+from services.gateway.orchestrator import Orchestrator
 from services.gateway.request import API, APIS, ApiError, OpenAICall
 
 logger = logging.getLogger(__name__)
 
-REQUEST_ID_HEADER = "X-Request-Id"
 REQUEST_ID_KEY = "epd_request_id"
 ARRIVAL_KEY = "epd_arrival"
-REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
-
-_DEPLOYMENT_FAULTS = {
-    grpc.StatusCode.INTERNAL: "internal error",
-    grpc.StatusCode.UNAVAILABLE: "no instance could serve the request",
-    grpc.StatusCode.DEADLINE_EXCEEDED: "the request timed out in the deployment",
-    grpc.StatusCode.FAILED_PRECONDITION: "the deployment's instances do not agree",
-    grpc.StatusCode.UNAUTHENTICATED: "the deployment's instances refused each other's credentials",
-    grpc.StatusCode.PERMISSION_DENIED: "the deployment's instances refused each other's credentials",
-}
-"""Codes whose details describe the deployment (instance addresses, what failed where), not the request:
-without ``--epd-facts`` a caller gets this summary and the request id; the gateway's log has the details."""
-
-
-def from_grpc(e: grpc.aio.AioRpcError, rid: str = "", facts: bool = True) -> ApiError:
-    """A gRPC status from the deployment as the HTTP error a client gets (``core.STATUS``). ``facts``
-    off (``--epd-facts``): a deployment fault's details are replaced by a summary naming the request
-    (``rid``)."""
-    status, type_ = http_status(e.code())
-    summary = _DEPLOYMENT_FAULTS.get(e.code())
-    if summary is not None and not facts:
-        return ApiError(status, f"{summary} (request {rid or 'unknown'}; the gateway's log has the details)", type_)
-    return ApiError(status, e.details() or e.code().name, type_)
-
-
-def error_body(e: ApiError, anthropic: bool = False) -> dict[str, Any]:
-    """An error as vLLM's server writes it: OpenAI's shape, or Anthropic's for the Messages API
-    (vLLM's ``translate_error_response``: the type and message only)."""
-    if anthropic:
-        return {"type": "error", "error": {"type": e.type, "message": e.message}}
-    return {"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.status}}
-
 
 def error_response(e: ApiError, headers: dict[str, str] | None = None, anthropic: bool = False) -> web.Response:
     if e.retry_after is not None:
         headers = {**(headers or {}), "Retry-After": e.retry_after}
     return web.json_response(error_body(e, anthropic), status=e.status, headers=headers)
-
-
-def epd_facts(timings: Timings, last: lm_pb2.GenerateResponse | None) -> dict[str, Any]:
-    """What the gateway adds to a response as ``epd``."""
-    return {"timings": timings.as_dict(),
-            "local_encoder_runs": last.local_encoder_runs if last else 0,
-            "transferred_items": last.transferred_items if last else 0,
-            "transports": timings.transports, "encoders": timings.encoders, "lm": timings.lm,
-            "retries": timings.retries, "placement": timings.placement,
-            "placement_reason": timings.placement_reason}
 
 
 class OpenAIRoutes:
@@ -242,21 +204,6 @@ async def _chain(first, rest):
     yield first
     async for x in rest:
         yield x
-
-
-def finished(route: str, status: int, rid: str, timings: Timings, media: int, error: str = "",
-             engine_id: str = "") -> None:
-    """Metrics and the one log line per finished request (REST and gRPC). ``rid``: the client's id;
-    ``engine_id``: the id the encoders and the LM logged it under, when it differs."""
-    metrics.observe(route, status, timings, media)
-    name = f"{rid} (engine id {engine_id})" if engine_id and engine_id != rid else rid
-    if status == 200:
-        logger.info("request %s: 200 in %.1f ms (ttft %.1f ms, %d item(s), encoders %s, lm %s, retries %d)",
-                    name, timings.total_ms, timings.ttft_ms, media, ",".join(timings.encoders) or "-",
-                    timings.lm or "-", timings.retries)
-    else:
-        logger.warning("request %s: %d after %.1f ms (lm %s, retries %d): %s",
-                       name, status, timings.total_ms, timings.lm or "-", timings.retries, error)
 
 
 @web.middleware

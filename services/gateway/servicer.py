@@ -17,9 +17,17 @@ import grpc
 from epd.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from services.common.errors import BadInput, EPDError
 from services.gateway.config import GatewayConfig
-from services.gateway.core import Admitted, RequestCore, grpc_code
+from services.gateway.core import (
+    REQUEST_ID_HEADER,
+    REQUEST_ID_RE,
+    Admitted,
+    RequestCore,
+    epd_facts,
+    finished,
+    from_grpc,
+    grpc_code,
+)
 from services.gateway.fetch import MediaFetcher
-from services.gateway.openai_api import REQUEST_ID_HEADER, REQUEST_ID_RE, epd_facts, finished, from_grpc
 from services.gateway.orchestrator import Orchestrator
 from services.gateway.request import API, ApiError
 

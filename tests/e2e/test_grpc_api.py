@@ -98,16 +98,51 @@ def test_native_grpc_serves_the_rest_of_the_surface_as_rest_does(deployment):
     assert json.loads(_grpc(deployment, "Version", {})[0].body) == _rest(deployment, "/version", None)
 
 
-def test_native_grpc_stored_response_lookups_answer_as_vllm_does_without_a_store(deployment):
-    """Without VLLM_ENABLE_RESPONSES_API_STORE vLLM keeps no responses: an id is not found."""
+def _rest_status(deployment, method: str, path: str, body: dict | None) -> tuple[int, dict]:
+    import urllib.error
+    import urllib.request
+
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(deployment.url + path, data, {"Content-Type": "application/json"}, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_native_grpc_stored_responses_count_tokens_and_detokenize_as_rest(deployment):
+    """The session's LM stores responses (VLLM_ENABLE_RESPONSES_API_STORE=1): GetResponse gives what
+    GET /v1/responses/{id} gives, CancelResponse ends as the REST cancel does (same status, as its
+    gRPC code), an unknown or malformed id is refused; CountTokens and Detokenize answer as REST."""
+    from services.gateway.core import grpc_code
+
     with grpc.insecure_channel(deployment.gateway_grpc) as ch:
         stub = gateway_pb2_grpc.GatewayServiceStub(ch)
-        with pytest.raises(grpc.RpcError) as e:
-            list(stub.GetResponse(gateway_pb2.ResponseRef(response_id="resp_nope"), timeout=60))
-        assert e.value.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT), e.value
-        with pytest.raises(grpc.RpcError) as e:
-            list(stub.GetResponse(gateway_pb2.ResponseRef(response_id="../etc"), timeout=60))
-        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        created = json.loads(list(stub.Responses(gateway_pb2.OpenAIRequest(body=json.dumps(
+            {"input": "Hello", "max_output_tokens": 4, "temperature": 0}).encode()), timeout=60))[0].body)
+        ref = gateway_pb2.ResponseRef(response_id=created["id"])
+        got = json.loads(list(stub.GetResponse(ref, timeout=60))[0].body)
+        status, want = _rest_status(deployment, "GET", f"/v1/responses/{created['id']}", None)
+        want.pop("epd", None)
+        assert status == 200 and got == want
+        status, want = _rest_status(deployment, "POST", f"/v1/responses/{created['id']}/cancel", {})
+        if status == 200:
+            assert json.loads(list(stub.CancelResponse(ref, timeout=60))[0].body)["id"] == created["id"]
+        else:  # vLLM refuses to cancel a finished synchronous response
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.CancelResponse(ref, timeout=60))
+            assert e.value.code() == grpc_code(status), (status, want)
+        for bad in ("resp_nope", "../etc"):
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.GetResponse(gateway_pb2.ResponseRef(response_id=bad), timeout=60))
+            assert e.value.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT), e.value
+
+    body = {"model": deployment.model, "messages": [{"role": "user", "content": "Count me"}]}
+    got = json.loads(_grpc(deployment, "CountTokens", body)[0].body)
+    assert got == _rest(deployment, "/v1/messages/count_tokens", body)
+    body = {"tokens": [10, 11, 12]}
+    assert json.loads(_grpc(deployment, "Detokenize", body)[0].body) == _rest(deployment, "/detokenize", body)
 
 
 @pytest.mark.parametrize("which,service", [("encoder_addr", "epd.encoder.v1.EncoderService"),

@@ -16,7 +16,7 @@ from epd.lm.v1 import lm_pb2
 from services.common.errors import MediaError
 from services.common.images import make_audio
 from services.gateway.config import GatewayConfig
-from services.gateway.openai_api import from_grpc
+from services.gateway.core import from_grpc
 from services.gateway.orchestrator import Media
 from services.gateway.request import (
     ApiError,
@@ -456,7 +456,7 @@ def test_the_grpc_apis_raw_media_may_be_audio():
 @pytest.mark.parametrize("code", [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL,
                                   grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.PERMISSION_DENIED])
 def test_a_deployment_faults_details_reach_a_caller_only_with_epd_facts(code):
-    from services.gateway.openai_api import from_grpc
+    from services.gateway.core import from_grpc
 
     e = grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), "encoder 10.1.2.3:50051: boom")
     hidden = from_grpc(e, "req-7", facts=False)
@@ -466,7 +466,7 @@ def test_a_deployment_faults_details_reach_a_caller_only_with_epd_facts(code):
 
 
 def test_a_requests_own_error_reaches_the_caller_unchanged_without_epd_facts():
-    from services.gateway.openai_api import from_grpc
+    from services.gateway.core import from_grpc
 
     e = grpc.aio.AioRpcError(grpc.StatusCode.INVALID_ARGUMENT, grpc.aio.Metadata(), grpc.aio.Metadata(),
                              "image 0: its uuid is not the content hash of its bytes")

@@ -13,7 +13,7 @@ from helpers import data_url, image_bytes
 
 from epd.lm.v1 import lm_pb2
 from services.gateway.config import GatewayConfig
-from services.gateway.openai_api import error_body
+from services.gateway.core import error_body
 from services.gateway.parts import anthropic_media_parts
 from services.gateway.request import API, APIS, ApiError, load_media, parse_openai
 
@@ -177,3 +177,21 @@ def test_requests_about_a_stored_response_are_pinned_to_its_lm():
     assert pinned("responses_get", None, "/v1/responses/resp_9") == "lm-b:1"
     assert pinned("responses_cancel", {}, "/v1/responses/resp_9/cancel") == "lm-b:1"
     assert pinned("responses_get", None, "/v1/responses/resp_other") is None
+
+
+def test_the_transports_import_the_core_and_not_each_other():
+    """One pipeline: REST (openai_api) and the gRPC API (servicer) both go through core and request."""
+    import ast
+    import pathlib
+
+    gateway = pathlib.Path(__file__).resolve().parents[2] / "services" / "gateway"
+
+    def imports(module: str) -> set[str]:
+        tree = ast.parse((gateway / f"{module}.py").read_text())
+        return {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module} | \
+            {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+
+    rest, grpc_api = imports("openai_api"), imports("servicer")
+    assert "services.gateway.servicer" not in rest and "services.gateway.openai_api" not in grpc_api
+    assert {"services.gateway.core", "services.gateway.request"} <= rest & grpc_api
+    assert not {m for m in imports("core") | imports("request") if m.endswith(("openai_api", "servicer"))}
