@@ -1,7 +1,7 @@
 """The gateway's one request core, for every API and both transports (REST: ``openai_api``; the
 native gRPC API: ``servicer``).
 
-``RequestCore.admit`` takes a request body for one ``Api`` (``openai_api.APIS``) and does everything
+``RequestCore.admit`` takes a request body for one ``Api`` (``request.APIS``) and does everything
 before an LM is called: parse (the API's media reader, vLLM's rule), check an LM is ready, admission,
 load and hash the media. It answers an ``Admitted`` request, or raises ``ApiError`` (an HTTP status,
 message and error type, and ``Retry-After`` where a client should come back). ``Admitted.generate``
