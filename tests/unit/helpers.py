@@ -74,3 +74,20 @@ def image_bytes(fmt: str = "PNG", size: tuple[int, int] = (8, 6), mode: str = "R
 
 def data_url(data: bytes, mime: str = "image/png") -> str:
     return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+def load_bench(name: str):
+    """``bench/<name>.py`` as a module named ``bench_<name>`` (bench/ is scripts, not a package; its
+    own imports, ``bench/common.py``, resolve through bench/ on the path)."""
+    import importlib.util
+    import os
+    import sys
+
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", os.path.join(bench, f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod

@@ -4,12 +4,12 @@ mixed workload it writes (no engines: the sweep itself runs by hand, see docs/be
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
 
 import pytest
+from helpers import load_bench
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytestmark = pytest.mark.unit
@@ -17,11 +17,7 @@ pytestmark = pytest.mark.unit
 
 @pytest.fixture(scope="module")
 def capacity():
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    spec = importlib.util.spec_from_file_location("bench_capacity", os.path.join(ROOT, "bench", "capacity.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    yield mod
+    return load_bench("capacity")
 
 
 def _args(**kw):

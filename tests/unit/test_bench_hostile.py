@@ -5,12 +5,11 @@ itself runs by hand, see docs/benchmarks.md)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import sys
 
 import pytest
+from helpers import load_bench
 
 from epd.gateway.v1 import gateway_pb2
 from services.gateway.config import GatewayConfig
@@ -23,11 +22,7 @@ pytestmark = pytest.mark.unit
 
 @pytest.fixture(scope="module")
 def hostile():
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    spec = importlib.util.spec_from_file_location("bench_hostile", os.path.join(ROOT, "bench", "hostile.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    yield mod
+    return load_bench("hostile")
 
 
 @pytest.fixture

@@ -4,23 +4,19 @@ no GPU; this checks what it would start)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import sys
 
 import pytest
+from helpers import load_bench
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module")
 def serving():
-    spec = importlib.util.spec_from_file_location("bench_serving", os.path.join(ROOT, "bench", "serving.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_serving"] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    yield mod
+    return load_bench("serving")
     sys.modules.pop("bench_serving", None)
 
 
