@@ -1,0 +1,62 @@
+"""Every private vLLM name epd-serve reaches for exists in the installed vLLM, each named with the
+place that uses it: a vLLM upgrade that renames one fails here, by name, instead of silently (some
+users fall back when a name is missing, e.g. ``layouts_context_free`` would then call every family's
+layout context-free, which Gemma 3's is not)."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+pytest.importorskip("vllm")
+
+PRIVATE = [
+    ("vllm.entrypoints.serve.exception_handling.handlers.validation", "_format_error",
+     "services/lm/servicer.py validation_error: a body's pydantic errors worded as vLLM's server words them"),
+    ("vllm.multimodal.processing.processor", "BaseMultiModalProcessor._apply_token_matches",
+     "services/encoder/server.py layouts_context_free: which families rewrite tokens around an item"),
+    ("vllm.multimodal.processing.processor", "BaseMultiModalProcessor._find_mm_placeholders",
+     "services/encoder/server.py layouts_context_free"),
+]
+
+
+@pytest.mark.parametrize("module,name,used_by", PRIVATE, ids=[n for _, n, _ in PRIVATE])
+def test_the_private_name_exists(module, name, used_by):
+    obj = importlib.import_module(module)
+    for part in name.split("."):
+        assert hasattr(obj, part), f"vLLM no longer has {module}.{name}, used by {used_by}"
+        obj = getattr(obj, part)
+    assert callable(obj), f"{module}.{name} is not callable any more ({used_by})"
+
+
+def test_every_video_loader_prepares_its_source():
+    """services/common/vllm_media.py frames_sampled_by calls ``loader._prepare_source`` (each loader's
+    own rule for the frames it decodes, which the decode budget is charged for)."""
+    from vllm.multimodal.video import VIDEO_LOADER_REGISTRY
+
+    loaders = VIDEO_LOADER_REGISTRY.name2class
+    assert loaders, "vLLM's video loader registry is empty"
+    for name, cls in loaders.items():
+        assert callable(getattr(cls, "_prepare_source", None)), f"video loader {name} has no _prepare_source"
+
+
+@pytest.mark.parametrize("family", ["idefics3", "gemma3"])
+def test_model_classes_carry_their_processor_factory(family):
+    """services/encoder/server.py layouts_context_free reads ``model_cls._processor_factory.processor``
+    (the multimodal processor vLLM registered for the architecture); Gemma 3's overrides the token
+    matching, Idefics3's does not."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.model_executor.models.registry import ModelRegistry
+    from vllm.multimodal.processing.processor import BaseMultiModalProcessor
+
+    from services.cli import default_model
+
+    mc = AsyncEngineArgs(model=default_model(family=family)).create_model_config()
+    model_cls, _ = ModelRegistry.resolve_model_cls(mc.architectures, mc)
+    proc = getattr(getattr(model_cls, "_processor_factory", None), "processor", None)
+    assert isinstance(proc, type), f"{model_cls.__name__} has no _processor_factory.processor"
+    overridden = proc._apply_token_matches is not BaseMultiModalProcessor._apply_token_matches
+    assert overridden == (family == "gemma3"), (family, proc)
