@@ -32,8 +32,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from epd.common.v1 import common_pb2
 from epd.lm.v1 import lm_pb2, lm_pb2_grpc
+from epd.transfer.v1 import transfer_pb2
 from services.common.grpc_server import GrpcServer
 
 logger = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ class StubLM(lm_pb2_grpc.LMServiceServicer):
     """Answers every Generate with ``max_tokens`` tokens, no waiting."""
 
     async def GetInfo(self, request, context):
-        return lm_pb2.LMInfo(model=MODEL, compat=common_pb2.CompatInfo(model=MODEL))
+        return lm_pb2.LMInfo(model=MODEL, compat=transfer_pb2.CompatInfo(model=MODEL))
 
     async def Generate(self, request, context):
         t0 = time.perf_counter()

@@ -37,8 +37,7 @@ from typing import ClassVar
 
 import torch
 
-from epd.common.v1 import common_pb2
-from epd.encoder.v1 import encoder_pb2
+from epd.transfer.v1 import transfer_pb2
 
 
 class Receiver(ABC):
@@ -48,7 +47,7 @@ class Receiver(ABC):
     @abstractmethod
     def complete(self) -> bool: ...
 
-    def feed(self, chunk: encoder_pb2.Chunk) -> bool:
+    def feed(self, chunk: transfer_pb2.Chunk) -> bool:
         """Takes one payload message; returns True once complete."""
         from ectransfer.protocol import ProtocolError
 
@@ -83,8 +82,8 @@ class ProducerTransport(ABC):
     """The consumer reads the producer's memory itself (shm, CUDA IPC): the
     server holds the slot from the header until the consumer's Ack/Cancel."""
 
-    def offer(self) -> encoder_pb2.TransportOffer:
-        return encoder_pb2.TransportOffer(transport=self.kind)
+    def offer(self) -> transfer_pb2.TransportOffer:
+        return transfer_pb2.TransportOffer(transport=self.kind)
 
     def verify(self, proof: bytes, challenge: bytes) -> bool:
         """Whether ``proof`` answers this transport's probe for the stream that
@@ -92,9 +91,9 @@ class ProducerTransport(ABC):
         return True
 
     @abstractmethod
-    def describe(self, data: torch.Tensor, desc: common_pb2.TensorDescriptor) -> None: ...
+    def describe(self, data: torch.Tensor, desc: transfer_pb2.TensorDescriptor) -> None: ...
 
-    def payload(self, identifier: str, data: torch.Tensor) -> Iterator[encoder_pb2.TransferServerMsg]:
+    def payload(self, identifier: str, data: torch.Tensor) -> Iterator[transfer_pb2.TransferServerMsg]:
         return iter(())
 
     def close(self) -> None:
@@ -106,7 +105,7 @@ class ConsumerTransport(ABC):
     in_place: ClassVar[bool] = False
     """``locate`` can hand out where the item lies instead of copying it."""
 
-    def locate(self, desc: common_pb2.TensorDescriptor) -> None:
+    def locate(self, desc: transfer_pb2.TensorDescriptor) -> None:
         """In-place transports: validate ``desc`` (the range lies inside memory
         this process can map) without copying; raises ProtocolError. The reader
         copies it later and acks after (``TransferClient.ack``)."""
@@ -114,12 +113,12 @@ class ConsumerTransport(ABC):
 
         raise ProtocolError("this transport cannot be read in place")
 
-    def probe(self, offer: encoder_pb2.TransportOffer) -> bytes:
+    def probe(self, offer: transfer_pb2.TransportOffer) -> bytes:
         """The proof that this consumer can use ``offer`` (raises ProtocolError if not)."""
         return b""
 
     @abstractmethod
-    def receiver(self, desc: common_pb2.TensorDescriptor, dest: torch.Tensor) -> Receiver: ...
+    def receiver(self, desc: transfer_pb2.TensorDescriptor, dest: torch.Tensor) -> Receiver: ...
 
     def close(self) -> None:
         return None

@@ -17,13 +17,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from epd.encoder.v1 import encoder_pb2
+import grpc
 
-_MSG = encoder_pb2.TransferServerMsg
+from epd.transfer.v1 import transfer_pb2
+
+_MSG = transfer_pb2.TransferServerMsg
 _CHUNK_FIELD = _MSG.DESCRIPTOR.fields_by_name["chunk"].number
-_ID = encoder_pb2.Chunk.DESCRIPTOR.fields_by_name["identifier"].number
-_OFFSET = encoder_pb2.Chunk.DESCRIPTOR.fields_by_name["offset"].number
-_DATA = encoder_pb2.Chunk.DESCRIPTOR.fields_by_name["data"].number
+_ID = transfer_pb2.Chunk.DESCRIPTOR.fields_by_name["identifier"].number
+_OFFSET = transfer_pb2.Chunk.DESCRIPTOR.fields_by_name["offset"].number
+_DATA = transfer_pb2.Chunk.DESCRIPTOR.fields_by_name["data"].number
 
 
 def _varint(n: int) -> bytes:
@@ -140,27 +142,39 @@ def response_serializer(msg) -> bytes:
     return msg if isinstance(msg, bytes) else msg.SerializeToString()
 
 
-TRANSFER_METHOD = "/epd.encoder.v1.TransferService/Transfer"
+TRANSFER_SERVICE = transfer_pb2.DESCRIPTOR.services_by_name["TransferService"].full_name
+TRANSFER_METHOD = f"/{TRANSFER_SERVICE}/Transfer"
+# Where the Transfer service lived before the library owned its protocol (epd-serve 0.3). A producer
+# answers it with a version error, so a consumer of that age learns why rather than UNIMPLEMENTED.
+LEGACY_TRANSFER_SERVICE = "epd.encoder.v1.TransferService"
+VERSION_MISMATCH = (f"this producer serves {TRANSFER_SERVICE} (epd-serve 0.4 and later), not "
+                    f"{LEGACY_TRANSFER_SERVICE}: the consumer runs an older epd-serve; run one version "
+                    f"across the deployment")
+
+
+async def _legacy(request, context):
+    await context.abort(grpc.StatusCode.FAILED_PRECONDITION, VERSION_MISMATCH)
 
 
 def add_transfer_service(servicer, server) -> None:
     """``add_TransferServiceServicer_to_server`` with the Transfer method's
-    response serializer swapped for ``response_serializer``."""
-    import grpc
-
+    response serializer swapped for ``response_serializer``, and the service's
+    old name answered with a version error (``LEGACY_TRANSFER_SERVICE``)."""
     handlers = {
         "Transfer": grpc.stream_stream_rpc_method_handler(
-            servicer.Transfer, request_deserializer=encoder_pb2.TransferClientMsg.FromString,
+            servicer.Transfer, request_deserializer=transfer_pb2.TransferClientMsg.FromString,
             response_serializer=response_serializer),
         "Stats": grpc.unary_unary_rpc_method_handler(
-            servicer.Stats, request_deserializer=encoder_pb2.StatsRequest.FromString,
-            response_serializer=encoder_pb2.StatsReply.SerializeToString),
+            servicer.Stats, request_deserializer=transfer_pb2.StatsRequest.FromString,
+            response_serializer=transfer_pb2.StatsReply.SerializeToString),
     }
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("epd.encoder.v1.TransferService",
-                                                                          handlers),))
+    legacy = {"Transfer": grpc.stream_stream_rpc_method_handler(_legacy),
+              "Stats": grpc.unary_unary_rpc_method_handler(_legacy)}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(TRANSFER_SERVICE, handlers),
+                                     grpc.method_handlers_generic_handler(LEGACY_TRANSFER_SERVICE, legacy)))
 
 
 def transfer_call(channel):
     """The Transfer method on ``channel`` with ``deserialize`` for responses."""
-    return channel.stream_stream(TRANSFER_METHOD, request_serializer=encoder_pb2.TransferClientMsg.SerializeToString,
+    return channel.stream_stream(TRANSFER_METHOD, request_serializer=transfer_pb2.TransferClientMsg.SerializeToString,
                                  response_deserializer=deserialize)

@@ -31,6 +31,7 @@ import torch
 
 from ectransfer import chunkwire, lane, tensors
 from ectransfer.base import ConsumerTransport, Receiver
+from ectransfer.chunkwire import LEGACY_TRANSFER_SERVICE, TRANSFER_SERVICE
 from ectransfer.protocol import (
     TRANSFER_GRPC_OPTIONS,
     CompatError,
@@ -43,8 +44,7 @@ from ectransfer.protocol import (
 )
 from ectransfer.security import SecurityConfig
 from ectransfer.selection import Choice, choose
-from epd.common.v1 import common_pb2
-from epd.encoder.v1 import encoder_pb2
+from epd.transfer.v1 import transfer_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -69,10 +69,10 @@ class Fetch:
     """Asked for: with an in-place transport (shm, CUDA IPC), LANDED means the
     bytes are readable where ``source`` says, held by the producer until the
     caller's ``TransferClient.ack``; ``dest`` is not written."""
-    source: common_pb2.TensorDescriptor | None = None
+    source: transfer_pb2.TensorDescriptor | None = None
     """Set when the item landed in place: the producer's segment/handle and offset."""
     claim: str = ""
-    """The claim named in Reserve, Ack and Cancel (the encoder's ItemMetadata.claim)."""
+    """The claim named in Reserve, Ack and Cancel (ItemSource.claim, from the encoder's Encode call)."""
     copy: int = 0
     """The producer's copy number from the ItemHeader (0 until it arrives)."""
 
@@ -86,13 +86,13 @@ class _Peer:
         self.items: dict[str, Fetch] = {}
         self.located: dict[str, Fetch] = {}  # landed in place, not acked yet
         self.mapped: set[tuple[str, str]] = set()  # (kind, segment or pool id) read in place
-        self.proven: encoder_pb2.TransportOffer | None = None  # the offer whose probe this consumer passed
+        self.proven: transfer_pb2.TransportOffer | None = None  # the offer whose probe this consumer passed
         self.mode: asyncio.Future = asyncio.get_running_loop().create_future()  # "grpc" or "lane"
         self.writer: asyncio.StreamWriter | None = None  # the control lane, once it carries the items
         self.channel = client.security.aio_channel(endpoint, options=TRANSFER_GRPC_OPTIONS)
         self.task = asyncio.create_task(self._run())
 
-    def send(self, msg: encoder_pb2.TransferClientMsg) -> None:
+    def send(self, msg: transfer_pb2.TransferClientMsg) -> None:
         """An item message (Reserve, Ack, Cancel) to the producer, on the lane
         once it is up, else on the gRPC stream (queued until the handshake)."""
         if self.writer is not None:
@@ -102,8 +102,8 @@ class _Peer:
             self.out.put_nowait(msg)
 
     async def _requests(self):
-        yield encoder_pb2.TransferClientMsg(
-            hello=encoder_pb2.Hello(
+        yield transfer_pb2.TransferClientMsg(
+            hello=transfer_pb2.Hello(
                 compat=self.client.compat,
                 consumer_id=self.client.consumer_id,
                 transports=[t.kind for t in self.client.transports],
@@ -134,7 +134,7 @@ class _Peer:
             else:
                 self.mode.set_result("lane")
                 await self.channel.close()  # the stream has done its part
-                while (msg := await lane.read_frame(reader, encoder_pb2.TransferServerMsg)) is not None:
+                while (msg := await lane.read_frame(reader, transfer_pb2.TransferServerMsg)) is not None:
                     self._on_message(msg)
                 error = f"encoder at {self.endpoint}: the control lane closed"
         except grpc.aio.AioRpcError as e:
@@ -167,9 +167,9 @@ class _Peer:
         writer = None
         try:
             reader, writer = await lane.connect(address)
-            writer.write(lane.frame(encoder_pb2.TransferClientMsg(  # proven by this stream's lane secret
-                select=encoder_pb2.Select(transport=choice.transport.kind, proof=choice.lane_secret))))
-            reply = await asyncio.wait_for(lane.read_frame(reader, encoder_pb2.TransferServerMsg), 5.0)
+            writer.write(lane.frame(transfer_pb2.TransferClientMsg(  # proven by this stream's lane secret
+                select=transfer_pb2.Select(transport=choice.transport.kind, proof=choice.lane_secret))))
+            reply = await asyncio.wait_for(lane.read_frame(reader, transfer_pb2.TransferServerMsg), 5.0)
             if reply is None or reply.WhichOneof("msg") != "selected":
                 raise ConnectionError("the producer refused the lane")
         except Exception as e:  # noqa: BLE001 - unreachable, refused, garbage: the gRPC stream carries on
@@ -187,7 +187,7 @@ class _Peer:
         self.writer = writer
         return reader
 
-    def _on_message(self, msg: encoder_pb2.TransferServerMsg) -> None:
+    def _on_message(self, msg: transfer_pb2.TransferServerMsg) -> None:
         kind = msg.WhichOneof("msg")
         body = getattr(msg, kind)
         fetch = self.items.get(body.identifier)
@@ -208,7 +208,7 @@ class _Peer:
             # The producer may hold the slot for us (in place): let it go.
             self.send(cancel_msg(fetch))
 
-    def _on_header(self, fetch: Fetch, header: encoder_pb2.ItemHeader) -> None:
+    def _on_header(self, fetch: Fetch, header: transfer_pb2.ItemHeader) -> None:
         desc = header.tensor
         fetch.copy = header.copy
         fetch.shape, fetch.dtype = check_header(header, fetch.dest.numel(), fetch.expect_shape, fetch.expect_dtype)
@@ -256,17 +256,17 @@ class _Peer:
         fetch.transfer.fail(error)
 
 
-def ack_msg(fetch: Fetch) -> encoder_pb2.TransferClientMsg:
-    return encoder_pb2.TransferClientMsg(ack=encoder_pb2.Ack(
+def ack_msg(fetch: Fetch) -> transfer_pb2.TransferClientMsg:
+    return transfer_pb2.TransferClientMsg(ack=transfer_pb2.Ack(
         identifier=fetch.transfer.identifier, claim=fetch.claim, copy=fetch.copy))
 
 
-def cancel_msg(fetch: Fetch) -> encoder_pb2.TransferClientMsg:
-    return encoder_pb2.TransferClientMsg(cancel=encoder_pb2.Cancel(
+def cancel_msg(fetch: Fetch) -> transfer_pb2.TransferClientMsg:
+    return transfer_pb2.TransferClientMsg(cancel=transfer_pb2.Cancel(
         identifier=fetch.transfer.identifier, claim=fetch.claim, copy=fetch.copy))
 
 
-def check_header(header: encoder_pb2.ItemHeader, dest_nbytes: int, shape: tuple[int, ...] | None = None,
+def check_header(header: transfer_pb2.ItemHeader, dest_nbytes: int, shape: tuple[int, ...] | None = None,
                  dtype: torch.dtype | None = None) -> tuple[tuple[int, ...], torch.dtype]:
     """The (shape, dtype) of a producer's ItemHeader once it is what the
     consumer expects: exactly ``shape`` and ``dtype`` when given (what the
@@ -294,7 +294,7 @@ def check_header(header: encoder_pb2.ItemHeader, dest_nbytes: int, shape: tuple[
     return got_shape, got_dtype
 
 
-def check_proven_source(desc: common_pb2.TensorDescriptor, proven: encoder_pb2.TransportOffer | None) -> None:
+def check_proven_source(desc: transfer_pb2.TensorDescriptor, proven: transfer_pb2.TransportOffer | None) -> None:
     """An in-place item must lie in the segment or pool its producer proved in
     the handshake (``proven``, the chosen offer), not in any other one it
     names (another encoder's pool, an LM's staging). Raises ProtocolError."""
@@ -312,28 +312,35 @@ def check_proven_source(desc: common_pb2.TensorDescriptor, proven: encoder_pb2.T
     raise ProtocolError(f"a {kind} item on a stream whose handshake proved no such memory")
 
 
-def source_key(desc: common_pb2.TensorDescriptor) -> tuple[str, str]:
+def source_key(desc: transfer_pb2.TensorDescriptor) -> tuple[str, str]:
     """("shm", segment) or ("cuda_ipc", pool id) of an in-place descriptor."""
     if desc.WhichOneof("payload") == "shm":
         return "shm", desc.shm.segment
     return "cuda_ipc", desc.cuda_ipc.pool_id
 
 
-async def negotiate(call, send, compat: common_pb2.CompatInfo, transports: list[ConsumerTransport],
+async def negotiate(call, send, compat: transfer_pb2.CompatInfo, transports: list[ConsumerTransport],
                     select=None) -> Choice:
     """Consumer side of the handshake on an open Transfer ``call`` whose request
     stream already yielded Hello; ``send`` enqueues a client message. Raises
     CompatError or ProtocolError with a message meant for people. ``select``:
     a predicate on the Choice; when false the handshake stops before Select
     (a check that cannot prove the transport itself)."""
-    first = await call.read()
+    try:
+        first = await call.read()
+    except grpc.aio.AioRpcError as e:
+        if e.code() == grpc.StatusCode.UNIMPLEMENTED:  # no epd.transfer.v1: a producer from before the move
+            raise CompatError(f"the producer has no {TRANSFER_SERVICE} ({e.details()}): it runs an older "
+                              f"epd-serve (its Transfer service was {LEGACY_TRANSFER_SERVICE}); run one "
+                              f"version across the deployment") from None
+        raise
     if first is grpc.aio.EOF or first.WhichOneof("msg") != "hello":
         raise ProtocolError("producer did not answer Hello")
     check_compat(compat, first.hello.compat)
     choice = choose(list(first.hello.offers), transports)
     if select is not None and not select(choice):
         return choice
-    send(encoder_pb2.TransferClientMsg(select=encoder_pb2.Select(transport=choice.transport.kind, proof=choice.proof)))
+    send(transfer_pb2.TransferClientMsg(select=transfer_pb2.Select(transport=choice.transport.kind, proof=choice.proof)))
     second = await call.read()
     if second is grpc.aio.EOF or second.WhichOneof("msg") != "selected":
         raise ProtocolError("producer did not confirm the transport")
@@ -346,7 +353,7 @@ class TransferClient:
 
     def __init__(
         self,
-        compat: common_pb2.CompatInfo,
+        compat: transfer_pb2.CompatInfo,
         consumer_id: str,
         transports: list[ConsumerTransport],
         timeout_s: float = 30.0,
@@ -465,7 +472,7 @@ class TransferClient:
         if peer is None:
             peer = self._peers[fetch.endpoint] = _Peer(self, fetch.endpoint)
         peer.items[fetch.transfer.identifier] = fetch
-        peer.send(encoder_pb2.TransferClientMsg(reserve=encoder_pb2.Reserve(
+        peer.send(transfer_pb2.TransferClientMsg(reserve=transfer_pb2.Reserve(
             identifier=fetch.transfer.identifier, request_id=request_id, max_nbytes=fetch.dest.numel(),
             claim=fetch.claim)))
 
@@ -477,8 +484,8 @@ class TransferClient:
             fetch = table.get(identifier)
             if fetch is not None and fetch.claim == claim:
                 del table[identifier]
-        cls = encoder_pb2.Ack if kind == "ack" else encoder_pb2.Cancel
-        peer.send(encoder_pb2.TransferClientMsg(**{kind: cls(identifier=identifier, claim=claim, copy=copy)}))
+        cls = transfer_pb2.Ack if kind == "ack" else transfer_pb2.Cancel
+        peer.send(transfer_pb2.TransferClientMsg(**{kind: cls(identifier=identifier, claim=claim, copy=copy)}))
 
     def chosen(self, endpoint: str, transport: str) -> None:
         """A peer's handshake chose ``transport`` (``transport_of`` reports it)."""
@@ -501,8 +508,8 @@ class TransferClient:
         # their next loads (``take_unmapped``), so a restarted producer's old
         # pool is not kept alive.
         for kind, name in peer.mapped:
-            if kind == "shm" and common_pb2.SHM in self.by_kind:
-                self.by_kind[common_pb2.SHM].forget(name)
+            if kind == "shm" and transfer_pb2.SHM in self.by_kind:
+                self.by_kind[transfer_pb2.SHM].forget(name)
         with self._unmapped_lock:
             self._unmapped.extend(peer.mapped)
         if peer.items or error != "stream closed":

@@ -40,8 +40,7 @@ from ectransfer.base import ConsumerTransport, Landed, ProducerTransport, Receiv
 from ectransfer.pool import ALIGNMENT, Pool
 from ectransfer.pool import check_range as _check_range
 from ectransfer.protocol import ProtocolError
-from epd.common.v1 import common_pb2
-from epd.encoder.v1 import encoder_pb2
+from epd.transfer.v1 import transfer_pb2
 
 
 def _cupy():
@@ -78,8 +77,8 @@ class CudaPool(Pool):
         arr = cp.ndarray((capacity,), dtype=cp.uint8, memptr=cp.cuda.MemoryPointer(self._mem, 0))
         return torch.as_tensor(arr, device=f"cuda:{self.device}")
 
-    def ref(self, offset: int) -> common_pb2.CudaIpcRef:
-        return common_pb2.CudaIpcRef(handle=self.handle, pool_id=self.pool_id, device_uuid=self.device_uuid,
+    def ref(self, offset: int) -> transfer_pb2.CudaIpcRef:
+        return transfer_pb2.CudaIpcRef(handle=self.handle, pool_id=self.pool_id, device_uuid=self.device_uuid,
                                      offset=offset, pool_nbytes=self.capacity)
 
     def close(self) -> None:
@@ -89,7 +88,7 @@ class CudaPool(Pool):
 
 
 class CudaIpcProducer(ProducerTransport):
-    kind = common_pb2.CUDA_IPC
+    kind = transfer_pb2.CUDA_IPC
     in_place = True
     NONCE_NBYTES = 16
 
@@ -100,14 +99,14 @@ class CudaIpcProducer(ProducerTransport):
         pool.view(self._probe).copy_(torch.frombuffer(bytearray(self._nonce), dtype=torch.uint8))
         torch.cuda.synchronize(pool.device)
 
-    def offer(self) -> encoder_pb2.TransportOffer:
-        return encoder_pb2.TransportOffer(transport=self.kind, cuda_probe=self.pool.ref(self._probe.offset),
+    def offer(self) -> transfer_pb2.TransportOffer:
+        return transfer_pb2.TransportOffer(transport=self.kind, cuda_probe=self.pool.ref(self._probe.offset),
                                           cuda_probe_nbytes=self.NONCE_NBYTES)
 
     def verify(self, proof: bytes, challenge: bytes) -> bool:
         return proof_matches(proof, self._nonce, challenge)
 
-    def describe(self, data: torch.Tensor, desc: common_pb2.TensorDescriptor) -> None:
+    def describe(self, data: torch.Tensor, desc: transfer_pb2.TensorDescriptor) -> None:
         offset = data.data_ptr() - self.pool.buffer.data_ptr() if data.numel() else 0
         desc.cuda_ipc.CopyFrom(self.pool.ref(offset))
 
@@ -176,7 +175,7 @@ def open_count() -> int:
     return _OPENED[0]
 
 
-def mapping(ref: common_pb2.CudaIpcRef, device: int | None = None) -> torch.Tensor:
+def mapping(ref: transfer_pb2.CudaIpcRef, device: int | None = None) -> torch.Tensor:
     """The whole pool ``ref`` points into, as a flat uint8 CUDA tensor, opened
     once per process on ``device`` (default: the current one), so no context is
     created on the producer's device (peer access instead)."""
@@ -213,7 +212,7 @@ def mapping(ref: common_pb2.CudaIpcRef, device: int | None = None) -> torch.Tens
     return m.buffer
 
 
-def _check_same_pool(ref: common_pb2.CudaIpcRef, handle: bytes, nbytes: int) -> None:
+def _check_same_pool(ref: transfer_pb2.CudaIpcRef, handle: bytes, nbytes: int) -> None:
     """A ref naming a pool already known here must carry that pool's handle
     and size: a pool id alone must not reach another producer's memory."""
     if ref.handle != handle or ref.pool_nbytes != nbytes:
@@ -221,7 +220,7 @@ def _check_same_pool(ref: common_pb2.CudaIpcRef, handle: bytes, nbytes: int) -> 
                             f"({ref.pool_nbytes} bytes; mapped: {nbytes})")
 
 
-def check_range(ref: common_pb2.CudaIpcRef, nbytes: int, mapped_nbytes: int | None = None) -> None:
+def check_range(ref: transfer_pb2.CudaIpcRef, nbytes: int, mapped_nbytes: int | None = None) -> None:
     """``nbytes`` at ``ref.offset`` lie inside the pool: inside
     ``mapped_nbytes`` (the size of this process's mapping, which is what a
     copy reads) when given, and always inside the size the ref claims.
@@ -263,7 +262,7 @@ def _copy_and_wait(dst: torch.Tensor, src: torch.Tensor) -> None:
     done.synchronize()
 
 
-def copy_out(ref: common_pb2.CudaIpcRef, nbytes: int, dest: torch.Tensor) -> None:
+def copy_out(ref: transfer_pb2.CudaIpcRef, nbytes: int, dest: torch.Tensor) -> None:
     """Copies ``nbytes`` at ``ref`` into ``dest`` (flat uint8, any device) on
     the current stream and waits for the copy: once this returns the producer
     may reuse the range (the caller acks after)."""
@@ -273,7 +272,7 @@ def copy_out(ref: common_pb2.CudaIpcRef, nbytes: int, dest: torch.Tensor) -> Non
         _copy_and_wait(dest, buf[ref.offset : ref.offset + nbytes])
 
 
-def copy_in(ref: common_pb2.CudaIpcRef, src: torch.Tensor) -> None:
+def copy_in(ref: transfer_pb2.CudaIpcRef, src: torch.Tensor) -> None:
     """The producer's worker: writes ``src`` (flat uint8) at ``ref`` and waits,
     so the slot is complete before it is reported (and then served)."""
     buf = mapping(ref)
@@ -297,14 +296,14 @@ MAX_PROBE_NBYTES = 4096  # a probe reads a nonce back, not data
 
 
 class CudaIpcConsumer(ConsumerTransport):
-    kind = common_pb2.CUDA_IPC
+    kind = transfer_pb2.CUDA_IPC
     in_place = True
 
     def __init__(self, device: int | None = None) -> None:
         self.device = device
         self._pools: set[str] = set()
 
-    def probe(self, offer: encoder_pb2.TransportOffer) -> bytes:
+    def probe(self, offer: transfer_pb2.TransportOffer) -> bytes:
         if not torch.cuda.is_available():
             raise ProtocolError("no CUDA device in this process")
         ref, nbytes = offer.cuda_probe, offer.cuda_probe_nbytes
@@ -316,7 +315,7 @@ class CudaIpcConsumer(ConsumerTransport):
         check_range(ref, nbytes, buf.numel())
         return seal_proof(buf[ref.offset : ref.offset + nbytes].cpu().numpy().tobytes(), offer.challenge)
 
-    def locate(self, desc: common_pb2.TensorDescriptor) -> torch.Tensor:
+    def locate(self, desc: transfer_pb2.TensorDescriptor) -> torch.Tensor:
         if desc.WhichOneof("payload") != "cuda_ipc":
             raise ProtocolError(f"expected a CUDA IPC payload, got {desc.WhichOneof('payload')}")
         check_range(desc.cuda_ipc, desc.nbytes)
@@ -325,7 +324,7 @@ class CudaIpcConsumer(ConsumerTransport):
         check_range(desc.cuda_ipc, desc.nbytes, buf.numel())
         return buf
 
-    def receiver(self, desc: common_pb2.TensorDescriptor, dest: torch.Tensor) -> Receiver:
+    def receiver(self, desc: transfer_pb2.TensorDescriptor, dest: torch.Tensor) -> Receiver:
         self.locate(desc)
         if dest.numel() != desc.nbytes:
             raise ProtocolError(f"destination has {dest.numel()} bytes, tensor needs {desc.nbytes}")

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import importlib
 
-from epd.common.v1 import common_pb2
+from epd.transfer.v1 import transfer_pb2
 
 # name -> (module, producer class, consumer class, proto enum)
 _REGISTRY: dict[str, tuple[str, str, str, int]] = {
-    "cuda_ipc": ("ectransfer.cuda_ipc", "CudaIpcProducer", "CudaIpcConsumer", common_pb2.CUDA_IPC),
-    "shm": ("ectransfer.shm", "ShmProducer", "ShmConsumer", common_pb2.SHM),
-    "grpc": ("ectransfer.grpc_stream", "GrpcChunkProducer", "GrpcChunkConsumer", common_pb2.GRPC_CHUNKS),
+    "cuda_ipc": ("ectransfer.cuda_ipc", "CudaIpcProducer", "CudaIpcConsumer", transfer_pb2.CUDA_IPC),
+    "shm": ("ectransfer.shm", "ShmProducer", "ShmConsumer", transfer_pb2.SHM),
+    "grpc": ("ectransfer.grpc_stream", "GrpcChunkProducer", "GrpcChunkConsumer", transfer_pb2.GRPC_CHUNKS),
 }
 NAMES = tuple(_REGISTRY)
 AUTO = "auto"

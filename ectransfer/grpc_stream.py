@@ -16,21 +16,20 @@ import torch
 from ectransfer import chunkwire
 from ectransfer.base import ConsumerTransport, ProducerTransport, Receiver
 from ectransfer.protocol import ProtocolError
-from epd.common.v1 import common_pb2
-from epd.encoder.v1 import encoder_pb2
+from epd.transfer.v1 import transfer_pb2
 
 DEFAULT_CHUNK_NBYTES = 4 << 20
 
 
 class GrpcChunkProducer(ProducerTransport):
-    kind = common_pb2.GRPC_CHUNKS
+    kind = transfer_pb2.GRPC_CHUNKS
 
     def __init__(self, chunk_nbytes: int = DEFAULT_CHUNK_NBYTES) -> None:
         if chunk_nbytes <= 0:
             raise ValueError(f"chunk_nbytes must be > 0, got {chunk_nbytes}")
         self.chunk_nbytes = chunk_nbytes
 
-    def describe(self, data: torch.Tensor, desc: common_pb2.TensorDescriptor) -> None:
+    def describe(self, data: torch.Tensor, desc: transfer_pb2.TensorDescriptor) -> None:
         n = data.numel()
         desc.chunks.chunk_nbytes = self.chunk_nbytes
         desc.chunks.num_chunks = (n + self.chunk_nbytes - 1) // self.chunk_nbytes
@@ -49,7 +48,7 @@ class GrpcChunkProducer(ProducerTransport):
 class ChunkReceiver(Receiver):
     """Writes chunks, in order, into ``dest`` (a flat uint8 tensor the caller owns)."""
 
-    def __init__(self, desc: common_pb2.TensorDescriptor, dest: torch.Tensor) -> None:
+    def __init__(self, desc: transfer_pb2.TensorDescriptor, dest: torch.Tensor) -> None:
         if dest.numel() != desc.nbytes:
             raise ProtocolError(f"destination has {dest.numel()} bytes, tensor needs {desc.nbytes}")
         self._dest = dest.numpy() if desc.nbytes else None
@@ -60,7 +59,7 @@ class ChunkReceiver(Receiver):
     def complete(self) -> bool:
         return self._received == self._expected
 
-    def feed(self, chunk: encoder_pb2.Chunk) -> bool:
+    def feed(self, chunk: transfer_pb2.Chunk) -> bool:
         n = len(chunk.data)
         if chunk.offset != self._received:
             raise ProtocolError(f"chunk at offset {chunk.offset}, expected {self._received}")
@@ -73,9 +72,9 @@ class ChunkReceiver(Receiver):
 
 
 class GrpcChunkConsumer(ConsumerTransport):
-    kind = common_pb2.GRPC_CHUNKS
+    kind = transfer_pb2.GRPC_CHUNKS
 
-    def receiver(self, desc: common_pb2.TensorDescriptor, dest: torch.Tensor) -> Receiver:
+    def receiver(self, desc: transfer_pb2.TensorDescriptor, dest: torch.Tensor) -> Receiver:
         if desc.WhichOneof("payload") != "chunks":
             raise ProtocolError(f"expected an inline-chunks payload, got {desc.WhichOneof('payload')}")
         return ChunkReceiver(desc, dest)

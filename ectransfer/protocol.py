@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from ectransfer.fingerprint import model_fingerprint
-from epd.common.v1 import common_pb2
+from epd.transfer.v1 import transfer_pb2
 
 CLIENT_KEEPALIVE_S = 30.0
 """Seconds between the consumer channel's HTTP/2 pings (the producer's server
@@ -141,7 +141,7 @@ class ItemTransfer:
             self.try_advance(TransferState.FAILED, error)
 
 
-def make_compat(*, vllm_version: str, model: str, dtype: str, embed_width: int) -> common_pb2.CompatInfo:
+def make_compat(*, vllm_version: str, model: str, dtype: str, embed_width: int) -> transfer_pb2.CompatInfo:
     """The compatibility info both ends of a Transfer stream exchange. Its hash
     covers the vLLM version, dtype, embedding width and the model's identity
     (``ectransfer.fingerprint``: config, processor and tokenizer files, and the
@@ -151,12 +151,12 @@ def make_compat(*, vllm_version: str, model: str, dtype: str, embed_width: int) 
     digest = hashlib.sha256(
         json.dumps([vllm_version, fingerprint, dtype, int(embed_width)]).encode()
     ).hexdigest()
-    return common_pb2.CompatInfo(
+    return transfer_pb2.CompatInfo(
         hash=digest, vllm_version=vllm_version, model=model, dtype=dtype, embed_width=int(embed_width)
     )
 
 
-def check_compat(local: common_pb2.CompatInfo, remote: common_pb2.CompatInfo) -> None:
+def check_compat(local: transfer_pb2.CompatInfo, remote: transfer_pb2.CompatInfo) -> None:
     """Raises CompatError naming every field that differs."""
     if local.hash == remote.hash:
         return

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from ectransfer.base import ConsumerTransport
 from ectransfer.factory import transport_name
 from ectransfer.protocol import ProtocolError
-from epd.encoder.v1 import encoder_pb2
+from epd.transfer.v1 import transfer_pb2
 
 
 @dataclass
@@ -23,7 +23,7 @@ class Choice:
     transport: ConsumerTransport
     proof: bytes
     skipped: list[str] = field(default_factory=list)  # why better transports were not used
-    offer: encoder_pb2.TransportOffer | None = None  # the producer's offer that was chosen
+    offer: transfer_pb2.TransportOffer | None = None  # the producer's offer that was chosen
     lane_secret: bytes = b""  # from the producer's Selected: opens one control-lane connection for this stream
 
     @property
@@ -35,7 +35,7 @@ class Choice:
         return bool(self.skipped)
 
 
-def choose(offers: list[encoder_pb2.TransportOffer], preference: list[ConsumerTransport]) -> Choice:
+def choose(offers: list[transfer_pb2.TransportOffer], preference: list[ConsumerTransport]) -> Choice:
     by_kind = {o.transport: o for o in offers}
     skipped: list[str] = []
     for t in preference:

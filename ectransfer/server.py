@@ -1,4 +1,4 @@
-"""The producer end of the Transfer stream (``epd.encoder.v1.TransferService``).
+"""The producer end of the Transfer stream (``epd.transfer.v1.TransferService``).
 
 Runs inside the encoder's vLLM engine process, next to the outbound store, on a
 ``grpc.aio`` server in its own thread (``epd-transfer-server``), so vLLM's
@@ -33,8 +33,7 @@ from ectransfer.outbound import OutboundStore
 from ectransfer.protocol import CompatError, check_compat, new_event_loop
 from ectransfer.security import SecurityConfig
 from ectransfer.session import Outbox, TransferSession
-from epd.common.v1 import common_pb2
-from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
+from epd.transfer.v1 import transfer_pb2, transfer_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -42,11 +41,11 @@ logger = logging.getLogger(__name__)
 MAX_UNPROVEN_LANES = 16  # lane connections still to show their secret (each for at most lane.FIRST_FRAME_S)
 
 
-class TransferServicer(encoder_pb2_grpc.TransferServiceServicer):
+class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
     def __init__(
         self,
         store: OutboundStore,
-        compat: common_pb2.CompatInfo,
+        compat: transfer_pb2.CompatInfo,
         producer_id: str,
         transports: dict[int, ProducerTransport],
         item_wait_s: float = 60.0,
@@ -78,7 +77,7 @@ class TransferServicer(encoder_pb2_grpc.TransferServiceServicer):
 
     async def Stats(self, request, context):
         values = {k: float(v) for k, v in self.stats_fn().items() if isinstance(v, (int, float))}
-        return encoder_pb2.StatsReply(values=values, encoder_output_widths=self.widths)
+        return transfer_pb2.StatsReply(values=values, encoder_output_widths=self.widths)
 
     async def _first(self, request_iterator, context, what: str):
         """The stream's next message, or None at its end; a peer that sends
@@ -129,9 +128,9 @@ class TransferServicer(encoder_pb2_grpc.TransferServiceServicer):
                     f"no common transport: consumer allows {_names(hello.transports)}, "
                     f"this encoder offers {_names(self.transports)}",
                 )
-            yield encoder_pb2.TransferServerMsg(hello=encoder_pb2.HelloReply(
+            yield transfer_pb2.TransferServerMsg(hello=transfer_pb2.HelloReply(
                 compat=self.compat, producer_id=self.producer_id, offers=offers,
-                chunk_nbytes=getattr(self.transports.get(common_pb2.GRPC_CHUNKS), "chunk_nbytes", 0)))
+                chunk_nbytes=getattr(self.transports.get(transfer_pb2.GRPC_CHUNKS), "chunk_nbytes", 0)))
             select = await self._first(request_iterator, context, "Select")
             if select is None:
                 return  # a probe-only handshake (the LM service's compatibility check)
@@ -143,11 +142,11 @@ class TransferServicer(encoder_pb2_grpc.TransferServiceServicer):
                                     f"consumer {hello.consumer_id} selected {_names([select.select.transport])} "
                                     "without a valid proof")
             logger.info("consumer %s uses %s", hello.consumer_id, _names([transport.kind]))
-            selected = encoder_pb2.Selected(transport=transport.kind)
+            selected = transfer_pb2.Selected(transport=transport.kind)
             if self.lane_address and transport.in_place:
                 selected.lane_secret = secret = secrets.token_bytes(32)
                 self._lane_secrets[secret] = transport.kind
-            yield encoder_pb2.TransferServerMsg(selected=selected)
+            yield transfer_pb2.TransferServerMsg(selected=selected)
             out = Outbox(self.limits.max_stream_queued_bytes, self.limits.send_stall_s)
             session = self._open_session(transport, hello.consumer_id, out)
             reader = asyncio.create_task(session.read(request_iterator))
@@ -176,7 +175,7 @@ class TransferServicer(encoder_pb2_grpc.TransferServiceServicer):
         try:
             try:
                 first = await asyncio.wait_for(
-                    lane.read_frame(reader, encoder_pb2.TransferClientMsg, lane.MAX_FIRST_FRAME), lane.FIRST_FRAME_S)
+                    lane.read_frame(reader, transfer_pb2.TransferClientMsg, lane.MAX_FIRST_FRAME), lane.FIRST_FRAME_S)
             finally:
                 self._unproven_lanes -= 1
             if first is None or first.WhichOneof("msg") != "select":
@@ -189,13 +188,13 @@ class TransferServicer(encoder_pb2_grpc.TransferServiceServicer):
             if not self._admit("a control-lane connection"):
                 return
             admitted = True
-            writer.write(lane.frame(encoder_pb2.TransferServerMsg(
-                selected=encoder_pb2.Selected(transport=transport.kind))))
+            writer.write(lane.frame(transfer_pb2.TransferServerMsg(
+                selected=transfer_pb2.Selected(transport=transport.kind))))
             session = self._open_session(transport, "lane", lane.FrameOut(
                 writer, self.limits.max_stream_queued_bytes, self.limits.send_stall_s))
 
             async def frames():
-                while (msg := await lane.read_frame(reader, encoder_pb2.TransferClientMsg)) is not None:
+                while (msg := await lane.read_frame(reader, transfer_pb2.TransferClientMsg)) is not None:
                     yield msg
 
             await session.read(frames())

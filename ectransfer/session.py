@@ -34,8 +34,7 @@ from ectransfer import tensors
 from ectransfer.base import ProducerTransport
 from ectransfer.limits import StreamStalled, TransferLimits
 from ectransfer.outbound import OutboundItem, OutboundStore
-from epd.common.v1 import common_pb2
-from epd.encoder.v1 import encoder_pb2
+from epd.transfer.v1 import transfer_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +127,7 @@ class TransferSession:
                                    "characters; dropped", self.consumer_id, self.oversized, kind,
                                    MAX_IDENTIFIER_LEN, MAX_CLAIM_LEN)
                 if kind == "reserve":
-                    await self._put(error(body.identifier[:MAX_IDENTIFIER_LEN], encoder_pb2.ItemError.NOT_FOUND,
+                    await self._put(error(body.identifier[:MAX_IDENTIFIER_LEN], transfer_pb2.ItemError.NOT_FOUND,
                                           "identifier or claim too long"))
                 continue
             if kind == "reserve":
@@ -139,7 +138,7 @@ class TransferSession:
                 logger.warning("consumer %s sent an unexpected %s", self.consumer_id, kind)
         await self._put(None)  # the consumer half-closed: finish the stream
 
-    async def _reserve(self, r: encoder_pb2.Reserve) -> None:
+    async def _reserve(self, r: transfer_pb2.Reserve) -> None:
         # A Reserve for an item being served is a duplicate; one whose last
         # serve has ended (sent, or answered with an error) is a new ask.
         running = self.tasks.get(r.identifier)
@@ -151,7 +150,7 @@ class TransferSession:
                 logger.warning("request %s: consumer %s has %d outstanding Reserves (max_reserves_per_session); "
                                "refused item %s (%d refused on this stream)", r.request_id, self.consumer_id,
                                self.outstanding, r.identifier, self.refused)
-            await self._put(error(r.identifier, encoder_pb2.ItemError.RESOURCE_EXHAUSTED,
+            await self._put(error(r.identifier, transfer_pb2.ItemError.RESOURCE_EXHAUSTED,
                                   f"the encoder already serves {self.limits.max_reserves_per_session} items "
                                   "to this stream; ask again once some are acked"))
             return
@@ -195,33 +194,33 @@ class TransferSession:
             logger.warning("consumer %s stopped reading (%s); a message was dropped", self.consumer_id, e)
             return False
 
-    async def _serve(self, reserve: encoder_pb2.Reserve) -> None:
+    async def _serve(self, reserve: transfer_pb2.Reserve) -> None:
         ident, claim = reserve.identifier, reserve.claim
         item = await wait_for_item(self.store, ident, claim, self.servicer.item_wait_s)
         if item is GONE:
-            await self._put(error(ident, encoder_pb2.ItemError.NOT_FOUND,
+            await self._put(error(ident, transfer_pb2.ItemError.NOT_FOUND,
                                   f"item {ident}: this claim was settled (acked, cancelled, or its encode was "
                                   f"aborted) and its copy freed; ask the encoder again"))
             return
         if item is None:
             failed = self.store.failure(ident)
-            await self._put(error(ident, encoder_pb2.ItemError.INTERNAL, f"item {ident}: {failed}") if failed else
-                            error(ident, encoder_pb2.ItemError.TIMED_OUT,
+            await self._put(error(ident, transfer_pb2.ItemError.INTERNAL, f"item {ident}: {failed}") if failed else
+                            error(ident, transfer_pb2.ItemError.TIMED_OUT,
                                   f"item {ident} was not encoded here within {self.servicer.item_wait_s}s"))
             return
         item = self.store.begin_send(ident, claim)
         if item is None:  # freed between ready and now (the lease, or this claim cancelled meanwhile)
-            await self._put(error(ident, encoder_pb2.ItemError.NOT_FOUND, f"item {ident} is no longer held here"))
+            await self._put(error(ident, transfer_pb2.ItemError.NOT_FOUND, f"item {ident} is no longer held here"))
             return
         hold = None
         try:
             nbytes = item.slot.nbytes
             if nbytes > reserve.max_nbytes:
-                await self._put(error(ident, encoder_pb2.ItemError.TOO_LARGE,
+                await self._put(error(ident, transfer_pb2.ItemError.TOO_LARGE,
                                       f"item {ident} has {nbytes} bytes, consumer reserved {reserve.max_nbytes}"))
                 return
             data = self.store.view(item)
-            desc = common_pb2.TensorDescriptor(
+            desc = transfer_pb2.TensorDescriptor(
                 shape=list(item.shape), dtype=tensors.dtype_to_proto(item.dtype), nbytes=nbytes
             )
             self.transport.describe(data, desc)
@@ -230,7 +229,7 @@ class TransferSession:
                 if previous is not None:  # an earlier hold of this item on this stream
                     self.store.end_send(previous.item)
                 hold = self.holds[ident] = _Hold(item, claim, time.monotonic())  # until Ack/Cancel
-            await self.out.put(encoder_pb2.TransferServerMsg(header=encoder_pb2.ItemHeader(
+            await self.out.put(transfer_pb2.TransferServerMsg(header=transfer_pb2.ItemHeader(
                 identifier=ident, tensor=desc, copy=item.copy)))
             for msg in self.transport.payload(ident, data):
                 await self.out.put(msg)
@@ -265,8 +264,8 @@ class TransferSession:
         self.holds.clear()
 
 
-def error(ident: str, code: int, message: str) -> encoder_pb2.TransferServerMsg:
-    return encoder_pb2.TransferServerMsg(error=encoder_pb2.ItemError(identifier=ident, code=code, message=message))
+def error(ident: str, code: int, message: str) -> transfer_pb2.TransferServerMsg:
+    return transfer_pb2.TransferServerMsg(error=transfer_pb2.ItemError(identifier=ident, code=code, message=message))
 
 
 GONE = object()  # wait_for_item: the claim was settled, no copy is held for it

@@ -40,8 +40,7 @@ import torch
 from ectransfer.base import ConsumerTransport, Landed, ProducerTransport, Receiver, proof_matches, seal_proof
 from ectransfer.pool import ALIGNMENT, Pool, check_range
 from ectransfer.protocol import ProtocolError
-from epd.common.v1 import common_pb2
-from epd.encoder.v1 import encoder_pb2
+from epd.transfer.v1 import transfer_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -263,7 +262,7 @@ class ShmProducer(ProducerTransport):
     Holds one small slot of the pool with a random nonce: a consumer proves it
     maps the very same memory by reading the nonce back (capability, not hostname)."""
 
-    kind = common_pb2.SHM
+    kind = transfer_pb2.SHM
     in_place = True
     NONCE_NBYTES = 16
 
@@ -273,14 +272,14 @@ class ShmProducer(ProducerTransport):
         self._probe = pool.alloc(self.NONCE_NBYTES)
         pool.view(self._probe).copy_(torch.frombuffer(bytearray(self._nonce), dtype=torch.uint8))
 
-    def offer(self) -> encoder_pb2.TransportOffer:
-        return encoder_pb2.TransportOffer(transport=self.kind, shm_probe=encoder_pb2.ShmProbe(
+    def offer(self) -> transfer_pb2.TransportOffer:
+        return transfer_pb2.TransportOffer(transport=self.kind, shm_probe=transfer_pb2.ShmProbe(
             segment=self.pool.name, offset=self._probe.offset, nbytes=self.NONCE_NBYTES))
 
     def verify(self, proof: bytes, challenge: bytes) -> bool:
         return proof_matches(proof, self._nonce, challenge)
 
-    def describe(self, data: torch.Tensor, desc: common_pb2.TensorDescriptor) -> None:
+    def describe(self, data: torch.Tensor, desc: transfer_pb2.TensorDescriptor) -> None:
         offset = data.data_ptr() - self.pool.buffer.data_ptr() if data.numel() else 0
         desc.shm.segment = self.pool.name
         desc.shm.offset = offset
@@ -290,7 +289,7 @@ class ShmProducer(ProducerTransport):
 class ShmConsumer(ConsumerTransport):
     """Copies an item out of the producer's segment into ``dest`` at once."""
 
-    kind = common_pb2.SHM
+    kind = transfer_pb2.SHM
     in_place = True
 
     def __init__(self) -> None:
@@ -305,7 +304,7 @@ class ShmConsumer(ConsumerTransport):
         except (OSError, ValueError) as e:
             raise ProtocolError(f"cannot map shared-memory segment {name!r}: {e}") from None
 
-    def probe(self, offer: encoder_pb2.TransportOffer) -> bytes:
+    def probe(self, offer: transfer_pb2.TransportOffer) -> bytes:
         p = offer.shm_probe
         if not 0 < p.nbytes <= MAX_PROBE_NBYTES:
             raise ProtocolError(f"probe of {p.nbytes} bytes (1-{MAX_PROBE_NBYTES} allowed)")
@@ -313,7 +312,7 @@ class ShmConsumer(ConsumerTransport):
         check_range(p.offset, p.nbytes, seg.nbytes, f"probe in segment {p.segment!r}")
         return seal_proof(seg.buffer[p.offset : p.offset + p.nbytes].numpy().tobytes(), offer.challenge)
 
-    def locate(self, desc: common_pb2.TensorDescriptor) -> ShmSegment:
+    def locate(self, desc: transfer_pb2.TensorDescriptor) -> ShmSegment:
         if desc.WhichOneof("payload") != "shm":
             raise ProtocolError(f"expected a shared-memory payload, got {desc.WhichOneof('payload')}")
         ref = desc.shm
@@ -321,7 +320,7 @@ class ShmConsumer(ConsumerTransport):
         check_range(ref.offset, desc.nbytes, seg.nbytes, f"shm item in segment {ref.segment!r}")
         return seg
 
-    def receiver(self, desc: common_pb2.TensorDescriptor, dest: torch.Tensor) -> Receiver:
+    def receiver(self, desc: transfer_pb2.TensorDescriptor, dest: torch.Tensor) -> Receiver:
         seg = self.locate(desc)
         if dest.numel() != desc.nbytes:
             raise ProtocolError(f"destination has {dest.numel()} bytes, tensor needs {desc.nbytes}")

@@ -12,17 +12,17 @@ import math
 
 import torch
 
-from epd.common.v1 import common_pb2
+from epd.transfer.v1 import transfer_pb2
 
 _DTYPES: dict[torch.dtype, int] = {
-    torch.bfloat16: common_pb2.BFLOAT16,
-    torch.float16: common_pb2.FLOAT16,
-    torch.float32: common_pb2.FLOAT32,
-    torch.float64: common_pb2.FLOAT64,
-    torch.int8: common_pb2.INT8,
-    torch.uint8: common_pb2.UINT8,
-    torch.int32: common_pb2.INT32,
-    torch.int64: common_pb2.INT64,
+    torch.bfloat16: transfer_pb2.BFLOAT16,
+    torch.float16: transfer_pb2.FLOAT16,
+    torch.float32: transfer_pb2.FLOAT32,
+    torch.float64: transfer_pb2.FLOAT64,
+    torch.int8: transfer_pb2.INT8,
+    torch.uint8: transfer_pb2.UINT8,
+    torch.int32: transfer_pb2.INT32,
+    torch.int64: transfer_pb2.INT64,
 }
 _FROM_PROTO = {v: k for k, v in _DTYPES.items()}
 _NAMES = {str(k).removeprefix("torch."): k for k in _DTYPES}

@@ -2,7 +2,7 @@
 
 Run at install time (``make install`` and the Docker build call it). The proto
 path is ``protos/`` so the generated modules import each other as
-``epd.common.v1.common_pb2`` without any rewriting.
+``epd.transfer.v1.transfer_pb2`` without any rewriting.
 """
 
 from __future__ import annotations
@@ -41,6 +41,9 @@ def generate(force: bool = False) -> bool:
         f"--grpc_python_out={OUT_DIR}",
         *[str(p) for p in protos],
     ]
+    # Stubs of protos that no longer exist (a package moved) must not stay importable.
+    for old in [*(OUT_DIR / "epd").rglob("*_pb2*.py"), *(OUT_DIR / "epd").rglob("*_pb2*.pyi")]:
+        old.unlink()
     if protoc.main(args) != 0:
         raise RuntimeError("protoc failed: " + " ".join(args))
     # Regular packages (not namespace packages) so setuptools and mypy find them.

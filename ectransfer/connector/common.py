@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from ectransfer.protocol import make_compat
-from epd.common.v1 import common_pb2
+from epd.transfer.v1 import transfer_pb2
 
 
-def compat_for(vllm_config, model_name: str) -> common_pb2.CompatInfo:
+def compat_for(vllm_config, model_name: str) -> transfer_pb2.CompatInfo:
     import vllm
 
     mc = vllm_config.model_config

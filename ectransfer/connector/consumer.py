@@ -47,6 +47,7 @@ from ectransfer.pool import Slot
 from ectransfer.protocol import ItemTransfer, TransferState
 from ectransfer.security import SecurityConfig
 from ectransfer.shm import Mappings, ShmPool
+from epd.transfer.v1 import transfer_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -407,10 +408,9 @@ class ConsumerWorker:
                 # One device-to-device copy out of the encoder's CUDA pool,
                 # finished before the scheduler half acks (it frees the range).
                 from ectransfer import cuda_ipc
-                from epd.common.v1 import common_pb2
 
                 raw = torch.empty(spec.nbytes, dtype=torch.uint8, device=device)
-                cuda_ipc.copy_out(common_pb2.CudaIpcRef.FromString(spec.cuda_ref), spec.nbytes, raw)
+                cuda_ipc.copy_out(transfer_pb2.CudaIpcRef.FromString(spec.cuda_ref), spec.nbytes, raw)
                 encoder_cache[spec.identifier] = tensors.from_bytes(raw, spec.shape, dtype)
             else:
                 raw = self.mappings.get(spec.segment).buffer[spec.offset : spec.offset + spec.nbytes]

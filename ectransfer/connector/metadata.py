@@ -39,7 +39,7 @@ class LoadSpec:
     item is read in place (shm transport; the encoder holds it until the
     scheduler half acks after the load), else the scheduler half's inbound
     staging (gRPC chunks). With ``cuda_ref`` (a serialized
-    ``epd.common.v1.CudaIpcRef``) the source is the encoder's CUDA pool
+    ``epd.transfer.v1.CudaIpcRef``) the source is the encoder's CUDA pool
     instead: one device-to-device copy."""
 
     identifier: str
@@ -143,7 +143,7 @@ class ItemSource:
     dtype: str
     """Element type by name (``ectransfer.tensors.dtype_from_name``), e.g. ``bfloat16``."""
     claim: str = ""
-    """The Encode call's claim on the copy (``ItemMetadata.claim``), named in Reserve, Ack and Cancel."""
+    """The Encode call's claim on the copy (``ItemSource.claim``), named in Reserve, Ack and Cancel."""
 
     def __post_init__(self) -> None:
         from ectransfer import tensors

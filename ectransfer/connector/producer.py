@@ -76,6 +76,7 @@ from ectransfer.pool import PoolFullError, Slot
 from ectransfer.security import SecurityConfig
 from ectransfer.server import TransferServerThread, TransferServicer
 from ectransfer.shm import Mappings, ShmPool, new_name
+from epd.transfer.v1 import transfer_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -378,10 +379,9 @@ class ProducerWorker:
                                  f"slot was sized for {list(spec.shape)} {spec.dtype}")
             if self.writes and spec.nbytes and spec.cuda_ref:
                 from ectransfer import cuda_ipc
-                from epd.common.v1 import common_pb2
 
                 # One device-to-device copy into the exported pool, waited for.
-                cuda_ipc.copy_in(common_pb2.CudaIpcRef.FromString(spec.cuda_ref),
+                cuda_ipc.copy_in(transfer_pb2.CudaIpcRef.FromString(spec.cuda_ref),
                                  tensors.as_bytes(out.detach(), keep_device=True))
             elif self.writes and spec.nbytes:
                 dst = self.mappings.get(spec.segment, writable=True).buffer[spec.offset: spec.offset + spec.nbytes]

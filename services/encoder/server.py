@@ -23,6 +23,7 @@ from ectransfer.connector.config import ConnectorTuning
 from ectransfer.security import SecurityConfig
 from ectransfer.shm import cleanup_orphans
 from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
+from epd.transfer.v1 import transfer_pb2, transfer_pb2_grpc
 from services.common.engine import (
     EngineConfig,
     build_async_engine,
@@ -33,6 +34,7 @@ from services.common.engine import (
 )
 from services.common.grpc_server import GrpcServer
 from services.common.media import MediaDecoder
+from services.common.protocol import ENCODER_PROTOCOL
 from services.encoder.config import EncoderServiceConfig
 from services.encoder.servicer import EncoderServicer, dtype_enum
 
@@ -98,7 +100,7 @@ async def _output_widths(cfg: EncoderServiceConfig, port: int, security: Securit
     options = [("grpc.ssl_target_name_override", name)] if security.tls and name not in (host, *wildcard) else None
     channel = security.aio_channel(endpoint, options)
     try:
-        reply = await encoder_pb2_grpc.TransferServiceStub(channel).Stats(encoder_pb2.StatsRequest(), timeout=30)
+        reply = await transfer_pb2_grpc.TransferServiceStub(channel).Stats(transfer_pb2.StatsRequest(), timeout=30)
     except grpc.aio.AioRpcError as e:
         raise RuntimeError(f"the engine's Transfer server at {endpoint} did not answer ({e.code().name}: "
                            f"{e.details()})") from None
@@ -199,6 +201,7 @@ async def serve(cfg: EncoderServiceConfig, engine_cfg: EngineConfig, stop: async
             encoder_id=engine.vllm_config.ec_transfer_config.engine_id,
             transfer_endpoint=transfer_endpoint,
             compat=compat_for(engine.vllm_config, engine_cfg.model),
+            protocol=ENCODER_PROTOCOL,
         )
         widths = await _output_widths(cfg, transfer_port, security)
         servicer = EncoderServicer(engine, info, _placeholders(engine), {"": mc.get_hidden_size(), **widths},

@@ -20,6 +20,7 @@ from prometheus_client import Counter, Histogram
 
 from ectransfer import tensors
 from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
+from epd.transfer.v1 import transfer_pb2
 from services.common.engine import tokenize_async
 from services.common.errors import BadInput, Deadline, EPDError
 from services.common.layout import ItemLayout, item_layouts, placeholder_ranges
@@ -195,18 +196,18 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             features = engine_req.mm_features or []
             layouts = await self._layouts(modality, len(idents), engine_req.prompt_token_ids, features)
             for index, feat in enumerate(features):
-                md = encoder_pb2.ItemMetadata(
-                    identifier=feat.identifier, index=index, modality=feat.modality,
+                source = transfer_pb2.ItemSource(
                     num_embeds=feat.mm_position.get_num_embeds(),
                     embed_width=self.embed_widths.get(feat.modality, self.embed_widths[""]),
                     dtype=self.dtype, transfer_endpoint=self.info.transfer_endpoint,
-                    encoder_id=self.info.encoder_id, claim=claim)
-                md.mm_kwargs = self._metadata_kwargs(feat)
+                    encoder_id=self.info.encoder_id, claim=claim, mm_kwargs=self._metadata_kwargs(feat))
                 if layouts is not None:
                     lay = layouts[index]
-                    md.placeholder_token_ids.extend(lay.placeholder)
-                    md.prompt_token_ids.extend(lay.tokens)
-                    md.is_embed = lay.is_embed
+                    source.placeholder_token_ids.extend(lay.placeholder)
+                    source.prompt_token_ids.extend(lay.tokens)
+                    source.is_embed = lay.is_embed
+                md = encoder_pb2.ItemMetadata(identifier=feat.identifier, index=index, modality=feat.modality,
+                                              source=source)
                 yield encoder_pb2.EncodeEvent(metadata=md)
             final = None
             async with asyncio.timeout(self.timeout_s):

@@ -41,6 +41,7 @@ from ectransfer.security import SecurityConfig
 from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
 from epd.lm.v1 import lm_pb2, lm_pb2_grpc
 from services.common.errors import FAULT_ENDPOINT_KEY, FAULT_KEY
+from services.common.protocol import encoder_protocol_problem
 from services.gateway.admission import Admission, Ticket
 from services.gateway.config import GatewayConfig
 from services.gateway.instances import Instance, InstancePool
@@ -192,14 +193,15 @@ class Orchestrator:
 
     async def _verify_encoder(self, inst: Instance) -> str | None:
         """The encoder pool's admission check (``InstancePool.verify``), for an encoder that passed its
-        health check: its ``GetInfo`` must answer. Health checks take no token, so this is what keeps an
+        health check: its ``GetInfo`` must answer, with the item layout this gateway reads (an encoder of
+        another epd-serve version would send metadata this gateway misreads). Health checks take no token, so this is what keeps an
         encoder that would refuse every Encode (another token, another CA) out. Returns why ``inst`` may
         not be admitted, or None."""
         try:
-            await inst.stub.GetInfo(encoder_pb2.GetInfoRequest(), timeout=max(1.0, self.cfg.health_interval_s))
+            info = await inst.stub.GetInfo(encoder_pb2.GetInfoRequest(), timeout=max(1.0, self.cfg.health_interval_s))
         except grpc.aio.AioRpcError as e:
             return _call_failed("GetInfo", e)
-        return None
+        return encoder_protocol_problem(info.protocol)
 
     def lm_wait_reason(self) -> str | None:
         """Why no request can be served yet: no LM was ever admitted (the message names every LM and
@@ -423,12 +425,7 @@ class Orchestrator:
                         md = ev.metadata
                         item = req.items[g.indices[md.index]]
                         item.identifier = md.identifier
-                        item.source.CopyFrom(lm_pb2.ItemSource(
-                            transfer_endpoint=md.transfer_endpoint, encoder_id=md.encoder_id,
-                            num_embeds=md.num_embeds, embed_width=md.embed_width, dtype=md.dtype,
-                            placeholder_token_ids=md.placeholder_token_ids,
-                            prompt_token_ids=md.prompt_token_ids, is_embed=md.is_embed, claim=md.claim,
-                            mm_kwargs=md.mm_kwargs))
+                        item.source.CopyFrom(md.source)  # the encoder's descriptor, as it came
                         seen += 1
                         if seen == len(items):
                             g.metadata.set_result(None)

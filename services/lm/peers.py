@@ -19,8 +19,7 @@ from ectransfer.base import ConsumerTransport
 from ectransfer.client import negotiate
 from ectransfer.protocol import CompatError, ProtocolError
 from ectransfer.security import SecurityConfig
-from epd.common.v1 import common_pb2
-from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
+from epd.transfer.v1 import transfer_pb2, transfer_pb2_grpc
 from services.common.errors import BadInput, EncoderUnavailable, Forbidden, Incompatible
 
 PEER_TRANSPORT = Gauge("epd_lm_peer_transport", "Transport chosen per encoder (1 = in use)", ["peer", "transport"])
@@ -34,9 +33,9 @@ class OfferedCudaIpc(ConsumerTransport):
     the service process), so the handshake stops before Select; the engine's
     connector proves it for real."""
 
-    kind = common_pb2.CUDA_IPC
+    kind = transfer_pb2.CUDA_IPC
 
-    def probe(self, offer: encoder_pb2.TransportOffer) -> bytes:
+    def probe(self, offer: transfer_pb2.TransportOffer) -> bytes:
         from ectransfer.factory import cuda_ipc_usable
 
         if not cuda_ipc_usable():
@@ -118,7 +117,7 @@ class EncoderAllowList:
 
 
 class PeerChecker:
-    def __init__(self, compat: common_pb2.CompatInfo, consumer_id: str, transports: list[ConsumerTransport],
+    def __init__(self, compat: transfer_pb2.CompatInfo, consumer_id: str, transports: list[ConsumerTransport],
                  timeout_s: float, security: SecurityConfig | None = None,
                  allowed: EncoderAllowList | None = None):
         self.compat = compat
@@ -150,7 +149,7 @@ class PeerChecker:
         """The connector's handshake, from this process (same host, same /dev/shm
         view as the engine): compatibility and transport choice."""
         out: asyncio.Queue = asyncio.Queue()
-        hello = encoder_pb2.TransferClientMsg(hello=encoder_pb2.Hello(
+        hello = transfer_pb2.TransferClientMsg(hello=transfer_pb2.Hello(
             compat=self.compat, consumer_id=self.consumer_id, transports=[t.kind for t in self.transports]))
 
         async def requests():
@@ -159,7 +158,7 @@ class PeerChecker:
                 yield msg
 
         async with self.security.aio_channel(endpoint) as ch:
-            call = encoder_pb2_grpc.TransferServiceStub(ch).Transfer(requests(), timeout=self.timeout_s)
+            call = transfer_pb2_grpc.TransferServiceStub(ch).Transfer(requests(), timeout=self.timeout_s)
             try:
                 choice = await negotiate(call, out.put_nowait, self.compat, self.transports,
                                          select=lambda c: not isinstance(c.transport, OfferedCudaIpc))

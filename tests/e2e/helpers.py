@@ -9,6 +9,7 @@ import time
 import urllib.error
 import urllib.request
 
+from epd.transfer.v1 import transfer_pb2, transfer_pb2_grpc
 from services.common.images import data_url, make_image
 
 
@@ -84,7 +85,7 @@ def producer_stats(dep) -> dict[str, float]:
     with dep.client_security.channel(dep.encoder_addr) as ch:
         info = encoder_pb2_grpc.EncoderServiceStub(ch).GetInfo(encoder_pb2.GetInfoRequest(), timeout=5)
     with dep.client_security.channel(info.transfer_endpoint) as ch:
-        return dict(encoder_pb2_grpc.TransferServiceStub(ch).Stats(encoder_pb2.StatsRequest(), timeout=5).values)
+        return dict(transfer_pb2_grpc.TransferServiceStub(ch).Stats(transfer_pb2.StatsRequest(), timeout=5).values)
 
 
 PERTURB_HOOK_DIR = os.path.join(os.path.dirname(__file__), "perturb")

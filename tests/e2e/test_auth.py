@@ -11,6 +11,7 @@ import pytest
 
 from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
 from epd.lm.v1 import lm_pb2, lm_pb2_grpc
+from epd.transfer.v1 import transfer_pb2, transfer_pb2_grpc
 
 pytestmark = pytest.mark.e2e
 
@@ -22,9 +23,9 @@ def _calls(dep) -> dict[str, tuple[str, callable]]:
                                                                    timeout=10).transfer_endpoint
 
     def reserve(ch):
-        hello = encoder_pb2.TransferClientMsg(hello=encoder_pb2.Hello(consumer_id="stranger"))
-        reserve = encoder_pb2.TransferClientMsg(reserve=encoder_pb2.Reserve(identifier="x", max_nbytes=8))
-        return list(encoder_pb2_grpc.TransferServiceStub(ch).Transfer(iter([hello, reserve]), timeout=10))
+        hello = transfer_pb2.TransferClientMsg(hello=transfer_pb2.Hello(consumer_id="stranger"))
+        reserve = transfer_pb2.TransferClientMsg(reserve=transfer_pb2.Reserve(identifier="x", max_nbytes=8))
+        return list(transfer_pb2_grpc.TransferServiceStub(ch).Transfer(iter([hello, reserve]), timeout=10))
 
     return {
         "encoder Encode": (dep.encoder_addr, lambda ch: list(encoder_pb2_grpc.EncoderServiceStub(ch).Encode(
@@ -33,8 +34,8 @@ def _calls(dep) -> dict[str, tuple[str, callable]]:
             encoder_pb2.GetInfoRequest(), timeout=10)),
         "lm Generate": (dep.lm_addr, lambda ch: list(lm_pb2_grpc.LMServiceStub(ch).Generate(
             lm_pb2.GenerateRequest(openai=lm_pb2.OpenAIRequest(api="completions", body=b'{"prompt": "hi"}')), timeout=10))),
-        "transfer Stats": (transfer, lambda ch: encoder_pb2_grpc.TransferServiceStub(ch).Stats(
-            encoder_pb2.StatsRequest(), timeout=10)),
+        "transfer Stats": (transfer, lambda ch: transfer_pb2_grpc.TransferServiceStub(ch).Stats(
+            transfer_pb2.StatsRequest(), timeout=10)),
         "transfer Reserve": (transfer, reserve),
     }
 

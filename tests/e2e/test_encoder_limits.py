@@ -19,6 +19,7 @@ import grpc
 import pytest
 from PIL import Image
 
+from epd.transfer.v1 import transfer_pb2, transfer_pb2_grpc
 from services.common.images import data_url, make_image
 from services.up import Deployment, grpc_serving
 from tests.e2e.helpers import image_chat, post, producer_stats
@@ -60,8 +61,8 @@ def test_a_cancelled_encode_frees_the_items_it_left_in_the_pool(dep):
         stub = encoder_pb2_grpc.EncoderServiceStub(ch)
         endpoint = stub.GetInfo(encoder_pb2.GetInfoRequest(), timeout=5).transfer_endpoint
         with dep.client_security.channel(endpoint) as transfer:  # one channel: the poll must be quick
-            stats = encoder_pb2_grpc.TransferServiceStub(transfer).Stats
-            baseline = _cancel_mid_encode(stub, lambda: stats(encoder_pb2.StatsRequest(), timeout=5).values)
+            stats = transfer_pb2_grpc.TransferServiceStub(transfer).Stats
+            baseline = _cancel_mid_encode(stub, lambda: stats(transfer_pb2.StatsRequest(), timeout=5).values)
     t0 = time.monotonic()
     while (held := _held(dep)) > baseline and time.monotonic() - t0 < 20:  # well under the 60 s lease
         time.sleep(0.1)

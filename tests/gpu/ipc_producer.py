@@ -13,6 +13,8 @@ import sys
 
 import torch
 
+from epd.transfer.v1 import transfer_pb2
+
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.int8, torch.int64]
 
 
@@ -32,7 +34,6 @@ def main() -> None:
 
     if sys.argv[1] == "--raw":
         from ectransfer.cuda_ipc import CudaIpcProducer, CudaPool
-        from epd.common.v1 import common_pb2
 
         pool = CudaPool(256 << 20)
         producer = CudaIpcProducer(pool)
@@ -40,7 +41,7 @@ def main() -> None:
             data = tensors.as_bytes(t)
             slot = pool.alloc(data.numel())
             pool.view(slot).copy_(data.cuda())
-            desc = common_pb2.TensorDescriptor(shape=list(t.shape), dtype=tensors.dtype_to_proto(t.dtype),
+            desc = transfer_pb2.TensorDescriptor(shape=list(t.shape), dtype=tensors.dtype_to_proto(t.dtype),
                                                nbytes=data.numel())
             producer.describe(pool.view(slot), desc)
             print(json.dumps({"id": ident, "desc": desc.SerializeToString().hex(),

@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from epd.transfer.v1 import transfer_pb2
+
 pytestmark = [pytest.mark.gpu, pytest.mark.integration]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -32,14 +34,13 @@ def test_two_processes_one_gpu_100_random_tensors_bit_identical_pool_mapped_once
 
     from ectransfer import cuda_ipc
     from ectransfer.cuda_ipc import CudaIpcConsumer
-    from epd.common.v1 import common_pb2
 
     proc, items = _start("--raw", 100)
     consumer = CudaIpcConsumer()
     opened = cuda_ipc.open_count()
     try:
         for item in items:
-            desc = common_pb2.TensorDescriptor.FromString(bytes.fromhex(item["desc"]))
+            desc = transfer_pb2.TensorDescriptor.FromString(bytes.fromhex(item["desc"]))
             dest = torch.empty(desc.nbytes, dtype=torch.uint8, device="cuda")
             assert consumer.receiver(desc, dest).complete
             assert hashlib.sha256(dest.cpu().numpy().tobytes()).hexdigest() == item["sha256"], item["id"]
@@ -190,13 +191,12 @@ def test_a_pool_is_mapped_at_its_real_size_and_an_inflated_claim_is_refused():
 
     from ectransfer import cuda_ipc
     from ectransfer.protocol import ProtocolError
-    from epd.common.v1 import common_pb2
 
     proc, items = _start("--raw", 1)
     try:
-        desc = common_pb2.TensorDescriptor.FromString(bytes.fromhex(items[0]["desc"]))
+        desc = transfer_pb2.TensorDescriptor.FromString(bytes.fromhex(items[0]["desc"]))
         honest = desc.cuda_ipc
-        inflated = common_pb2.CudaIpcRef()
+        inflated = transfer_pb2.CudaIpcRef()
         inflated.CopyFrom(honest)
         inflated.pool_nbytes = honest.pool_nbytes * 4
         with pytest.raises(ProtocolError, match="claims"):

@@ -16,11 +16,12 @@ from collections.abc import Callable
 import grpc
 
 from ectransfer.security import SecurityConfig
-from epd.common.v1 import common_pb2
 from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
 from epd.lm.v1 import lm_pb2, lm_pb2_grpc
+from epd.transfer.v1 import transfer_pb2
 from services.common.errors import BadInput, EncoderUnavailable, Forbidden, PeerUnavailable
 from services.common.grpc_server import GrpcServer
+from services.common.protocol import ENCODER_PROTOCOL
 from services.lm.servicer import openai_body
 
 ENCODER_SERVICE = "epd.encoder.v1.EncoderService"
@@ -63,6 +64,7 @@ class FakeEncoder(encoder_pb2_grpc.EncoderServiceServicer):
         self.cancelled: list[str] = []
         self.mode = "ok"
         self.layout = False  # send a prompt layout with the metadata, as the real encoder does
+        self.protocol = ENCODER_PROTOCOL  # what GetInfo reports (0: an encoder older than ItemSource)
 
     async def Encode(self, request, context):
         self.requests.append(request)
@@ -84,12 +86,13 @@ class FakeEncoder(encoder_pb2_grpc.EncoderServiceServicer):
                 self.cancelled.append(rid)
                 raise
         for i, item in enumerate(request.items):
-            md = encoder_pb2.ItemMetadata(
-                identifier=item.identifier, index=i, modality=item.modality, num_embeds=16, embed_width=64,
-                dtype=common_pb2.BFLOAT16, transfer_endpoint=self.endpoint, encoder_id=self.name)
+            md = encoder_pb2.ItemMetadata(identifier=item.identifier, index=i, modality=item.modality,
+                                          source=transfer_pb2.ItemSource(
+                                              num_embeds=16, embed_width=64, dtype=transfer_pb2.BFLOAT16,
+                                              transfer_endpoint=self.endpoint, encoder_id=self.name))
             if self.layout:
-                md.placeholder_token_ids.append(9)
-                md.prompt_token_ids.extend([5] * 16)
+                md.source.placeholder_token_ids.append(9)
+                md.source.prompt_token_ids.extend([5] * 16)
             yield encoder_pb2.EncodeEvent(metadata=md)
         self.world.log.append((self.name, "metadata", rid))
         if mode == "fail_when_released":
@@ -112,7 +115,8 @@ class FakeEncoder(encoder_pb2_grpc.EncoderServiceServicer):
         self.world.log.append((self.name, "encoded", rid))
 
     async def GetInfo(self, request, context):
-        return encoder_pb2.EncoderInfo(encoder_id=self.name, transfer_endpoint=self.endpoint)
+        return encoder_pb2.EncoderInfo(encoder_id=self.name, transfer_endpoint=self.endpoint,
+                                       protocol=self.protocol)
 
 
 class FakeLM(lm_pb2_grpc.LMServiceServicer):

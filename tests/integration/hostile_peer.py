@@ -20,7 +20,7 @@ from ectransfer import chunkwire, factory, lane
 from ectransfer.loopback import compat
 from ectransfer.protocol import TRANSFER_GRPC_OPTIONS, call_status
 from ectransfer.selection import choose
-from epd.encoder.v1 import encoder_pb2
+from epd.transfer.v1 import transfer_pb2
 
 
 class RawStream:
@@ -31,10 +31,10 @@ class RawStream:
     def __init__(self, channel: grpc.aio.Channel, call) -> None:
         self.channel = channel
         self.call = call
-        self.hello: encoder_pb2.HelloReply | None = None
-        self.selected: encoder_pb2.Selected | None = None
+        self.hello: transfer_pb2.HelloReply | None = None
+        self.selected: transfer_pb2.Selected | None = None
         self.proof = b""
-        self.offer: encoder_pb2.TransportOffer | None = None
+        self.offer: transfer_pb2.TransportOffer | None = None
 
     @classmethod
     async def open(cls, endpoint: str, transport: str = "grpc", select: bool = True) -> RawStream:
@@ -42,7 +42,7 @@ class RawStream:
         stream = cls(channel, chunkwire.transfer_call(channel)())
         consumer = factory.make_consumer(transport)
         try:
-            await stream.call.write(encoder_pb2.TransferClientMsg(hello=encoder_pb2.Hello(
+            await stream.call.write(transfer_pb2.TransferClientMsg(hello=transfer_pb2.Hello(
                 compat=compat(), consumer_id="hostile", transports=[consumer.kind])))
         except grpc.aio.AioRpcError:
             pass  # the producer ended the call before reading (refused): read() raises its status
@@ -55,19 +55,19 @@ class RawStream:
         if select:
             choice = choose(list(reply.hello.offers), [consumer])
             stream.proof, stream.offer = choice.proof, choice.offer
-            await stream.send(select=encoder_pb2.Select(transport=consumer.kind, proof=choice.proof))
+            await stream.send(select=transfer_pb2.Select(transport=consumer.kind, proof=choice.proof))
             stream.selected = (await stream.call.read()).selected
         return stream
 
     async def send(self, **msg) -> None:
-        await self.call.write(encoder_pb2.TransferClientMsg(**msg))
+        await self.call.write(transfer_pb2.TransferClientMsg(**msg))
 
     async def reserve(self, ident: str, max_nbytes: int = 1 << 30, claim: str = "") -> None:
-        await self.send(reserve=encoder_pb2.Reserve(identifier=ident, request_id=f"r-{ident}", max_nbytes=max_nbytes,
+        await self.send(reserve=transfer_pb2.Reserve(identifier=ident, request_id=f"r-{ident}", max_nbytes=max_nbytes,
                                                     claim=claim))
 
     async def cancel(self, ident: str, claim: str = "") -> None:
-        await self.send(cancel=encoder_pb2.Cancel(identifier=ident, claim=claim))
+        await self.send(cancel=transfer_pb2.Cancel(identifier=ident, claim=claim))
 
     async def read(self, timeout: float = 10.0):
         """The next server message (a ChunkMsg for a chunk), or EOF."""
@@ -83,9 +83,9 @@ async def lane_select(address: str, transport: int, proof: bytes, timeout: float
     returns the producer's answer (a TransferServerMsg) or None if it closed
     the connection, and the open writer (the caller closes it)."""
     reader, writer = await lane.connect(address)
-    writer.write(lane.frame(encoder_pb2.TransferClientMsg(select=encoder_pb2.Select(transport=transport, proof=proof))))
+    writer.write(lane.frame(transfer_pb2.TransferClientMsg(select=transfer_pb2.Select(transport=transport, proof=proof))))
     try:
-        reply = await asyncio.wait_for(lane.read_frame(reader, encoder_pb2.TransferServerMsg), timeout)
+        reply = await asyncio.wait_for(lane.read_frame(reader, transfer_pb2.TransferServerMsg), timeout)
     except (ConnectionError, OSError):
         reply = None
     return reply, writer

@@ -21,20 +21,19 @@ import torch
 from ectransfer.base import ProducerTransport
 from ectransfer.loopback import Producer
 from ectransfer.shm import SHM_DIR, ShmSegment
-from epd.common.v1 import common_pb2
-from epd.encoder.v1 import encoder_pb2
+from epd.transfer.v1 import transfer_pb2
 
 
 class Lying(ProducerTransport):
     """Wraps an honest producer transport; rewrites what it describes and offers."""
 
-    def __init__(self, inner: ProducerTransport, header: Callable[[common_pb2.TensorDescriptor], None] | None,
-                 offer: Callable[[encoder_pb2.TransportOffer], None] | None, proofs: list[bytes]) -> None:
+    def __init__(self, inner: ProducerTransport, header: Callable[[transfer_pb2.TensorDescriptor], None] | None,
+                 offer: Callable[[transfer_pb2.TransportOffer], None] | None, proofs: list[bytes]) -> None:
         self.inner, self.header, self.edit_offer, self.proofs = inner, header, offer, proofs
         self.kind = inner.kind
         self.in_place = inner.in_place
 
-    def offer(self) -> encoder_pb2.TransportOffer:
+    def offer(self) -> transfer_pb2.TransportOffer:
         o = self.inner.offer()
         if self.edit_offer is not None:
             self.edit_offer(o)
@@ -44,7 +43,7 @@ class Lying(ProducerTransport):
         self.proofs.append(bytes(proof))
         return True
 
-    def describe(self, data: torch.Tensor, desc: common_pb2.TensorDescriptor) -> None:
+    def describe(self, data: torch.Tensor, desc: transfer_pb2.TensorDescriptor) -> None:
         self.inner.describe(data, desc)
         if self.header is not None:
             self.header(desc)

@@ -16,6 +16,7 @@ import pytest
 from ectransfer.security import SecurityConfig
 from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
 from services.common.grpc_server import GrpcServer
+from services.common.protocol import ENCODER_PROTOCOL
 
 pytestmark = pytest.mark.integration
 
@@ -39,7 +40,7 @@ head -c 32 /dev/urandom | base64 | tee epd-internal/auth-token > epd-gateway/aut
 
 class Encoder(encoder_pb2_grpc.EncoderServiceServicer):
     async def GetInfo(self, request, context):
-        return encoder_pb2.EncoderInfo(encoder_id="e")
+        return encoder_pb2.EncoderInfo(encoder_id="e", protocol=ENCODER_PROTOCOL)
 
 
 @pytest.fixture

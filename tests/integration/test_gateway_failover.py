@@ -17,9 +17,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import REGISTRY
 
 from ectransfer.security import SecurityConfig
-from epd.common.v1 import common_pb2
 from epd.encoder.v1 import encoder_pb2
 from epd.lm.v1 import lm_pb2, lm_pb2_grpc
+from epd.transfer.v1 import transfer_pb2
 from services.certs import make_token
 from services.common.grpc_server import GrpcServer
 from services.common.images import data_url
@@ -200,7 +200,7 @@ def test_overlap_starts_the_lm_before_the_encoder_has_encoded():
         (lm_req,) = c.lm_requests()
         src = lm_req.items[0].source
         assert (src.transfer_endpoint, src.encoder_id) == (enc.endpoint, enc.name)
-        assert (src.num_embeds, src.embed_width, src.dtype) == (16, 64, common_pb2.BFLOAT16)
+        assert (src.num_embeds, src.embed_width, src.dtype) == (16, 64, transfer_pb2.BFLOAT16)
         w = c.world
         assert w.at("metadata", "r-overlap") < w.at("generate", "r-overlap") < w.at("encoded", "r-overlap")
         assert timings.encoders == [next(a for a, f in c.by_address.items() if f is enc)]

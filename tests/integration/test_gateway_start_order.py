@@ -30,6 +30,7 @@ from ectransfer.security import SecurityConfig
 from epd.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from services.certs import make_token
 from services.common.images import data_url, make_image
+from services.common.protocol import ENCODER_PROTOCOL
 from services.gateway.config import GatewayConfig
 from services.gateway.server import serve
 from services.up import free_port
@@ -246,6 +247,35 @@ def test_an_encoder_holding_another_auth_token_is_refused_with_the_reason_and_it
                 assert bad.requests == [] and len(good.requests) == 4
                 _, health = await gw.get("/health")  # re-verified on every round, refused every time
                 assert health["out"]["encoders"][bad_addr].startswith("refused: GetInfo failed: UNAUTHENTICATED")
+        finally:
+            for server, _ in servers:
+                await server.stop(0)
+
+    run(body)
+
+
+def test_an_encoder_of_another_protocol_is_refused_with_the_versions_and_never_sent_work():
+    """An encoder from before ItemMetadata carried an ItemSource reports protocol 0 (the field did not
+    exist): its metadata would be misread, so it is never admitted, and /health says why."""
+    async def body():
+        world = World()
+        lm, old, good = FakeLM("lm-X", world), FakeEncoder("enc-old", world, 0.5), FakeEncoder("enc-good", world, 0.5)
+        old.protocol = 0
+        servers = [await serve_fake(lm), await serve_fake(old), await serve_fake(good)]
+        (_, lm_addr), (_, old_addr), (_, good_addr) = servers
+        try:
+            async with Gateway(lms=lm_addr, encoders=f"{old_addr},{good_addr}") as gw:
+                _, health = await gw.poll(lambda: gw.get("/health"),
+                                          lambda r: r[0] == 200 and r[1]["encoders"][good_addr], 10,
+                                          "the good encoder is admitted")
+                assert health["encoders"] == {old_addr: False, good_addr: True}
+                assert health["out"]["encoders"][old_addr] == (
+                    f"refused: speaks encoder protocol 0, this gateway protocol {ENCODER_PROTOCOL} "
+                    "(an older epd-serve; run one version across the deployment)")
+                for seed in range(4):
+                    status, out, _ = await gw.post("/v1/chat/completions", image_chat(seed))
+                    assert status == 200 and out["epd"]["encoders"] == [good_addr], out
+                assert old.requests == []
         finally:
             for server, _ in servers:
                 await server.stop(0)

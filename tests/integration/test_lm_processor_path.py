@@ -16,8 +16,8 @@ import json
 
 import pytest
 
-from epd.common.v1 import common_pb2
 from epd.lm.v1 import lm_pb2
+from epd.transfer.v1 import transfer_pb2
 from services.common.errors import BadInput
 from services.common.images import data_url, make_image
 from services.common.media import MediaConfig, MediaDecoder, content_id
@@ -105,8 +105,8 @@ def item(data: bytes, identifier: str | None = None, encoder: bool = True) -> tu
     mm = lm_pb2.MMItem(modality="image", identifier=ident)
     part = {"type": "image_url", "image_url": {"url": data_url(data)}}
     if encoder:
-        mm.source.CopyFrom(lm_pb2.ItemSource(transfer_endpoint=ENDPOINT, encoder_id="enc-A", num_embeds=16,
-                                             embed_width=64, dtype=common_pb2.BFLOAT16))
+        mm.source.CopyFrom(transfer_pb2.ItemSource(transfer_endpoint=ENDPOINT, encoder_id="enc-A", num_embeds=16,
+                                             embed_width=64, dtype=transfer_pb2.BFLOAT16))
         part["uuid"] = ident
     return mm, part
 

@@ -17,7 +17,7 @@ from ectransfer.connector.metadata import EPDWorkerMetadata
 from ectransfer.loopback import Consumer, Producer
 from ectransfer.protocol import TransferState
 from ectransfer.shm import ShmSegment
-from epd.common.v1 import common_pb2
+from epd.transfer.v1 import transfer_pb2
 from tests.integration.connector_fakes import claim_of, embedding, request, schedule, steps_until
 from tests.integration.rogue_producer import RogueProducer, fifo_at, release_fifo, secret_segment
 
@@ -47,7 +47,7 @@ def set_dtype(dtype):
 @pytest.mark.parametrize("lie, reason", [
     (set_shape(32, 64), "shape"),          # same bytes, rows of the wrong width
     (set_shape(-16, -128), "negative"),    # the same product, from negative dims
-    (set_dtype(common_pb2.FLOAT16), "dtype"),  # same itemsize, the wrong element type
+    (set_dtype(transfer_pb2.FLOAT16), "dtype"),  # same itemsize, the wrong element type
 ], ids=["shape", "negative-dims", "dtype"])
 @pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "staging"])
 def test_a_header_unlike_the_items_metadata_fails_its_request_and_never_reaches_the_worker(consumer, lie, reason,
@@ -107,7 +107,7 @@ def test_an_in_place_offset_outside_the_segment_is_refused(consumer, offset):
 
 def _point_probe_at(name: str):
     def edit(offer):
-        if offer.transport == common_pb2.SHM:
+        if offer.transport == transfer_pb2.SHM:
             offer.shm_probe.segment, offer.shm_probe.offset, offer.shm_probe.nbytes = name, 0, 16
     return edit
 
@@ -198,14 +198,14 @@ def test_a_probe_aimed_at_another_producers_segment_teaches_the_rogue_nothing():
     """The probe can map any producer's segment (names say nothing about
     owners), so what travels back is sealed: a salted hash, never the nonce."""
     other = Producer(pool_bytes=1 << 20)
-    shm = other.servicer.transports[common_pb2.SHM]
+    shm = other.servicer.transports[transfer_pb2.SHM]
     probe = shm.offer().shm_probe
     seg = ShmSegment.attach(probe.segment)
     nonce = seg.buffer[probe.offset : probe.offset + probe.nbytes].numpy().tobytes()
     seg.close()
 
     def at_other(offer):
-        if offer.transport == common_pb2.SHM:
+        if offer.transport == transfer_pb2.SHM:
             offer.shm_probe.CopyFrom(probe)
 
     rogue = RogueProducer(offer=at_other)

@@ -15,8 +15,10 @@ from ectransfer.loopback import Consumer, Producer
 from ectransfer.protocol import TransferState
 from ectransfer.security import SecurityConfig
 from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
+from epd.transfer.v1 import transfer_pb2, transfer_pb2_grpc
 from services.certs import make_certs, make_token
 from services.common.grpc_server import GrpcServer
+from services.common.protocol import ENCODER_PROTOCOL
 
 pytestmark = pytest.mark.integration
 
@@ -29,7 +31,7 @@ class CountingEncoder(encoder_pb2_grpc.EncoderServiceServicer):
 
     async def GetInfo(self, request, context):
         self.calls += 1
-        return encoder_pb2.EncoderInfo(encoder_id="e")
+        return encoder_pb2.EncoderInfo(encoder_id="e", protocol=ENCODER_PROTOCOL)
 
     async def Encode(self, request, context):
         self.calls += 1
@@ -161,10 +163,10 @@ def test_stats_on_the_transfer_port_needs_the_token(token):
     producer = Producer(security=SecurityConfig(auth_token_file=token))
     try:
         with grpc.insecure_channel(producer.endpoint) as ch, pytest.raises(grpc.RpcError) as e:
-            encoder_pb2_grpc.TransferServiceStub(ch).Stats(encoder_pb2.StatsRequest(), timeout=5)
+            transfer_pb2_grpc.TransferServiceStub(ch).Stats(transfer_pb2.StatsRequest(), timeout=5)
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
         with SecurityConfig(auth_token_file=token).channel(producer.endpoint) as ch:  # raises if refused
-            encoder_pb2_grpc.TransferServiceStub(ch).Stats(encoder_pb2.StatsRequest(), timeout=5)
+            transfer_pb2_grpc.TransferServiceStub(ch).Stats(transfer_pb2.StatsRequest(), timeout=5)
     finally:
         producer.close()
 

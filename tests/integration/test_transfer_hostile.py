@@ -18,8 +18,7 @@ import torch
 from ectransfer.limits import TransferLimits
 from ectransfer.loopback import Consumer, Producer
 from ectransfer.protocol import TransferState
-from epd.common.v1 import common_pb2
-from epd.encoder.v1 import encoder_pb2
+from epd.transfer.v1 import transfer_pb2
 from tests.integration.connector_fakes import steps_until
 from tests.integration.hostile_peer import RawStream, lane_select
 
@@ -41,7 +40,7 @@ def test_a_flood_of_reserves_gets_resource_exhausted_beyond_the_limit_and_a_good
     producer = Producer(item_wait_s=30, limits=TransferLimits(max_reserves_per_session=8))
     good = Consumer(transports=("grpc",))
 
-    async def flood() -> list[encoder_pb2.ItemError]:
+    async def flood() -> list[transfer_pb2.ItemError]:
         stream = await RawStream.open(producer.endpoint)
         try:
             for i in range(200):  # never encoded: each would wait item_wait_s in a task of its own
@@ -56,7 +55,7 @@ def test_a_flood_of_reserves_gets_resource_exhausted_beyond_the_limit_and_a_good
 
     try:
         errors = asyncio.run(flood())
-        assert {e.code for e in errors} == {encoder_pb2.ItemError.RESOURCE_EXHAUSTED}
+        assert {e.code for e in errors} == {transfer_pb2.ItemError.RESOURCE_EXHAUSTED}
         assert {e.identifier for e in errors} == {f"never-{i}" for i in range(8, 200)}
         t = torch.randn(8, 128).to(torch.bfloat16)
         producer.store.put("fine", t)
@@ -107,7 +106,7 @@ def test_sessions_beyond_max_sessions_are_refused_with_resource_exhausted_until_
                 break
             await asyncio.sleep(0.01)
         third = await RawStream.open(producer.endpoint)  # a slot is free again
-        assert third.selected.transport == common_pb2.GRPC_CHUNKS
+        assert third.selected.transport == transfer_pb2.GRPC_CHUNKS
         await third.close()
         await second.close()
 
@@ -124,7 +123,7 @@ def test_a_lane_connection_beyond_max_sessions_is_closed_even_with_a_valid_secre
         stream = await RawStream.open(producer.endpoint, "shm")
         try:
             assert stream.selected.lane_secret
-            reply, writer = await lane_select(producer.servicer.lane_address, common_pb2.SHM,
+            reply, writer = await lane_select(producer.servicer.lane_address, transfer_pb2.SHM,
                                               stream.selected.lane_secret)
             writer.close()
             return reply
@@ -145,7 +144,7 @@ def test_lane_the_reusable_probe_nonce_does_not_open_a_lane(producer_with_lane):
         stream = await RawStream.open(producer.endpoint, "shm")
         try:
             assert stream.proof  # the nonce the gRPC stream accepted
-            reply, writer = await lane_select(producer.servicer.lane_address, common_pb2.SHM, stream.proof)
+            reply, writer = await lane_select(producer.servicer.lane_address, transfer_pb2.SHM, stream.proof)
             writer.close()
             return reply
         finally:
@@ -163,9 +162,9 @@ def test_lane_a_secret_opens_one_connection_of_its_own_stream_and_none_after_it_
         b = await RawStream.open(producer.endpoint, "shm")
         secret_a, secret_b = a.selected.lane_secret, b.selected.lane_secret
         assert len(secret_a) == 32 and secret_a != secret_b
-        reply, lane_a = await lane_select(address, common_pb2.SHM, secret_a)
+        reply, lane_a = await lane_select(address, transfer_pb2.SHM, secret_a)
         assert reply is not None and reply.WhichOneof("msg") == "selected"  # the secret works, once
-        again, writer = await lane_select(address, common_pb2.SHM, secret_a)
+        again, writer = await lane_select(address, transfer_pb2.SHM, secret_a)
         writer.close()
         assert again is None  # single use
         await b.close()  # b's stream ended before its secret was used
@@ -173,7 +172,7 @@ def test_lane_a_secret_opens_one_connection_of_its_own_stream_and_none_after_it_
             if producer.servicer.open_sessions <= 2:  # a's stream and a's lane
                 break
             await asyncio.sleep(0.01)
-        late, writer = await lane_select(address, common_pb2.SHM, secret_b)
+        late, writer = await lane_select(address, transfer_pb2.SHM, secret_b)
         writer.close()
         assert late is None  # forgotten with its stream
         lane_a.close()

@@ -14,6 +14,7 @@ import torch
 from ectransfer import tensors
 from ectransfer.loopback import Consumer, Producer, compat
 from ectransfer.protocol import TransferState
+from epd.transfer.v1 import transfer_pb2
 from tests.integration.connector_fakes import steps_until
 
 pytestmark = pytest.mark.integration
@@ -306,8 +307,6 @@ def test_lane_a_connection_without_its_streams_secret_is_refused(producer):
     import socket
 
     from ectransfer import lane
-    from epd.common.v1 import common_pb2
-    from epd.encoder.v1 import encoder_pb2
 
     address = producer.servicer.lane_address
     assert address
@@ -315,10 +314,10 @@ def test_lane_a_connection_without_its_streams_secret_is_refused(producer):
         s.settimeout(5)
         s.connect("\0" + address)
         try:
-            s.sendall(lane.frame(encoder_pb2.TransferClientMsg(
-                select=encoder_pb2.Select(transport=common_pb2.SHM, proof=b"guess"))))
-            s.sendall(lane.frame(encoder_pb2.TransferClientMsg(
-                reserve=encoder_pb2.Reserve(identifier="x", max_nbytes=8))))
+            s.sendall(lane.frame(transfer_pb2.TransferClientMsg(
+                select=transfer_pb2.Select(transport=transfer_pb2.SHM, proof=b"guess"))))
+            s.sendall(lane.frame(transfer_pb2.TransferClientMsg(
+                reserve=transfer_pb2.Reserve(identifier="x", max_nbytes=8))))
             got = s.recv(64)
         except (ConnectionResetError, BrokenPipeError):  # closed with our frames unread
             got = b""

@@ -18,6 +18,8 @@ import time
 import urllib.error
 import urllib.request
 
+from epd.transfer.v1 import transfer_pb2, transfer_pb2_grpc
+
 
 def _security():
     from ectransfer.security import SecurityConfig
@@ -74,7 +76,7 @@ def stats(encoder_addr: str) -> dict:
     with sec.channel(encoder_addr) as ch:
         info = encoder_pb2_grpc.EncoderServiceStub(ch).GetInfo(encoder_pb2.GetInfoRequest(), timeout=5)
     with sec.channel(info.transfer_endpoint) as ch:
-        values = encoder_pb2_grpc.TransferServiceStub(ch).Stats(encoder_pb2.StatsRequest(), timeout=5).values
+        values = transfer_pb2_grpc.TransferServiceStub(ch).Stats(transfer_pb2.StatsRequest(), timeout=5).values
     return {"values": dict(values), "transfer_endpoint": info.transfer_endpoint}
 
 

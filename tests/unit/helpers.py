@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 from ectransfer import tensors
-from epd.common.v1 import common_pb2
+from epd.transfer.v1 import transfer_pb2
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -44,14 +44,14 @@ def special_values(dtype: torch.dtype) -> torch.Tensor:
     return torch.cat([t, tiny, odd_nan])
 
 
-def descriptor(t: torch.Tensor) -> common_pb2.TensorDescriptor:
+def descriptor(t: torch.Tensor) -> transfer_pb2.TensorDescriptor:
     """The header fields the transfer server fills before ``describe``."""
-    return common_pb2.TensorDescriptor(
+    return transfer_pb2.TensorDescriptor(
         shape=list(t.shape), dtype=tensors.dtype_to_proto(t.dtype), nbytes=tensors.nbytes_of(tuple(t.shape), t.dtype)
     )
 
 
-def rebuild(dest: torch.Tensor, desc: common_pb2.TensorDescriptor) -> torch.Tensor:
+def rebuild(dest: torch.Tensor, desc: transfer_pb2.TensorDescriptor) -> torch.Tensor:
     return tensors.from_bytes(dest, tuple(desc.shape), tensors.dtype_from_proto(desc.dtype))
 
 

@@ -5,7 +5,7 @@ import os
 import pytest
 
 from ectransfer import chunkwire
-from epd.encoder.v1 import encoder_pb2
+from epd.transfer.v1 import transfer_pb2
 
 
 @pytest.mark.parametrize("ident,offset,data", [
@@ -13,21 +13,21 @@ from epd.encoder.v1 import encoder_pb2
     ("", 1, os.urandom(300)), ("h" * 200, 2**40, os.urandom(4 << 20)),
 ])
 def test_chunks_round_trip_both_ways_through_protobuf(ident, offset, data):
-    ref = encoder_pb2.TransferServerMsg(chunk=encoder_pb2.Chunk(identifier=ident, offset=offset, data=data))
+    ref = transfer_pb2.TransferServerMsg(chunk=transfer_pb2.Chunk(identifier=ident, offset=offset, data=data))
     raw = chunkwire.encode_chunk(ident, offset, memoryview(data))
-    assert encoder_pb2.TransferServerMsg.FromString(raw) == ref
+    assert transfer_pb2.TransferServerMsg.FromString(raw) == ref
     got = chunkwire.deserialize(ref.SerializeToString())
     assert got.WhichOneof("msg") == "chunk"
     assert (got.chunk.identifier, got.chunk.offset, bytes(got.chunk.data)) == (ident, offset, data)
 
 
 def test_other_messages_go_through_protobuf():
-    header = encoder_pb2.TransferServerMsg(header=encoder_pb2.ItemHeader(identifier="a"))
+    header = transfer_pb2.TransferServerMsg(header=transfer_pb2.ItemHeader(identifier="a"))
     assert chunkwire.response_serializer(header) == header.SerializeToString()
     assert chunkwire.deserialize(header.SerializeToString()) == header
 
 
 def test_a_received_chunk_views_the_buffer_without_copying():
-    raw = encoder_pb2.TransferServerMsg(chunk=encoder_pb2.Chunk(identifier="a", data=b"abcd")).SerializeToString()
+    raw = transfer_pb2.TransferServerMsg(chunk=transfer_pb2.Chunk(identifier="a", data=b"abcd")).SerializeToString()
     view = chunkwire.deserialize(raw).chunk.data
     assert isinstance(view, memoryview) and view.obj is raw

@@ -9,7 +9,7 @@ import torch
 
 from ectransfer import cuda_ipc
 from ectransfer.protocol import ProtocolError
-from epd.common.v1 import common_pb2
+from epd.transfer.v1 import transfer_pb2
 
 pytestmark = pytest.mark.unit
 
@@ -28,9 +28,9 @@ def pool():
 
 
 def desc(pool, offset: int, nbytes: int, pool_nbytes: int = POOL, handle: bytes | None = None):
-    ref = common_pb2.CudaIpcRef(handle=pool.handle if handle is None else handle, pool_id=pool.pool_id,
+    ref = transfer_pb2.CudaIpcRef(handle=pool.handle if handle is None else handle, pool_id=pool.pool_id,
                                 offset=offset, pool_nbytes=pool_nbytes)
-    return common_pb2.TensorDescriptor(shape=[], dtype=common_pb2.UINT8, nbytes=nbytes, cuda_ipc=ref)
+    return transfer_pb2.TensorDescriptor(shape=[], dtype=transfer_pb2.UINT8, nbytes=nbytes, cuda_ipc=ref)
 
 
 @pytest.mark.parametrize("offset, nbytes", [(0, POOL), (POOL - 16, 16), (POOL, 0)])
@@ -60,7 +60,7 @@ def test_a_ref_that_names_a_known_pool_with_another_handle_is_refused(pool):
     (2**64 - 1, 1, None, False), (0, POOL + 1, None, False),
 ])
 def test_check_range_uses_the_mapped_size_when_given(offset, nbytes, mapped, ok):
-    ref = common_pb2.CudaIpcRef(pool_id="p", offset=offset, pool_nbytes=POOL)
+    ref = transfer_pb2.CudaIpcRef(pool_id="p", offset=offset, pool_nbytes=POOL)
     if ok:
         cuda_ipc.check_range(ref, nbytes, mapped)
     else:

@@ -7,7 +7,7 @@ from helpers import assert_bit_identical, descriptor, random_bits, rebuild, spec
 from ectransfer import chunkwire, tensors
 from ectransfer.grpc_stream import GrpcChunkConsumer, GrpcChunkProducer
 from ectransfer.protocol import ProtocolError
-from epd.encoder.v1 import encoder_pb2
+from epd.transfer.v1 import transfer_pb2
 
 pytestmark = pytest.mark.unit
 
@@ -98,13 +98,13 @@ def test_repeated_chunk_raises():
 def test_overrun_raises():
     desc, msgs, dest = _setup()
     receiver = GrpcChunkConsumer().receiver(desc, dest)
-    too_long = encoder_pb2.Chunk(identifier="x", offset=0, data=bytes(desc.nbytes + 1))
+    too_long = transfer_pb2.Chunk(identifier="x", offset=0, data=bytes(desc.nbytes + 1))
     with pytest.raises(ProtocolError, match="overruns"):
         receiver.feed(too_long)
     for m in msgs:
         receiver.feed(m)
     with pytest.raises(ProtocolError, match="overruns"):
-        receiver.feed(encoder_pb2.Chunk(identifier="x", offset=desc.nbytes, data=b"\0"))
+        receiver.feed(transfer_pb2.Chunk(identifier="x", offset=desc.nbytes, data=b"\0"))
 
 
 @pytest.mark.parametrize("payload", ["shm", None])

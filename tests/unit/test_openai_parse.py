@@ -11,8 +11,8 @@ import grpc
 import pytest
 from helpers import data_url, image_bytes
 
-from epd.common.v1 import common_pb2
 from epd.lm.v1 import lm_pb2
+from epd.transfer.v1 import transfer_pb2
 from services.common.errors import MediaError
 from services.common.images import make_audio
 from services.gateway.config import GatewayConfig
@@ -256,8 +256,8 @@ def test_epd_media_bytes_are_checked_like_any_image():
 
 def _laid_out(req: lm_pb2.GenerateRequest, k: int) -> None:
     """Item ``k`` as the orchestrator leaves it when an encoder laid it out."""
-    req.items[k].source.CopyFrom(lm_pb2.ItemSource(transfer_endpoint="e:1", encoder_id="enc", num_embeds=4,
-                                                   embed_width=8, dtype=common_pb2.BFLOAT16,
+    req.items[k].source.CopyFrom(transfer_pb2.ItemSource(transfer_endpoint="e:1", encoder_id="enc", num_embeds=4,
+                                                   embed_width=8, dtype=transfer_pb2.BFLOAT16,
                                                    placeholder_token_ids=[7], prompt_token_ids=[7, 7, 7, 7],
                                                    is_embed=b"\x01"))
 
@@ -288,7 +288,7 @@ def test_an_item_without_a_layout_sends_every_item_as_bytes():
     call, req, media = parse_and_load(chat("compare", image(data_url(PNG)), image("epd-media:0"),
                                            image(data_url(PNG)), max_tokens=3), media=[jpg])
     _laid_out(req, 0)
-    req.items[1].source.CopyFrom(lm_pb2.ItemSource(transfer_endpoint="e:1", encoder_id="enc", num_embeds=4))
+    req.items[1].source.CopyFrom(transfer_pb2.ItemSource(transfer_endpoint="e:1", encoder_id="enc", num_embeds=4))
     # items[2]: no source, the LM encodes it itself
     content = json.loads(call.lm_body(req, media))["messages"][0]["content"]
     assert content[1] == {"type": "image_url", "image_url": {"url": data_url(PNG)},

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from ectransfer.security import SecurityConfig
-from epd.common.v1 import common_pb2
+from epd.transfer.v1 import transfer_pb2
 from services.certs import make_token
 from services.common.errors import Forbidden
 from services.lm.peers import EncoderAllowList, PeerChecker
@@ -109,7 +109,7 @@ def test_allow_list_entries_endpoints_hosts_and_networks():
 
 
 def test_the_lm_refuses_an_endpoint_outside_its_allow_list_without_dialing_it():
-    peers = PeerChecker(common_pb2.CompatInfo(), "lm", [], 1.0,
+    peers = PeerChecker(transfer_pb2.CompatInfo(), "lm", [], 1.0,
                         allowed=EncoderAllowList.parse("127.0.0.1:1", trusted_callers=False))
 
     async def main():

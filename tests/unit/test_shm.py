@@ -10,7 +10,7 @@ from helpers import assert_bit_identical, dead_pid, descriptor, random_bits, reb
 
 from ectransfer import shm, tensors
 from ectransfer.protocol import ProtocolError
-from epd.encoder.v1 import encoder_pb2
+from epd.transfer.v1 import transfer_pb2
 
 pytestmark = [pytest.mark.unit, pytest.mark.skipif(not os.path.isdir(shm.SHM_DIR), reason="no /dev/shm")]
 
@@ -236,7 +236,7 @@ def test_wrong_payload_kind_and_chunks_are_rejected(pool):
     try:
         receiver = consumer.receiver(_shm_desc(pool, 0, 4), torch.empty(4, dtype=torch.uint8))
         with pytest.raises(ProtocolError, match="no chunks"):
-            receiver.feed(encoder_pb2.Chunk(identifier="x", offset=0, data=b"1234"))
+            receiver.feed(transfer_pb2.Chunk(identifier="x", offset=0, data=b"1234"))
     finally:
         consumer.close()
 

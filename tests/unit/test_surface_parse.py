@@ -12,6 +12,7 @@ import pytest
 from helpers import data_url, image_bytes
 
 from epd.lm.v1 import lm_pb2
+from epd.transfer.v1 import transfer_pb2
 from services.gateway.config import GatewayConfig
 from services.gateway.core import error_body
 from services.gateway.parts import anthropic_media_parts
@@ -34,7 +35,7 @@ def _load(api: str, body: dict):
 
 def _laid_out(req):
     for item in req.items:
-        item.source.CopyFrom(lm_pb2.ItemSource(transfer_endpoint="e:1", num_embeds=1, embed_width=4,
+        item.source.CopyFrom(transfer_pb2.ItemSource(transfer_endpoint="e:1", num_embeds=1, embed_width=4,
                                                placeholder_token_ids=[5],
                                                prompt_token_ids=[5]))
 

@@ -1,0 +1,64 @@
+"""The tree's floors, checked: the transfer library owns its protocol and imports no service, and the
+item descriptor is one message the encoder emits and the LM consumes (no field-by-field copy)."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+from epd.encoder.v1 import encoder_pb2
+from epd.lm.v1 import lm_pb2
+from epd.transfer.v1 import transfer_pb2
+
+pytestmark = pytest.mark.unit
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def imported_modules(path: pathlib.Path) -> set[str]:
+    """Every module ``path`` imports, at any depth (function bodies included)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            out.add(node.module)
+    return out
+
+
+def test_ectransfer_imports_no_service_and_no_service_protocol():
+    offenders = {}
+    for path in sorted((ROOT / "ectransfer").rglob("*.py")):
+        bad = {m for m in imported_modules(path)
+               if m.split(".")[0] in ("services", "tools") or m.startswith(("epd.encoder", "epd.lm", "epd.gateway"))}
+        if bad:
+            offenders[str(path.relative_to(ROOT))] = sorted(bad)
+    assert not offenders, f"ectransfer must stand alone (its protocol is epd.transfer.v1): {offenders}"
+
+
+def test_item_descriptor_is_one_message_from_encoder_to_lm():
+    meta = encoder_pb2.ItemMetadata.DESCRIPTOR
+    assert {f.name for f in meta.fields} == {"identifier", "index", "modality", "source"}
+    assert meta.fields_by_name["source"].message_type is transfer_pb2.ItemSource.DESCRIPTOR
+    assert lm_pb2.MMItem.DESCRIPTOR.fields_by_name["source"].message_type is transfer_pb2.ItemSource.DESCRIPTOR
+
+
+def test_gateway_forwards_the_descriptor_without_copying_its_fields():
+    """The gateway may read the two fields it decides on (the endpoint, for failover; whether a layout
+    came, for whether media bytes must travel) and never builds an ItemSource itself."""
+    fields = set(transfer_pb2.ItemSource.DESCRIPTOR.fields_by_name) - {"transfer_endpoint", "placeholder_token_ids"}
+    for path in sorted((ROOT / "services" / "gateway").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        names = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+        assert "ItemSource" not in names, f"{path.name} builds an ItemSource"
+        assert not names & fields, f"{path.name} reads {sorted(names & fields)} of an item descriptor"
+
+
+def test_lm_message_wire_layout_is_unchanged_by_the_move():
+    """MMItem.source kept the LM's former ItemSource numbering: a gateway of either side of the move
+    writes the same bytes."""
+    numbers = {f.name: f.number for f in transfer_pb2.ItemSource.DESCRIPTOR.fields}
+    assert numbers == {"transfer_endpoint": 1, "encoder_id": 2, "num_embeds": 3, "embed_width": 4, "dtype": 5,
+                       "placeholder_token_ids": 6, "prompt_token_ids": 7, "is_embed": 8, "claim": 9, "mm_kwargs": 10}
