@@ -52,7 +52,7 @@ from machine import machine_info, pct
 
 from ectransfer.loopback import Consumer, Producer
 from ectransfer.protocol import TransferState
-from ectransfer.security import SecurityConfig
+from peerauth import SecurityConfig
 
 # (rows, width) bf16 embeddings: 64 KiB ... 256 MiB
 SHAPES_QUICK = [(32, 1024), (512, 1024), (1024, 2048), (2048, 4096), (4096, 8192)]

@@ -42,9 +42,9 @@ from ectransfer.protocol import (
     check_compat,
     new_event_loop,
 )
-from ectransfer.security import SecurityConfig
 from ectransfer.selection import Choice, choose
 from epd.transfer.v1 import transfer_pb2
+from peerauth import SecurityConfig
 
 logger = logging.getLogger(__name__)
 

@@ -31,9 +31,9 @@ from ectransfer.base import ProducerTransport
 from ectransfer.limits import TransferLimits
 from ectransfer.outbound import OutboundStore
 from ectransfer.protocol import CompatError, check_compat, new_event_loop
-from ectransfer.security import SecurityConfig
 from ectransfer.session import Outbox, TransferSession
 from epd.transfer.v1 import transfer_pb2, transfer_pb2_grpc
+from peerauth import SecurityConfig
 
 logger = logging.getLogger(__name__)
 

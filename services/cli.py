@@ -48,7 +48,7 @@ def _engine_cfg(ns):
 def build_parser() -> argparse.ArgumentParser:
     """The ``epd`` argument parser (one flag per config field); parsing runs nothing."""
     from ectransfer.connector.config import ConnectorTuning
-    from ectransfer.security import SecurityConfig
+    from peerauth import SecurityConfig
     from services.common.engine import EngineConfig
     from services.encoder.config import EncoderServiceConfig
     from services.gateway.config import GatewayConfig
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None = None) -> int:
     from ectransfer.connector.config import ConnectorTuning
-    from ectransfer.security import SecurityConfig
+    from peerauth import SecurityConfig
     from services.encoder.config import EncoderServiceConfig
     from services.gateway.config import GatewayConfig
     from services.lm.config import LMServiceConfig

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ectransfer.security import SecurityConfig, is_loopback
 from ectransfer.shm import cleanup_orphans
+from peerauth import SecurityConfig, is_loopback
 from services.certs import make_certs, make_token
 
 _rng = random.Random()  # its own generator: a test that seeds ``random`` must not make ports repeat

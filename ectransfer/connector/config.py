@@ -103,7 +103,7 @@ class ConnectorConfig(ConnectorTuning):
     model_name: str = ""
     """Name used in the compatibility hash (default: vLLM's model path)."""
     security: dict[str, Any] = field(default_factory=dict)
-    """TLS and auth token for the Transfer link (``ectransfer.security.SecurityConfig.to_dict``): the
+    """TLS and auth token for the Transfer link (``peerauth.SecurityConfig.to_dict``): the
     producer's server requires them, the consumer's client presents them."""
 
     def __post_init__(self) -> None:

@@ -45,9 +45,9 @@ from ectransfer.connector.metadata import (
 )
 from ectransfer.pool import Slot
 from ectransfer.protocol import ItemTransfer, TransferState
-from ectransfer.security import SecurityConfig
 from ectransfer.shm import Mappings, ShmPool
 from epd.transfer.v1 import transfer_pb2
+from peerauth import SecurityConfig
 
 logger = logging.getLogger(__name__)
 

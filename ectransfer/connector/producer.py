@@ -73,10 +73,10 @@ from ectransfer.connector.metadata import (
 )
 from ectransfer.outbound import CopyState, OutboundStore, move
 from ectransfer.pool import PoolFullError, Slot
-from ectransfer.security import SecurityConfig
 from ectransfer.server import TransferServerThread, TransferServicer
 from ectransfer.shm import Mappings, ShmPool, new_name
 from epd.transfer.v1 import transfer_pb2
+from peerauth import SecurityConfig
 
 logger = logging.getLogger(__name__)
 

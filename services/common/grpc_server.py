@@ -1,5 +1,5 @@
 """gRPC server wiring shared by the services: health, reflection (when asked
-for), authentication (``ectransfer.security``), errors, shutdown."""
+for), authentication (``peerauth``), errors, shutdown."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from ectransfer.security import SecurityConfig
+from peerauth import SecurityConfig
 from services.common.errors import ErrorInterceptor
 
 logger = logging.getLogger(__name__)

@@ -20,10 +20,10 @@ from collections.abc import Callable
 import grpc
 
 from ectransfer.connector.config import ConnectorTuning
-from ectransfer.security import SecurityConfig
 from ectransfer.shm import cleanup_orphans
 from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
 from epd.transfer.v1 import transfer_pb2, transfer_pb2_grpc
+from peerauth import SecurityConfig
 from services.common.engine import (
     EngineConfig,
     build_async_engine,

@@ -33,9 +33,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import Counter, Gauge
 
-from ectransfer.security import SecurityConfig
 from epd.encoder.v1 import encoder_pb2
 from epd.lm.v1 import lm_pb2
+from peerauth import SecurityConfig
 from services.common.grpc_server import GRPC_OPTIONS
 
 logger = logging.getLogger(__name__)

@@ -37,9 +37,9 @@ from dataclasses import dataclass, field
 import grpc
 from prometheus_client import Counter
 
-from ectransfer.security import SecurityConfig
 from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
 from epd.lm.v1 import lm_pb2, lm_pb2_grpc
+from peerauth import SecurityConfig
 from services.common.errors import FAULT_ENDPOINT_KEY, FAULT_KEY
 from services.common.protocol import encoder_protocol_problem
 from services.gateway.admission import Admission, Ticket

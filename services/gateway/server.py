@@ -12,8 +12,8 @@ from collections.abc import Callable
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from ectransfer.security import SecurityConfig
 from epd.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from peerauth import SecurityConfig
 from services.common.grpc_server import GrpcServer
 from services.gateway.config import GatewayConfig
 from services.gateway.core import RequestCore

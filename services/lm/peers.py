@@ -18,8 +18,8 @@ from prometheus_client import Gauge
 from ectransfer.base import ConsumerTransport
 from ectransfer.client import negotiate
 from ectransfer.protocol import CompatError, ProtocolError
-from ectransfer.security import SecurityConfig
 from epd.transfer.v1 import transfer_pb2, transfer_pb2_grpc
+from peerauth import SecurityConfig
 from services.common.errors import BadInput, EncoderUnavailable, Forbidden, Incompatible
 
 PEER_TRANSPORT = Gauge("epd_lm_peer_transport", "Transport chosen per encoder (1 = in use)", ["peer", "transport"])

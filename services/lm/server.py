@@ -10,9 +10,9 @@ import signal
 
 from ectransfer import factory
 from ectransfer.connector.config import ConnectorTuning
-from ectransfer.security import SecurityConfig
 from ectransfer.shm import cleanup_orphans
 from epd.lm.v1 import lm_pb2, lm_pb2_grpc
+from peerauth import SecurityConfig
 from services.common.engine import (
     EngineConfig,
     build_async_engine,

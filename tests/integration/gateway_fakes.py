@@ -15,10 +15,10 @@ from collections.abc import Callable
 
 import grpc
 
-from ectransfer.security import SecurityConfig
 from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
 from epd.lm.v1 import lm_pb2, lm_pb2_grpc
 from epd.transfer.v1 import transfer_pb2
+from peerauth import SecurityConfig
 from services.common.errors import BadInput, EncoderUnavailable, Forbidden, PeerUnavailable
 from services.common.grpc_server import GrpcServer
 from services.common.protocol import ENCODER_PROTOCOL

@@ -13,8 +13,8 @@ import subprocess
 import grpc
 import pytest
 
-from ectransfer.security import SecurityConfig
 from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
+from peerauth import SecurityConfig
 from services.common.grpc_server import GrpcServer
 from services.common.protocol import ENCODER_PROTOCOL
 

@@ -16,10 +16,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import REGISTRY
 
-from ectransfer.security import SecurityConfig
 from epd.encoder.v1 import encoder_pb2
 from epd.lm.v1 import lm_pb2, lm_pb2_grpc
 from epd.transfer.v1 import transfer_pb2
+from peerauth import SecurityConfig
 from services.certs import make_token
 from services.common.grpc_server import GrpcServer
 from services.common.images import data_url

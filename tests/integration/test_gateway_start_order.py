@@ -26,8 +26,8 @@ import aiohttp
 import grpc
 import pytest
 
-from ectransfer.security import SecurityConfig
 from epd.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from peerauth import SecurityConfig
 from services.certs import make_token
 from services.common.images import data_url, make_image
 from services.common.protocol import ENCODER_PROTOCOL

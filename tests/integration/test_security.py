@@ -13,9 +13,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ectransfer.loopback import Consumer, Producer
 from ectransfer.protocol import TransferState
-from ectransfer.security import SecurityConfig
 from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
 from epd.transfer.v1 import transfer_pb2, transfer_pb2_grpc
+from peerauth import SecurityConfig
 from services.certs import make_certs, make_token
 from services.common.grpc_server import GrpcServer
 from services.common.protocol import ENCODER_PROTOCOL

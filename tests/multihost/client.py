@@ -22,7 +22,7 @@ from epd.transfer.v1 import transfer_pb2, transfer_pb2_grpc
 
 
 def _security():
-    from ectransfer.security import SecurityConfig
+    from peerauth import SecurityConfig
 
     return SecurityConfig.from_dict(json.loads(os.environ.get("EPD_MH_SECURITY", "{}")))
 

@@ -30,7 +30,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from ectransfer.security import SecurityConfig
+from peerauth import SecurityConfig
 from services.certs import make_certs, make_token
 from services.up import Service, split_cores, wait_ready
 from tests.multihost.hosts import Host, Network

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from ectransfer.connector.config import ConnectorConfig, ConnectorTuning
-from ectransfer.security import SecurityConfig
+from peerauth import SecurityConfig
 from services.cli import build_parser
 from services.common.config import from_args
 from services.common.engine import EngineConfig

@@ -18,7 +18,7 @@ import subprocess
 
 import pytest
 
-from ectransfer.security import SecurityConfig
+from peerauth import SecurityConfig
 from services.cli import build_parser
 from services.common.config import from_args
 from services.gateway.config import GatewayConfig

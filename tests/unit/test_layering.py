@@ -62,3 +62,9 @@ def test_lm_message_wire_layout_is_unchanged_by_the_move():
     numbers = {f.name: f.number for f in transfer_pb2.ItemSource.DESCRIPTOR.fields}
     assert numbers == {"transfer_endpoint": 1, "encoder_id": 2, "num_embeds": 3, "embed_width": 4, "dtype": 5,
                        "placeholder_token_ids": 6, "prompt_token_ids": 7, "is_embed": 8, "claim": 9, "mm_kwargs": 10}
+
+
+def test_peerauth_is_the_floor_below_the_library_and_the_services():
+    bad = {m for path in (ROOT / "peerauth").rglob("*.py") for m in imported_modules(path)
+           if m.split(".")[0] in ("ectransfer", "services", "tools", "epd")}
+    assert not bad, f"peerauth (deployment security) must import neither the library nor the services: {bad}"

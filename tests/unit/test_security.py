@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from ectransfer.security import SecurityConfig
 from epd.transfer.v1 import transfer_pb2
+from peerauth import SecurityConfig
 from services.certs import make_token
 from services.common.errors import Forbidden
 from services.lm.peers import EncoderAllowList, PeerChecker

@@ -1,5 +1,9 @@
 """Who may talk to whom: TLS and a shared token on every epd-serve gRPC link.
 
+The deployment's security floor, below both the transfer library (``ectransfer``: its Transfer
+server and client) and the services (their API ports, the gateway's channels): it imports
+neither, and nothing in it knows what travels over the links it protects.
+
 One ``SecurityConfig`` per process, the same four options on every service
 (``--tls-cert``, ``--tls-key``, ``--tls-ca``, ``--auth-token-file``). It covers
 every internal link: gateway -> encoder and gateway -> LM (API ports), LM ->
