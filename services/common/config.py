@@ -52,3 +52,8 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls, prefix: str = "") -
 def from_args(cls, ns: argparse.Namespace, prefix: str = "") -> Any:
     kw = {f.name: getattr(ns, prefix + f.name) for f in dataclasses.fields(cls) if f.init}
     return cls(**kw)
+
+
+def transport_list(value: str) -> list[str]:
+    """A ``--transports`` value (comma-separated names) as the connector's list."""
+    return [t.strip() for t in value.split(",") if t.strip()]

@@ -33,7 +33,7 @@ def configure_process_env() -> None:
     """Sets ``SERVICE_ENV`` in ``os.environ`` where unset (the operator's own value
     wins). Called first thing by each entry point that runs vLLM in this process
     (``services.encoder.server.serve``, ``services.lm.server.serve``,
-    ``services.reference.run``), before anything imports vLLM: huggingface_hub
+    ``tools.reference.run``), before anything imports vLLM: huggingface_hub
     fixes its offline flag when first imported. Those modules therefore import
     vLLM only inside their functions; called later, the offline setting would
     reach only the engine processes vLLM spawns, which is logged."""

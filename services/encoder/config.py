@@ -1,9 +1,12 @@
-"""Encoder service configuration."""
+"""Encoder service configuration. The connector's defaults are ``ConnectorConfig``'s (declared once there)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ectransfer import factory
+from ectransfer.connector.config import ConnectorConfig
+from services.common.config import transport_list
 from services.common.media import MediaConfig
 
 
@@ -15,7 +18,7 @@ class EncoderServiceConfig(MediaConfig):
     """Address of the API port (Encode, GetInfo, health; reflection with --reflection)."""
     port: int = 50051
     """API port (0 picks a free one)."""
-    transfer_host: str = "127.0.0.1"
+    transfer_host: str = ConnectorConfig.transfer_host
     """Address the Transfer server (inside the engine process) binds."""
     advertise_host: str = ""
     """Address LMs dial for Transfer (default: transfer_host; the pod IP on Kubernetes)."""
@@ -23,12 +26,12 @@ class EncoderServiceConfig(MediaConfig):
     """Transfer port (0 picks a free one)."""
     metrics_port: int = 0
     """Prometheus /metrics HTTP port (0: disabled)."""
-    outbound_pool_mib: float = 256.0
+    outbound_pool_mib: float = ConnectorConfig.outbound_pool_bytes / (1 << 20)
     """Outbound pool size: encoder outputs held until an LM acks them."""
-    transports: str = "auto"
+    transports: str = factory.AUTO
     """Transports offered to LMs (comma-separated; allowed: auto, cuda_ipc, shm, grpc). ``auto``:
     cuda_ipc,grpc where the engine has CUDA and cupy (the outbound pool is then on the GPU), else shm,grpc."""
-    lease_s: float = 60.0
+    lease_s: float = ConnectorConfig.lease_s
     """An outbound item nobody acked within this time is freed."""
     encode_timeout_s: float = 60.0
     """An Encode that takes longer fails with DEADLINE_EXCEEDED."""
@@ -37,3 +40,6 @@ class EncoderServiceConfig(MediaConfig):
         super().__post_init__()
         if self.outbound_pool_mib <= 0:
             raise ValueError(f"outbound_pool_mib must be > 0, got {self.outbound_pool_mib}")
+
+    def transport_list(self) -> list[str]:
+        return transport_list(self.transports)

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import grpc
 
-from ectransfer.connector.config import ConnectorTuning
+from ectransfer.connector.config import ConnectorConfig, ConnectorTuning, ec_transfer_config
 from ectransfer.shm import cleanup_orphans
 from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
 from epd.transfer.v1 import transfer_pb2, transfer_pb2_grpc
@@ -43,22 +43,12 @@ logger = logging.getLogger(__name__)
 
 def _ec_config(cfg: EncoderServiceConfig, engine_cfg: EngineConfig, transfer_port: int,
                security: SecurityConfig, tuning: ConnectorTuning | None = None) -> dict:
-    return {
-        "ec_connector": "EPDConnector",
-        "ec_connector_module_path": "ectransfer.connector",
-        "ec_role": "ec_producer",
-        "ec_connector_extra_config": {
-            **(tuning or ConnectorTuning()).extra(),
-            "transfer_host": cfg.transfer_host,
-            "advertise_host": cfg.advertise_host,
-            "transfer_port": transfer_port,
-            "outbound_pool_bytes": int(cfg.outbound_pool_mib * (1 << 20)),
-            "transports": [t for t in cfg.transports.split(",") if t],
-            "lease_s": cfg.lease_s,
-            "model_name": engine_cfg.model,
-            "security": security.to_dict(),
-        },
-    }
+    """The producer's connector settings: the ``--connector-*`` knobs plus what this service's own flags say."""
+    return ec_transfer_config("ec_producer", ConnectorConfig(
+        **(tuning or ConnectorTuning()).extra(), transfer_host=cfg.transfer_host, advertise_host=cfg.advertise_host,
+        transfer_port=transfer_port, outbound_pool_bytes=int(cfg.outbound_pool_mib * (1 << 20)),
+        transports=cfg.transport_list(), lease_s=cfg.lease_s, model_name=engine_cfg.model,
+        security=security.to_dict()))
 
 
 MODALITIES = ("image", "audio", "video")

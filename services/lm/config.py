@@ -1,9 +1,12 @@
-"""LM service configuration."""
+"""LM service configuration. The connector's defaults are ``ConnectorConfig``'s (declared once there)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ectransfer import factory
+from ectransfer.connector.config import ConnectorConfig
+from services.common.config import transport_list
 from services.common.media import MediaConfig
 from services.lm.frontend import FrontendConfig
 
@@ -21,13 +24,13 @@ class LMServiceConfig(FrontendConfig, MediaConfig):
     """API port (0 picks a free one)."""
     metrics_port: int = 0
     """Prometheus /metrics HTTP port (0: disabled)."""
-    staging_mib: float = 256.0
+    staging_mib: float = ConnectorConfig.staging_bytes / (1 << 20)
     """Inbound staging for encoder outputs (transfers wait when it is full)."""
-    transports: str = "auto"
+    transports: str = factory.AUTO
     """Transports this LM may use, best first (comma-separated; allowed: auto, cuda_ipc, shm, grpc).
     ``auto``: cuda_ipc,shm,grpc where the engine has CUDA and cupy, else shm,grpc. The first one
     whose probe succeeds is used; a single name forces it (the handshake fails if it cannot work)."""
-    transfer_timeout_s: float = 30.0
+    transfer_timeout_s: float = ConnectorConfig.transfer_timeout_s
     """An item with no data from its encoder within this time fails its request."""
     handshake_timeout_s: float = 5.0
     """Compatibility handshake with a new encoder endpoint."""
@@ -40,3 +43,6 @@ class LMServiceConfig(FrontendConfig, MediaConfig):
         super().__post_init__()
         if self.staging_mib <= 0:
             raise ValueError(f"staging_mib must be > 0, got {self.staging_mib}")
+
+    def transport_list(self) -> list[str]:
+        return transport_list(self.transports)

@@ -9,7 +9,7 @@ import logging
 import signal
 
 from ectransfer import factory
-from ectransfer.connector.config import ConnectorTuning
+from ectransfer.connector.config import ConnectorConfig, ConnectorTuning, ec_transfer_config
 from ectransfer.shm import cleanup_orphans
 from epd.lm.v1 import lm_pb2, lm_pb2_grpc
 from peerauth import SecurityConfig
@@ -32,19 +32,11 @@ logger = logging.getLogger(__name__)
 
 def _ec_config(cfg: LMServiceConfig, engine_cfg: EngineConfig, security: SecurityConfig,
                tuning: ConnectorTuning | None = None) -> dict:
-    return {
-        "ec_connector": "EPDConnector",
-        "ec_connector_module_path": "ectransfer.connector",
-        "ec_role": "ec_consumer",
-        "ec_connector_extra_config": {
-            **(tuning or ConnectorTuning()).extra(),
-            "staging_bytes": int(cfg.staging_mib * (1 << 20)),
-            "transports": [t for t in cfg.transports.split(",") if t],
-            "transfer_timeout_s": cfg.transfer_timeout_s,
-            "model_name": engine_cfg.model,
-            "security": security.to_dict(),
-        },
-    }
+    """The consumer's connector settings: the ``--connector-*`` knobs plus what this service's own flags say."""
+    return ec_transfer_config("ec_consumer", ConnectorConfig(
+        **(tuning or ConnectorTuning()).extra(), staging_bytes=int(cfg.staging_mib * (1 << 20)),
+        transports=cfg.transport_list(), transfer_timeout_s=cfg.transfer_timeout_s, model_name=engine_cfg.model,
+        security=security.to_dict()))
 
 
 def check(cfg: LMServiceConfig, security: SecurityConfig) -> EncoderAllowList:
@@ -85,7 +77,7 @@ async def serve(cfg: LMServiceConfig, engine_cfg: EngineConfig, stop: asyncio.Ev
         # The service process checks compatibility and reachability; it never
         # opens a CUDA IPC handle itself (that would put a CUDA context in it):
         # the engine's connector negotiates for real and reports per request.
-        names = factory.resolve([t for t in cfg.transports.split(",") if t], "consumer")
+        names = factory.resolve(cfg.transport_list(), "consumer")
         transports = [factory.make_consumer(t) if t != "cuda_ipc" else OfferedCudaIpc() for t in names]
         peers = PeerChecker(compat, engine.vllm_config.ec_transfer_config.engine_id, transports,
                             cfg.handshake_timeout_s, security=security,

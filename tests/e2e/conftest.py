@@ -13,9 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from services.reference import run_subprocess
 from services.up import Deployment
 from tests.e2e.helpers import image_chat, perturb_chat, start_perturbable, text_chat
+from tools.reference import run_subprocess
 
 # Every request whose tokens a test compares with plain vLLM.
 REFERENCE_REQUESTS = {

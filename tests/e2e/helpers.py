@@ -10,7 +10,7 @@ import urllib.error
 import urllib.request
 
 from epd.transfer.v1 import transfer_pb2, transfer_pb2_grpc
-from services.common.images import data_url, make_image
+from tools.media import data_url, make_image
 
 
 def perturb_chat(seed: int) -> dict:

@@ -10,9 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from services.reference import run_subprocess
 from services.up import Deployment
 from tests.e2e.helpers import image_chat, metric, post, producer_stats
+from tools.reference import run_subprocess
 
 pytestmark = pytest.mark.e2e
 

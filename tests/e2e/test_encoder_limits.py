@@ -20,9 +20,9 @@ import pytest
 from PIL import Image
 
 from epd.transfer.v1 import transfer_pb2, transfer_pb2_grpc
-from services.common.images import data_url, make_image
 from services.up import Deployment, grpc_serving
 from tests.e2e.helpers import image_chat, post, producer_stats
+from tools.media import data_url, make_image
 
 pytestmark = pytest.mark.e2e
 

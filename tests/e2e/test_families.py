@@ -7,7 +7,7 @@ each clip's token count travels as metadata) are laid out on the LM from the enc
 processor runs there); Gemma 3's layout depends on the prompt around each image (vLLM merges the
 newlines it adds with the prompt's), so its encoder sends no layout and the LM lays the prompt out
 with its processor (``services.encoder.server.layouts_context_free``). One deployment and one
-reference run per family (tiny offline checkpoints, ``services/tiny_families``)."""
+reference run per family (tiny offline checkpoints, ``tools/tiny_families``)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from services.common.images import data_url, make_audio, make_image, make_video
-from services.reference import run_subprocess
 from services.up import Deployment
 from tests.e2e.helpers import (
     check_perturbation_changes_tokens,
@@ -28,6 +26,8 @@ from tests.e2e.helpers import (
     settled,
     start_perturbable,
 )
+from tools.media import data_url, make_audio, make_image, make_video
+from tools.reference import run_subprocess
 
 pytestmark = pytest.mark.e2e
 

@@ -10,8 +10,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from epd.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from services.common.images import make_image
 from tests.e2e.conftest import REFERENCE_REQUESTS
+from tools.media import make_image
 
 pytestmark = pytest.mark.e2e
 
@@ -70,7 +70,7 @@ def _rest(deployment, path: str, body: dict | None) -> dict:
 def test_native_grpc_serves_the_rest_of_the_surface_as_rest_does(deployment):
     """Responses (an input_image as epd-media:0), Messages (a url source epd-media:0), tokenize and
     version over gRPC: the answers REST gives for the same bodies with the image inline."""
-    from services.common.images import data_url
+    from tools.media import data_url
 
     img = make_image(77)
     text = {"type": "input_text", "text": "What is it?"}

@@ -15,10 +15,10 @@ import psutil
 import pytest
 
 from services.cli import DEFAULT_MODEL_DIR
-from services.tiny_model import build_tiny_model
 from services.up import Service, free_port, grpc_serving, http_ok, split_cores, wait_ready
 from tests.e2e.conftest import REFERENCE_REQUESTS
 from tests.e2e.helpers import post
+from tools.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.e2e
 

@@ -22,8 +22,8 @@ import urllib.request
 import pytest
 
 from services.common.engine import EngineConfig
-from services.common.images import data_url, make_image
 from services.up import free_port
+from tools.media import data_url, make_image
 
 pytestmark = pytest.mark.e2e
 

@@ -15,11 +15,11 @@ import grpc
 import pytest
 
 from epd.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from services.common.images import data_url, make_image
 from services.common.media import content_id
 from tests.e2e.conftest import REFERENCE_REQUESTS
 from tests.e2e.helpers import image_bytes, post
 from tests.integration.media_server import MediaServer
+from tools.media import data_url, make_image
 
 pytestmark = pytest.mark.e2e
 

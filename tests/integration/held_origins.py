@@ -12,7 +12,7 @@ import asyncio
 
 from aiohttp import web
 
-from services.common.images import make_image
+from tools.media import make_image
 
 
 class HeldOrigins:

@@ -18,7 +18,7 @@ import urllib.parse
 
 from aiohttp import web
 
-from services.common.images import bomb_png, make_audio, make_image
+from tools.media import bomb_png, make_audio, make_image
 
 BIG = 50 << 20
 _CHUNK = bytes(1 << 20)

@@ -13,7 +13,6 @@ import urllib.parse
 import pytest
 
 from services.common.errors import MediaError
-from services.common.images import make_audio, make_image
 from services.gateway.config import GatewayConfig
 from services.gateway.fetch import (
     FETCH_CONNECTIONS,
@@ -24,6 +23,7 @@ from services.gateway.fetch import (
 )
 from tests.integration.held_origins import HeldOrigins
 from tests.integration.media_server import MediaServer
+from tools.media import make_audio, make_image
 
 pytestmark = pytest.mark.integration
 

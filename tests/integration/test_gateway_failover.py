@@ -22,13 +22,13 @@ from epd.transfer.v1 import transfer_pb2
 from peerauth import SecurityConfig
 from services.certs import make_token
 from services.common.grpc_server import GrpcServer
-from services.common.images import data_url
 from services.gateway import routing
 from services.gateway.config import GatewayConfig
 from services.gateway.instances import InstancePool
 from services.gateway.orchestrator import Media, Orchestrator, Timings
 from services.gateway.request import MEDIA_REF, parse_openai
 from tests.integration.gateway_fakes import FakeEncoder, FakeLM, World, serve_fake, wait_until
+from tools.media import data_url
 
 pytestmark = pytest.mark.integration
 TEST_LIMIT_S = 15.0

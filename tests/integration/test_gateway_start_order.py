@@ -29,12 +29,12 @@ import pytest
 from epd.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from peerauth import SecurityConfig
 from services.certs import make_token
-from services.common.images import data_url, make_image
 from services.common.protocol import ENCODER_PROTOCOL
 from services.gateway.config import GatewayConfig
 from services.gateway.server import serve
 from services.up import free_port
 from tests.integration.gateway_fakes import FakeEncoder, FakeLM, World, serve_fake
+from tools.media import data_url, make_image
 
 pytestmark = pytest.mark.integration
 

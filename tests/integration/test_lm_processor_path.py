@@ -19,10 +19,10 @@ import pytest
 from epd.lm.v1 import lm_pb2
 from epd.transfer.v1 import transfer_pb2
 from services.common.errors import BadInput
-from services.common.images import data_url, make_image
 from services.common.media import MediaConfig, MediaDecoder, content_id
 from services.lm.frontend import FrontendConfig, build_frontend
 from services.lm.servicer import LMServicer
+from tools.media import data_url, make_image
 
 pytestmark = pytest.mark.integration
 

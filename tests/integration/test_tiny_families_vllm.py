@@ -93,7 +93,7 @@ def _run_family(family: str, path: str) -> dict:
 
 @pytest.fixture(scope="module")
 def family_dir(tmp_path_factory):
-    from services.tiny_model import build_tiny_model
+    from tools.tiny_model import build_tiny_model
 
     def build(family: str) -> str:
         return str(build_tiny_model(tmp_path_factory.getbasetemp() / family, family=family))

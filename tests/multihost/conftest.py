@@ -69,13 +69,13 @@ def network():
 
 
 class _Reference:
-    """Reference tokens computed in the background: a plain vLLM subprocess (``services.reference``,
+    """Reference tokens computed in the background: a plain vLLM subprocess (``tools.reference``,
     in its own session) whose output a thread collects; ``close()`` kills it if it still runs."""
 
     def __init__(self, model: str) -> None:
         self._names = list(REQUESTS)
         self._result: dict | BaseException | None = None
-        self._proc = subprocess.Popen([sys.executable, "-m", "services.reference", "--model", model],
+        self._proc = subprocess.Popen([sys.executable, "-m", "tools.reference", "--model", model],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True, start_new_session=True)
         self._thread = threading.Thread(target=self._run, name="mh-reference", daemon=True)

@@ -39,9 +39,23 @@ def test_every_connector_knob_is_a_flag_or_set_by_the_service(role):
     cfg = ConnectorConfig.from_extra(extra)  # what the engine's connector reads
     assert (cfg.item_wait_s, cfg.read_in_place, cfg.max_settled_claims, cfg.chunk_nbytes) == (7.5, False, 99, 65536)
     knobs = {f.name for f in dataclasses.fields(ConnectorConfig)}
-    assert knobs == set(extra) | ({"transfer_host", "advertise_host", "transfer_port", "outbound_pool_bytes",
-                                   "lease_s"} if role == "lm" else {"staging_bytes", "transfer_timeout_s"}), (
-        "a connector knob that neither the service sets nor a --connector-* flag reaches")
+    assert knobs == set(extra), "every connector knob travels (a half ignores the other half's)"
+    set_by_encoder = {"transfer_host", "advertise_host", "transfer_port", "outbound_pool_bytes", "lease_s"}
+    set_by_lm = {"staging_bytes", "transfer_timeout_s"}
+    set_by_both = {"transports", "model_name", "security"}
+    tuned = {f.name for f in dataclasses.fields(ConnectorTuning)}
+    assert knobs == set_by_encoder | set_by_lm | set_by_both | tuned, (
+        "a connector knob that neither a service sets nor a --connector-* flag reaches")
+
+
+@pytest.mark.parametrize("role", ["encoder", "lm"])
+def test_the_services_defaults_are_the_connectors(role):
+    """Declared once: a service flag that feeds a connector knob takes its default from ConnectorConfig."""
+    c = ConnectorConfig()
+    extra = ConnectorConfig.from_extra(_extra(role, ConnectorTuning()))
+    for name in (["transfer_host", "outbound_pool_bytes", "lease_s"] if role == "encoder"
+                 else ["staging_bytes", "transfer_timeout_s"]):
+        assert getattr(extra, name) == getattr(c, name), name
 
 
 def test_a_bad_connector_flag_is_refused_before_any_engine_starts(capsys):

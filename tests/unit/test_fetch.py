@@ -13,7 +13,6 @@ from helpers import data_url, image_bytes
 from epd.gateway.v1 import gateway_pb2
 from epd.lm.v1 import lm_pb2
 from services.common.errors import BadInput, EPDError, MediaError
-from services.common.images import bomb_png
 from services.common.media import IMAGE_FORMATS, check_image
 from services.gateway.config import GatewayConfig
 from services.gateway.fetch import (
@@ -28,6 +27,7 @@ from services.gateway.fetch import (
     sniff_image_format,
 )
 from services.gateway.servicer import GatewayServicer
+from tools.media import bomb_png
 
 pytestmark = pytest.mark.unit
 

@@ -99,7 +99,7 @@ def test_at_most_n_jobs_run_at_once():
 def test_a_video_decode_past_the_decode_timeout_is_stopped_and_refused(monkeypatch):
     """The decoder's deadline (--decode-timeout-s) on a real vLLM-style frame loop: the request
     gets a clear BadInput and its budget back at once."""
-    from services.common.images import make_video
+    from tools.media import make_video
 
     dec = MediaDecoder(MediaConfig(decode_timeout_s=0.3))
     started, ended = threading.Event(), threading.Event()

@@ -68,3 +68,11 @@ def test_peerauth_is_the_floor_below_the_library_and_the_services():
     bad = {m for path in (ROOT / "peerauth").rglob("*.py") for m in imported_modules(path)
            if m.split(".")[0] in ("ectransfer", "services", "tools", "epd")}
     assert not bad, f"peerauth (deployment security) must import neither the library nor the services: {bad}"
+
+
+def test_services_reach_tooling_only_from_the_commands_that_are_tooling():
+    """``epd tiny-model`` and ``epd demo`` are tooling themselves; no serving module imports ``tools``."""
+    allowed = {"services/cli.py", "services/demo.py"}
+    users = {str(p.relative_to(ROOT)) for p in (ROOT / "services").rglob("*.py")
+             if any(m.split(".")[0] == "tools" for m in imported_modules(p))}
+    assert users <= allowed, f"serving code imports tools/: {sorted(users - allowed)}"

@@ -11,10 +11,10 @@ import pytest
 
 from ectransfer.connector.metadata import ItemSource
 from services.common.errors import BadInput
-from services.common.images import make_audio, make_image, make_video
 from services.common.media import MediaConfig, MediaDecoder, content_id
 from services.lm.context import RequestContext
 from services.lm.media import RequestMedia, check_items
+from tools.media import make_audio, make_image, make_video
 
 pytestmark = pytest.mark.unit
 

@@ -10,8 +10,8 @@ import pytest
 from helpers import image_bytes
 
 from services.common.errors import BadInput, NoCapacity
-from services.common.images import bomb_png
 from services.common.media import BYTES_PER_PIXEL, ByteBudget, MediaConfig, MediaDecoder, content_id, decode_image
+from tools.media import bomb_png
 
 pytestmark = pytest.mark.unit
 
@@ -228,8 +228,8 @@ def test_media_limits_are_validated():
 
 
 def test_audio_is_checked_from_its_header_and_charged_as_float32_samples():
-    from services.common.images import make_audio
     from services.common.media import check_audio
+    from tools.media import make_audio
 
     wav, flac = make_audio(0, 0.5), make_audio(1, 0.25, fmt="FLAC")
     assert check_audio(wav, 600) == ("WAV", 0.5, 8000 * 4)
@@ -249,7 +249,7 @@ def test_audio_is_checked_from_its_header_and_charged_as_float32_samples():
 def test_audio_decodes_with_vllms_decoder_and_gives_its_budget_back():
     import numpy as np
 
-    from services.common.images import make_audio
+    from tools.media import make_audio
 
     dec = _decoder()
     clip = make_audio(3, 0.25)
@@ -269,8 +269,8 @@ def test_audio_decodes_with_vllms_decoder_and_gives_its_budget_back():
 
 
 def test_video_is_checked_from_its_container_header():
-    from services.common.images import make_video
     from services.common.media import VideoHeader, check_video
+    from tools.media import make_video
 
     mp4 = make_video(0, frames=8, size=(64, 48), fps=4)
     header = check_video(mp4, 600, 10_000)

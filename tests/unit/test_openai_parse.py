@@ -14,7 +14,6 @@ from helpers import data_url, image_bytes
 from epd.lm.v1 import lm_pb2
 from epd.transfer.v1 import transfer_pb2
 from services.common.errors import MediaError
-from services.common.images import make_audio
 from services.gateway.config import GatewayConfig
 from services.gateway.core import from_grpc
 from services.gateway.orchestrator import Media
@@ -27,6 +26,7 @@ from services.gateway.request import (
     media_api_error,
     parse_openai,
 )
+from tools.media import make_audio
 
 pytestmark = pytest.mark.unit
 
@@ -431,7 +431,7 @@ def test_lm_body_sends_audio_as_audio_url_parts():
 
 
 def test_video_parts_are_items_with_video_rules():
-    from services.common.images import make_video
+    from tools.media import make_video
 
     mp4 = make_video(1, frames=4)
     call, req, media = parse_and_load(chat({"type": "video_url", "video_url": {"url": data_url(mp4, "video/mp4")}},

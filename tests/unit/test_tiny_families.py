@@ -8,8 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from services.tiny_model import build_tiny_model, read_meta
-from services.torchvision_cpu import PATCH_MARKER, matching_version, patch_source
+from tools.tiny_model import build_tiny_model, read_meta
+from tools.torchvision_cpu import PATCH_MARKER, matching_version, patch_source
 
 pytestmark = pytest.mark.unit
 

@@ -2,7 +2,7 @@
 
 Called by the family modules beside this one, in the process that runs
 ``build_tiny_model``; everything is written into the caller's staging folder
-(``out``), which ``services.tiny_model`` moves into place.  Deterministic: the
+(``out``), which ``tools.tiny_model`` moves into place.  Deterministic: the
 same family and seed give the same bytes.
 """
 
@@ -13,7 +13,7 @@ import json
 import pathlib
 import random
 
-# Shared with the Idefics3 builder (services/tiny_model.py), so prompts tokenize alike.
+# Shared with the Idefics3 builder (tools/tiny_model.py), so prompts tokenize alike.
 CORPUS_SEED = 1234
 VOCAB_SIZE = 2048
 

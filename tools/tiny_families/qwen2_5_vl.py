@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pathlib
 
-from services.tiny_families import common
+from tools.tiny_families import common
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
            "<|image_pad|>", "<|video_pad|>"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pathlib
 
-from services.tiny_families import common
+from tools.tiny_families import common
 
 SPECIAL = ["<unk>", "<s>", "</s>", "<pad>", "<image>"]
 UNK, BOS, EOS, PAD, IMAGE = SPECIAL

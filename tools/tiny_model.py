@@ -32,9 +32,9 @@ Idefics3 always rescales the longest edge to ``size["longest_edge"]`` (also
 upscaling), so the tile count depends on the aspect ratio, not on resolution.
 
 Other families (Qwen2-Audio, Qwen2.5-VL, Gemma 3, LLaVA) are built by
-``services/tiny_families/`` through :func:`build_tiny_model` (``family=``).
+``tools/tiny_families/`` through :func:`build_tiny_model` (``family=``).
 
-Usage: ``python -m services.tiny_model PATH [--family idefics3] [--variant tiny] [--seed 0]``.
+Usage: ``python -m tools.tiny_model PATH [--family idefics3] [--variant tiny] [--seed 0]``.
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ import pathlib
 import shutil
 import tempfile
 
-from services.tiny_families import FAMILIES, build_family
-from services.tiny_families.common import corpus, derive_seed
+from tools.tiny_families import FAMILIES, build_family
+from tools.tiny_families.common import corpus, derive_seed
 
 MARKER_NAME = "epd_tiny_model.json"
 FORMAT_VERSION = 1
@@ -269,7 +269,7 @@ def build_tiny_model(path: str | os.PathLike, *, variant: str = "tiny", seed: in
     """Write a tiny model directory of ``family`` at ``path`` and return it.
 
     ``variant`` picks an Idefics3 size (:data:`VARIANTS`); the other families
-    (:data:`services.tiny_families.FAMILIES`) have one size, ``tiny``.
+    (:data:`tools.tiny_families.FAMILIES`) have one size, ``tiny``.
 
     Idempotent: returns immediately when ``path`` already holds a build of the
     same ``variant``/``seed`` (see :data:`MARKER_NAME`).  Files are built in a

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pathlib
 
-from services.tiny_families import common
+from tools.tiny_families import common
 
 SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>",
            "<start_of_image>", "<end_of_image>", "<image_soft_token>"]

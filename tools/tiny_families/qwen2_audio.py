@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pathlib
 
-from services.tiny_families import common
+from tools.tiny_families import common
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|audio_bos|>", "<|AUDIO|>", "<|audio_eos|>"]
 PAD, IM_END, AUDIO = "<|endoftext|>", "<|im_end|>", "<|AUDIO|>"

@@ -2,9 +2,9 @@
 
 One module per family; each has ``build(out, seed)``, which writes a complete
 checkpoint directory (config, tokenizer, processor, chat template, weights in
-the hub layout) into ``out``.  ``services.tiny_model.build_tiny_model`` is the
+the hub layout) into ``out``.  ``tools.tiny_model.build_tiny_model`` is the
 entry point: it stages, marks and moves the directory into place.  Idefics3
-stays in ``services/tiny_model.py`` (its variants feed the benchmarks).
+stays in ``tools/tiny_model.py`` (its variants feed the benchmarks).
 
 Families (see docs/models.md for sizes and what is verified):
 

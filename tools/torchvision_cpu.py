@@ -19,7 +19,7 @@ is installed.  The wheel is unpacked into a staging folder inside the
 environment, patched there, and only then moved into ``site-packages``, so a
 process that imports vLLM meanwhile never sees the unpatched module.
 
-Usage: ``python services/torchvision_cpu.py`` (with the environment's python).
+Usage: ``python tools/torchvision_cpu.py`` (with the environment's python).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import tempfile
 PATCH_MARKER = "# epd-serve: guarded for CPU torch"
 _FAKE = "@torch.library.register_fake("
 _GUARD = f'''
-{PATCH_MARKER} (services/torchvision_cpu.py): the compiled ops of this build are not loaded.
+{PATCH_MARKER} (tools/torchvision_cpu.py): the compiled ops of this build are not loaded.
 def _register_fake_if_ops(op_name):
     def wrapper(fn):
         if torchvision.extension._has_ops():

@@ -5,7 +5,7 @@ services use (``EngineConfig`` defaults); chats go through vLLM's own chat
 rendering (``LLM.chat``), as ``vllm serve`` renders them. Run it as a subprocess so its engine never shares a process with
 anything else::
 
-    python -m services.reference --model DIR < requests.json > tokens.json
+    python -m tools.reference --model DIR < requests.json > tokens.json
 
 Input: a JSON list of OpenAI-style request bodies (chat ``messages`` with
 image_url data URLs, or a completion ``prompt``; ``max_tokens``). Output: a JSON
@@ -47,7 +47,7 @@ def run_subprocess(model: str, requests: list[dict], timeout: float = 600, with_
     """Runs ``run`` in a fresh interpreter and returns its result."""
     import subprocess
 
-    argv = [sys.executable, "-m", "services.reference", "--model", model, *(["--with-prompts"] if with_prompts else [])]
+    argv = [sys.executable, "-m", "tools.reference", "--model", model, *(["--with-prompts"] if with_prompts else [])]
     proc = subprocess.run(argv, input=json.dumps(requests), capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"reference run failed:\n{proc.stderr[-3000:]}")

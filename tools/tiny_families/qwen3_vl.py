@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import pathlib
 
-from services.tiny_families import common
-from services.tiny_families.qwen2_5_vl import IM_END, IMAGE, PAD, SPECIAL, TURN, V_END, V_START, VIDEO
+from tools.tiny_families import common
+from tools.tiny_families.qwen2_5_vl import IM_END, IMAGE, PAD, SPECIAL, TURN, V_END, V_START, VIDEO
 
 # Qwen3-VL-Instruct's template: no default system turn.
 CHAT_TEMPLATE = ("{% for message in messages %}" + TURN
