@@ -37,6 +37,7 @@ from typing import ClassVar
 
 import torch
 
+from ectransfer.protocol import ProtocolError
 from epd.transfer.v1 import transfer_pb2
 
 
@@ -49,8 +50,6 @@ class Receiver(ABC):
 
     def feed(self, chunk: transfer_pb2.Chunk) -> bool:
         """Takes one payload message; returns True once complete."""
-        from ectransfer.protocol import ProtocolError
-
         raise ProtocolError("this transport sends no chunks")
 
 
@@ -109,7 +108,6 @@ class ConsumerTransport(ABC):
         """In-place transports: validate ``desc`` (the range lies inside memory
         this process can map) without copying; raises ProtocolError. The reader
         copies it later and acks after (``TransferClient.ack``)."""
-        from ectransfer.protocol import ProtocolError
 
         raise ProtocolError("this transport cannot be read in place")
 

@@ -13,6 +13,7 @@ import torch
 
 from ectransfer import factory, tensors
 from ectransfer.client import TransferClient
+from ectransfer.cuda_ipc import CudaPool
 from ectransfer.outbound import OutboundStore
 from ectransfer.pool import Pool
 from ectransfer.protocol import ItemTransfer, TransferState, make_compat
@@ -30,8 +31,6 @@ class Producer:
                  host: str = "127.0.0.1", lane: bool = True, security=None, limits=None,
                  max_settled_claims: int = 16384) -> None:
         if "cuda_ipc" in transports:
-            from ectransfer.cuda_ipc import CudaPool
-
             self.pool = CudaPool(pool_bytes)  # chunks are then not offered: they read host memory
         else:
             self.pool = ShmPool(pool_bytes, role="test")

@@ -171,7 +171,6 @@ def check_compat(local: transfer_pb2.CompatInfo, remote: transfer_pb2.CompatInfo
 def new_event_loop():
     """The event loop for the transfer threads: uvloop when installed (vLLM
     depends on it), which roughly halves per-message latency, else asyncio's."""
-    import asyncio
 
     if os.environ.get("EPD_NO_UVLOOP") != "1":
         try:

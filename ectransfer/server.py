@@ -28,6 +28,7 @@ import grpc
 
 from ectransfer import chunkwire, lane
 from ectransfer.base import ProducerTransport
+from ectransfer.factory import transport_name
 from ectransfer.limits import TransferLimits
 from ectransfer.outbound import OutboundStore
 from ectransfer.protocol import CompatError, check_compat, new_event_loop
@@ -236,8 +237,6 @@ class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
 
 
 def _names(kinds) -> str:
-    from ectransfer.factory import transport_name
-
     return ", ".join(transport_name(k) for k in kinds) or "none"
 
 

@@ -13,6 +13,12 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
+import secrets
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 
 def _write(path: str, data: bytes, mode: int) -> None:
@@ -27,10 +33,6 @@ def _write(path: str, data: bytes, mode: int) -> None:
 def make_certs(dir: str, hosts: list[str], days: int = 30) -> dict[str, str]:
     """Writes ``ca.pem``, ``cert.pem`` and ``key.pem`` (EC P-256) into ``dir``
     and returns their paths as ``{"tls_ca", "tls_cert", "tls_key"}``."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
     os.makedirs(dir, mode=0o700, exist_ok=True)
     now = datetime.datetime.now(datetime.timezone.utc)
@@ -75,7 +77,5 @@ def make_certs(dir: str, hosts: list[str], days: int = 30) -> dict[str, str]:
 
 def make_token(path: str) -> str:
     """A random shared token, written 0600 to ``path``; returns the path."""
-    import secrets
-
     _write(path, secrets.token_urlsafe(32).encode() + b"\n", 0o600)
     return path

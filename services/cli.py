@@ -18,17 +18,25 @@ import json
 import logging
 import os
 import pathlib
+import shlex
 import sys
 
+from ectransfer.connector.config import ConnectorTuning
+from peerauth import SecurityConfig
+from services.certs import make_certs
 from services.common.config import add_dataclass_args, from_args
+from services.common.engine import EngineConfig, EngineDied, UnsupportedModel
+from services.encoder.config import EncoderServiceConfig
+from services.gateway.config import GatewayConfig
+from services.lm.config import LMServiceConfig
+from tools.tiny_families import FAMILIES
+from tools.tiny_model import build_tiny_model
 
 DEFAULT_MODEL_DIR = pathlib.Path(os.environ.get("EPD_CACHE_DIR", pathlib.Path.home() / ".cache" / "epd-serve"))
 
 
 def default_model(variant: str = "tiny", family: str = "idefics3") -> str:
     """The built-in tiny model of ``family`` (Idefics3 unless asked), built offline on first use."""
-    from tools.tiny_model import build_tiny_model
-
     return str(build_tiny_model(DEFAULT_MODEL_DIR / f"{variant}-{family}", variant=variant, family=family))
 
 
@@ -37,8 +45,6 @@ def _logging(level: str) -> None:
 
 
 def _engine_cfg(ns):
-    from services.common.engine import EngineConfig
-
     cfg = from_args(EngineConfig, ns)
     if not cfg.model:
         cfg.model = default_model()
@@ -47,14 +53,6 @@ def _engine_cfg(ns):
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``epd`` argument parser (one flag per config field); parsing runs nothing."""
-    from ectransfer.connector.config import ConnectorTuning
-    from peerauth import SecurityConfig
-    from services.common.engine import EngineConfig
-    from services.encoder.config import EncoderServiceConfig
-    from services.gateway.config import GatewayConfig
-    from services.lm.config import LMServiceConfig
-    from tools.tiny_families import FAMILIES
-
     p = argparse.ArgumentParser(prog="epd", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--log-level", default=os.environ.get("EPD_LOG_LEVEL", "info"))
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -113,7 +111,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Runs one command; returns the process exit status. A service whose vLLM
     engine died exits 1 (its supervisor restarts it)."""
-    from services.common.engine import EngineDied
 
     try:
         return _main(argv)
@@ -123,20 +120,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None = None) -> int:
-    from ectransfer.connector.config import ConnectorTuning
-    from peerauth import SecurityConfig
-    from services.encoder.config import EncoderServiceConfig
-    from services.gateway.config import GatewayConfig
-    from services.lm.config import LMServiceConfig
-
     ns = build_parser().parse_args(argv)
     _logging(ns.log_level)
     if ns.cmd == "tiny-model":
-        from tools.tiny_model import build_tiny_model
-
         print(build_tiny_model(ns.path, variant=ns.variant, seed=ns.seed, family=ns.family))
         return 0
     if ns.cmd in ("encoder", "lm", "gateway"):
+        # Each service's module is imported by its own process only: the encoder's and the LM's load vLLM
+        # and torch (after configure_process_env), which a gateway never needs.
         try:  # configurations are refused here, before anything starts (exit 2)
             security = from_args(SecurityConfig, ns)
             if ns.cmd == "encoder":
@@ -160,7 +151,6 @@ def _main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             print(f"epd: error: {e}", file=sys.stderr)
             return 2
-        from services.common.engine import UnsupportedModel
 
         try:
             asyncio.run(run)
@@ -169,18 +159,15 @@ def _main(argv: list[str] | None = None) -> int:
             return 2
         return 0
     if ns.cmd == "health":
+        # services.up reaches torch (ectransfer.shm's orphan cleanup): a gateway must not load it.
         from services.up import grpc_serving
 
         return 0 if grpc_serving(ns.address, ns.timeout, from_args(SecurityConfig, ns), ns.service) else 1
     if ns.cmd == "certs":
-        from services.certs import make_certs
-
         print(json.dumps(make_certs(ns.dir, [h for h in ns.hosts.split(",") if h]), indent=2))
         return 0
     if ns.cmd == "up":
-        import shlex
-
-        from services.up import run_up
+        from services.up import run_up  # as for health
 
         try:
             return run_up(model=ns.model or default_model(), host=ns.host, port=ns.port, engine_args=ns.vllm_args,

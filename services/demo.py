@@ -8,6 +8,8 @@ from __future__ import annotations
 import sys
 import time
 
+from openai import OpenAI
+
 from services.cli import default_model
 from services.up import Deployment
 from tools.media import data_url, make_image
@@ -15,8 +17,6 @@ from tools.reference import run_subprocess
 
 
 def main() -> int:
-    from openai import OpenAI
-
     model = default_model()
     image = data_url(make_image(seed=7, size=(160, 120)))
     requests = [

@@ -6,6 +6,7 @@ import base64
 import functools
 import io
 import struct
+import tempfile
 import zlib
 
 import numpy as np
@@ -59,8 +60,6 @@ def make_audio(seed: int = 0, seconds: float = 1.0, rate: int = 16000, fmt: str 
 
 def make_video(seed: int = 0, frames: int = 8, size: tuple[int, int] = (64, 48), fps: float = 4.0) -> bytes:
     """An MP4 (MPEG-4 part 2, OpenCV's writer) of ``frames`` seeded noise frames of ``size`` (w, h)."""
-    import tempfile
-
     import cv2
 
     rng = np.random.default_rng(seed)

@@ -18,12 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
+
+from services.common.engine import EngineConfig, configure_process_env, engine_kwargs
 
 
 def run(model: str, requests: list[dict], with_prompts: bool = False) -> list:
-    from services.common.engine import EngineConfig, configure_process_env, engine_kwargs
-
     configure_process_env()  # before vLLM is imported
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams
@@ -45,8 +46,6 @@ def run(model: str, requests: list[dict], with_prompts: bool = False) -> list:
 
 def run_subprocess(model: str, requests: list[dict], timeout: float = 600, with_prompts: bool = False) -> list:
     """Runs ``run`` in a fresh interpreter and returns its result."""
-    import subprocess
-
     argv = [sys.executable, "-m", "tools.reference", "--model", model, *(["--with-prompts"] if with_prompts else [])]
     proc = subprocess.run(argv, input=json.dumps(requests), capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:

@@ -30,8 +30,9 @@ from typing import Any
 
 import torch
 
-from ectransfer import factory, tensors
+from ectransfer import cuda_ipc, factory, tensors
 from ectransfer.client import Fetch, TransferClient
+from ectransfer.connector.cache_manager import manager_for
 from ectransfer.connector.common import compat_for, worker_device
 from ectransfer.connector.config import ConnectorConfig
 from ectransfer.connector.metadata import (
@@ -232,8 +233,6 @@ class ConsumerScheduler:
 
     def _cache_manager(self):
         if self._manager is None:
-            from ectransfer.connector.cache_manager import manager_for
-
             self._manager = manager_for(self.engine_id) or False
         return self._manager or None
 
@@ -407,7 +406,6 @@ class ConsumerWorker:
             if spec.cuda_ref:
                 # One device-to-device copy out of the encoder's CUDA pool,
                 # finished before the scheduler half acks (it frees the range).
-                from ectransfer import cuda_ipc
 
                 raw = torch.empty(spec.nbytes, dtype=torch.uint8, device=device)
                 cuda_ipc.copy_out(transfer_pb2.CudaIpcRef.FromString(spec.cuda_ref), spec.nbytes, raw)

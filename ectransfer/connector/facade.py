@@ -7,6 +7,7 @@ from typing import Any
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorBase, ECConnectorRole
 
 from ectransfer.connector.config import ConnectorConfig
+from ectransfer.connector.consumer import ConsumerScheduler, ConsumerWorker
 from ectransfer.connector.halves import (
     ConsumerSchedulerHalf,
     ConsumerWorkerHalf,
@@ -15,6 +16,8 @@ from ectransfer.connector.halves import (
     WorkerHalf,
 )
 from ectransfer.connector.metadata import EPDConnectorMetadata
+from ectransfer.connector.producer import ProducerScheduler, ProducerWorker
+from ectransfer.connector.stats import EPDConnectorStats, EPDPromMetrics
 
 
 class EPDConnector(ECConnectorBase):
@@ -24,12 +27,8 @@ class EPDConnector(ECConnectorBase):
         if ec.ec_role == "ec_both":
             raise ValueError("EPDConnector supports ec_role ec_producer or ec_consumer, not ec_both")
         cfg = ConnectorConfig.from_extra(dict(ec.ec_connector_extra_config))
-        if self.is_producer:
-            from ectransfer.connector.producer import ProducerScheduler as Sched
-            from ectransfer.connector.producer import ProducerWorker as Worker
-        else:
-            from ectransfer.connector.consumer import ConsumerScheduler as Sched
-            from ectransfer.connector.consumer import ConsumerWorker as Worker
+        Sched, Worker = ((ProducerScheduler, ProducerWorker) if self.is_producer
+                         else (ConsumerScheduler, ConsumerWorker))
         # Exactly one half per role (``ectransfer.connector.halves`` names what each offers).
         self._scheduler: SchedulerHalf | None = None
         self._worker: WorkerHalf | None = None
@@ -98,20 +97,15 @@ class EPDConnector(ECConnectorBase):
     def get_ec_connector_stats(self):
         if self._scheduler is None:  # the workers keep no stats
             return None
-        from ectransfer.connector.stats import EPDConnectorStats
 
         return EPDConnectorStats(data=self._scheduler.stats_snapshot())
 
     @classmethod
     def build_ec_connector_stats(cls, data: dict[str, Any] | None = None):
-        from ectransfer.connector.stats import EPDConnectorStats
-
         return EPDConnectorStats(data=dict(data or {}))
 
     @classmethod
     def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
-        from ectransfer.connector.stats import EPDPromMetrics
-
         return EPDPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:

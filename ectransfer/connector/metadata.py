@@ -31,6 +31,8 @@ from typing import Any
 
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorMetadata, ECConnectorWorkerMetadata
 
+from ectransfer import tensors
+
 
 @dataclass
 class LoadSpec:
@@ -146,8 +148,6 @@ class ItemSource:
     """The Encode call's claim on the copy (``ItemSource.claim``), named in Reserve, Ack and Cancel."""
 
     def __post_init__(self) -> None:
-        from ectransfer import tensors
-
         _str(self.endpoint, "endpoint", nonempty=True)
         _int(self.embed_width, "embed_width", minimum=1)
         tensors.dtype_from_name(_str(self.dtype, "dtype", nonempty=True))  # ValueError listing the allowed names

@@ -61,7 +61,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from ectransfer import factory, tensors
+from ectransfer import cuda_ipc, factory, tensors
 from ectransfer.connector.common import compat_for
 from ectransfer.connector.config import ConnectorConfig
 from ectransfer.connector.metadata import (
@@ -71,6 +71,7 @@ from ectransfer.connector.metadata import (
     ProducerParams,
     SaveSpec,
 )
+from ectransfer.cuda_ipc import CudaPool
 from ectransfer.outbound import CopyState, OutboundStore, move
 from ectransfer.pool import PoolFullError, Slot
 from ectransfer.server import TransferServerThread, TransferServicer
@@ -111,7 +112,6 @@ class ProducerScheduler:
             # process under vLLM's single-process executor, else through the
             # handle). gRPC chunks still serve remote LMs (one D2H per item);
             # shm cannot describe GPU memory, so it is not offered.
-            from ectransfer.cuda_ipc import CudaPool
 
             if "shm" in names:
                 logger.warning("transports %s: shm is not offered when the outbound pool is on the GPU "
@@ -378,8 +378,6 @@ class ProducerWorker:
                 raise ValueError(f"encoder output is {list(out.shape)} {out.dtype}, "
                                  f"slot was sized for {list(spec.shape)} {spec.dtype}")
             if self.writes and spec.nbytes and spec.cuda_ref:
-                from ectransfer import cuda_ipc
-
                 # One device-to-device copy into the exported pool, waited for.
                 cuda_ipc.copy_in(transfer_pb2.CudaIpcRef.FromString(spec.cuda_ref),
                                  tensors.as_bytes(out.detach(), keep_device=True))

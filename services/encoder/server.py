@@ -18,6 +18,7 @@ import socket
 from collections.abc import Callable
 
 import grpc
+from prometheus_client import start_http_server
 
 from ectransfer.connector.config import ConnectorConfig, ConnectorTuning, ec_transfer_config
 from ectransfer.shm import cleanup_orphans
@@ -202,8 +203,6 @@ async def serve(cfg: EncoderServiceConfig, engine_cfg: EngineConfig, stop: async
                    encoder_pb2.DESCRIPTOR.services_by_name["EncoderService"].full_name)
         port = await server.start()
         if cfg.metrics_port:
-            from prometheus_client import start_http_server
-
             start_http_server(cfg.metrics_port, addr=cfg.host)
         await server.set_serving(True)
         logger.info("encoder ready: api %s:%d, transfer %s, model %s", cfg.host, port, transfer_endpoint,

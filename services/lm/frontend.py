@@ -34,11 +34,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from services.common.errors import BadInput, EncoderUnavailable, EPDError
 from services.common.layout import ItemLayout, splice_modalities
+from services.lm.config import FrontendConfig
 from services.lm.context import CURRENT, RequestContext
 from services.lm.media import EncodedElsewhere, check_items
 from services.lm.vllm_app import build_vllm_app
@@ -235,62 +236,6 @@ async def _recorded(gen, ctx: RequestContext, request_id: str, delta: bool):
             yield out
     finally:
         await gen.aclose()
-
-
-@dataclass
-class FrontendConfig:
-    """``vllm serve``'s front-end flags that mean something here (the same names and meaning)."""
-
-    served_model_name: str = ""
-    """Model name(s) the API answers to, comma-separated (default: the --model value)."""
-    chat_template: str = ""
-    """Chat template (a file or the template itself; default: the model's)."""
-    chat_template_content_format: str = "auto"
-    """How message content is given to the chat template: auto, string or openai (vLLM's flag)."""
-    enable_auto_tool_choice: bool = False
-    """Let the model choose tool calls (tool_choice "auto"); needs --tool-call-parser."""
-    tool_call_parser: str = ""
-    """vLLM tool-call parser for the model's output (e.g. hermes, llama3_json)."""
-    reasoning_parser: str = ""
-    """vLLM reasoning parser (e.g. deepseek_r1, qwen3); also gates structured outputs."""
-    default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Chat-template kwargs every request gets unless it sets them (JSON)."""
-    generation_config: str = "auto"
-    """Sampling defaults: "auto" (the model's generation_config.json), "vllm" (vLLM's), or a folder."""
-    enable_prompt_tokens_details: bool = False
-    """Report cached prompt tokens in usage (vLLM's flag)."""
-    enable_force_include_usage: bool = False
-    """Usage in every streamed response (vLLM's flag)."""
-    return_tokens_as_token_ids: bool = False
-    """Logprob tokens as "token_id:N" (vLLM's flag)."""
-
-    def engine_args(self) -> dict[str, Any]:
-        """The part vLLM keeps in the engine's config (sampling defaults, reasoning, names)."""
-        kw: dict[str, Any] = {"generation_config": self.generation_config}
-        if self.reasoning_parser:
-            kw["reasoning_parser"] = self.reasoning_parser
-        if self.served_model_name:
-            kw["served_model_name"] = [n for n in self.served_model_name.split(",") if n]
-        return kw
-
-    def serve_argv(self, model: str) -> list[str]:
-        argv = ["--model", model, "--chat-template-content-format", self.chat_template_content_format]
-        if self.served_model_name:
-            argv += ["--served-model-name", *[n for n in self.served_model_name.split(",") if n]]
-        if self.chat_template:
-            argv += ["--chat-template", self.chat_template]
-        if self.enable_auto_tool_choice:
-            argv.append("--enable-auto-tool-choice")
-        if self.tool_call_parser:
-            argv += ["--tool-call-parser", self.tool_call_parser]
-        if self.default_chat_template_kwargs:
-            import json
-
-            argv += ["--default-chat-template-kwargs", json.dumps(self.default_chat_template_kwargs)]
-        for flag in ("enable_prompt_tokens_details", "enable_force_include_usage", "return_tokens_as_token_ids"):
-            if getattr(self, flag):
-                argv.append("--" + flag.replace("_", "-"))
-        return argv
 
 
 @dataclass

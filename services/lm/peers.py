@@ -17,6 +17,7 @@ from prometheus_client import Gauge
 
 from ectransfer.base import ConsumerTransport
 from ectransfer.client import negotiate
+from ectransfer.factory import cuda_ipc_usable
 from ectransfer.protocol import CompatError, ProtocolError
 from epd.transfer.v1 import transfer_pb2, transfer_pb2_grpc
 from peerauth import SecurityConfig
@@ -36,8 +37,6 @@ class OfferedCudaIpc(ConsumerTransport):
     kind = transfer_pb2.CUDA_IPC
 
     def probe(self, offer: transfer_pb2.TransportOffer) -> bytes:
-        from ectransfer.factory import cuda_ipc_usable
-
         if not cuda_ipc_usable():
             raise ProtocolError("no CUDA device or no cupy in this process")
         return b""

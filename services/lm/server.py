@@ -8,6 +8,8 @@ import asyncio
 import logging
 import signal
 
+from prometheus_client import start_http_server
+
 from ectransfer import factory
 from ectransfer.connector.config import ConnectorConfig, ConnectorTuning, ec_transfer_config
 from ectransfer.shm import cleanup_orphans
@@ -89,8 +91,6 @@ async def serve(cfg: LMServiceConfig, engine_cfg: EngineConfig, stop: asyncio.Ev
                    lm_pb2.DESCRIPTOR.services_by_name["LMService"].full_name)
         port = await server.start()
         if cfg.metrics_port:
-            from prometheus_client import start_http_server
-
             start_http_server(cfg.metrics_port, addr=cfg.host)
         await server.set_serving(True)
         logger.info("lm ready: api %s:%d, model %s", cfg.host, port, engine_cfg.model)

@@ -21,6 +21,7 @@ import logging
 import time
 
 from prometheus_client import Counter, Histogram
+from pydantic import ValidationError
 
 from ectransfer import tensors
 from epd.lm.v1 import lm_pb2, lm_pb2_grpc
@@ -125,7 +126,6 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
 
     async def _answer(self, request: lm_pb2.GenerateRequest, ctx: RequestContext):
         """vLLM's answer to the request: (status, body) once, or an async generator of SSE events."""
-        from pydantic import ValidationError
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse

@@ -20,7 +20,8 @@ from epd.lm.v1 import lm_pb2
 from epd.transfer.v1 import transfer_pb2
 from services.common.errors import BadInput
 from services.common.media import MediaConfig, MediaDecoder, content_id
-from services.lm.frontend import FrontendConfig, build_frontend
+from services.lm.config import FrontendConfig
+from services.lm.frontend import build_frontend
 from services.lm.servicer import LMServicer
 from tools.media import data_url, make_image
 

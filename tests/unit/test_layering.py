@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -76,3 +78,14 @@ def test_services_reach_tooling_only_from_the_commands_that_are_tooling():
     users = {str(p.relative_to(ROOT)) for p in (ROOT / "services").rglob("*.py")
              if any(m.split(".")[0] == "tools" for m in imported_modules(p))}
     assert users <= allowed, f"serving code imports tools/: {sorted(users - allowed)}"
+
+
+def test_the_command_and_the_gateway_load_neither_torch_nor_vllm():
+    """``epd gateway`` (and ``epd --help``) stay light: the command's top-level imports and the gateway's
+    whole module tree import neither torch nor vLLM (nor transformers)."""
+
+    code = ("import sys, services.cli, services.gateway.server; "
+            "print(sorted(m for m in ('torch', 'vllm', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout
