@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import json
 import logging
 import os
@@ -25,7 +26,7 @@ from ectransfer.connector.config import ConnectorTuning
 from peerauth import SecurityConfig
 from services.certs import make_certs
 from services.common.config import add_dataclass_args, from_args
-from services.common.engine import EngineConfig, EngineDied, UnsupportedModel
+from services.common.engine import EngineConfig, EngineDied, UnsupportedModel, configure_process_env
 from services.encoder.config import EncoderServiceConfig
 from services.gateway.config import GatewayConfig
 from services.lm.config import LMServiceConfig
@@ -119,6 +120,16 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+def service_module(cmd: str):
+    """The ``server`` module of service ``cmd`` ("encoder", "lm" or "gateway"), imported by its own process
+    only: the encoder's and the LM's load vLLM and torch at their top, after ``configure_process_env``
+    (huggingface_hub reads its offline flag once, when vLLM first imports it); a gateway loads neither."""
+    if cmd == "gateway":
+        return importlib.import_module("services.gateway.server")
+    configure_process_env()
+    return importlib.import_module(f"services.{cmd}.server")
+
+
 def _main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     _logging(ns.log_level)
@@ -126,28 +137,16 @@ def _main(argv: list[str] | None = None) -> int:
         print(build_tiny_model(ns.path, variant=ns.variant, seed=ns.seed, family=ns.family))
         return 0
     if ns.cmd in ("encoder", "lm", "gateway"):
-        # Each service's module is imported by its own process only: the encoder's and the LM's load vLLM
-        # and torch (after configure_process_env), which a gateway never needs.
         try:  # configurations are refused here, before anything starts (exit 2)
             security = from_args(SecurityConfig, ns)
-            if ns.cmd == "encoder":
-                from services.encoder import server
-
-                cfg = from_args(EncoderServiceConfig, ns)
-                server.check(cfg, security)
-                run = server.serve(cfg, _engine_cfg(ns), security=security,
-                                   tuning=from_args(ConnectorTuning, ns, prefix="connector_"))
-            elif ns.cmd == "lm":
-                from services.lm import server
-
-                cfg = from_args(LMServiceConfig, ns)
-                server.check(cfg, security)
-                run = server.serve(cfg, _engine_cfg(ns), security=security,
-                                   tuning=from_args(ConnectorTuning, ns, prefix="connector_"))
-            else:
-                from services.gateway import server
-
+            server = service_module(ns.cmd)
+            if ns.cmd == "gateway":
                 run = server.serve(from_args(GatewayConfig, ns), security=security)
+            else:
+                cfg = from_args(EncoderServiceConfig if ns.cmd == "encoder" else LMServiceConfig, ns)
+                server.check(cfg, security)
+                run = server.serve(cfg, _engine_cfg(ns), security=security,
+                                   tuning=from_args(ConnectorTuning, ns, prefix="connector_"))
         except ValueError as e:
             print(f"epd: error: {e}", file=sys.stderr)
             return 2

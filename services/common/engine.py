@@ -31,12 +31,15 @@ SERVICE_ENV: dict[str, str] = {
 
 def configure_process_env() -> None:
     """Sets ``SERVICE_ENV`` in ``os.environ`` where unset (the operator's own value
-    wins). Called first thing by each entry point that runs vLLM in this process
-    (``services.encoder.server.serve``, ``services.lm.server.serve``,
-    ``tools.reference.run``), before anything imports vLLM: huggingface_hub
-    fixes its offline flag when first imported. Those modules therefore import
-    vLLM only inside their functions; called later, the offline setting would
-    reach only the engine processes vLLM spawns, which is logged."""
+    wins). Called by each entry point that runs vLLM in this process before anything
+    imports vLLM: huggingface_hub fixes its offline flag when first imported. The
+    ``epd encoder`` / ``epd lm`` commands call it before importing the service's module
+    (``services.encoder.server``, ``services.lm.server`` and what they import load vLLM at
+    their top); their ``serve()`` calls it again for in-process callers (tests), and
+    ``tools.reference.run`` before its own import. Called late, the offline setting
+    reaches only the engine processes vLLM spawns, which is logged. This module itself
+    imports vLLM only inside functions: the command imports it, and a gateway must not
+    load vLLM."""
     late = "huggingface_hub" in sys.modules and "HF_HUB_OFFLINE" not in os.environ
     for key, value in SERVICE_ENV.items():
         os.environ.setdefault(key, value)

@@ -1,12 +1,20 @@
 """vLLM's media loaders as the encoder and the LM use them (the gateway never imports this: it
-pulls in vLLM). vLLM is imported inside the functions: a service sets its process environment
-(``configure_process_env``) before vLLM is first imported."""
+pulls in vLLM). Imported by the encoder's and the LM's modules, which the command loads after
+``configure_process_env`` (``services.cli.service_module``)."""
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable
 from typing import Any
+
+from vllm.multimodal.media.image import ImageMediaIO
+from vllm.multimodal.media.video import VideoMediaIO
+from vllm.multimodal.video import get_video_loader_backend_for_processor
+from vllm.multimodal.video_decoders import resolve_video_backend_kwargs
+from vllm.multimodal.video_decoders.base import VideoSourceMetadata, VideoTargetMetadata
+from vllm.transformers_utils.processor import get_video_processor_cls_name
 
 from services.common.media import MAX_SAMPLED_FRAMES, VideoHeader
 
@@ -17,10 +25,6 @@ def video_io_for(model_config, media_io_kwargs: dict[str, dict[str, Any]] | None
     """vLLM's ``VideoMediaIO`` for ``model_config`` set up as its chat front end sets it up for
     ``vllm serve`` (``MediaConnector.fetch_video``: the model's ``media_io_kwargs``, the video
     backend its video processor asks for)."""
-    from vllm.multimodal.media.image import ImageMediaIO
-    from vllm.multimodal.media.video import VideoMediaIO
-    from vllm.multimodal.video import get_video_loader_backend_for_processor
-    from vllm.transformers_utils.processor import get_video_processor_cls_name
 
     kwargs = media_io_kwargs if media_io_kwargs is not None else (
         model_config.multimodal_config.media_io_kwargs or {})
@@ -37,10 +41,7 @@ def frames_sampled_by(video_io) -> Callable[[VideoHeader], int]:
     a clip with this header, computed with the loader's own sampling rule and arguments (Qwen-VL's
     loaders sample by fps, up to 768 frames; the default one ``num_frames``), so the decode budget
     is charged what the decode allocates. Falls back to ``min(frames, MAX_SAMPLED_FRAMES)``."""
-    import inspect
 
-    from vllm.multimodal.video_decoders import resolve_video_backend_kwargs
-    from vllm.multimodal.video_decoders.base import VideoSourceMetadata, VideoTargetMetadata
 
     loader = video_io.video_loader
     args = {name: p.default for name, p in inspect.signature(loader.load_bytes).parameters.items()

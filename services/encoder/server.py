@@ -5,21 +5,21 @@ Start: reserve the Transfer port (``reserve_port``), build the producer engine
 then serve EncoderService + health + reflection. Stop: NOT_SERVING, stop gRPC,
 then shut the engine down (which stops the Transfer server and frees the pool).
 
-vLLM is imported only inside ``serve``, after ``configure_process_env``.
+vLLM is imported at the top: ``epd encoder`` imports this module after ``configure_process_env``
+(``services.cli.service_module``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import signal
 import socket
-from collections.abc import Callable
 
 import grpc
 from prometheus_client import start_http_server
 
+from ectransfer.connector.common import compat_for
 from ectransfer.connector.config import ConnectorConfig, ConnectorTuning, ec_transfer_config
 from ectransfer.shm import cleanup_orphans
 from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
@@ -38,6 +38,7 @@ from services.common.media import MediaDecoder
 from services.common.protocol import ENCODER_PROTOCOL
 from services.encoder.config import EncoderServiceConfig
 from services.encoder.servicer import EncoderServicer, dtype_enum
+from services.encoder.vllm_glue import layouts_context_free, placeholders
 
 logger = logging.getLogger(__name__)
 
@@ -50,30 +51,6 @@ def _ec_config(cfg: EncoderServiceConfig, engine_cfg: EngineConfig, transfer_por
         transfer_port=transfer_port, outbound_pool_bytes=int(cfg.outbound_pool_mib * (1 << 20)),
         transports=cfg.transport_list(), lease_s=cfg.lease_s, model_name=engine_cfg.model,
         security=security.to_dict()))
-
-
-MODALITIES = ("image", "audio", "video")
-"""What an encoder encodes, where its model takes it."""
-
-
-def _placeholders(engine) -> dict[str, Callable[[int], str]]:
-    """Per modality of ``MODALITIES`` the model takes (its limit per prompt above 0), its prompt
-    placeholder for the i-th item (vLLM's ``get_placeholder_str``)."""
-    from vllm.model_executor.models.registry import ModelRegistry
-
-    mc = engine.model_config
-    model_cls, _ = ModelRegistry.resolve_model_cls(mc.architectures, mc)
-    out = {}
-    for modality in MODALITIES:
-        try:
-            ph = model_cls.get_placeholder_str(modality, 1)
-        except ValueError:  # vLLM's way of saying the model has no such modality
-            continue
-        if ph and mc.multimodal_config.get_limit_per_prompt(modality) > 0:
-            out[modality] = functools.partial(model_cls.get_placeholder_str, modality)
-    if not out:
-        raise ValueError(f"{mc.architectures} takes none of {', '.join(MODALITIES)}")
-    return out
 
 
 async def _output_widths(cfg: EncoderServiceConfig, port: int, security: SecurityConfig) -> dict[str, int]:
@@ -99,25 +76,6 @@ async def _output_widths(cfg: EncoderServiceConfig, port: int, security: Securit
         await channel.close()
     logger.info("encoder output widths (measured by the engine): %s", dict(reply.encoder_output_widths) or "none")
     return dict(reply.encoder_output_widths)
-
-
-def layouts_context_free(engine) -> bool:
-    """Whether an item's prompt layout depends on the item alone, so that the layout
-    the encoder computes from a prompt of bare placeholders can be spliced into any
-    LM prompt. False when the model's multimodal processor rewrites tokens around
-    its replacements (vLLM's ``_apply_token_matches`` / ``_find_mm_placeholders``
-    overridden: Gemma 3 merges the newlines it puts around each image with the
-    prompt's own); its LMs then lay the prompt out with their processor."""
-    from vllm.model_executor.models.registry import ModelRegistry
-    from vllm.multimodal.processing.processor import BaseMultiModalProcessor
-
-    mc = engine.model_config
-    model_cls, _ = ModelRegistry.resolve_model_cls(mc.architectures, mc)
-    proc = getattr(getattr(model_cls, "_processor_factory", None), "processor", None)
-    if not isinstance(proc, type):
-        return True
-    return all(getattr(proc, name, None) is getattr(BaseMultiModalProcessor, name)
-               for name in ("_apply_token_matches", "_find_mm_placeholders"))
 
 
 def reserve_port(host: str, port: int = 0) -> socket.socket:
@@ -164,8 +122,7 @@ async def serve(cfg: EncoderServiceConfig, engine_cfg: EngineConfig, stop: async
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    configure_process_env()  # before vLLM is imported in this process
-    from ectransfer.connector.common import compat_for
+    configure_process_env()  # `epd` did before importing this module; for in-process callers (tests)
 
     refuse_encoder_decoder(engine_cfg, "encoder service (no LM could use its outputs)")
 
@@ -195,7 +152,7 @@ async def serve(cfg: EncoderServiceConfig, engine_cfg: EngineConfig, stop: async
             protocol=ENCODER_PROTOCOL,
         )
         widths = await _output_widths(cfg, transfer_port, security)
-        servicer = EncoderServicer(engine, info, _placeholders(engine), {"": mc.get_hidden_size(), **widths},
+        servicer = EncoderServicer(engine, info, placeholders(engine), {"": mc.get_hidden_size(), **widths},
                                    dtype_enum(str(mc.dtype).removeprefix("torch.")), cfg.encode_timeout_s,
                                    decoder, layouts=layouts_context_free(engine))
         server = GrpcServer(cfg.host, cfg.port, security)

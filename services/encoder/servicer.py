@@ -16,9 +16,17 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from prometheus_client import Counter, Histogram
+from vllm import SamplingParams
+from vllm.distributed.ec_transfer.ec_connector.utils import PlaceholderMetadataResolver
+from vllm.entrypoints.scale_out.token_in_token_out.mm_serde import encode_mm_kwargs_item
+from vllm.exceptions import VLLMClientError
+from vllm.multimodal.inputs import MultiModalBatchedField, MultiModalFieldElem, MultiModalKwargsItem
+from vllm.multimodal.media.audio import AudioMediaIO
 
 from ectransfer import tensors
+from ectransfer.connector.metadata import ProducerFinished, ProducerParams
 from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
 from epd.transfer.v1 import transfer_pb2
 from services.common.engine import tokenize_async
@@ -43,7 +51,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         """``placeholders``: per modality this encoder serves ("image", "audio"), the model's prompt
         placeholder for its i-th item (1-based; vLLM's ``get_placeholder_str``); ``embed_widths``:
         per modality, the width of one embedding row (key "": the default, the LM's hidden size); ``layouts``: send each item's prompt layout (False: this model's
-        layouts depend on the prompt around the item, see ``server.layouts_context_free``; LMs use
+        layouts depend on the prompt around the item, see ``vllm_glue.layouts_context_free``; LMs use
         their processor)."""
         self.engine = engine
         self.decoder = decoder
@@ -67,9 +75,6 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         Qwen-VL's image_grid_thw; Qwen2-Audio's audio_num_tokens, which vLLM reads from the
         item's placeholder), serialized as vLLM's scale-out front end does; "" for families
         that declare none (Idefics3, LLaVA, Gemma 3)."""
-        from vllm.distributed.ec_transfer.ec_connector.utils import PlaceholderMetadataResolver
-        from vllm.entrypoints.scale_out.token_in_token_out.mm_serde import encode_mm_kwargs_item
-        from vllm.multimodal.inputs import MultiModalKwargsItem
 
         if self._resolver is None:
             self._resolver = PlaceholderMetadataResolver(self.engine.model_config)
@@ -82,9 +87,6 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
                            f"metadata ({sorted(declared)}) cannot be sent; is mm_processor_cache_gb 0?")
         kept = {k: e for k, e in (feat.data or {}).items() if e.field.keep_on_cpu or k in declared}
         if from_placeholder and "audio_num_tokens" not in kept:
-            import torch
-            from vllm.multimodal.inputs import MultiModalBatchedField, MultiModalFieldElem
-
             kept["audio_num_tokens"] = MultiModalFieldElem(data=torch.tensor(feat.mm_position.get_num_embeds()),
                                                            field=MultiModalBatchedField(keep_on_cpu=True))
         return encode_mm_kwargs_item(MultiModalKwargsItem(kept)) if kept else ""
@@ -119,8 +121,6 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         ``media_io_kwargs``, the video backend its video processor asks for), so the processor
         here sees what it would see there."""
         if modality not in self._loaders:
-            from vllm.multimodal.media.audio import AudioMediaIO
-
             kwargs = self.engine.model_config.multimodal_config.media_io_kwargs or {}
             if modality == "audio":
                 self._loaders[modality] = AudioMediaIO(**kwargs.get("audio", {})).load_bytes
@@ -136,11 +136,6 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         return "".join(self.placeholders[modality](i + 1) for i in range(n))
 
     async def Encode(self, request, context):
-        from vllm import SamplingParams
-        from vllm.exceptions import VLLMClientError
-
-        from ectransfer.connector.metadata import ProducerFinished, ProducerParams
-
         t0 = time.perf_counter()
         status = "error"
 

@@ -23,6 +23,10 @@ no patch):
   the embeddings), and the engine outputs are recorded for the service's timings and
   its failover signal (an item the encoder could not deliver).
 
+This module is the LM's one reach into vLLM beyond its public API: every private vLLM name the
+LM uses is imported here, at the top (``_format_error``, for ``validation_error``), and checked by
+name in ``tests/unit/test_vllm_private_names.py``.
+
 Both read the request's ``RequestContext`` (``services.lm.context.CURRENT``), which the
 servicer sets around each call: vLLM's serving code runs in the servicer's task, so the
 context reaches the renderer, the media connector and the engine call of that request and
@@ -32,11 +36,32 @@ no other.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+from vllm.distributed.ec_transfer.ec_connector.utils import PlaceholderMetadataResolver
+from vllm.entrypoints.launchers.cli_args import (
+    make_arg_parser,
+    resolve_default_chat_template_kwargs,
+    validate_parsed_serve_args,
+)
+from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+from vllm.entrypoints.openai.models.protocol import BaseModelPath
+from vllm.entrypoints.openai.models.serving import OpenAIServingModels
+from vllm.entrypoints.serve.exception_handling.handlers.validation import _format_error
+from vllm.inputs import mm_input
+from vllm.multimodal.inputs import PlaceholderRange
+from vllm.renderers.chat_utils import load_chat_template
+from vllm.renderers.online_renderer import OnlineRenderer
+from vllm.sampling_params import RequestOutputKind
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+from ectransfer.connector.metadata import ConsumerFinished, ECTransferParams
 from services.common.errors import BadInput, EncoderUnavailable, EPDError
 from services.common.layout import ItemLayout, splice_modalities
 from services.lm.config import FrontendConfig
@@ -116,9 +141,6 @@ def _lay_out(tok_prompt: dict, ctx: RequestContext, metadata_fields: dict[str, s
     engine input whose items are laid out from the encoders' metadata. ``metadata_fields``:
     per modality, the processed fields each item must bring (Qwen-VL's grid, Qwen2-Audio's
     token count)."""
-    import torch
-    from vllm.inputs import mm_input
-    from vllm.multimodal.inputs import PlaceholderRange
 
     data = dict(tok_prompt.get("multi_modal_data") or {})
     uuids = dict(tok_prompt.get("multi_modal_uuids") or {})
@@ -179,7 +201,6 @@ class ConsumerEngine:
 
     def __init__(self, engine) -> None:
         self._engine = engine
-        from vllm.distributed.ec_transfer.ec_connector.utils import PlaceholderMetadataResolver
 
         resolver = PlaceholderMetadataResolver(engine.model_config)
         self.renderer = LaidOutRenderer(engine.renderer, {m: set(resolver.fields_for(m)) for m in LAID_OUT_MODALITIES})
@@ -188,8 +209,6 @@ class ConsumerEngine:
         return getattr(self._engine, name)
 
     def generate(self, prompt, sampling_params, request_id, *args, **kwargs):
-        from ectransfer.connector.metadata import ECTransferParams
-
         ctx = CURRENT.get()
         extra = dict(sampling_params.extra_args or {})
         # Only the gateway's items name encoders: a client's own ec_transfer_params (a request field
@@ -204,14 +223,11 @@ class ConsumerEngine:
         gen = self._engine.generate(prompt, sampling_params, request_id, *args, **kwargs)
         if ctx is None:
             return gen
-        from vllm.sampling_params import RequestOutputKind
 
         return _recorded(gen, ctx, request_id, delta=sampling_params.output_kind == RequestOutputKind.DELTA)
 
 
 async def _recorded(gen, ctx: RequestContext, request_id: str, delta: bool):
-    from ectransfer.connector.metadata import ConsumerFinished, ECTransferParams
-
     try:
         async for out in gen:
             ctx.final = out
@@ -250,9 +266,6 @@ class Frontend:
 
 def serve_args(cfg: FrontendConfig, model: str):
     """``cfg`` parsed by ``vllm serve``'s own argument parser (every other flag at its default)."""
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(cfg.serve_argv(model))
     validate_parsed_serve_args(args)
     return args
@@ -261,13 +274,6 @@ def serve_args(cfg: FrontendConfig, model: str):
 async def build_frontend(engine, cfg: FrontendConfig, model: str) -> Frontend:
     """vLLM's chat and completion serving objects over ``engine`` (wrapped in a
     ``ConsumerEngine``), built as vLLM's ``init_app_state`` builds them."""
-    from vllm.entrypoints.launchers.cli_args import resolve_default_chat_template_kwargs
-    from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
-    from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
-    from vllm.entrypoints.openai.models.protocol import BaseModelPath
-    from vllm.entrypoints.openai.models.serving import OpenAIServingModels
-    from vllm.renderers.chat_utils import load_chat_template
-    from vllm.renderers.online_renderer import OnlineRenderer
 
     args = serve_args(cfg, model)
     client = ConsumerEngine(engine)
@@ -307,3 +313,14 @@ async def build_frontend(engine, cfg: FrontendConfig, model: str) -> Frontend:
         enable_force_include_usage=args.enable_force_include_usage)
     app = await build_vllm_app(client, args)
     return Frontend(chat=chat, completion=completion, models=models, engine=client, app=app)
+
+
+def validation_error(frontend: Frontend, exc) -> tuple[int, bytes]:
+    """A pydantic ValidationError of a request body as vLLM's server answers it (400, the
+    errors listed as its validation handler lists them: its private ``_format_error``)."""
+    errors = exc.errors()
+    message = f"{len(errors)} validation error{'s' if len(errors) != 1 else ''}:\n" + "".join(
+        f"  {_format_error(e)}\n" for e in errors[:10])
+    err = frontend.chat.create_error_response(message.rstrip())
+    return err.error.code, json.dumps(err.model_dump(), ensure_ascii=False, allow_nan=False,
+                                      separators=(",", ":")).encode()  # as vLLM's JSONResponse

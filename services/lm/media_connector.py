@@ -17,6 +17,7 @@ import binascii
 import os
 from typing import Any
 
+import vllm.envs as envs
 from vllm.multimodal.media.audio import AudioMediaIO
 from vllm.multimodal.media.connector import MEDIA_CONNECTOR_REGISTRY, MediaConnector
 from vllm.multimodal.media.image import ImageMediaIO
@@ -94,7 +95,6 @@ def install() -> None:
     """Selects this connector for the process (``VLLM_MEDIA_CONNECTOR``; an operator's other value is
     overridden: the LM must not download) and checks vLLM reads it back. Called by the LM service
     before its engine starts."""
-    import vllm.envs as envs
 
     os.environ[ENV] = NAME
     if envs.VLLM_MEDIA_CONNECTOR != NAME or MEDIA_CONNECTOR_REGISTRY.load(NAME).__class__ is not \

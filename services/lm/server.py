@@ -1,6 +1,7 @@
 """LM service wiring and lifecycle: consumer engine + LMService + health.
 
-vLLM is imported only inside ``serve``, after ``configure_process_env``."""
+vLLM is imported at the top: ``epd lm`` imports this module after ``configure_process_env``
+(``services.cli.service_module``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import signal
 from prometheus_client import start_http_server
 
 from ectransfer import factory
+from ectransfer.connector.common import compat_for
 from ectransfer.connector.config import ConnectorConfig, ConnectorTuning, ec_transfer_config
 from ectransfer.shm import cleanup_orphans
 from epd.lm.v1 import lm_pb2, lm_pb2_grpc
@@ -24,6 +26,7 @@ from services.common.engine import (
 )
 from services.common.grpc_server import GrpcServer
 from services.common.media import MediaDecoder
+from services.lm import media_connector
 from services.lm.config import LMServiceConfig
 from services.lm.frontend import build_frontend
 from services.lm.peers import EncoderAllowList, OfferedCudaIpc, PeerChecker
@@ -59,9 +62,7 @@ async def serve(cfg: LMServiceConfig, engine_cfg: EngineConfig, stop: asyncio.Ev
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    configure_process_env()  # before vLLM is imported in this process
-    from ectransfer.connector.common import compat_for
-    from services.lm import media_connector
+    configure_process_env()  # `epd` did before importing this module; for in-process callers (tests)
 
     media_connector.install()  # the LM never downloads; data: URLs load under the media limits
     refuse_encoder_decoder(engine_cfg, "LM (an EC consumer)")  # no engine start is spent on it

@@ -22,16 +22,23 @@ import time
 
 from prometheus_client import Counter, Histogram
 from pydantic import ValidationError
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+from vllm.entrypoints.scale_out.token_in_token_out.mm_serde import decode_mm_kwargs_item
+from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+from vllm.exceptions import GenerationError, VLLMClientError
 
 from ectransfer import tensors
+from ectransfer.connector.metadata import ConsumerFinished, ItemSource, TransferReport
 from epd.lm.v1 import lm_pb2, lm_pb2_grpc
 from services.common.errors import BadInput, EPDError
 from services.common.layout import ItemLayout
 from services.common.media import MediaDecoder
 from services.lm.context import CURRENT, RequestContext
-from services.lm.frontend import Frontend
+from services.lm.frontend import Frontend, validation_error
 from services.lm.media import RequestMedia
 from services.lm.peers import PeerChecker
+from services.lm.vllm_app import Started, call
 
 logger = logging.getLogger(__name__)
 
@@ -46,18 +53,6 @@ TRANSFER = Histogram("epd_lm_transfer_seconds", "Time a request waited for encod
                      buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5))
 
 _APIS = ("chat", "completions", "http")
-
-
-def validation_error(frontend: Frontend, exc) -> tuple[int, bytes]:
-    """A pydantic ValidationError of a request body as vLLM's server answers it (400, the
-    errors listed as its validation handler lists them)."""
-    from vllm.entrypoints.serve.exception_handling.handlers.validation import _format_error
-
-    errors = exc.errors()
-    message = f"{len(errors)} validation error{'s' if len(errors) != 1 else ''}:\n" + "".join(
-        f"  {_format_error(e)}\n" for e in errors[:10])
-    err = frontend.chat.create_error_response(message.rstrip())
-    return err.error.code, _dumps(err)
 
 
 def _dumps(model) -> bytes:
@@ -96,8 +91,6 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
         return self.info
 
     def _context(self, request: lm_pb2.GenerateRequest) -> RequestContext:
-        from ectransfer.connector.metadata import ItemSource
-
         ctx = RequestContext(media=RequestMedia(self.decoder, request.request_id))
         for item in request.items:
             if not item.identifier or not item.HasField("source"):
@@ -110,8 +103,6 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
             except ValueError as e:
                 raise BadInput(f"item {item.identifier}: {e}") from None
             if src.mm_kwargs:
-                from vllm.entrypoints.scale_out.token_in_token_out.mm_serde import decode_mm_kwargs_item
-
                 try:
                     ctx.mm_kwargs[item.identifier] = decode_mm_kwargs_item(src.mm_kwargs)
                 except Exception as e:  # noqa: BLE001 - whatever the decoder refuses is bad input
@@ -126,11 +117,6 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
 
     async def _answer(self, request: lm_pb2.GenerateRequest, ctx: RequestContext):
         """vLLM's answer to the request: (status, body) once, or an async generator of SSE events."""
-        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
-        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
-        from vllm.exceptions import VLLMClientError
-
         api = request.openai.api
         body = openai_body(request)
         serving = self.frontend.chat if api == "chat" else self.frontend.completion
@@ -158,8 +144,6 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
         return out
 
     async def Generate(self, request, context):
-        from vllm.exceptions import GenerationError
-
         ctx = self._context(request)
         rid = request.request_id
         status = "error"
@@ -209,7 +193,6 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
         """A route of vLLM's own app (``services.lm.vllm_app``): the first message has the status,
         content type and the whole body (or, for a stream, its first chunk; each further chunk is a
         message); the last one the request's facts, as for chat."""
-        from services.lm.vllm_app import Started, call
 
         openai_body(request)  # a JSON object (or nothing, for a GET): everything inside is vLLM's to read
         rid = request.request_id
@@ -238,8 +221,6 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
         yield self._last(rid, ctx)
 
     def _last(self, rid: str, ctx: RequestContext) -> lm_pb2.GenerateResponse:
-        from ectransfer.connector.metadata import ConsumerFinished, TransferReport
-
         final = ctx.final
         ec = ConsumerFinished.from_dict(ctx.ec_report).report \
             or TransferReport()

@@ -23,6 +23,9 @@ import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+from vllm.entrypoints.launchers.app import build_app
+
 from services.common.errors import BadInput
 
 ROUTES: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
@@ -68,9 +71,6 @@ async def build_vllm_app(engine_client, args):
     root = logging.getLogger()
     levels = (root.level, [(h, h.level) for h in root.handlers])
     try:
-        from vllm.entrypoints.launchers.api_server.app_state import init_app_state
-        from vllm.entrypoints.launchers.app import build_app
-
         tasks = await engine_client.get_supported_tasks()
         app = build_app(args, tasks, engine_client.model_config)
         await init_app_state(engine_client, app.state, args, tasks)

@@ -9,6 +9,7 @@ perturbation hook (tests/e2e/perturb), switched off except inside test_perturbat
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -32,6 +33,26 @@ REFERENCE_REQUESTS = {
     # The multi-instance tests (2 encoders, 2 LMs): larger images, so encodes are in flight long enough to kill.
     **{f"multi{i}": image_chat(600 + i, max_tokens=16, size=(224, 224)) for i in range(8)},
 }
+
+
+_stopping: list[threading.Thread] = []
+
+
+def stop_in_background(dep: Deployment) -> None:
+    """Stops ``dep`` (its orderly stop: SIGTERM, each service stops its own engine) on a thread, so the
+    next test's deployment starts while this one's engines wind down (vLLM's shutdown waits seconds on
+    its worker and engine processes, mostly idle). Every deployment has its own ports and log
+    directory; the session's end waits for every stop (``_background_stops``)."""
+    thread = threading.Thread(target=dep.stop, name=f"stop {dep.log_dir}", daemon=True)
+    thread.start()
+    _stopping.append(thread)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _background_stops():
+    yield
+    for thread in _stopping:
+        thread.join(60)
 
 
 @pytest.fixture(scope="session")

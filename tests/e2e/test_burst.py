@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from services.up import Deployment
+from tests.e2e.conftest import stop_in_background
 from tests.e2e.helpers import image_chat, metric, post, producer_stats
 from tools.reference import run_subprocess
 
@@ -40,7 +41,7 @@ def test_burst_of_200_with_pools_for_4_items_completes_exactly_and_drains(tiny_m
             dep.stop()
             raise
 
-    with dep:
+    try:
         with ThreadPoolExecutor(16) as pool:
             results = list(pool.map(lambda b: post(dep.url + "/v1/chat/completions", b, 120), bodies))
         failures = [(s, r) for s, r in results if s != 200]
@@ -57,3 +58,5 @@ def test_burst_of_200_with_pools_for_4_items_completes_exactly_and_drains(tiny_m
         assert metric(dep.lm_metrics, "epd_ec_reserved_bytes", role="consumer") == 0
         assert metric(dep.lm_metrics, "epd_ec_pending_reservations", role="consumer") == 0
         assert metric(dep.lm_metrics, "epd_ec_pool_capacity_bytes", role="consumer") > 0  # the gauges exist
+    finally:
+        stop_in_background(dep)

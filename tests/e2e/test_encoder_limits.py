@@ -5,7 +5,11 @@ each) is refused while the services stay up and answer the next good request.
 
 The encoder runs with a small token budget per engine step, so an Encode of
 several images spans several steps: its first outputs sit in the pool while
-the rest still encode, which is when a client that cancels leaves them."""
+the rest still encode, which is when a client that cancels leaves them.
+
+The same deployment's LM allows only gRPC chunks (``--transports grpc``), so it also carries
+tests/e2e/test_transports.py's forced-transport case (one deployment for both; that test runs
+first, on images this deployment has not seen)."""
 
 from __future__ import annotations
 
@@ -21,7 +25,9 @@ from PIL import Image
 
 from epd.transfer.v1 import transfer_pb2, transfer_pb2_grpc
 from services.up import Deployment, grpc_serving
+from tests.e2e.conftest import stop_in_background
 from tests.e2e.helpers import image_chat, post, producer_stats
+from tests.e2e.test_transports import forced_transport_is_exact
 from tools.media import data_url, make_image
 
 pytestmark = pytest.mark.e2e
@@ -30,8 +36,15 @@ pytestmark = pytest.mark.e2e
 @pytest.fixture(scope="module")
 def dep(tiny_model):
     engine = json.dumps({"max_num_batched_tokens": 96})  # one 224x224 image (5 tiles of 16 tokens) per step
-    with Deployment(model=tiny_model, quiet=True, encoder_args=["--vllm-args", engine]) as d:
-        yield d
+    d = Deployment(model=tiny_model, quiet=True, encoder_args=["--vllm-args", engine],
+                   lm_args=["--transports", "grpc"]).start()
+    yield d
+    stop_in_background(d)
+
+
+def test_a_forced_transport_is_the_one_used_and_tokens_are_exact(dep, reference):
+    """gRPC chunks forced on the LM (tests/e2e/test_transports.py has the chosen-shm half)."""
+    forced_transport_is_exact(dep, reference, "grpc")
 
 
 def _solid_png(side: int, colour: tuple[int, int, int]) -> bytes:
@@ -87,7 +100,7 @@ def _cancel_mid_encode(stub, stats) -> float:
         reader = threading.Thread(target=lambda call=call: list(_drain(call)), daemon=True)
         reader.start()
         deadline = time.monotonic() + 30
-        while stats()["items_held"] == 0:  # the first outputs are in the pool: cancel while the rest encode
+        while stats()["items_held"] <= now["items_held"]:  # its first outputs are in the pool: cancel now
             assert time.monotonic() < deadline, "no encoder output reached the pool"
             time.sleep(0.002)
         call.cancel()

@@ -6,7 +6,7 @@ travels as metadata) and Qwen2-Audio (audio as OpenAI ``input_audio`` and vLLM `
 each clip's token count travels as metadata) are laid out on the LM from the encoder's metadata (no
 processor runs there); Gemma 3's layout depends on the prompt around each image (vLLM merges the
 newlines it adds with the prompt's), so its encoder sends no layout and the LM lays the prompt out
-with its processor (``services.encoder.server.layouts_context_free``). One deployment and one
+with its processor (``services.encoder.vllm_glue.layouts_context_free``). One deployment and one
 reference run per family (tiny offline checkpoints, ``tools/tiny_families``)."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from services.up import Deployment
+from tests.e2e.conftest import stop_in_background
 from tests.e2e.helpers import (
     check_perturbation_changes_tokens,
     metric,
@@ -112,7 +113,7 @@ def family(request):
     reference = {name: r["tokens"] for name, r in results.items()}
     prompts = {name: r["prompt_token_ids"] for name, r in results.items()}
     yield request.param, dep, reference, prompts, model
-    dep.stop()
+    stop_in_background(dep)
 
 
 @pytest.mark.parametrize("name", list(REQUESTS))

@@ -18,7 +18,7 @@ import pytest
 from services.common.media import content_id
 from services.gateway.routing import pick_encoder
 from services.up import Deployment, grpc_serving
-from tests.e2e.conftest import REFERENCE_REQUESTS
+from tests.e2e.conftest import REFERENCE_REQUESTS, stop_in_background
 from tests.e2e.helpers import image_bytes, metric, post, settled
 
 pytestmark = [pytest.mark.e2e]
@@ -30,7 +30,7 @@ def multi(tiny_model):
                      gateway_args=["--health-interval-s", "0.5"])
     dep.start()
     yield dep
-    dep.stop()
+    stop_in_background(dep)
 
 
 def _health(dep) -> dict:

@@ -15,7 +15,7 @@ import urllib.request
 import pytest
 
 from services.up import Deployment, grpc_serving, wait_ready
-from tests.e2e.conftest import REFERENCE_REQUESTS
+from tests.e2e.conftest import REFERENCE_REQUESTS, stop_in_background
 from tests.e2e.helpers import post
 
 pytestmark = pytest.mark.e2e
@@ -65,7 +65,7 @@ def test_services_started_together_serve_the_first_request_exactly_once_the_lm_i
         status, models = _get(dep.url + "/v1/models")
         assert status == 200 and [m["id"] for m in models["data"]] == [tiny_model]
     finally:
-        dep.stop()
+        stop_in_background(dep)
 
 
 def _admitted(dep: Deployment) -> bool:

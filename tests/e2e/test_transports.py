@@ -1,5 +1,6 @@
 """The foundation's exactness holds with each CPU transport: the same host chooses shared memory on
-its own (the session deployment), and gRPC chunks forced (a deployment whose LM allows only grpc).
+its own (the session deployment), and gRPC chunks forced (``forced_transport_is_exact``, run on the
+deployment of tests/e2e/test_encoder_limits.py, whose LM allows only grpc: one deployment for both).
 Forcing shm (``--transports shm``) takes the same data path as choosing it; what differs, refusing
 a failed probe instead of falling back, is tested without engines (tests/integration)."""
 
@@ -7,18 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from services.up import Deployment
 from tests.e2e.conftest import REFERENCE_REQUESTS
 from tests.e2e.helpers import metric, post
 
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture(scope="module", params=["grpc"])
-def forced(tiny_model, request):
-    """A deployment whose LM allows exactly one transport."""
-    with Deployment(model=tiny_model, quiet=True, lm_args=["--transports", request.param]) as dep:
-        yield request.param, dep
 
 
 def _exact(dep, reference, names) -> None:
@@ -37,8 +30,8 @@ def test_same_host_chooses_shm_and_tokens_are_exact(deployment, reference):
     assert metric(deployment.lm_metrics, "epd_lm_peer_transport", transport="grpc") == 0
 
 
-def test_each_transport_forced_tokens_are_exact(forced, reference):
-    name, dep = forced
+def forced_transport_is_exact(dep, reference, name: str) -> None:
+    """``dep``'s LM allows only transport ``name``: it is the one used, and tokens are exact."""
     _exact(dep, reference, ["image0", "image2"])
     assert metric(dep.lm_metrics, "epd_lm_peer_transport", transport=name) == 1
     other = {"grpc": "shm", "shm": "grpc"}[name]

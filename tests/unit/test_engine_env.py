@@ -32,13 +32,21 @@ def test_importing_the_engine_module_leaves_the_environment_unchanged():
     assert out is True
 
 
-def test_importing_the_service_entry_points_does_not_import_vllm_or_huggingface_hub():
-    # serve() calls configure_process_env before its first vLLM import; an earlier
-    # import would fix huggingface_hub's offline flag before the variable is set.
-    out = _run("import json, sys; import services.cli, services.encoder.server, services.lm.server; "
-               "services.cli.build_parser(); "
+def test_the_command_imports_neither_vllm_nor_huggingface_hub():
+    # The service modules load vLLM at their top; the command imports one only after
+    # configure_process_env (service_module): an earlier import would fix huggingface_hub's
+    # offline flag before the variable is set.
+    out = _run("import json, sys; import services.cli, services.gateway.server; services.cli.build_parser(); "
                "print(json.dumps(sorted(m for m in ('vllm', 'huggingface_hub', 'transformers') if m in sys.modules)))")
     assert out == []
+
+
+@pytest.mark.parametrize("cmd", ["encoder", "lm"])
+def test_the_command_sets_the_environment_before_a_service_module_loads_vllm(cmd):
+    out = _run(f"import json, sys; import services.cli as cli; cli.service_module({cmd!r}); "
+               "import huggingface_hub.constants as c; "
+               "print(json.dumps(['vllm' in sys.modules, c.HF_HUB_OFFLINE]))")
+    assert out == [True, True]
 
 
 def test_configure_process_env_sets_what_is_unset_and_keeps_the_operators_values():

@@ -15,11 +15,11 @@ pytest.importorskip("vllm")
 
 PRIVATE = [
     ("vllm.entrypoints.serve.exception_handling.handlers.validation", "_format_error",
-     "services/lm/servicer.py validation_error: a body's pydantic errors worded as vLLM's server words them"),
+     "services/lm/frontend.py validation_error: a body's pydantic errors worded as vLLM's server words them"),
     ("vllm.multimodal.processing.processor", "BaseMultiModalProcessor._apply_token_matches",
-     "services/encoder/server.py layouts_context_free: which families rewrite tokens around an item"),
+     "services/encoder/vllm_glue.py layouts_context_free: which families rewrite tokens around an item"),
     ("vllm.multimodal.processing.processor", "BaseMultiModalProcessor._find_mm_placeholders",
-     "services/encoder/server.py layouts_context_free"),
+     "services/encoder/vllm_glue.py layouts_context_free"),
 ]
 
 
@@ -45,7 +45,7 @@ def test_every_video_loader_prepares_its_source():
 
 @pytest.mark.parametrize("family", ["idefics3", "gemma3"])
 def test_model_classes_carry_their_processor_factory(family):
-    """services/encoder/server.py layouts_context_free reads ``model_cls._processor_factory.processor``
+    """services/encoder/vllm_glue.py layouts_context_free reads ``model_cls._processor_factory.processor``
     (the multimodal processor vLLM registered for the architecture); Gemma 3's overrides the token
     matching, Idefics3's does not."""
     from vllm.engine.arg_utils import AsyncEngineArgs
