@@ -10,7 +10,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.epd-installed-$(EXTRA)
 PYTEST_ARGS ?=
 
-.PHONY: install protos model demo up test test-all test-unit bench-transfer bench-transfer-cuda bench-transfer-hosts bench-serving bench-capacity bench-gateway bench-hostile clean
+.PHONY: install protos model demo up test test-fast test-all test-unit bench-transfer bench-transfer-cuda bench-transfer-hosts bench-serving bench-capacity bench-gateway bench-hostile clean
 
 install: $(STAMP) protos
 
@@ -45,6 +45,10 @@ up: model
 test: model
 	$(PY) -m ruff check .
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: model  # the inner loop: ruff, then unit and integration (no service subprocesses, no namespaces)
+	$(PY) -m ruff check .
+	$(PY) -m pytest -m "(unit or integration) and not slow" -x $(PYTEST_ARGS)
 
 test-all: model
 	$(PY) -m pytest -m "" $(PYTEST_ARGS)
