@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import torch
+import vllm
+from vllm.platforms import current_platform
 
 from ectransfer.protocol import make_compat
 from epd.transfer.v1 import transfer_pb2
 
 
 def compat_for(vllm_config, model_name: str) -> transfer_pb2.CompatInfo:
-    import vllm
-
     mc = vllm_config.model_config
     return make_compat(
         vllm_version=vllm.__version__,
@@ -21,8 +21,6 @@ def compat_for(vllm_config, model_name: str) -> transfer_pb2.CompatInfo:
 
 
 def worker_device() -> torch.device:
-    from vllm.platforms import current_platform
-
     if current_platform.is_cuda_alike():
         return torch.device(f"cuda:{current_platform.current_device()}")
     return torch.device(current_platform.device_type)

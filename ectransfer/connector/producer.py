@@ -61,6 +61,9 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm.distributed import get_tensor_model_parallel_rank
+from vllm.v1.request import RequestStatus
+
 from ectransfer import cuda_ipc, factory, tensors
 from ectransfer.connector.common import compat_for
 from ectransfer.connector.config import ConnectorConfig
@@ -332,7 +335,6 @@ def _claim_of(request) -> str:
 def _ended_unread(request) -> bool:
     """The request was aborted (its Encode call cancelled or timed out) or
     failed: its caller hands its items to nobody."""
-    from vllm.v1.request import RequestStatus
 
     return getattr(request, "status", None) in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
 
@@ -345,8 +347,6 @@ class ProducerWorker:
         self._notify_key = b""
         self._sock: socket.socket | None = None  # opened by start()
         try:
-            from vllm.distributed import get_tensor_model_parallel_rank
-
             self.writes = get_tensor_model_parallel_rank() == 0  # every TP rank holds the same output
         except Exception:  # noqa: BLE001 - not initialised outside an engine
             self.writes = True

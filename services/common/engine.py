@@ -113,23 +113,31 @@ class UnsupportedModel(ValueError):
     """A model the service must not serve as configured (refused before its engine starts)."""
 
 
-def refuse_encoder_decoder(cfg: EngineConfig, role: str) -> None:
-    """Issue 25's guard: vLLM 0.32 hands an encoder-decoder model's encoder output (Whisper's) to
-    the decoder's cross-attention once, as ``encoder_outputs``; its scheduler allocates
-    cross-attention blocks only for inputs it encodes itself and its model runner never asks the
-    EC connector to load for such a model. An engine that is an EC consumer for one therefore
-    decodes *without the audio*, silently (greedy tokens equal neither the audio's nor
-    silence's). Until the LM injects encoder outputs into cross-attention itself, such a model is
-    refused at start (``role``: who refuses, for the message), read from the model's config the
-    way vLLM reads it (``ModelConfig.is_encoder_decoder``)."""
+def is_encoder_decoder(cfg: EngineConfig) -> bool:
+    """Whether ``cfg.model`` is an encoder-decoder model (Whisper-class), read from its config the way
+    vLLM reads it (``ModelConfig.is_encoder_decoder``), before any engine starts."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    if AsyncEngineArgs(**engine_kwargs(cfg)).create_model_config().is_encoder_decoder:
+    return AsyncEngineArgs(**engine_kwargs(cfg)).create_model_config().is_encoder_decoder
+
+
+ENCODER_DECODER_GAP = (
+    "vLLM 0.32 never loads a transferred encoder output into an encoder-decoder model's cross-attention "
+    "(its scheduler allocates cross-attention blocks only for inputs it encodes itself, and its model "
+    "runner's encoder-decoder path never asks the EC connector to load), so an engine fed from an encoder "
+    "would decode without the audio")
+
+
+def refuse_encoder_decoder(cfg: EngineConfig, role: str) -> None:
+    """Issue 25's guard, for the encoder service: no LM can use an encoder-decoder model's transferred
+    encoder output (``ENCODER_DECODER_GAP``), so an encoder for one is refused at start (``role``: who
+    refuses, for the message). The LM serves such a model itself, as a plain engine that is no EC
+    consumer (``services.lm.server``): it encodes the audio locally."""
+    if is_encoder_decoder(cfg):
         raise UnsupportedModel(
             f"{cfg.model} is an encoder-decoder model (Whisper-class): the {role} cannot serve it. "
-            "vLLM 0.32 never loads a transferred encoder output into an encoder-decoder model's "
-            "cross-attention, so an LM fed from an encoder would decode without the audio; "
-            "epd-serve refuses rather than answer wrongly. Serve this model with `vllm serve` for now.")
+            f"{ENCODER_DECODER_GAP}; epd-serve refuses rather than answer wrongly. Serve it with `epd lm` "
+            "alone (the LM encodes the audio itself).")
 
 
 def placeholder_metadata_fields(cfg: EngineConfig,

@@ -169,15 +169,17 @@ class RequestCore:
         self.homes = ResponseHomes()
 
     async def admit(self, api: str, raw: bytes, *, client_id: str, id_given: bool, path: str = "",
-                    media: list[bytes] | None = None, lease=None, arrival: float | None = None) -> Admitted:
-        """``raw``: the body (``media``: the gRPC API's raw media, named by ``epd-media:N``);
+                    media: list[bytes] | None = None, lease=None, arrival: float | None = None,
+                    content_type: str = "") -> Admitted:
+        """``raw``: the body (``media``: the gRPC API's raw media, named by ``epd-media:N``;
+        ``content_type``: the body's, for an upload API);
         ``client_id``: the request's id (the client's when ``id_given``); ``path``: the route's path
         as requested (a Responses id in it). ``lease``: the body's share of the intake budget, given
         back by ``Admitted.close`` (or here, on a refusal). Raises ApiError."""
         spec = API[api]
         ticket = None
         try:
-            call = parse_openai(api, raw, self.cfg, media)
+            call = parse_openai(api, raw, self.cfg, media, content_type)
             del raw  # parsed: the text goes
             call.request_id, call.id_given = client_id, id_given
             why = self.orch.lm_wait_reason()
@@ -187,6 +189,7 @@ class RequestCore:
             req.openai.api = spec.lm_api
             if spec.lm_api == "http":
                 req.openai.method, req.openai.path = spec.method, path or spec.path
+                req.openai.content_type = call.content_type
             # Admission before any media is fetched: past capacity the request waits its turn or is
             # refused now (429/503 with Retry-After), never half-way through.
             try:

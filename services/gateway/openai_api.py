@@ -110,7 +110,8 @@ class OpenAIRoutes:
             raw, lease = await self.intake.read(request)
             CURRENT_LEASE.set(lease)
             admitted = await self.core.admit(api, raw, client_id=rid, id_given=bool(given), path=request.path,
-                                             lease=lease, arrival=request.get(ARRIVAL_KEY))
+                                             lease=lease, arrival=request.get(ARRIVAL_KEY),
+                                             content_type=request.headers.get("Content-Type", ""))
         except (ApiError, BodyRefused) as e:
             if isinstance(e, BodyRefused):
                 if lease is not None:

@@ -76,7 +76,10 @@ class Api:
     method and path. ``media``: where its media are (``messages``: chat parts; ``input``: the
     Responses API's input items; ``anthropic``: Messages image blocks; empty: none). ``encode``: its
     items go through encoders (tokenize and count_tokens only lay prompts out: the LM's processor
-    expands the placeholders, no vision run). ``done``: its stream ends with ``data: [DONE]``."""
+    expands the placeholders, no vision run). ``done``: its stream ends with ``data: [DONE]``.
+    ``upload``: its body is a ``multipart/form-data`` upload (the audio routes of an encoder-decoder
+    model), which the gateway forwards as it came, under the intake's size bound: vLLM's app on the LM
+    is its one reader (no second parser here to disagree with it), under the LM's decode limits."""
 
     name: str
     method: str
@@ -86,6 +89,7 @@ class Api:
     encode: bool = True
     done: bool = False
     anthropic: bool = False
+    upload: bool = False
 
     @property
     def lm_api(self) -> str:
@@ -103,6 +107,8 @@ APIS: tuple[Api, ...] = (
     Api("tokenize", "POST", "/tokenize", "tok", "messages", encode=False),
     Api("detokenize", "POST", "/detokenize", "tok"),
     Api("version", "GET", "/version", "req"),
+    Api("transcriptions", "POST", "/v1/audio/transcriptions", "trsc", encode=False, upload=True),
+    Api("translations", "POST", "/v1/audio/translations", "trsl", encode=False, upload=True),
     # vLLM's scale-out routes: `vllm serve` without --enable-scale-out answers each with its 403, and
     # so does the LM's copy of vLLM's app (the LM never enables them).
     *(Api("scale_out" + path.replace("/", "_"), "POST", path, "req") for path in (
@@ -129,18 +135,24 @@ class OpenAICall:
     from it. As with ``vllm serve``, the client's X-Request-Id wins (``id_given``); else the body's
     own ``request_id``; else this one, made by the gateway."""
     id_given: bool = False
+    upload: bytes = b""
+    """An ``upload`` API's body, as the client sent it (``content_type`` says how it is encoded)."""
+    content_type: str = ""
 
     def drop_payload(self) -> None:
         """Frees the request's body and media sources once it is answered, whatever still refers to
         this object (a retry closure, a task in a reference cycle)."""
         self.body = {}
+        self.upload = b""
         self.sources.clear()
 
     def lm_body(self, req: lm_pb2.GenerateRequest, media: list[Media]) -> bytes:
         """The body for one LM attempt: each item an encoder laid out becomes a uuid-only part (the
         LM never sees its bytes); any other item a data: URL of the bytes the gateway read (the LM
         never downloads), with its content hash as uuid when an encoder has its embedding. Audio goes
-        as vLLM's ``audio_url`` part (an ``input_audio`` part too)."""
+        as vLLM's ``audio_url`` part (an ``input_audio`` part too). An upload goes as it came."""
+        if API[self.api].upload:
+            return self.upload
         body = copy.deepcopy(self.body) if self.parts else dict(self.body)
         spec = API[self.api]
         if self.request_id and spec.lm_api != "http" and (self.id_given or not body.get("request_id")):
@@ -183,12 +195,62 @@ def _data_url(m: Media) -> str:
     return f"data:{mime};base64," + base64.b64encode(m.data).decode()
 
 
-def parse_openai(api: str, raw: bytes, cfg: GatewayConfig, media: list[bytes] | None = None) -> OpenAICall:
+MAX_CONTENT_TYPE = 256
+
+
+def multipart_upload(fields: dict[str, Any], file: bytes) -> tuple[bytes, str]:
+    """The ``multipart/form-data`` body (and its Content-Type) a REST client would send for an upload
+    API: ``fields`` (the gRPC API's JSON body: strings, numbers, booleans, lists of those) as form
+    fields, a list as repeated ``name[]`` fields (OpenAI's and vLLM's form names, e.g.
+    ``timestamp_granularities[]``), and ``file`` as the ``file`` part. Raises ApiError."""
+    boundary = "epd-" + uuid.uuid4().hex
+    parts: list[bytes] = []
+
+    def field(name: str, value: Any) -> None:
+        if isinstance(value, bool):
+            value = "true" if value else "false"
+        elif not isinstance(value, str | int | float) or value != value:
+            raise ApiError(400, f"form field {name!r} must be a string, a number, a boolean or a list of those")
+        if any(c in name for c in '"\r\n') or len(name) > 100:
+            raise ApiError(400, "form field names are at most 100 characters, without quotes or line breaks")
+        parts.append(f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"\r\n\r\n{value}\r\n'.encode())
+
+    for name, value in fields.items():
+        if name == "file":
+            raise ApiError(400, "the file is media[0], not a field of the body")
+        for v in value if isinstance(value, list) else [value]:
+            field(name if not isinstance(value, list) or name.endswith("[]") else name + "[]", v)
+    parts.append(f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="audio"\r\n'
+                 f"Content-Type: application/octet-stream\r\n\r\n".encode() + file + b"\r\n")
+    parts.append(f"--{boundary}--\r\n".encode())
+    return b"".join(parts), f"multipart/form-data; boundary={boundary}"
+
+
+def parse_upload(api: str, raw: bytes, content_type: str) -> OpenAICall:
+    """An ``upload`` API's request: the body is kept as it came, for vLLM's app on the LM to parse
+    (it answers a malformed one as `vllm serve` does). The gateway reads only its Content-Type, which
+    travels with it: one header line of printable ASCII. Whether the answer streams, the LM's answer
+    says (its Content-Type). Raises ApiError."""
+    if len(content_type) > MAX_CONTENT_TYPE or not content_type.isascii() or not content_type.isprintable():
+        raise ApiError(400, f"Content-Type must be one line of at most {MAX_CONTENT_TYPE} printable ASCII "
+                            "characters (multipart/form-data; boundary=...)")
+    return OpenAICall(api, {}, False, upload=raw, content_type=content_type)
+
+
+def parse_openai(api: str, raw: bytes, cfg: GatewayConfig, media: list[bytes] | None = None,
+                 content_type: str = "") -> OpenAICall:
     """Reads what the gateway needs from a request body, without I/O: whether it streams, and where its
     media are, found by vLLM's own rule (``services.gateway.parts``). Everything else is vLLM's to
-    validate (on the LM). ``media``: the gRPC API's raw media, named by ``epd-media:N`` URLs. Raises
-    ApiError."""
+    validate (on the LM). ``media``: the gRPC API's raw media, named by ``epd-media:N`` URLs;
+    ``content_type``: the request's, for an ``upload`` API (``parse_upload``). Raises ApiError."""
     spec = API[api]
+    if spec.upload and media is not None:  # the gRPC API: the form's fields as JSON, the file as media[0]
+        fields = loads_strict(raw) if raw else {}
+        if not isinstance(fields, dict) or len(media) != 1:
+            raise ApiError(400, "an audio request is the form's fields as a JSON object and the file as media[0]")
+        raw, content_type = multipart_upload(fields, media[0])
+    if spec.upload:
+        return parse_upload(api, raw, content_type)
     body = loads_strict(raw) if raw or spec.method != "GET" else {}
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")

@@ -90,6 +90,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     Tokenize = _endpoint("tokenize")
     Detokenize = _endpoint("detokenize")
     Version = _endpoint("version")
+    Transcription = _endpoint("transcriptions")
+    Translation = _endpoint("translations")
 
     async def _by_id(self, request: gateway_pb2.ResponseRef, context, api: str, path: str):
         if not _RESPONSE_ID.fullmatch(request.response_id):

@@ -62,7 +62,7 @@ from vllm.sampling_params import RequestOutputKind
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 from ectransfer.connector.metadata import ConsumerFinished, ECTransferParams
-from services.common.errors import BadInput, EncoderUnavailable, EPDError
+from services.common.errors import BadInput, EncoderUnavailable
 from services.common.layout import ItemLayout, splice_modalities
 from services.lm.config import FrontendConfig
 from services.lm.context import CURRENT, RequestContext
@@ -215,9 +215,9 @@ class ConsumerEngine:
         # vLLM forwards, or vllm_xargs) would make the LM dial what the caller chose.
         extra.pop("ec_transfer_params", None)
         if ctx is not None and ctx.sources:
-            if self._engine.model_config.is_encoder_decoder:  # never reached: the LM refuses to start
-                raise EPDError("an encoder-decoder model cannot take transferred encoder outputs "
-                               "(services.common.engine.refuse_encoder_decoder)")
+            if self._engine.vllm_config.ec_transfer_config is None:  # an encoder-decoder model's LM
+                raise BadInput("this LM takes no encoder outputs: it serves an encoder-decoder model and "
+                               "encodes its media itself")
             extra["ec_transfer_params"] = ECTransferParams(ctx.sources).to_dict()
         sampling_params.extra_args = extra or None
         gen = self._engine.generate(prompt, sampling_params, request_id, *args, **kwargs)

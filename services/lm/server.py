@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 
 from prometheus_client import start_http_server
@@ -18,10 +19,11 @@ from ectransfer.shm import cleanup_orphans
 from epd.lm.v1 import lm_pb2, lm_pb2_grpc
 from peerauth import SecurityConfig
 from services.common.engine import (
+    ENCODER_DECODER_GAP,
     EngineConfig,
     build_async_engine,
     configure_process_env,
-    refuse_encoder_decoder,
+    is_encoder_decoder,
     serve_until_stopped,
 )
 from services.common.grpc_server import GrpcServer
@@ -42,6 +44,13 @@ def _ec_config(cfg: LMServiceConfig, engine_cfg: EngineConfig, security: Securit
         **(tuning or ConnectorTuning()).extra(), staging_bytes=int(cfg.staging_mib * (1 << 20)),
         transports=cfg.transport_list(), transfer_timeout_s=cfg.transfer_timeout_s, model_name=engine_cfg.model,
         security=security.to_dict()))
+
+
+def ec_consumer(engine_cfg: EngineConfig) -> bool:
+    """Whether this LM's engine is an EC consumer (takes encoder outputs over Transfer): every model
+    but an encoder-decoder one (issue 25's guard: vLLM 0.32 would decode it without the audio), which
+    this LM serves as a plain engine, encoding its audio itself."""
+    return not is_encoder_decoder(engine_cfg)
 
 
 def check(cfg: LMServiceConfig, security: SecurityConfig) -> EncoderAllowList:
@@ -65,14 +74,21 @@ async def serve(cfg: LMServiceConfig, engine_cfg: EngineConfig, stop: asyncio.Ev
     configure_process_env()  # `epd` did before importing this module; for in-process callers (tests)
 
     media_connector.install()  # the LM never downloads; data: URLs load under the media limits
-    refuse_encoder_decoder(engine_cfg, "LM (an EC consumer)")  # no engine start is spent on it
-
-    # No processor cache: a prompt laid out from an encoder's metadata carries its
-    # items without data, which vLLM's engine-side processor cache would take for
-    # a cache entry it lost (MultiModalCacheMissError).
-    engine = build_async_engine(engine_cfg, _ec_config(cfg, engine_cfg, security, tuning), ec_manager_config={
-        "encoder_cache_manager_cls": "ectransfer.connector.cache_manager.EPDEncoderCacheManager"},
-        mm_processor_cache_gb=0, **cfg.engine_args())
+    # vLLM's speech-to-text serving decodes an upload itself (an encoder-decoder model's
+    # /v1/audio routes): the same duration bound as the media connector's, unless the operator set one.
+    os.environ.setdefault("VLLM_MAX_AUDIO_DECODE_DURATION_S", str(int(cfg.max_audio_seconds)))
+    consumer = ec_consumer(engine_cfg)
+    if consumer:
+        # No processor cache: a prompt laid out from an encoder's metadata carries its
+        # items without data, which vLLM's engine-side processor cache would take for
+        # a cache entry it lost (MultiModalCacheMissError).
+        engine = build_async_engine(engine_cfg, _ec_config(cfg, engine_cfg, security, tuning), ec_manager_config={
+            "encoder_cache_manager_cls": "ectransfer.connector.cache_manager.EPDEncoderCacheManager"},
+            mm_processor_cache_gb=0, **cfg.engine_args())
+    else:
+        logger.warning("%s is an encoder-decoder model: this LM encodes its audio itself and takes no "
+                       "encoder outputs (%s)", engine_cfg.model, ENCODER_DECODER_GAP)
+        engine = build_async_engine(engine_cfg, None, **cfg.engine_args())
     server = None
     try:
         frontend = await build_frontend(engine, cfg, engine_cfg.model)
@@ -82,7 +98,8 @@ async def serve(cfg: LMServiceConfig, engine_cfg: EngineConfig, stop: asyncio.Ev
         # the engine's connector negotiates for real and reports per request.
         names = factory.resolve(cfg.transport_list(), "consumer")
         transports = [factory.make_consumer(t) if t != "cuda_ipc" else OfferedCudaIpc() for t in names]
-        peers = PeerChecker(compat, engine.vllm_config.ec_transfer_config.engine_id, transports,
+        consumer_id = engine.vllm_config.ec_transfer_config.engine_id if consumer else ""
+        peers = PeerChecker(compat, consumer_id, transports,
                             cfg.handshake_timeout_s, security=security,
                             allowed=allowed)
         info = lm_pb2.LMInfo(model=frontend.models.model_name(), compat=compat)

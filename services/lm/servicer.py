@@ -95,6 +95,9 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
         for item in request.items:
             if not item.identifier or not item.HasField("source"):
                 continue
+            if not self.peers.consumer_id:  # issue 25's guard: an encoder-decoder model's LM is no EC consumer
+                raise BadInput(f"item {item.identifier}: this LM takes no encoder outputs (it serves an "
+                               "encoder-decoder model and encodes its media itself)")
             src = item.source
             try:
                 ctx.sources[item.identifier] = ItemSource(
@@ -194,10 +197,13 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
         content type and the whole body (or, for a stream, its first chunk; each further chunk is a
         message); the last one the request's facts, as for chat."""
 
-        openai_body(request)  # a JSON object (or nothing, for a GET): everything inside is vLLM's to read
+        content_type = request.openai.content_type
+        if not content_type.lower().startswith("multipart/"):  # an upload is vLLM's to parse (body_type)
+            openai_body(request)  # a JSON object (or nothing, for a GET): everything inside is vLLM's to read
         rid = request.request_id
         method, path = request.openai.method or "POST", request.openai.path
-        async with contextlib.aclosing(call(self.frontend.app, method, path, request.openai.body)) as answer:
+        async with contextlib.aclosing(call(self.frontend.app, method, path, request.openai.body,
+                                            content_type)) as answer:
             started: Started | None = None
             body: list[bytes] = []  # a plain response's chunks, sent as one message
             streamed = 0

@@ -1,5 +1,6 @@
 """vLLM's own HTTP application inside the LM, called in-process: every route of `vllm serve` that the
-LM answers (Responses, Anthropic Messages, tokenize and detokenize, version) is answered
+LM answers (Responses, Anthropic Messages, tokenize and detokenize, version, the audio
+transcriptions and translations of an encoder-decoder model) is answered
 by the code `vllm serve` runs, over the LM's ``ConsumerEngine`` (so its renderer is the
 ``LaidOutRenderer`` and its engine calls carry the gateway's ``ec_transfer_params``, as for chat).
 
@@ -38,6 +39,7 @@ ROUTES: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
         ("POST", r"/tokenize"),
         ("POST", r"/detokenize"),
         ("GET", r"/version"),
+        ("POST", r"/v1/audio/(transcriptions|translations)"),
         # Answered by vLLM's "scale-out endpoints are disabled" 403: the LM never enables them.
         ("POST", r"/v1/(chat/completions|completions|messages|responses)/render"),
         ("POST", r"/v1/(chat/completions|completions)/derender"),
@@ -49,8 +51,28 @@ MAX_RESPONSE_BYTES = 64 << 20
 """A non-streaming answer larger than this is refused (it would be one gRPC message)."""
 
 
+MULTIPART = re.compile(r"/v1/audio/(transcriptions|translations)")
+"""The routes whose body is an upload (``multipart/form-data``); every other route's is JSON."""
+
+
 def allowed(method: str, path: str) -> bool:
     return any(m == method and p.fullmatch(path) for m, p in ROUTES)
+
+
+def body_type(path: str, content_type: str) -> str:
+    """The Content-Type the LM hands vLLM's app for a body sent to ``path`` as ``content_type``: JSON for
+    every route but the audio uploads, whose own (``multipart/form-data; boundary=...``, as the client
+    sent it) goes with them: vLLM's app parses the upload, and answers one it cannot read as `vllm
+    serve` does. Raises BadInput for a JSON route given another type, or a header that is not one line
+    of printable ASCII."""
+    if MULTIPART.fullmatch(path):
+        if not content_type or len(content_type) > 256 or not content_type.isascii() or \
+                not content_type.isprintable():
+            raise BadInput(f"{path}: the upload's Content-Type must be one line of printable ASCII")
+        return content_type
+    if content_type.split(";", 1)[0].strip().lower() not in ("", "application/json"):
+        raise BadInput(f"{path} takes a JSON body, not {content_type[:80]!r}")
+    return "application/json"
 
 
 @dataclass
@@ -81,16 +103,18 @@ async def build_vllm_app(engine_client, args):
     return app
 
 
-async def call(app, method: str, path: str, body: bytes) -> AsyncIterator[Started | bytes]:
+async def call(app, method: str, path: str, body: bytes, content_type: str = "") -> AsyncIterator[Started | bytes]:
     """One request through ``app``: yields ``Started`` once, then the body's chunks (one for a plain
-    response, one per write for a stream). Raises BadInput for a route the LM does not answer."""
+    response, one per write for a stream). Raises BadInput for a route the LM does not answer, or a
+    body of another type than the route takes (``body_type``)."""
     if not allowed(method, path):
         raise BadInput(f"the LM does not answer {method} {path[:80]}")
+    content_type = body_type(path, content_type)
     scope = {
         "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
         "method": method, "scheme": "http", "path": path, "raw_path": path.encode(), "root_path": "",
         "query_string": b"", "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 0),
-        "headers": [(b"host", b"lm"), (b"content-type", b"application/json"),
+        "headers": [(b"host", b"lm"), (b"content-type", content_type.encode("latin-1")),
                     (b"content-length", str(len(body)).encode())],
     }
     out: asyncio.Queue = asyncio.Queue()

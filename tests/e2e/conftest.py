@@ -55,6 +55,21 @@ def _background_stops():
         thread.join(60)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _family_references(request):
+    """When tests/e2e/test_families.py is selected, its plain-vLLM reference runs start with the
+    session, in the background (``test_families.start_references``)."""
+    if not any(getattr(item, "module", None) is not None and item.module.__name__.endswith(".test_families")
+               for item in request.session.items):
+        yield
+        return
+    from tests.e2e import test_families
+
+    test_families.start_references()
+    yield
+    test_families.stop_references()
+
+
 @pytest.fixture(scope="session")
 def _reference_run(tiny_model):
     """Plain vLLM's answers to REFERENCE_REQUESTS, computed in a subprocess from the session's start,

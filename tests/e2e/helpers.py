@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import pathlib
 import re
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
 
 from epd.transfer.v1 import transfer_pb2, transfer_pb2_grpc
+from services.common.engine import EngineConfig
+from services.up import free_port
 from tools.media import data_url, make_image
 
 
@@ -127,3 +133,52 @@ def check_perturbation_changes_tokens(dep, bodies: list[dict], reference: list[l
     assert len(set(perturbed)) == len(bodies), perturbed  # each image's embedding went through the hook
     got = [body["choices"][0]["token_ids"] for _, body in results]
     assert all(g != r for g, r in zip(got, reference)), (got, reference)
+
+
+def engine_flags(model: str) -> list[str]:
+    """The flags that give ``vllm serve`` the engine ``EngineConfig``'s defaults give the services
+    (``services.common.engine.engine_kwargs``)."""
+    e = EngineConfig(model=model)
+    flags = ["--model", model, "--dtype", e.dtype, "--max-num-seqs", str(e.max_num_seqs), "--seed", str(e.seed),
+             "--kv-cache-memory-bytes", str(e.kv_cache_bytes),
+             "--limit-mm-per-prompt", json.dumps({"image": e.max_images_per_prompt, "audio": e.max_audios_per_prompt,
+                                                  "video": e.max_videos_per_prompt})]
+    return flags + (["--enforce-eager"] if e.enforce_eager else [])
+
+
+@contextlib.contextmanager
+def vllm_serve(model: str, log: pathlib.Path, flags: list[str] = (), env: dict[str, str] | None = None,
+               timeout: float = 300):
+    """``vllm serve`` (vLLM's own OpenAI server) on ``model`` with the services' engine settings plus
+    ``flags``, on a free loopback port: yields its URL once /health answers; stopped on exit."""
+    port = free_port()
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
+               VLLM_WORKER_MULTIPROC_METHOD="spawn", **(env or {}))
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1",
+                                 "--port", str(port), *engine_flags(model), *flags],
+                                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited:\n{log.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"vllm serve not ready:\n{log.read_text()[-3000:]}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+

@@ -12,7 +12,7 @@ reference run per family (tiny offline checkpoints, ``tools/tiny_families``)."""
 from __future__ import annotations
 
 import base64
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
@@ -93,25 +93,47 @@ def _requests(family: str) -> dict[str, dict]:
     return {**REQUESTS, **VIDEO_REQUESTS} if family in ("qwen2_5_vl", "qwen3_vl") else REQUESTS
 
 
-@pytest.fixture(scope="module", params=list(LAID_OUT_BY))
-def family(request):
-    """The family's deployment and plain vLLM's answers (tokens and expanded prompts) to its requests,
-    the reference computed while the deployment starts."""
+_REFERENCES: dict[str, Future] = {}
+_POOL = ThreadPoolExecutor(1, thread_name_prefix="family-references")
+
+
+def _reference(family: str) -> tuple[dict, dict]:
+    """Plain vLLM's answers (tokens, expanded prompts) to the family's requests, in a subprocess."""
     from services.cli import default_model
 
+    bodies = {**_requests(family), **(PERTURB if family == "qwen2_5_vl" else {})}
+    results = dict(zip(bodies, run_subprocess(default_model(family=family), list(bodies.values()),
+                                              with_prompts=True)))
+    return {n: r["tokens"] for n, r in results.items()}, {n: r["prompt_token_ids"] for n, r in results.items()}
+
+
+def start_references() -> None:
+    """Starts every family's reference run, one after another on one background thread: from the
+    session's start when this module is selected (tests/e2e/conftest.py), so that they run while the
+    other modules' tests mostly wait on the network, and each family's deployment then starts alone."""
+    for name in LAID_OUT_BY:
+        if name not in _REFERENCES:
+            _REFERENCES[name] = _POOL.submit(_reference, name)
+
+
+def stop_references() -> None:
+    _POOL.shutdown(wait=False, cancel_futures=True)
+
+
+@pytest.fixture(scope="module", params=list(LAID_OUT_BY))
+def family(request):
+    """The family's deployment and plain vLLM's answers (tokens and expanded prompts) to its requests."""
+    from services.cli import default_model
+
+    start_references()  # no-op when the session started them
     model = default_model(family=request.param)
-    bodies = {**_requests(request.param), **(PERTURB if request.param == "qwen2_5_vl" else {})}
-    with ThreadPoolExecutor(1) as pool:
-        ref = pool.submit(run_subprocess, model, list(bodies.values()), with_prompts=True)
-        dep = Deployment(model=model, quiet=True)
-        try:
-            start_perturbable(dep)  # the perturbation hook, off until its test turns it on
-            results = dict(zip(bodies, ref.result()))
-        except BaseException:
-            dep.stop()
-            raise
-    reference = {name: r["tokens"] for name, r in results.items()}
-    prompts = {name: r["prompt_token_ids"] for name, r in results.items()}
+    dep = Deployment(model=model, quiet=True)
+    try:
+        start_perturbable(dep)  # the perturbation hook, off until its test turns it on
+        reference, prompts = _REFERENCES[request.param].result()
+    except BaseException:
+        dep.stop()
+        raise
     yield request.param, dep, reference, prompts, model
     stop_in_background(dep)
 

@@ -12,17 +12,12 @@ What may differ: ids, timestamps, and the ``epd`` object epd-serve adds.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import time
 import urllib.error
 import urllib.request
 
 import pytest
 
-from services.common.engine import EngineConfig
-from services.up import free_port
+from tests.e2e.helpers import vllm_serve as serve_vllm
 from tools.media import data_url, make_image
 
 pytestmark = pytest.mark.e2e
@@ -30,49 +25,12 @@ pytestmark = pytest.mark.e2e
 FRONTEND_FLAGS = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
 
 
-def _engine_flags(model: str) -> list[str]:
-    """The flags that give ``vllm serve`` the engine ``EngineConfig``'s defaults give the services."""
-    e = EngineConfig(model=model)
-    flags = ["--model", model, "--dtype", e.dtype, "--max-num-seqs", str(e.max_num_seqs), "--seed", str(e.seed),
-             "--kv-cache-memory-bytes", str(e.kv_cache_bytes),
-             "--limit-mm-per-prompt", json.dumps({"image": e.max_images_per_prompt})]
-    return flags + (["--enforce-eager"] if e.enforce_eager else [])
-
-
 @pytest.fixture(scope="module")
 def vllm_serve(tiny_model, tmp_path_factory):
-    port = free_port()
-    log = tmp_path_factory.mktemp("vllm-serve") / "server.log"
     # Stored responses on, as the session deployment's LM has them (tests/e2e/helpers.start_perturbable).
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
-               VLLM_WORKER_MULTIPROC_METHOD="spawn", VLLM_ENABLE_RESPONSES_API_STORE="1")
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1",
-                                 "--port", str(port), *_engine_flags(tiny_model), *FRONTEND_FLAGS],
-                                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited:\n{log.read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"vllm serve not ready:\n{log.read_text()[-3000:]}")
-            time.sleep(0.5)
+    with serve_vllm(tiny_model, tmp_path_factory.mktemp("vllm-serve") / "server.log", FRONTEND_FLAGS,
+                    env={"VLLM_ENABLE_RESPONSES_API_STORE": "1"}) as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 IMG_A = data_url(make_image(31, (112, 112)))

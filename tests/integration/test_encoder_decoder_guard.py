@@ -1,7 +1,8 @@
-"""Issue 25's guard: an encoder-decoder model (Whisper-class) is refused by the LM and the encoder
-service before any engine starts. vLLM 0.32 never loads a transferred encoder output into such a
-model's cross-attention, so an LM fed from an encoder would decode without the audio, silently;
-a clear refusal is the only safe answer until the LM injects it itself."""
+"""Issue 25's guard: vLLM 0.32 never loads a transferred encoder output into an encoder-decoder
+model's (Whisper-class) cross-attention, so an LM fed from an encoder would decode without the audio,
+silently. The encoder service refuses such a model before any engine starts; the LM serves it as a
+plain engine that is no EC consumer (it encodes the audio itself), and refuses any item that names an
+encoder (tests/e2e/test_transcriptions.py sends one to a running Whisper LM)."""
 
 from __future__ import annotations
 
@@ -24,18 +25,50 @@ def tiny_whisper_config(tmp_path_factory) -> str:
     return str(path)
 
 
-def test_lm_and_encoder_refuse_an_encoder_decoder_model_before_starting_an_engine(tiny_whisper_config):
-    procs = {role: subprocess.Popen([sys.executable, "-m", "services.cli", role, "--model", tiny_whisper_config,
-                                     "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for role in ("lm", "encoder")}
-    for role, proc in procs.items():
-        out, err = proc.communicate(timeout=240)
-        assert proc.returncode == 2, (role, out[-2000:], err[-2000:])
-        assert "is an encoder-decoder model" in err and "decode without the audio" in err, err[-2000:]
-        assert "EngineCore" not in err  # refused before any engine process was started
+def test_the_encoder_refuses_an_encoder_decoder_model_before_starting_an_engine(tiny_whisper_config):
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "encoder", "--model", tiny_whisper_config,
+                           "--port", "0"], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 2, (proc.stdout[-2000:], proc.stderr[-2000:])
+    assert "is an encoder-decoder model" in proc.stderr and "decode without the audio" in proc.stderr, \
+        proc.stderr[-2000:]
+    assert "EngineCore" not in proc.stderr  # refused before any engine process was started
 
 
-def test_a_decoder_only_model_passes_the_guard(tiny_model):
+def test_the_lm_is_no_ec_consumer_for_an_encoder_decoder_model(tiny_whisper_config, tiny_model):
+    from services.common.engine import EngineConfig
+    from services.lm.server import ec_consumer
+
+    assert not ec_consumer(EngineConfig(model=tiny_whisper_config))  # a plain engine: no connector at all
+    assert ec_consumer(EngineConfig(model=tiny_model))
+
+
+def test_a_decoder_only_model_passes_the_encoders_guard(tiny_model):
     from services.common.engine import EngineConfig, refuse_encoder_decoder
 
-    refuse_encoder_decoder(EngineConfig(model=tiny_model), "LM")  # no exception
+    refuse_encoder_decoder(EngineConfig(model=tiny_model), "encoder")  # no exception
+
+
+def test_an_lm_without_a_connector_never_gives_a_request_ec_transfer_params():
+    """ConsumerEngine, the last place before vLLM: a request whose items name an encoder is refused on an
+    engine that is no EC consumer, before the engine sees it."""
+    from types import SimpleNamespace
+
+    from ectransfer.connector.metadata import ItemSource
+    from services.common.errors import BadInput
+    from services.lm.context import CURRENT, RequestContext
+    from services.lm.frontend import ConsumerEngine
+
+    calls = []
+    engine = SimpleNamespace(vllm_config=SimpleNamespace(ec_transfer_config=None),
+                             generate=lambda *a, **k: calls.append((a, k)))
+    consumer = object.__new__(ConsumerEngine)  # its renderer is not needed here
+    consumer._engine = engine
+    ctx = RequestContext(media=None)
+    ctx.sources["x" * 64] = ItemSource("127.0.0.1:1", 64, "bfloat16", "claim")
+    token = CURRENT.set(ctx)
+    try:
+        with pytest.raises(BadInput, match="takes no encoder outputs"):
+            consumer.generate("prompt", SimpleNamespace(extra_args=None), "rid")
+    finally:
+        CURRENT.reset(token)
+    assert calls == []

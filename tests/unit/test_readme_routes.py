@@ -1,4 +1,5 @@
 """README's endpoint table names every route `vllm serve` registers for a generative multimodal model
+or a speech-to-text one
 (vLLM's own app, built as `vllm serve` builds it, without an engine), and every route the gateway
 serves is one of them or its own."""
 
@@ -26,7 +27,8 @@ def _vllm_routes(model: str) -> set[tuple[str, str]]:
         from vllm.entrypoints.launchers.app import build_app
 
         args = make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", model])
-        app = build_app(args, ("generate",), AsyncEngineArgs(model=model).create_model_config())
+        # The tasks of a generative model and of a speech one (vLLM registers the audio routes for those).
+        app = build_app(args, ("generate", "transcription"), AsyncEngineArgs(model=model).create_model_config())
     finally:
         root.setLevel(levels[0])
         for handler, level in levels[1]:

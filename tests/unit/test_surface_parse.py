@@ -196,3 +196,52 @@ def test_the_transports_import_the_core_and_not_each_other():
     assert "services.gateway.servicer" not in rest and "services.gateway.openai_api" not in grpc_api
     assert {"services.gateway.core", "services.gateway.request"} <= rest & grpc_api
     assert not {m for m in imports("core") | imports("request") if m.endswith(("openai_api", "servicer"))}
+
+
+def _starlette_form(body: bytes, content_type: str) -> list[tuple[str, object]]:
+    """The form as vLLM's app reads it (Starlette's parser, the one `vllm serve` runs)."""
+    from starlette.requests import Request
+
+    async def main():
+        sent = False
+
+        async def receive():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return {"type": "http.disconnect"}
+
+        scope = {"type": "http", "method": "POST", "path": "/", "query_string": b"",
+                 "headers": [(b"content-type", content_type.encode())]}
+        form = await Request(scope, receive).form()
+        return [(k, v if isinstance(v, str) else (v.filename, await v.read())) for k, v in form.multi_items()]
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("api", ["transcriptions", "translations"])
+def test_an_upload_travels_to_the_lm_as_the_client_sent_it(api):
+    raw = b"--b\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nm\r\n--b--\r\n"
+    call = parse_openai(api, raw, CFG, content_type="multipart/form-data; boundary=b")
+    assert API[api].upload and not API[api].encode and call.parts == []
+    assert call.lm_body(lm_pb2.GenerateRequest(), []) == raw
+    assert call.content_type == "multipart/form-data; boundary=b"
+    with pytest.raises(ApiError) as e:
+        parse_openai(api, raw, CFG, content_type="multipart/form-data; boundary=b\r\nX-Evil: 1")
+    assert e.value.status == 400
+
+
+def test_the_grpc_apis_audio_fields_become_the_form_vllm_reads():
+    fields = {"model": "m", "language": "en", "temperature": 0.5, "stream": True,
+              "timestamp_granularities": ["segment", "word"]}
+    call = parse_openai("transcriptions", json.dumps(fields).encode(), CFG, media=[b"RIFF-audio"])
+    assert _starlette_form(call.upload, call.content_type) == [
+        ("model", "m"), ("language", "en"), ("temperature", "0.5"), ("stream", "true"),
+        ("timestamp_granularities[]", "segment"), ("timestamp_granularities[]", "word"),
+        ("file", ("audio", b"RIFF-audio"))]
+    for bad, media in (({"file": "x"}, [b"a"]), ({"model": {"x": 1}}, [b"a"]), ({"model": "m"}, []),
+                       ({'na"me': "x"}, [b"a"])):
+        with pytest.raises(ApiError) as e:
+            parse_openai("transcriptions", json.dumps(bad).encode(), CFG, media=media)
+        assert e.value.status == 400, bad
