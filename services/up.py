@@ -29,6 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ectransfer.shm import cleanup_orphans
 from peerauth import SecurityConfig, is_loopback
 from services.certs import make_certs, make_token
+from services.common.engine import EngineConfig, configure_process_env, is_encoder_decoder
 
 _rng = random.Random()  # its own generator: a test that seeds ``random`` must not make ports repeat
 _handed_out: set[int] = set()
@@ -185,6 +186,21 @@ def wait_ready(checks: dict[Service, Callable[[], bool]], deadline: float, poll_
             time.sleep(poll_s)
 
 
+def check_security(host: str, security: str, insecure: bool) -> str:
+    """``epd up``'s ``--security`` for ``host``, resolved ("auto": token on a loopback host, tls on any
+    other). Raises ValueError for one every service would refuse (``SecurityConfig.require_for``)."""
+    if security == "auto":
+        security = "token" if is_loopback(host) else "tls"
+    if security not in ("token", "tls", "none"):
+        raise ValueError(f"security must be auto, token, tls or none; got {security!r}")
+    if security != "tls" and not (is_loopback(host) or insecure):
+        # Every service would refuse to start: say so before starting any.
+        raise ValueError(f"--host {host} can be reached from other machines, where --security {security} "
+                         "would serve without TLS: use --security tls (mutual TLS with a private CA made "
+                         "here), or --insecure where the network is trusted")
+    return security
+
+
 @dataclass
 class Deployment:
     model: str
@@ -215,15 +231,7 @@ class Deployment:
 
     def __post_init__(self) -> None:
         h = self.host
-        if self.security == "auto":
-            self.security = "token" if is_loopback(h) else "tls"
-        if self.security not in ("token", "tls", "none"):
-            raise ValueError(f"security must be auto, token, tls or none; got {self.security!r}")
-        if self.security != "tls" and not (is_loopback(h) or self.insecure):
-            # Every service would refuse to start (SecurityConfig.require_for): say so before starting any.
-            raise ValueError(f"--host {h} can be reached from other machines, where --security {self.security} "
-                             "would serve without TLS: use --security tls (mutual TLS with a private CA made "
-                             "here), or --insecure where the network is trusted")
+        self.security = check_security(h, self.security, self.insecure)
         self.port = self.port or free_port(h)
         self.gateway_grpc = f"{h}:{free_port(h)}"
         self.log_dir = self.log_dir or tempfile.mkdtemp(prefix="epd-up-")
@@ -357,10 +365,21 @@ class Deployment:
 def run_up(model: str, host: str, port: int, engine_args: str, security: str = "auto",
            encoder_args: list[str] | None = None, lm_args: list[str] | None = None,
            gateway_args: list[str] | None = None, insecure: bool = False) -> int:
-    """``epd up``. Raises ValueError for a configuration refused before anything starts."""
+    """``epd up``. Raises ValueError for a configuration refused before anything starts. An
+    encoder-decoder model (Whisper-class) runs without an encoder service: its LM encodes the audio
+    itself (docs/design.md, Encoder-decoder models)."""
+    check_security(host, security, insecure)  # refused before anything else is read
+    configure_process_env()  # the check below reads the model's config as the services will
+    try:
+        speech = is_encoder_decoder(EngineConfig(model=model, vllm_args=engine_args))
+    except Exception:  # noqa: BLE001 - a model vLLM cannot read: the services report it, with its reason
+        speech = False
+    if speech:
+        print(f"epd up: {model} is an encoder-decoder model: no encoder service (the LM encodes the audio "
+              "itself; /v1/audio/transcriptions and /v1/audio/translations)", flush=True)
     dep = Deployment(model=model, host=host, port=port, engine_args=engine_args, security=security,
                      encoder_args=encoder_args or [], lm_args=lm_args or [], gateway_args=gateway_args or [],
-                     insecure=insecure)
+                     insecure=insecure, with_encoder=not speech)
     stop = {"now": False}
 
     def on_signal(signum, frame):

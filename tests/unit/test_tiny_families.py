@@ -13,7 +13,7 @@ from tools.torchvision_cpu import PATCH_MARKER, matching_version, patch_source
 
 pytestmark = pytest.mark.unit
 
-FAMILIES = ["qwen2_audio", "qwen2_5_vl", "qwen3_vl", "gemma3", "llava"]
+FAMILIES = ["qwen2_audio", "qwen2_5_vl", "qwen3_vl", "gemma3", "llava", "whisper"]
 VISION = ["qwen2_5_vl", "qwen3_vl", "gemma3", "llava"]
 
 
@@ -95,6 +95,7 @@ def test_gemma3_newline_runs_are_single_tokens_and_image_projection_is_not_zero(
     ("qwen3_vl", {"model", "lm_head"}),  # model.visual., model.language_model.
     ("gemma3", {"vision_tower", "multi_modal_projector", "language_model"}),
     ("llava", {"vision_tower", "multi_modal_projector", "language_model"}),
+    ("whisper", {"model"}),  # model.encoder., model.decoder.; proj_out is tied
 ])
 def test_weights_use_the_hub_layout_vllm_loads(built, family, prefixes):
     from safetensors import safe_open
@@ -106,6 +107,97 @@ def test_weights_use_the_hub_layout_vllm_loads(built, family, prefixes):
         assert all(k.startswith("vision_tower.vision_model.") for k in keys if k.startswith("vision_tower"))
     cfg = json.loads((built[family] / "config.json").read_text())
     assert cfg["architectures"] and cfg["torch_dtype"] == "bfloat16"
+
+
+def _vllm_whisper_languages() -> list[str]:
+    """vLLM's ``ISO639_1_SUPPORTED_LANGS``, read from its source (importing vLLM takes seconds)."""
+    import ast
+    import importlib.util
+    import pathlib
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("vLLM is not installed")
+    path = pathlib.Path(list(spec.submodule_search_locations)[0]) / "model_executor/models/whisper_utils.py"
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "ISO639_1_SUPPORTED_LANGS"
+                                                 for t in node.targets):
+            return list(ast.literal_eval(node.value))
+    raise AssertionError(f"ISO639_1_SUPPORTED_LANGS not found in {path}")
+
+
+def test_whisper_processor_and_the_tokens_vllm_prompts_with(built):
+    from transformers import AutoConfig, AutoFeatureExtractor, AutoProcessor, AutoTokenizer, GenerationConfig
+
+    path = built["whisper"]
+    processor = AutoProcessor.from_pretrained(path)
+    assert type(processor).__name__ == "WhisperProcessor"
+    fe = AutoFeatureExtractor.from_pretrained(path)
+    assert (fe.feature_size, fe.sampling_rate, fe.chunk_length, fe.hop_length, fe.n_fft) == (80, 16000, 30, 160, 400)
+    feats = processor.feature_extractor(np.zeros(16000, np.float32), sampling_rate=16000, return_tensors="np")
+    assert feats["input_features"].shape == (1, 80, 3000)  # padded to 30 s; 1500 encoder positions
+    tok = AutoTokenizer.from_pretrained(path)
+    assert type(tok).__name__ == "WhisperTokenizer"
+    config = AutoConfig.from_pretrained(path)
+    assert config.architectures == ["WhisperForConditionalGeneration"] and config.vocab_size == len(tok)
+    vocab = tok.get_vocab()
+    sot, eot = vocab["<|startoftranscript|>"], vocab["<|endoftext|>"]
+    assert config.decoder_start_token_id == GenerationConfig.from_pretrained(path).decoder_start_token_id == sot
+    assert config.eos_token_id == tok.eos_token_id == eot == sot - 1
+
+    # vLLM's decoder prompt (WhisperForConditionalGeneration.get_generation_prompt): one token each.
+    for lang in _vllm_whisper_languages():
+        for task in ("transcribe", "translate"):
+            ids = tok.encode(f"<|startoftranscript|><|{lang}|><|{task}|><|notimestamps|>", add_special_tokens=False)
+            assert tok.convert_ids_to_tokens(ids) == ["<|startoftranscript|>", f"<|{lang}|>", f"<|{task}|>",
+                                                      "<|notimestamps|>"]
+    # transformers finds a language's token by its place after <|startoftranscript|>.
+    tok.set_prefix_tokens(language="de", task="translate")
+    assert tok.convert_ids_to_tokens(tok.prefix_tokens) == ["<|startoftranscript|>", "<|de|>", "<|translate|>",
+                                                            "<|notimestamps|>"]
+    # verbose_json: vLLM takes every id from <|0.00|> on as a timestamp, 20 ms apart.
+    first = vocab["<|0.00|>"]
+    assert vocab["<|30.00|>"] == first + 1500 == len(tok) - 1 and vocab["<|1.00|>"] == first + 50
+    assert max(vocab[t] for t in tok.all_special_tokens) < first
+    assert tok.decode(tok.encode(" hello world", add_special_tokens=False)) == " hello world"
+    assert tok._decode_with_timestamps([first, *tok.encode(" hi", add_special_tokens=False), first + 50]) == \
+        "<|0.00|> hi<|1.00|>"
+
+
+def test_whisper_greedy_output_follows_the_audio(built):
+    """transformers' forward pass on the tiny Whisper: two clips give two transcriptions, one clip one."""
+    import io
+
+    import soundfile
+    import torch
+    from transformers import AutoProcessor, WhisperForConditionalGeneration
+
+    from tools.media import make_audio
+
+    path = built["whisper"]
+    processor = AutoProcessor.from_pretrained(path)
+    model = WhisperForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    tok = processor.tokenizer
+    prompt = tok.encode("<|startoftranscript|><|en|><|transcribe|><|notimestamps|>", add_special_tokens=False)
+
+    def greedy(seed: int, n: int = 40) -> list[int]:
+        wave, _ = soundfile.read(io.BytesIO(make_audio(seed=seed, seconds=1.0)), dtype="float32")
+        feats = processor.feature_extractor(wave, sampling_rate=16000, return_tensors="pt")["input_features"]
+        ids = list(prompt)
+        with torch.no_grad():
+            enc = model.model.encoder(feats).last_hidden_state
+            while len(ids) < len(prompt) + n and ids[-1] != tok.eos_token_id:
+                logits = model(encoder_outputs=(enc,), decoder_input_ids=torch.tensor([ids])).logits
+                ids.append(int(logits[0, -1].argmax()))
+        return ids[len(prompt):]
+
+    a, b = greedy(0), greedy(1)
+    assert a != b
+    assert greedy(0) == a
+    for out in (a, b):  # text, then <|endoftext|> from decoder position 35 on (32 tokens after the prompt)
+        assert out[-1] == tok.eos_token_id and len(out) <= 33
+        assert all(t < tok.convert_tokens_to_ids("<|0.00|>") for t in out)
+        assert tok.decode(out, skip_special_tokens=True).strip()
 
 
 def test_unknown_family_or_variant_is_refused(tmp_path):

@@ -13,6 +13,8 @@ Families (see docs/models.md for sizes and what is verified):
 ``qwen3_vl``     ViT with 2x2 patch merger + DeepStack merger -> Qwen3 LM with interleaved M-RoPE.
 ``gemma3``       SigLIP -> avg-pool + soft-emb norm projector -> Gemma 3 LM.
 ``llava``        CLIP ViT -> 2-layer MLP projector -> Llama LM (LLaVA-1.5 layout).
+``whisper``      Whisper encoder -> cross-attention of a Whisper decoder (encoder-decoder;
+                 speech to text only: vLLM's transcription/translation routes, no chat template).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from __future__ import annotations
 import importlib
 import pathlib
 
-FAMILIES = ("qwen2_audio", "qwen2_5_vl", "qwen3_vl", "gemma3", "llava")
+FAMILIES = ("qwen2_audio", "qwen2_5_vl", "qwen3_vl", "gemma3", "llava", "whisper")
 
 
 def build_family(family: str, out: pathlib.Path, seed: int) -> None:

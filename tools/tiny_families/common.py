@@ -42,8 +42,8 @@ def corpus() -> list[str]:
     return lines
 
 
-def train_tokenizer(special_tokens: list[str], plain_tokens: tuple[str, ...] = ()):
-    """A byte-level BPE ``tokenizers.Tokenizer`` of exactly :data:`VOCAB_SIZE` tokens.
+def train_tokenizer(special_tokens: list[str], plain_tokens: tuple[str, ...] = (), vocab_size: int = VOCAB_SIZE):
+    """A byte-level BPE ``tokenizers.Tokenizer`` of exactly ``vocab_size`` (:data:`VOCAB_SIZE`) tokens.
 
     ``special_tokens`` get the first ids, in order.  ``plain_tokens`` are added
     last as non-special added tokens matched before BPE (Gemma 3 keeps newline
@@ -55,13 +55,13 @@ def train_tokenizer(special_tokens: list[str], plain_tokens: tuple[str, ...] = (
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE - len(plain_tokens), special_tokens=special_tokens, show_progress=False,
+        vocab_size=vocab_size - len(plain_tokens), special_tokens=special_tokens, show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(corpus(), trainer)
     tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in plain_tokens])
-    if tok.get_vocab_size() != VOCAB_SIZE:
-        raise RuntimeError(f"tokenizer has {tok.get_vocab_size()} tokens, expected {VOCAB_SIZE}")
+    if tok.get_vocab_size() != vocab_size:
+        raise RuntimeError(f"tokenizer has {tok.get_vocab_size()} tokens, expected {vocab_size}")
     return tok
 
 

@@ -1,0 +1,197 @@
+"""Issue 25: an encoder-decoder speech model (the tiny offline Whisper) through epd-serve answers
+/v1/audio/transcriptions and /v1/audio/translations as ``vllm serve`` does on the same model: each
+response_format vLLM accepts (and the ones it refuses, refused the same way), streaming, two clips, a
+clip longer than one 30 s window (vLLM splits it), language detection, and bad uploads. The LM
+encodes the audio itself (vLLM 0.32 cannot take such a model's encoder output from another engine:
+docs/design.md), so the deployment has no encoder, and an item naming an encoder is refused.
+
+One deployment (gateway + LM) and one ``vllm serve`` for the module, started side by side."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import httpx
+import pytest
+
+from epd.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from epd.lm.v1 import lm_pb2, lm_pb2_grpc
+from epd.transfer.v1 import transfer_pb2
+from services.cli import default_model
+from services.up import Deployment
+from tests.e2e.conftest import stop_in_background
+from tests.e2e.helpers import vllm_serve
+from tools.media import make_audio
+
+pytestmark = pytest.mark.e2e
+
+ROUTES = ("/v1/audio/transcriptions", "/v1/audio/translations")
+CLIP_A = make_audio(seed=1, seconds=2.0)
+CLIP_B = make_audio(seed=2, seconds=3.0)
+LONG = make_audio(seed=3, seconds=45.0)  # longer than Whisper's 30 s window: vLLM splits it
+MAX_S = 60
+
+
+@pytest.fixture(scope="module")
+def whisper() -> str:
+    return default_model(family="whisper")
+
+
+@pytest.fixture(scope="module")
+def pair(whisper, tmp_path_factory):
+    """(epd-serve's gateway URL, the deployment, vllm serve's URL) on the tiny Whisper."""
+    # One decode bound for both (a minute, so that a clip past it stays small): the LM's flag, vLLM's variable.
+    dep = Deployment(model=whisper, quiet=True, with_encoder=False, lm_args=["--max-audio-seconds", str(MAX_S)])
+    with ThreadPoolExecutor(1) as pool:
+        started = pool.submit(dep.start)
+        with vllm_serve(whisper, tmp_path_factory.mktemp("vllm-serve-whisper") / "server.log",
+                        env={"VLLM_MAX_AUDIO_DECODE_DURATION_S": str(MAX_S)}) as ref:
+            started.result()
+            try:
+                yield dep.url, dep, ref
+            finally:
+                stop_in_background(dep)
+
+
+def _post(url: str, route: str, clip: bytes, filename: str = "clip.wav", **fields) -> httpx.Response:
+    data = {k: (json.dumps(v) if isinstance(v, bool) else str(v)) for k, v in fields.items()}
+    return httpx.post(url + route, files={"file": (filename, clip, "audio/wav")}, data=data, timeout=120)
+
+
+def _same(a: httpx.Response, b: httpx.Response) -> None:
+    """Equal status, content type and body; JSON compared without epd-serve's ``epd`` object."""
+    assert a.status_code == b.status_code, (a.status_code, a.text[:500], b.status_code, b.text[:500])
+    ta, tb = a.headers.get("content-type", ""), b.headers.get("content-type", "")
+    assert ta.split(";")[0] == tb.split(";")[0], (ta, tb)
+    if ta.startswith("application/json"):
+        ja, jb = a.json(), b.json()
+        if isinstance(ja, dict):
+            ja.pop("epd", None)
+        assert ja == jb
+    else:
+        assert a.text == b.text
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("fmt", ["json", "text", "verbose_json", "srt", "vtt"])
+def test_each_response_format_as_vllm_serve_answers_it(pair, route, fmt):
+    epd, _, ref = pair
+    fields = dict(model=default_model(family="whisper"), language="en", temperature=0, response_format=fmt)
+    ours = _post(epd, route, CLIP_A, **fields)
+    _same(ours, _post(ref, route, CLIP_A, **fields))
+    # vLLM 0.32 answers json, text and verbose_json, and refuses srt and vtt (400): so does epd-serve.
+    assert ours.status_code == (400 if fmt in ("srt", "vtt") else 200), ours.text[:300]
+
+
+def test_two_clips_give_their_own_texts_and_a_long_clip_is_split_as_vllm_splits_it(pair):
+    epd, _, ref = pair
+    texts = []
+    for clip in (CLIP_A, CLIP_B, LONG):
+        fields = dict(model=default_model(family="whisper"), language="en", temperature=0)
+        ours = _post(epd, ROUTES[0], clip, **fields)
+        _same(ours, _post(ref, ROUTES[0], clip, **fields))
+        texts.append(ours.json()["text"])
+    assert texts[0] != texts[1], "the tiny Whisper's text depends on the audio"
+
+
+def test_language_detection_and_a_prompt_as_vllm_serve(pair):
+    epd, _, ref = pair
+    for fields in (dict(temperature=0), dict(language="en", prompt="hello there", temperature=0)):
+        fields["model"] = default_model(family="whisper")
+        ours = _post(epd, ROUTES[0], CLIP_B, **fields)
+        _same(ours, _post(ref, ROUTES[0], CLIP_B, **fields))
+        assert ours.status_code == 200 and ours.json()["text"], ours.text[:300]
+
+
+def _events(r: httpx.Response) -> list[dict]:
+    out = []
+    for line in r.text.splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            event = json.loads(line[len("data: "):])
+            event.pop("id", None)
+            event.pop("created", None)
+            out.append(event)
+    return out
+
+
+def test_streaming_as_vllm_serve_streams(pair):
+    epd, _, ref = pair
+    fields = dict(model=default_model(family="whisper"), language="en", temperature=0, stream=True,
+                  stream_include_usage=True)
+    ours, theirs = _post(epd, ROUTES[0], CLIP_A, **fields), _post(ref, ROUTES[0], CLIP_A, **fields)
+    assert ours.status_code == theirs.status_code == 200
+    assert ours.headers["content-type"].startswith("text/event-stream")
+    assert _events(ours) == _events(theirs) and _events(ours)
+
+
+@pytest.mark.parametrize("case", ["not audio", "empty file", "not multipart", "no file", "unknown model", "too long"])
+def test_bad_uploads_are_refused_as_vllm_serve_refuses_them(pair, case):
+    epd, _, ref = pair
+    model = default_model(family="whisper")
+    if case == "not multipart":
+        def send(url):
+            return httpx.post(url + ROUTES[0], json={"model": model}, timeout=60)
+    elif case == "too long":
+        clip = make_audio(seed=4, seconds=MAX_S + 5)
+
+        def send(url):
+            return _post(url, ROUTES[0], clip, model=model)
+    elif case == "unknown model":
+        def send(url):
+            return _post(url, ROUTES[0], CLIP_A, model="not-the-served-model")
+    elif case == "no file":
+        def send(url):
+            return httpx.post(url + ROUTES[0], data={"model": model}, files={"other": ("x", b"x")}, timeout=60)
+    else:
+        clip = b"this is not a sound file at all" * 40 if case == "not audio" else b""
+
+        def send(url):
+            return _post(url, ROUTES[0], clip, model=model)
+    ours, theirs = send(epd), send(ref)
+    assert ours.status_code // 100 == theirs.status_code // 100 == 4, (ours.text[:300], theirs.text[:300])
+    assert ours.json()["error"]["message"] == theirs.json()["error"]["message"]
+    ok = _post(epd, ROUTES[0], CLIP_A, model=model, language="en", temperature=0)
+    assert ok.status_code == 200  # the services still answer
+
+
+def test_an_item_naming_an_encoder_is_refused_by_a_whisper_lm(pair):
+    """Issue 25's guard, on the running LM: a Generate whose item names an encoder never reaches vLLM."""
+    _, dep, _ = pair
+    req = lm_pb2.GenerateRequest(request_id="guard-1")
+    req.openai.api, req.openai.body = "chat", json.dumps({"model": default_model(family="whisper"), "messages": [
+        {"role": "user", "content": [{"type": "audio_url", "audio_url": None, "uuid": "a" * 64}]}]}).encode()
+    item = req.items.add(modality="audio", identifier="a" * 64)
+    item.source.CopyFrom(transfer_pb2.ItemSource(transfer_endpoint="127.0.0.1:1", encoder_id="e", num_embeds=1,
+                                                 embed_width=64, dtype=transfer_pb2.BFLOAT16))
+    with dep.client_security.channel(dep.lm_addr) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            list(lm_pb2_grpc.LMServiceStub(ch).Generate(req, timeout=30))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+    assert "takes no encoder outputs" in e.value.details()
+
+
+def test_too_big_an_upload_is_refused_as_vllm_serve_refuses_it(pair):
+    """Past vLLM's upload bound (VLLM_MAX_AUDIO_CLIP_FILESIZE_MB, 25 MB) vLLM's app on the LM refuses it
+    as `vllm serve` does; past the gateway's body bound (the largest media item base64-encoded plus
+    1 MiB, far above) the gateway answers 413 before reading it (tests/integration/test_intake.py)."""
+    epd, _, ref = pair
+    big = b"RIFF" + bytes(30 << 20)
+    ours = _post(epd, ROUTES[0], big, model=default_model(family="whisper"))
+    _same(ours, _post(ref, ROUTES[0], big, model=default_model(family="whisper")))
+    assert ours.status_code == 400 and "Maximum file size exceeded" in ours.json()["error"]["message"]
+
+
+def test_the_native_grpc_api_answers_as_rest_does(pair):
+    """Transcription / Translation RPCs: the form's fields as JSON, the clip as media[0]."""
+    epd, dep, _ = pair
+    fields = dict(model=default_model(family="whisper"), language="en", temperature=0)
+    for route, method in zip(ROUTES, ("Transcription", "Translation")):
+        rest = _post(epd, route, CLIP_B, **fields).json()
+        rest.pop("epd", None)
+        req = gateway_pb2.OpenAIRequest(body=json.dumps(fields).encode(), media=[CLIP_B])
+        with grpc.insecure_channel(dep.gateway_grpc) as ch:
+            out = list(getattr(gateway_pb2_grpc.GatewayServiceStub(ch), method)(req, timeout=60))
+        assert [json.loads(m.body) for m in out if m.body] == [rest]
+
