@@ -215,7 +215,7 @@ class ConsumerEngine:
         # vLLM forwards, or vllm_xargs) would make the LM dial what the caller chose.
         extra.pop("ec_transfer_params", None)
         if ctx is not None and ctx.sources:
-            if self._engine.vllm_config.ec_transfer_config is None:  # an encoder-decoder model's LM
+            if self._engine.model_config.is_encoder_decoder:  # issue 25's guard, last stop before vLLM
                 raise BadInput("this LM takes no encoder outputs: it serves an encoder-decoder model and "
                                "encodes its media itself")
             extra["ec_transfer_params"] = ECTransferParams(ctx.sources).to_dict()

@@ -48,9 +48,9 @@ def test_a_decoder_only_model_passes_the_encoders_guard(tiny_model):
     refuse_encoder_decoder(EngineConfig(model=tiny_model), "encoder")  # no exception
 
 
-def test_an_lm_without_a_connector_never_gives_a_request_ec_transfer_params():
+def test_a_request_to_an_encoder_decoder_model_is_never_given_ec_transfer_params():
     """ConsumerEngine, the last place before vLLM: a request whose items name an encoder is refused on an
-    engine that is no EC consumer, before the engine sees it."""
+    encoder-decoder model's engine, before the engine sees it."""
     from types import SimpleNamespace
 
     from ectransfer.connector.metadata import ItemSource
@@ -59,7 +59,7 @@ def test_an_lm_without_a_connector_never_gives_a_request_ec_transfer_params():
     from services.lm.frontend import ConsumerEngine
 
     calls = []
-    engine = SimpleNamespace(vllm_config=SimpleNamespace(ec_transfer_config=None),
+    engine = SimpleNamespace(model_config=SimpleNamespace(is_encoder_decoder=True),
                              generate=lambda *a, **k: calls.append((a, k)))
     consumer = object.__new__(ConsumerEngine)  # its renderer is not needed here
     consumer._engine = engine

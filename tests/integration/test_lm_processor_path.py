@@ -70,6 +70,7 @@ class _Peers:
     """The LM's PeerChecker: every encoder endpoint passes."""
 
     transport: dict[str, str] = {}
+    consumer_id = "lm-engine-1"  # an EC consumer (an encoder-decoder model's LM has none)
 
     def __init__(self) -> None:
         self.checked: list[str] = []
