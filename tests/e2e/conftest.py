@@ -55,19 +55,36 @@ def _background_stops():
         thread.join(60)
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _family_references(request):
-    """When tests/e2e/test_families.py is selected, its plain-vLLM reference runs start with the
-    session, in the background (``test_families.start_references``)."""
-    if not any(getattr(item, "module", None) is not None and item.module.__name__.endswith(".test_families")
-               for item in request.session.items):
-        yield
-        return
-    from tests.e2e import test_families
+def _selected(request, module: str) -> bool:
+    return any(getattr(item, "module", None) is not None and item.module.__name__.endswith(module)
+               for item in request.session.items)
 
-    test_families.start_references()
+
+@pytest.fixture(scope="session", autouse=True)
+def _background_starts(request, tiny_model, tmp_path_factory):
+    """Work that would otherwise wait for its module, started with the session on one background
+    thread (the suite spends much of its time waiting on the network): the families' plain-vLLM
+    reference runs (``test_families.start_references``), then the parity module's ``vllm serve``
+    (``test_openai_parity.start_early``), each only when its module is selected."""
+    families = _selected(request, ".test_families")
+    parity = _selected(request, ".test_openai_parity")
+    if families:
+        from tests.e2e import test_families
+
+        test_families.start_references()
+    if parity:
+        from tests.e2e import test_openai_parity
+
+        log_dir = str(tmp_path_factory.mktemp("vllm-serve"))
+        if families:  # after the references: the server then idles rather than competes with them
+            test_families.after_references(lambda: test_openai_parity.start_early(tiny_model, log_dir))
+        else:
+            test_openai_parity.start_early(tiny_model, log_dir)
     yield
-    test_families.stop_references()
+    if families:
+        test_families.stop_references()
+    if parity:
+        test_openai_parity.stop_early()
 
 
 @pytest.fixture(scope="session")

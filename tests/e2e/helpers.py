@@ -146,39 +146,59 @@ def engine_flags(model: str) -> list[str]:
     return flags + (["--enforce-eager"] if e.enforce_eager else [])
 
 
-@contextlib.contextmanager
-def vllm_serve(model: str, log: pathlib.Path, flags: list[str] = (), env: dict[str, str] | None = None,
-               timeout: float = 300):
+class VllmServe:
     """``vllm serve`` (vLLM's own OpenAI server) on ``model`` with the services' engine settings plus
-    ``flags``, on a free loopback port: yields its URL once /health answers; stopped on exit."""
-    port = free_port()
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
-               VLLM_WORKER_MULTIPROC_METHOD="spawn", **(env or {}))
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1",
-                                 "--port", str(port), *engine_flags(model), *flags],
-                                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
+    ``flags``, on a free loopback port. ``start`` launches it without waiting; ``wait_ready`` returns its
+    URL once /health answers; ``stop`` ends it."""
+
+    def __init__(self, model: str, log: pathlib.Path, flags: list[str] = (), env: dict[str, str] | None = None):
+        self.model, self.log, self.flags, self.env = model, log, list(flags), dict(env or {})
+        self.proc: subprocess.Popen | None = None
+        self.url = ""
+
+    def start(self) -> VllmServe:
+        port = free_port()
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
+                   VLLM_WORKER_MULTIPROC_METHOD="spawn", **self.env)
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host",
+                                          "127.0.0.1", "--port", str(port), *engine_flags(self.model), *self.flags],
+                                         stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    def wait_ready(self, timeout: float = 300) -> str:
         deadline = time.monotonic() + timeout
         while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited:\n{log.read_text()[-3000:]}")
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited:\n{self.log.read_text()[-3000:]}")
             try:
-                with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                     if r.status == 200:
-                        break
+                        return self.url
             except OSError:
                 pass
             if time.monotonic() > deadline:
-                raise TimeoutError(f"vllm serve not ready:\n{log.read_text()[-3000:]}")
+                raise TimeoutError(f"vllm serve not ready:\n{self.log.read_text()[-3000:]}")
             time.sleep(0.5)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@contextlib.contextmanager
+def vllm_serve(model: str, log: pathlib.Path, flags: list[str] = (), env: dict[str, str] | None = None,
+               timeout: float = 300):
+    """``VllmServe`` as a context: yields its URL once ready; stopped on exit."""
+    server = VllmServe(model, log, flags, env).start()
+    try:
+        yield server.wait_ready(timeout)
+    finally:
+        server.stop()

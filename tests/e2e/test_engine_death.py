@@ -1,5 +1,9 @@
-"""Processes dying under a running deployment, one deployment for the module, in this order:
+"""Processes starting together and dying under a running deployment, one deployment for the module,
+in this order:
 
+0. the encoder, the LM and the gateway started at the same moment, none waiting for another: the
+   gateway listens at once and answers 503 with the reason while the engines load, admits them as
+   they become ready, and the first request it takes is exact;
 1. (issue 3) kill -9 the encoder with items outstanding, start it again: no segment of the dead
    process remains, the LM stays up, the affected requests fail cleanly (no hang), and the next
    request is exact again;
@@ -10,15 +14,19 @@
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 import signal
 import time
+import urllib.error
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 import pytest
 
-from services.up import Deployment, grpc_serving
+from services.up import Deployment, grpc_serving, wait_ready
 from tests.e2e.conftest import REFERENCE_REQUESTS, stop_in_background
 from tests.e2e.helpers import image_chat, post
 
@@ -27,9 +35,23 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture(scope="module")
 def dep(tiny_model):
-    d = Deployment(model=tiny_model, quiet=True).start()
-    yield d
-    stop_in_background(d)
+    """Every service started at the same moment (the start-order test checks what that looks like);
+    the tests after it wait until the deployment serves (``_serving``)."""
+    d = Deployment(model=tiny_model, quiet=True)
+    try:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        for svc in [d.gateway, *d.lms, *d.encoders]:  # all at once; none waits for another
+            svc.start(env)
+        yield d
+    finally:
+        stop_in_background(d)
+
+
+@pytest.fixture
+def serving(dep):
+    """``dep`` once the gateway has admitted its LM and encoder (at once after the start-order test)."""
+    wait_ready({dep.gateway: lambda: _admitted(dep)}, time.monotonic() + 300, poll_s=0.2)
+    return dep
 
 
 def _engine_core(svc) -> int:
@@ -53,11 +75,62 @@ def _not_serving_within(dep, svc, seconds: float) -> float:
     return time.monotonic() - t0
 
 
+NOT_READY = "no LM is ready yet"
+
+
+def _get(url: str) -> tuple[int, dict]:
+    """Status and JSON body; (0, {}) while nothing listens."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+    except OSError:
+        return 0, {}
+
+
+def _admitted(dep: Deployment) -> bool:
+    """/health is 200 and lists the LM and the encoder as admitted."""
+    status, health = _get(dep.url + "/health")
+    return (status == 200 and health.get("lms", {}).get(dep.lm_addr) is True
+            and health.get("encoders", {}).get(dep.encoder_addr) is True)
+
+
+def test_services_started_together_serve_the_first_request_exactly_once_the_lm_is_admitted(dep, reference):
+    """The fixture started the gateway, the LM and the encoder at the same moment, none waiting for
+    another: the gateway listens at once and answers 503 with the reason while the engines load,
+    admits them as they become ready, and the first request it takes is exact."""
+    deadline = time.monotonic() + 300
+    lm_serving = functools.partial(grpc_serving, dep.lm_addr, security=dep.client_security)
+    enc_serving = functools.partial(grpc_serving, dep.encoder_addr, security=dep.client_security)
+    # The gateway listens long before an engine is loaded, and says what it waits for.
+    wait_ready({dep.gateway: lambda: _get(dep.url + "/health")[0] in (200, 503)}, deadline, poll_s=0.2)
+    status, health = _get(dep.url + "/health")
+    chat_status, chat = post(dep.url + "/v1/chat/completions", REFERENCE_REQUESTS["image0"])
+    if not lm_serving():  # still loading (it takes tens of seconds): both answers were 503 for that reason
+        assert status == 503 and health["status"].startswith(NOT_READY), health
+        assert chat_status == 503 and chat["error"]["message"].startswith(NOT_READY), chat
+        models_status, models = _get(dep.url + "/v1/models")
+        assert models_status == 503 and models["error"]["message"].startswith(NOT_READY), models
+
+    wait_ready({dep.lm: lm_serving, dep.encoder: enc_serving}, deadline)
+    # Admitted at the gateway's next health round (plus gRPC's reconnect backoff, at most 2 s).
+    wait_ready({dep.gateway: lambda: _admitted(dep)}, time.monotonic() + 30, poll_s=0.2)
+
+    status, body = post(dep.url + "/v1/chat/completions", REFERENCE_REQUESTS["image0"])
+    assert status == 200, body
+    assert body["choices"][0]["token_ids"] == reference["image0"]
+    assert body["epd"]["encoders"] == [dep.encoder_addr]  # through the encoder, not the LM's own
+    status, models = _get(dep.url + "/v1/models")
+    assert status == 200 and [m["id"] for m in models["data"]] == [dep.model]
+
+
 def _segments_of(pid: int) -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n.startswith("epd-") and f"-{pid}-" in n}
 
 
-def test_kill_9_encoder_mid_flight_then_restart(dep, reference):
+def test_kill_9_encoder_mid_flight_then_restart(serving, reference):
+    dep = serving
     engine_pids = [p.pid for p in psutil.Process(dep.encoder.proc.pid).children(recursive=True)]
     owned = set().union(*(_segments_of(pid) for pid in engine_pids))
     assert owned, "the encoder's engine owns an outbound segment"
@@ -88,7 +161,8 @@ def test_kill_9_encoder_mid_flight_then_restart(dep, reference):
     assert body["choices"][0]["token_ids"] == reference["image0"]
 
 
-def test_a_killed_lm_engine_turns_the_lm_not_serving_and_it_exits_non_zero(dep):
+def test_a_killed_lm_engine_turns_the_lm_not_serving_and_it_exits_non_zero(serving):
+    dep = serving
     status, body = post(dep.url + "/v1/chat/completions", image_chat(0), timeout=120)
     assert status == 200, body
     os.kill(_engine_core(dep.lm), signal.SIGKILL)

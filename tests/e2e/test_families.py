@@ -116,6 +116,11 @@ def start_references() -> None:
             _REFERENCES[name] = _POOL.submit(_reference, name)
 
 
+def after_references(job) -> None:
+    """Runs ``job`` on the references' thread once they are done."""
+    _POOL.submit(job)
+
+
 def stop_references() -> None:
     _POOL.shutdown(wait=False, cancel_futures=True)
 

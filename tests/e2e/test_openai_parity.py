@@ -12,12 +12,13 @@ What may differ: ids, timestamps, and the ``epd`` object epd-serve adds.
 from __future__ import annotations
 
 import json
+import pathlib
 import urllib.error
 import urllib.request
 
 import pytest
 
-from tests.e2e.helpers import vllm_serve as serve_vllm
+from tests.e2e.helpers import VllmServe
 from tools.media import data_url, make_image
 
 pytestmark = pytest.mark.e2e
@@ -25,12 +26,33 @@ pytestmark = pytest.mark.e2e
 FRONTEND_FLAGS = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
 
 
+_EARLY: list[VllmServe] = []
+
+
+def start_early(model: str, log_dir: str) -> None:
+    """Launches this module's ``vllm serve`` ahead of the module (tests/e2e/conftest.py does, once the
+    families' references are done), so that its start overlaps the tests before it."""
+    if not _EARLY:
+        _EARLY.append(_server(model, pathlib.Path(log_dir) / "server.log").start())
+
+
+def _server(model: str, log: pathlib.Path) -> VllmServe:
+    # Stored responses on, as the session deployment's LM has them (tests/e2e/helpers.start_perturbable).
+    return VllmServe(model, log, FRONTEND_FLAGS, env={"VLLM_ENABLE_RESPONSES_API_STORE": "1"})
+
+
+def stop_early() -> None:
+    for server in _EARLY:
+        server.stop()
+
+
 @pytest.fixture(scope="module")
 def vllm_serve(tiny_model, tmp_path_factory):
-    # Stored responses on, as the session deployment's LM has them (tests/e2e/helpers.start_perturbable).
-    with serve_vllm(tiny_model, tmp_path_factory.mktemp("vllm-serve") / "server.log", FRONTEND_FLAGS,
-                    env={"VLLM_ENABLE_RESPONSES_API_STORE": "1"}) as url:
-        yield url
+    server = _EARLY[0] if _EARLY else _server(tiny_model, tmp_path_factory.mktemp("vllm-serve") / "server.log").start()
+    try:
+        yield server.wait_ready()
+    finally:
+        server.stop()
 
 
 IMG_A = data_url(make_image(31, (112, 112)))
