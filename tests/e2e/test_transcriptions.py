@@ -125,7 +125,21 @@ def test_streaming_as_vllm_serve_streams(pair):
     ours, theirs = _post(epd, ROUTES[0], CLIP_A, **fields), _post(ref, ROUTES[0], CLIP_A, **fields)
     assert ours.status_code == theirs.status_code == 200
     assert ours.headers["content-type"].startswith("text/event-stream")
-    assert _events(ours) == _events(theirs) and _events(ours)
+    # How many tokens one chunk carries depends on when the server reads the engine's output (vLLM's
+    # own stream coalesces differently from run to run): the streamed text and the usage must agree.
+    assert _streamed(ours) == _streamed(theirs) and _streamed(ours)[0]
+
+
+def _streamed(r: httpx.Response) -> tuple[str, list[dict], set[str]]:
+    """The concatenated text of a transcription stream, its usage chunks, and the other keys seen."""
+    text, usage, shape = "", [], set()
+    for event in _events(r):
+        shape.add(event.get("object", ""))
+        for choice in event.get("choices", []):
+            text += choice.get("delta", {}).get("content") or ""
+        if event.get("usage"):
+            usage.append(event["usage"])
+    return text, usage, shape
 
 
 @pytest.mark.parametrize("case", ["not audio", "empty file", "not multipart", "no file", "unknown model", "too long"])
