@@ -43,17 +43,37 @@ def _ephemeral_low() -> int:
         return 32768  # Linux's default
 
 
+def _port_range() -> tuple[int, int]:
+    """``[first, last)`` that :func:`free_port` draws from: ``$EPD_PORT_RANGE``
+    (``FIRST-LAST``, inclusive) when set, else the 12000 ports just below the
+    kernel's ephemeral range. Two programs that pick ports on one host at the
+    same time (``make test``'s two tiers) get disjoint ranges, so neither can
+    take a port the other checked and has not bound yet."""
+    spec = os.environ.get("EPD_PORT_RANGE", "").strip()
+    if spec:
+        try:
+            first, last = (int(x) for x in spec.split("-"))
+        except ValueError:
+            raise ValueError(f"EPD_PORT_RANGE={spec!r}: expected FIRST-LAST, e.g. 20000-25999") from None
+        if not 1024 <= first <= last <= 65535:
+            raise ValueError(f"EPD_PORT_RANGE={spec!r}: expected 1024 <= FIRST <= LAST <= 65535")
+        return first, last + 1
+    low = _ephemeral_low()
+    return max(1024, low - 12000), low
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port that is free now, for a service started next to bind.
 
-    Chosen below the kernel's ephemeral range: between this check and the
-    service's bind, any outgoing connection (vLLM's ZMQ sockets, gRPC
-    clients) or port-0 bind on the host may take an ephemeral port, never
-    this one. Ports are random and never handed out twice by one process.
+    Chosen below the kernel's ephemeral range (or in ``$EPD_PORT_RANGE``):
+    between this check and the service's bind, any outgoing connection (vLLM's
+    ZMQ sockets, gRPC clients) or port-0 bind on the host may take an
+    ephemeral port, never this one. Ports are random and never handed out
+    twice by one process.
     """
-    low = _ephemeral_low()
+    first, end = _port_range()
     for _ in range(100):
-        port = _rng.randrange(max(1024, low - 12000), low)
+        port = _rng.randrange(first, end)
         if port in _handed_out:
             continue
         with socket.socket() as s:

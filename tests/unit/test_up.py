@@ -5,6 +5,8 @@ from __future__ import annotations
 import random
 import socket
 
+import pytest
+
 from services.up import _ephemeral_low, free_port
 
 
@@ -17,3 +19,13 @@ def test_free_ports_are_distinct_bindable_and_outside_the_ephemeral_range():
     for p in ports[:5]:
         with socket.socket() as s:
             s.bind(("127.0.0.1", p))
+
+
+def test_epd_port_range_bounds_the_ports_and_a_malformed_one_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("EPD_PORT_RANGE", "41000-41199")
+    ports = [free_port() for _ in range(40)]
+    assert len(set(ports)) == 40 and all(41000 <= p <= 41199 for p in ports)
+    for bad in ("41000", "x-y", "900-1000", "5000-4000"):
+        monkeypatch.setenv("EPD_PORT_RANGE", bad)
+        with pytest.raises(ValueError, match="EPD_PORT_RANGE"):
+            free_port()
