@@ -98,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     for role in ("encoder", "lm", "gateway"):
         u.add_argument(f"--{role}-args", default="", help=f"more flags for the {role} service, one string "
                        f"(e.g. --lm-args '--enable-auto-tool-choice --tool-call-parser hermes')")
+    u.add_argument("--prefills", type=int, default=0, help="prefill LMs (E -> P -> D, with --decodes; "
+                   "KV moves over NIXL); default: one LM that prefills and decodes")
+    u.add_argument("--decodes", type=int, default=0, help="decode LMs (with --prefills)")
     u.add_argument("--security", default="auto", choices=["auto", "token", "tls", "none"],
                    help="how the services prove themselves to each other: a fresh shared token (loopback --host "
                         "only), mutual TLS with a private CA plus the token, nothing (loopback only), or auto "
@@ -172,7 +175,7 @@ def _main(argv: list[str] | None = None) -> int:
             return run_up(model=ns.model or default_model(), host=ns.host, port=ns.port, engine_args=ns.vllm_args,
                           security=ns.security, encoder_args=shlex.split(ns.encoder_args),
                           lm_args=shlex.split(ns.lm_args), gateway_args=shlex.split(ns.gateway_args),
-                          insecure=ns.insecure)
+                          insecure=ns.insecure, prefills=ns.prefills, decodes=ns.decodes)
         except ValueError as e:  # refused before anything started
             print(f"epd: error: {e}", file=sys.stderr)
             return 2

@@ -169,16 +169,26 @@ def http_ok(url: str, timeout: float = 1.0) -> bool:
         return False
 
 
-def split_cores() -> tuple[str, str]:
+def split_cores(within: str = "") -> tuple[str, str]:
     """Disjoint core sets for the encoder and the LM engine on a CPU host (vLLM's
     CPU worker pins its whole process, so two engines on the same cores starve
-    each other's side threads). The LM gets the larger half."""
-    cores = sorted(os.sched_getaffinity(0))
+    each other's side threads). The LM gets the larger half. ``within``: split
+    that list ("2,3") instead of this process's cores; one core is shared."""
+    cores = [int(c) for c in within.split(",")] if within else sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
-        return "", ""
+        return within, within
     k = max(1, len(cores) // 2)
     fmt = lambda cs: ",".join(map(str, cs))  # noqa: E731
     return fmt(cores[:k]), fmt(cores[k:])
+
+
+def pd_cores(enc_cores: str, lm_cores: str) -> tuple[str, str]:
+    """Cores for the prefill and the decode LMs: the LM half split between them; where it is one core, the
+    decode LM keeps it and the prefill LM shares the encoder's (prefill and encode are both work before a
+    request's first token; decode steps are what a long prompt must not stall)."""
+    if "," in lm_cores:
+        return split_cores(lm_cores)
+    return enc_cores or lm_cores, lm_cores
 
 
 def wait_ready(checks: dict[Service, Callable[[], bool]], deadline: float, poll_s: float = 0.5,
@@ -238,6 +248,10 @@ class Deployment:
     """Encoder services (they share the encoder half of the cores)."""
     n_lms: int = 1
     """LM services (they share the LM half of the cores)."""
+    n_prefills: int = 0
+    """Prefill LMs (``--role prefill``); with ``n_decodes``, requests go E -> P -> D."""
+    n_decodes: int = 0
+    """Decode LMs (``--role decode``)."""
     security: str = "auto"
     """How the services prove themselves to each other: "token" (a fresh shared token; on a loopback host
     only), "tls" (a private CA, mutual TLS on every link, and the token), "none" (plain gRPC, loopback only)
@@ -269,6 +283,14 @@ class Deployment:
                                                              *common, *self.encoder_args]) for i in range(n_enc)]
         self.lms = [self._service("lm", i, self.n_lms, ["--cpu-cores", lm_cores, *common, *self.lm_args])
                     for i in range(self.n_lms)]
+        # Prefill and decode LMs: each engine's cores set (with a KV connector, vLLM's CPU auto-binding
+        # and NIXL's own thread pinning would put both engines' threads on one core), and each its own
+        # NIXL side channel on this host.
+        p_cores, d_cores = pd_cores(enc_cores, lm_cores) if self.n_prefills and self.n_decodes else (lm_cores,) * 2
+        for role, n, cores in (("prefill", self.n_prefills, p_cores), ("decode", self.n_decodes, d_cores)):
+            self.lms += [self._service(role, i, n, ["--role", role, "--kv-host", h, "--kv-port", str(free_port(h)),
+                                                    "--cpu-cores", cores, *common, *self.lm_args], command="lm")
+                         for i in range(n)]
         facts = is_loopback(h) if self.epd_facts is None else self.epd_facts
         self.gateway = Service("gateway", ["gateway", "--host", h, "--port", str(self.port),
                                            "--grpc-port", self.gateway_grpc.split(":")[1],
@@ -312,10 +334,11 @@ class Deployment:
     def lm_metrics(self) -> int:
         return self.lm.metrics_port
 
-    def _service(self, role: str, i: int, n: int, args: list[str]) -> Service:
+    def _service(self, role: str, i: int, n: int, args: list[str], command: str = "") -> Service:
         h, port, metrics = self.host, free_port(self.host), free_port(self.host)
         name = role if n == 1 else f"{role}{i}"
-        return Service(name, [role, "--host", h, "--port", str(port), "--metrics-port", str(metrics), *args],
+        return Service(name, [command or role, "--host", h, "--port", str(port), "--metrics-port", str(metrics),
+                              *args],
                        os.path.join(self.log_dir, f"{name}.log"), address=f"{h}:{port}", metrics_port=metrics)
 
     @property
@@ -384,11 +407,14 @@ class Deployment:
 
 def run_up(model: str, host: str, port: int, engine_args: str, security: str = "auto",
            encoder_args: list[str] | None = None, lm_args: list[str] | None = None,
-           gateway_args: list[str] | None = None, insecure: bool = False) -> int:
+           gateway_args: list[str] | None = None, insecure: bool = False, prefills: int = 0,
+           decodes: int = 0) -> int:
     """``epd up``. Raises ValueError for a configuration refused before anything starts. An
     encoder-decoder model (Whisper-class) runs without an encoder service: its LM encodes the audio
     itself (docs/design.md, Encoder-decoder models)."""
     check_security(host, security, insecure)  # refused before anything else is read
+    if bool(prefills) != bool(decodes) or prefills < 0 or decodes < 0:
+        raise ValueError("--prefills and --decodes go together (E -> P -> D needs both tiers), each at least 1")
     configure_process_env()  # the check below reads the model's config as the services will
     try:
         speech = is_encoder_decoder(EngineConfig(model=model, vllm_args=engine_args))
@@ -399,7 +425,8 @@ def run_up(model: str, host: str, port: int, engine_args: str, security: str = "
               "itself; /v1/audio/transcriptions and /v1/audio/translations)", flush=True)
     dep = Deployment(model=model, host=host, port=port, engine_args=engine_args, security=security,
                      encoder_args=encoder_args or [], lm_args=lm_args or [], gateway_args=gateway_args or [],
-                     insecure=insecure, with_encoder=not speech)
+                     insecure=insecure, with_encoder=not speech, n_lms=0 if prefills and decodes else 1,
+                     n_prefills=prefills, n_decodes=decodes)
     stop = {"now": False}
 
     def on_signal(signum, frame):
@@ -409,7 +436,8 @@ def run_up(model: str, host: str, port: int, engine_args: str, security: str = "
     signal.signal(signal.SIGTERM, on_signal)
     try:
         dep.start()
-        print(json.dumps({"gateway": dep.url + "/v1", "encoder": dep.encoder_addr, "lm": dep.lm_addr}), flush=True)
+        print(json.dumps({"gateway": dep.url + "/v1", "encoder": dep.encoder_addr,
+                          **{lm.name: lm.address for lm in dep.lms}}), flush=True)
         print("Ctrl-C stops everything.", flush=True)
         while not stop["now"]:
             for svc in dep.services:

@@ -8,9 +8,12 @@ anything else::
     python -m tools.reference --model DIR < requests.json > tokens.json
 
 Input: a JSON list of OpenAI-style request bodies (chat ``messages`` with
-image_url data URLs, or a completion ``prompt``; ``max_tokens``). Output: a JSON
-list of token-id lists, one per request; with ``--with-prompts``, a list of
-``{"tokens": [...], "prompt_token_ids": [...]}`` (the prompt as vLLM expanded it).
+image_url data URLs, or a completion ``prompt``; ``max_tokens``, ``temperature``,
+``seed``, ``n``, ``logprobs``/``top_logprobs``; a ``chat_template`` the LM under test
+was started with). Output: a JSON list, one entry per request: its token ids; with
+``--with-prompts``, ``{"tokens": [...], "prompt_token_ids": [...]}`` (the prompt as
+vLLM expanded it); for a request with ``n`` > 1 or logprobs, ``{"choices": [{"tokens",
+"logprobs"}], "prompt_token_ids"}`` (each sampled token's logprob).
 """
 
 from __future__ import annotations
@@ -32,15 +35,22 @@ def run(model: str, requests: list[dict], with_prompts: bool = False) -> list:
     llm = LLM(**engine_kwargs(EngineConfig(model=model)))
     results = []
     for body in requests:
+        top = body.get("top_logprobs", 0) if body.get("logprobs") else None
         params = SamplingParams(temperature=body.get("temperature", 0.0), max_tokens=body.get("max_tokens", 16),
-                                seed=body.get("seed"))
+                                seed=body.get("seed"), n=body.get("n", 1), logprobs=top)
         if "messages" in body:
-            out = llm.chat(body["messages"], params, use_tqdm=False)
+            out = llm.chat(body["messages"], params, use_tqdm=False, chat_template=body.get("chat_template"))
         else:
             out = llm.generate({"prompt": body["prompt"]}, params, use_tqdm=False)
         tokens = list(out[0].outputs[0].token_ids)
-        results.append({"tokens": tokens, "prompt_token_ids": list(out[0].prompt_token_ids)} if with_prompts
-                       else tokens)
+        if params.n > 1 or top is not None:  # every choice, each token's logprob
+            results.append({"choices": [
+                {"tokens": list(c.token_ids),
+                 "logprobs": [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)] if c.logprobs else None}
+                for c in out[0].outputs], "prompt_token_ids": list(out[0].prompt_token_ids)})
+        else:
+            results.append({"tokens": tokens, "prompt_token_ids": list(out[0].prompt_token_ids)} if with_prompts
+                           else tokens)
     return results
 
 

@@ -47,10 +47,16 @@ def main(argv: list[str]) -> int:
 
     signal.signal(signal.SIGINT, forward)
     signal.signal(signal.SIGTERM, forward)
+    ended: dict[str, float] = {}
+    while len(ended) < len(procs):  # each tier's own wall time
+        for name, p, _, t0 in procs:
+            if name not in ended and p.poll() is not None:
+                ended[name] = time.monotonic() - t0
+        time.sleep(0.5)
     results = []
-    for name, p, out, t0 in procs:
+    for name, p, out, _ in procs:
         rc = p.wait()
-        results.append((name, rc, time.monotonic() - t0))
+        results.append((name, rc, ended[name]))
         if out is not None:
             out.close()
             print(f"\n========== tier {name} (tests {' '.join(TIERS[[t[0] for t in TIERS].index(name)][1])}) ==========",

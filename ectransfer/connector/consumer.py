@@ -123,6 +123,12 @@ class ConsumerScheduler:
             return False
         if not sources:
             return True
+        # vLLM computes a request's last prompt token whatever its caches or a KV connector hold (its
+        # logits give the first output token): an item covering that token is needed even when the count
+        # says the whole prompt is computed (a decode LM's KV loaded from a prefill LM).
+        n_prompt = getattr(request, "num_prompt_tokens", None)
+        if n_prompt and not getattr(request, "num_output_tokens", 0):
+            num_computed_tokens = min(num_computed_tokens, n_prompt - 1)
         stats = self._stats[rid]
         if not stats.wait_started:
             stats.wait_started = time.monotonic()
@@ -136,8 +142,7 @@ class ConsumerScheduler:
             src = sources.get(feat.identifier)
             if src is None:
                 continue  # no encoder named: vLLM encodes it here
-            pos = feat.mm_position
-            if pos.offset + pos.length <= num_computed_tokens or self._in_vllm_cache(feat.identifier):
+            if not _embeds_from(feat.mm_position, num_computed_tokens) or self._in_vllm_cache(feat.identifier):
                 not_needed.setdefault(feat.identifier, src)
             else:
                 needed.setdefault(feat.identifier, (index, feat, src))
@@ -432,3 +437,14 @@ class ConsumerWorker:
             return None
         meta, self._loaded = EPDWorkerMetadata(self._loaded), []
         return meta
+
+
+def _embeds_from(pos, num_computed_tokens: int) -> bool:
+    """Whether the placeholder ``pos`` (vLLM ``PlaceholderRange``) has an embedding row at or after token
+    ``num_computed_tokens``: vLLM's scheduler runs (or loads) an encoder input only then, by this same rule
+    (``get_embeds_indices_in_range`` over the tokens still to compute)."""
+    start = max(0, num_computed_tokens - pos.offset)
+    if start >= pos.length:
+        return False
+    first, end = pos.get_embeds_indices_in_range(start, pos.length)
+    return end > first

@@ -269,16 +269,29 @@ class FinishedItem:
 
 @dataclass(frozen=True)
 class ProducerParams:
-    """An encode request's ``ec_transfer_params`` on the encoder: its Encode call's claim on
-    the copies it makes or reuses (``ectransfer.outbound``). Set by the encoder service."""
+    """An encode request's ``ec_transfer_params`` on the encoder: its Encode call's claims on
+    the copies it makes or reuses (``ectransfer.outbound``), one per LM that will read them
+    (``claim``, then ``more``: the decode LM of an E -> P -> D request). Set by the encoder service."""
 
     claim: str = ""
+    more: tuple[str, ...] = ()
+    """Claims of the readers after the first (at most ``MAX_READERS - 1``)."""
 
     def __post_init__(self) -> None:
         _claim(self.claim, "claim")
+        if len(self.more) >= MAX_READERS:
+            raise ValueError(f"at most {MAX_READERS} readers per item, got {1 + len(self.more)}")
+        for c in self.more:
+            _claim(c, "claim")
+            if not c:
+                raise ValueError("an extra claim must not be empty")
+
+    @property
+    def claims(self) -> tuple[str, ...]:
+        return (self.claim, *self.more) if self.claim else ()
 
     def to_dict(self) -> dict[str, Any]:
-        return {"claim": self.claim}
+        return {"claim": self.claim, **({"more": list(self.more)} if self.more else {})}
 
     @classmethod
     def from_dict(cls, d: Any) -> ProducerParams:
@@ -286,12 +299,18 @@ class ProducerParams:
         if d is None:
             return cls()
         d = _mapping(d, "encode request params")
-        _keys(d, "encode request params", ("claim",))
+        _keys(d, "encode request params", ("claim", "more"))
+        more = d.get("more", [])
+        if not isinstance(more, list):
+            raise ValueError("encode request params: more must be a list")
         try:
-            return cls(d.get("claim", ""))
+            return cls(d.get("claim", ""), tuple(more))
         except ValueError as e:
             raise ValueError(f"encode request params: {e}") from None
 
+
+MAX_READERS = 2
+"""LMs that may read one encoded item: the LM (or the prefill LM), and a decode LM."""
 
 MAX_CLAIM_LEN = 64
 

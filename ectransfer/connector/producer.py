@@ -175,15 +175,16 @@ class ProducerScheduler:
 
     def _reserve(self, request) -> bool:
         missing = {}
-        claim = _claim_of(request)
+        claims = _claims_of(request)
         for feat in request.mm_features:
             ident = feat.identifier
             res = self._reserved.get(ident)
             if res is not None:
                 res.requests.add(request.request_id)
-                if not self.store.settled(ident, claim):
-                    res.claims.add(claim)
-            elif not self.store.claim(ident, claim):
+                res.claims.update(c for c in claims if not self.store.settled(ident, c))
+            elif not self.store.claim(ident, claims[0]):
+                missing[ident] = self._shape(feat)
+            elif any(not self.store.claim(ident, c) for c in claims[1:]):  # freed in between: encode it again
                 missing[ident] = self._shape(feat)
             elif request.request_id not in self._seen:
                 self._reuse_hits += 1
@@ -201,7 +202,7 @@ class ProducerScheduler:
                 return False
             slots[ident] = slot
         for ident, slot in slots.items():
-            self._reserved[ident] = _Reserved(ident, slot, missing[ident], {request.request_id}, {claim})
+            self._reserved[ident] = _Reserved(ident, slot, missing[ident], {request.request_id}, set(claims))
         self._seen.add(request.request_id)
         return True
 
@@ -291,7 +292,7 @@ class ProducerScheduler:
     def request_finished(self, request) -> ProducerFinished:
         rid = request.request_id
         aborted = _ended_unread(request)
-        claim = _claim_of(request)
+        claims = _claims_of(request)
         idents = {f.identifier for f in request.mm_features}
         with self._lock:
             self._seen.discard(rid)
@@ -300,7 +301,7 @@ class ProducerScheduler:
                 res = self._reserved[ident]
                 res.requests.discard(rid)
                 if aborted:
-                    res.claims.discard(claim)  # on its report the store frees it unless someone claims it
+                    res.claims.difference_update(claims)  # on its report the store frees it unless someone claims it
                 if res.requests:
                     continue
                 if not res.dispatched:
@@ -313,7 +314,7 @@ class ProducerScheduler:
                     self._drops.append(ident)
             held = [i for i in idents if i not in self._reserved]
         if aborted:
-            freed = [i for i in held if self.store.drop_claim(i, claim)]
+            freed = [i for i in held if any([self.store.drop_claim(i, c) for c in claims])]  # every claim dropped
             if freed:
                 logger.info("request %s ended unread: %d encoder output(s) nobody else claims freed", rid,
                             len(freed))
@@ -326,10 +327,11 @@ class ProducerScheduler:
         self.pool.close()
 
 
-def _claim_of(request) -> str:
-    """The claim of an encode request: its Encode call's (``ProducerParams``), else its request id."""
+def _claims_of(request) -> tuple[str, ...]:
+    """The claims of an encode request: its Encode call's (``ProducerParams``: one per reader), else its
+    request id."""
     params = ProducerParams.from_dict(getattr(request, "ec_transfer_params", None))
-    return params.claim or request.request_id
+    return params.claims or (request.request_id,)
 
 
 def _ended_unread(request) -> bool:

@@ -26,7 +26,7 @@ from vllm.multimodal.inputs import MultiModalBatchedField, MultiModalFieldElem, 
 from vllm.multimodal.media.audio import AudioMediaIO
 
 from ectransfer import tensors
-from ectransfer.connector.metadata import ProducerFinished, ProducerParams
+from ectransfer.connector.metadata import MAX_READERS, ProducerFinished, ProducerParams
 from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
 from epd.transfer.v1 import transfer_pb2
 from services.common.engine import tokenize_async
@@ -147,6 +147,9 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         try:
             if not request.items:
                 raise BadInput("Encode needs at least one item")
+            readers = request.readers or 1
+            if not 1 <= readers <= MAX_READERS:
+                raise BadInput(f"readers must be 1 to {MAX_READERS}, got {readers}")
             modality = request.items[0].modality or "image"
             for i, item in enumerate(request.items):
                 if (item.modality or "image") not in self.placeholders:
@@ -177,9 +180,11 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             }
             # This call's claim on the copies its items get in the outbound pool (ectransfer.outbound):
             # the LM names it to read, ack or cancel them; an aborted encode drops it.
-            claim = secrets.token_hex(16)
+            # One claim per LM that reads the items (EncodeRequest.readers: the prefill and the decode
+            # LM of an E -> P -> D request), each settled by its own reader.
+            claim, *more = (secrets.token_hex(16) for _ in range(readers))
             params = SamplingParams(max_tokens=1,
-                                    extra_args={"ec_transfer_params": ProducerParams(claim).to_dict()})
+                                    extra_args={"ec_transfer_params": ProducerParams(claim, tuple(more)).to_dict()})
             try:
                 engine_req = await self.engine.input_processor.process_inputs_async(
                     rid, prompt, params, supported_tasks=await self.engine.get_supported_tasks())
@@ -195,7 +200,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
                     num_embeds=feat.mm_position.get_num_embeds(),
                     embed_width=self.embed_widths.get(feat.modality, self.embed_widths[""]),
                     dtype=self.dtype, transfer_endpoint=self.info.transfer_endpoint,
-                    encoder_id=self.info.encoder_id, claim=claim, mm_kwargs=self._metadata_kwargs(feat))
+                    encoder_id=self.info.encoder_id, claim=claim, extra_claims=more,
+                    mm_kwargs=self._metadata_kwargs(feat))
                 if layouts is not None:
                     lay = layouts[index]
                     source.placeholder_token_ids.extend(lay.placeholder)

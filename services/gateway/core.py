@@ -253,7 +253,8 @@ def epd_facts(timings: Timings, last: lm_pb2.GenerateResponse | None) -> dict[st
             "transferred_items": last.transferred_items if last else 0,
             "transports": timings.transports, "encoders": timings.encoders, "lm": timings.lm,
             "retries": timings.retries, "placement": timings.placement,
-            "placement_reason": timings.placement_reason}
+            "placement_reason": timings.placement_reason,
+            **({"prefill_lm": timings.prefill_lm} if timings.prefill_lm else {})}
 
 
 def finished(route: str, status: int, rid: str, timings: Timings, media: int, error: str = "",

@@ -100,6 +100,8 @@ class Instance:
     """Start of the first health check of the current run of timed-out ones."""
     reason: str = ""
     """Why it is not admitted (for logs, /health and errors); empty while admitted."""
+    lm_role: str = "both"
+    """An LM's role, from its GetInfo: "both", "prefill" or "decode" (E -> P -> D)."""
 
     def __post_init__(self) -> None:
         self.health = health_pb2_grpc.HealthStub(self.channel)

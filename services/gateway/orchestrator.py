@@ -95,6 +95,10 @@ class Timings:
     transports: list[str] = field(default_factory=list)
     encoders: list[str] = field(default_factory=list)
     lm: str = ""
+    prefill_ms: float = 0.0
+    """E -> P -> D: the PREFILL call, start to the prefill LM's hand-off."""
+    prefill_lm: str = ""
+    """E -> P -> D: the prefill LM (``lm`` is then the decode LM)."""
 
     def as_dict(self) -> dict[str, float]:
         return {k: round(v, 3) for k, v in self.__dict__.items() if k.endswith("_ms")}
@@ -141,6 +145,25 @@ class _EncodeGroup:
         return e if isinstance(e, _Failure) else None
 
 
+LM_ROLES = ("", "both", "prefill", "decode")
+"""``LMInfo.role`` values this gateway knows ("": an LM older than roles, which is "both")."""
+
+
+def _decode_request(req: lm_pb2.GenerateRequest, params: bytes) -> lm_pb2.GenerateRequest:
+    """The DECODE call of an E -> P -> D request: the same request (the decode LM renders the same
+    prompt), the prefill LM's kv_transfer_params, and each item under the decode LM's own claim (the
+    encoder's second one: it reads an item only if its recompute of the prompt's last token needs it)."""
+    d_req = lm_pb2.GenerateRequest()
+    d_req.CopyFrom(req)
+    d_req.kv.phase = lm_pb2.KVHandoff.DECODE
+    d_req.kv.params = params
+    for item in d_req.items:
+        if item.HasField("source") and item.source.extra_claims:
+            item.source.claim = item.source.extra_claims[0]
+            del item.source.extra_claims[:]
+    return d_req
+
+
 class Orchestrator:
     """Owns the instance pools (their health loops start in ``start``) and runs requests."""
 
@@ -176,10 +199,13 @@ class Orchestrator:
         set; every LM must then serve that model. With ``--model-name`` set, an LM agrees when its model
         is that name or a path ending in it. Returns why ``inst`` may not be admitted, or None."""
         try:
-            model = (await inst.stub.GetInfo(lm_pb2.GetInfoRequest(),
-                                             timeout=max(1.0, self.cfg.health_interval_s))).model
+            info = await inst.stub.GetInfo(lm_pb2.GetInfoRequest(), timeout=max(1.0, self.cfg.health_interval_s))
         except grpc.aio.AioRpcError as e:
             return _call_failed("GetInfo", e)
+        model = info.model
+        if info.role not in LM_ROLES:
+            return f"has role {info.role!r}, which this gateway does not know (an LM of a newer epd-serve?)"
+        inst.lm_role = info.role or "both"
         if self.cfg.model_name:
             if self.cfg.model_name in (model, model.rstrip("/").rsplit("/", 1)[-1]):
                 return None
@@ -289,27 +315,36 @@ class Orchestrator:
     def _remaining(self, deadline: float) -> float:
         return max(0.001, deadline - time.monotonic())
 
+    def _pick_lms(self, excluded: set[str]) -> tuple[Instance | None, Instance | None]:
+        """The LM(s) for one attempt: ``(lm, None)``, or ``(prefill, decode)`` for E -> P -> D. LMs of
+        role "both" and prefill/decode pairs are one pool: a pair is used when a healthy prefill and a
+        healthy decode LM exist and its decode LM is no busier than the least busy "both" LM. With only
+        one half of a pair left, that LM serves whole requests itself (a prefill or decode engine can)."""
+        healthy = self.lms.healthy(excluded)
+        if not healthy:  # all ejected (a health blip on a busy host): try the ejected ones rather than fail
+            healthy = self.lms.ejected(excluded)
+        by_role: dict[str, list[Instance]] = {"both": [], "prefill": [], "decode": []}
+        for inst in healthy:
+            by_role[inst.lm_role].append(inst)
+        if by_role["prefill"] and by_role["decode"]:
+            d = self._lm_policy.pick(by_role["decode"])
+            both = self._lm_policy.pick(by_role["both"])
+            if both is None or d.outstanding <= both.outstanding:
+                return self._lm_policy.pick(by_role["prefill"]), d
+            return both, None
+        return self._lm_policy.pick(healthy), None
+
     async def _attempt(self, req, media, timings: Timings, deadline: float, excluded: dict[str, set[str]],
                        prepare=None, ticket: Ticket | None = None, pinned: str | None = None):
         for item in req.items:
             item.ClearField("source")
+        req.ClearField("kv")
         timings.encoders = []
         groups: list[_EncodeGroup] = []
         answered = False
         # Queued until the first attempt dispatches (planning below does no I/O).
         timings.queue_ms = timings.queue_ms or timings.since_start_ms()
         try:
-            if media:
-                timings.placement, timings.placement_reason = self._placement(excluded)
-                if timings.placement == "encoder":
-                    groups = self._plan(media, excluded["encoder"], req.request_id)
-                    if groups:
-                        await self._start_encodes(req, media, groups, timings, deadline)
-                    else:
-                        timings.placement, timings.placement_reason = "local", "no healthy encoder"
-                PLACEMENT.labels(timings.placement, timings.placement_reason).inc()
-                if timings.placement == "local" and ticket is not None:
-                    ticket.drop_encoder()
             # All ejected (a health blip on a busy host): try the ejected ones rather than fail outright.
             # Never one that was not admitted yet: its model is unknown.
             if pinned is not None:
@@ -319,14 +354,38 @@ class Orchestrator:
                     raise _Failure(rpc_error(grpc.StatusCode.UNAVAILABLE, f"the LM that holds this request's state "
                                                                           f"({pinned}) is not available"),
                                    "lm", [], retryable=False)
+                decode = None
             else:
-                lm = self._lm_policy.pick(self.lms.healthy(excluded["lm"]) or self.lms.ejected(excluded["lm"]))
+                lm, decode = self._pick_lms(excluded["lm"])
             if lm is None:
                 why = self.lm_wait_reason() or "no healthy LM instance"
                 raise _Failure(rpc_error(grpc.StatusCode.UNAVAILABLE, why), "lm", [], retryable=False)
+            if media:
+                timings.placement, timings.placement_reason = self._placement(excluded)
+                if timings.placement == "encoder":
+                    groups = self._plan(media, excluded["encoder"], req.request_id)
+                    if groups:
+                        # E -> P -> D: the decode LM may need an item too (its recompute of the prompt's
+                        # last token falls inside it): a second claim on each copy, the decode LM's.
+                        await self._start_encodes(req, media, groups, timings, deadline,
+                                                  readers=2 if decode is not None else 1)
+                    else:
+                        timings.placement, timings.placement_reason = "local", "no healthy encoder"
+                PLACEMENT.labels(timings.placement, timings.placement_reason).inc()
+                if timings.placement == "local" and ticket is not None:
+                    ticket.drop_encoder()
             timings.lm = lm.address
             if prepare is not None:
                 prepare(req)
+            if decode is not None:
+                handed = await self._prefill(lm, req, groups, timings, deadline)
+                if isinstance(handed, list):  # the prefill LM refused the request: its answer is the answer
+                    for resp in handed:
+                        yield resp
+                    answered = True
+                    return
+                lm, req = decode, _decode_request(req, handed)
+                timings.prefill_lm, timings.lm = timings.lm, lm.address
             # aclosing: a caller that stops early (client gone) cancels the LM call now,
             # not whenever the garbage collector finalizes the generator.
             async with contextlib.aclosing(self._generate(lm, req, groups, timings, deadline)) as lm_stream:
@@ -398,25 +457,28 @@ class Orchestrator:
         return [_EncodeGroup(inst, idx) for (inst, _), idx in by_inst.items()]
 
     async def _start_encodes(self, req, media, groups: list[_EncodeGroup], timings: Timings,
-                             deadline: float) -> None:
+                             deadline: float, readers: int = 1) -> None:
         """Starts one Encode per group and returns once every item's metadata
         (and so its source) is in ``req``; in sequential dispatch, once every
         item is encoded."""
         enc_deadline = min(deadline, time.monotonic() + self.cfg.encode_timeout_s)
         for g in groups:
-            g.task = asyncio.get_running_loop().create_task(self._encode(g, req, media, timings, enc_deadline))
+            g.task = asyncio.get_running_loop().create_task(self._encode(g, req, media, timings, enc_deadline,
+                                                                         readers))
         timings.encoders = list(dict.fromkeys(g.inst.address for g in groups))
         waits = [g.task for g in groups] if self.cfg.dispatch == "sequential" else [g.metadata for g in groups]
         await asyncio.gather(*waits)
         timings.metadata_ms = timings.since_start_ms()  # of the attempt that goes on
 
-    async def _encode(self, g: _EncodeGroup, req, media, timings: Timings, enc_deadline: float) -> None:
+    async def _encode(self, g: _EncodeGroup, req, media, timings: Timings, enc_deadline: float,
+                      readers: int = 1) -> None:
         """One Encode stream: fills sources from the metadata, then drains the
         "encoded" events. Any failure becomes a _Failure blaming this encoder."""
         items = [encoder_pb2.MediaItem(modality=media[i].modality, data=media[i].data,
                                        identifier=media[i].identifier) for i in g.indices]
         with g.inst.track():
-            call = g.inst.stub.Encode(encoder_pb2.EncodeRequest(request_id=req.request_id, items=items),
+            call = g.inst.stub.Encode(encoder_pb2.EncodeRequest(request_id=req.request_id, items=items,
+                                                                readers=readers if readers > 1 else 0),
                                       timeout=self._remaining(enc_deadline))
             seen = encoded = 0
             try:
@@ -451,7 +513,10 @@ class Orchestrator:
             finally:
                 call.cancel()
 
-    async def _generate(self, lm: Instance, req, groups: list[_EncodeGroup], timings: Timings, deadline: float):
+    async def _generate(self, lm: Instance, req, groups: list[_EncodeGroup], timings: Timings, deadline: float,
+                        final: bool = True):
+        """One LM call's responses. ``final``: its answer goes to the client (a PREFILL call's does not:
+        its facts are not the request's)."""
         first_at = 0.0
         stopped: BaseException | None = None  # the encode failure that stopped this call
         with lm.track():
@@ -473,7 +538,7 @@ class Orchestrator:
                     # The LM's first message comes with the first token (or is the whole answer):
                     # from then on the encodes are moot and no failure is retried.
                     first_at = first_at or time.perf_counter()
-                    if resp.HasField("timings"):  # the last message: the request's facts
+                    if final and resp.HasField("timings"):  # the last message: the request's facts
                         timings.ttft_ms = call_ms + resp.timings.ttft_ms
                         timings.tpot_ms = resp.timings.tpot_ms
                         timings.transfer_ms = resp.timings.transfer_ms
@@ -493,6 +558,29 @@ class Orchestrator:
                 raise _Failure(e, "lm", [lm]) from None
             finally:
                 call.cancel()
+
+    async def _prefill(self, lm: Instance, req, groups: list[_EncodeGroup], timings: Timings,
+                       deadline: float) -> bytes | list[lm_pb2.GenerateResponse]:
+        """The PREFILL call of an E -> P -> D request: the prefill LM computes the prompt's KV and keeps its
+        blocks for a decode LM. Returns its kv_transfer_params, or, when it refused the request (vLLM's
+        validation: the same answer the decode LM would give), its whole answer for the client."""
+        p_req = lm_pb2.GenerateRequest()
+        p_req.CopyFrom(req)
+        p_req.kv.phase = lm_pb2.KVHandoff.PREFILL
+        answer: list[lm_pb2.GenerateResponse] = []
+        started = time.perf_counter()
+        async with contextlib.aclosing(self._generate(lm, p_req, groups, timings, deadline, final=False)) as stream:
+            async for resp in stream:
+                answer.append(resp)
+        timings.prefill_ms = (time.perf_counter() - started) * 1e3
+        status = answer[0].http_status if answer else 0
+        if status != 200:
+            return answer
+        params = answer[-1].kv_transfer_params
+        if not params:
+            raise _Failure(rpc_error(grpc.StatusCode.INTERNAL, f"prefill LM {lm.address} handed over no KV "
+                                                               "(no kv_transfer_params)"), "lm", [lm])
+        return params
 
     @staticmethod
     def _blame(groups: list[_EncodeGroup], req, trailers: list[tuple[str, str]]) -> list[Instance]:

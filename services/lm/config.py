@@ -66,6 +66,9 @@ class FrontendConfig:
         return argv
 
 
+ROLES = ("both", "prefill", "decode")
+
+
 @dataclass
 class LMServiceConfig(FrontendConfig, MediaConfig):
     """The service's own fields; ``FrontendConfig`` adds ``vllm serve``'s front-end flags
@@ -94,10 +97,38 @@ class LMServiceConfig(FrontendConfig, MediaConfig):
     address (any port), a CIDR such as 10.0.0.0/8, or * (any). Empty: any endpoint when callers must
     authenticate (--auth-token-file or mutual TLS: the gateway's word is trusted), else loopback only."""
 
+    role: str = "both"
+    """both (prefill and decode each request here), prefill (compute a prompt's KV cache and hand it to a
+    decode LM over NIXL; generate nothing) or decode (load that KV from the prefill LM, then generate). The
+    gateway learns each LM's role from GetInfo and sends requests E -> P -> D where it has both kinds."""
+    kv_host: str = ""
+    """prefill/decode: the address NIXL's side channel (its handshake port, unauthenticated) binds and names
+    to the other LMs (vLLM's VLLM_NIXL_SIDE_CHANNEL_HOST). An internal interface only, never a public one;
+    default: --host."""
+    kv_port: int = 5600
+    """prefill/decode: NIXL's side-channel port (vLLM's VLLM_NIXL_SIDE_CHANNEL_PORT); give LMs sharing a
+    host different ones."""
+
+    kv_lease_s: int = 120
+    """prefill: how long the prefill engine keeps a prompt's KV blocks for a decode LM that has not read them
+    (NixlConnector's kv_lease_duration; vLLM's default is 30 s, which a first NIXL handshake on a busy CPU
+    host can outlast). A decode LM that dies before reading costs the prefill LM these blocks this long."""
+
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.kv_lease_s < 1:
+            raise ValueError(f"kv_lease_s must be >= 1, got {self.kv_lease_s}")
         if self.staging_mib <= 0:
             raise ValueError(f"staging_mib must be > 0, got {self.staging_mib}")
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}; got {self.role!r}")
+        if not 0 < self.kv_port < 65536:
+            raise ValueError(f"kv_port must be 1-65535, got {self.kv_port}")
+
+    @property
+    def disaggregated(self) -> bool:
+        """A prefill or decode LM (its engine has vLLM's NixlConnector)."""
+        return self.role != "both"
 
     def transport_list(self) -> list[str]:
         return transport_list(self.transports)

@@ -48,6 +48,15 @@ class RequestContext:
     """Set when the engine failed the request because an item's embedding could not be
     obtained: the servicer turns it into the ``epd-fault: encoder`` status (the gateway
     re-encodes elsewhere) instead of passing vLLM's error chunk on."""
+    kv_phase: int = 0
+    """``lm_pb2.KVHandoff.Phase`` of an E -> P -> D request on this LM (0: none; it prefills and decodes)."""
+    kv_params: dict | None = None
+    """DECODE: the prefill LM's kv_transfer_params, from the gateway (never from the request body)."""
+    kv_report: dict | None = None
+    """PREFILL: vLLM's kv_transfer_params for the decode LM (``RequestOutput.kv_transfer_params``), taken
+    off the outputs before vLLM's serving code sees them: the gateway's, never part of an answer."""
+    submitted: bool = False
+    """The request reached the engine (``ConsumerEngine.generate``)."""
     laid_out: int = 0
     """Prompts of this call laid out from encoder metadata (0 or 1)."""
     media: RequestMedia | None = None

@@ -62,6 +62,7 @@ from vllm.sampling_params import RequestOutputKind
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 from ectransfer.connector.metadata import ConsumerFinished, ECTransferParams
+from epd.lm.v1 import lm_pb2
 from services.common.errors import BadInput, EncoderUnavailable
 from services.common.layout import ItemLayout, splice_modalities
 from services.lm.config import FrontendConfig
@@ -214,6 +215,11 @@ class ConsumerEngine:
         # Only the gateway's items name encoders: a client's own ec_transfer_params (a request field
         # vLLM forwards, or vllm_xargs) would make the LM dial what the caller chose.
         extra.pop("ec_transfer_params", None)
+        # Likewise kv_transfer_params (a request field of every vLLM API, or vllm_xargs): they name the
+        # prefill engine a decode LM dials. Only the gateway's KVHandoff sets them.
+        extra.pop("kv_transfer_params", None)
+        if ctx is not None and ctx.kv_phase:
+            _hand_off(ctx, sampling_params, extra)
         if ctx is not None and ctx.sources:
             if self._engine.model_config.is_encoder_decoder:  # issue 25's guard, last stop before vLLM
                 raise BadInput("this LM takes no encoder outputs: it serves an encoder-decoder model and "
@@ -221,10 +227,32 @@ class ConsumerEngine:
             extra["ec_transfer_params"] = ECTransferParams(ctx.sources).to_dict()
         sampling_params.extra_args = extra or None
         gen = self._engine.generate(prompt, sampling_params, request_id, *args, **kwargs)
+        if ctx is not None:
+            ctx.submitted = True
         if ctx is None:
             return gen
 
         return _recorded(gen, ctx, request_id, delta=sampling_params.output_kind == RequestOutputKind.DELTA)
+
+
+PREFILL, DECODE = lm_pb2.KVHandoff.PREFILL, lm_pb2.KVHandoff.DECODE
+
+REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                 "remote_block_ids": None, "remote_host": None, "remote_port": None}
+"""What a prefill request asks vLLM's NixlConnector for (as vLLM's own disaggregation proxies send it):
+keep the prompt's blocks for a decode engine, and say where they are in the output's kv_transfer_params."""
+
+
+def _hand_off(ctx: RequestContext, sampling_params, extra: dict) -> None:
+    """An E -> P -> D request's sampling on this LM. PREFILL: one sequence, one token (the prompt's KV
+    is what this call is for; its tokens are discarded); DECODE: the KV comes from the prefill LM."""
+    if ctx.kv_phase == PREFILL:
+        extra["kv_transfer_params"] = dict(REMOTE_DECODE)
+        sampling_params.n = 1
+        sampling_params.max_tokens = 1
+        sampling_params.min_tokens = 0
+    elif ctx.kv_phase == DECODE:
+        extra["kv_transfer_params"] = dict(ctx.kv_params or {})
 
 
 async def _recorded(gen, ctx: RequestContext, request_id: str, delta: bool):
@@ -244,6 +272,9 @@ async def _recorded(gen, ctx: RequestContext, request_id: str, delta: bool):
             if out.ec_transfer_params is not None:
                 ctx.ec_report = out.ec_transfer_params
                 out.ec_transfer_params = None  # vLLM would copy it into answers (Responses, Messages)
+            if out.kv_transfer_params is not None:
+                ctx.kv_report = out.kv_transfer_params
+                out.kv_transfer_params = None  # for the gateway (a decode LM dials it), never in an answer
             if any(c.token_ids for c in out.outputs):
                 ctx.last_token_at = time.perf_counter()
                 ctx.first_token_at = ctx.first_token_at or ctx.last_token_at

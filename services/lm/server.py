@@ -11,6 +11,8 @@ import os
 import signal
 
 from prometheus_client import start_http_server
+from vllm.config import KVTransferConfig
+from vllm.platforms import current_platform
 
 from ectransfer import factory
 from ectransfer.connector.common import compat_for
@@ -21,6 +23,7 @@ from peerauth import SecurityConfig
 from services.common.engine import (
     ENCODER_DECODER_GAP,
     EngineConfig,
+    UnsupportedModel,
     build_async_engine,
     configure_process_env,
     is_encoder_decoder,
@@ -46,6 +49,21 @@ def _ec_config(cfg: LMServiceConfig, engine_cfg: EngineConfig, security: Securit
         security=security.to_dict()))
 
 
+def kv_transfer_config(cfg: LMServiceConfig) -> KVTransferConfig | None:
+    """A prefill or decode LM's KV connector: vLLM's NixlConnector (UCX: TCP or shared memory between CPU
+    hosts, NVLink/RDMA between GPUs), the KV staged in host memory on a CPU platform. Its side channel (the
+    NIXL handshake, unauthenticated) binds ``--kv-host``:``--kv-port``: vLLM reads both from the environment
+    in the engine's worker, which this process starts next."""
+    if not cfg.disaggregated:
+        return None
+    os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = cfg.kv_host or cfg.host
+    os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(cfg.kv_port)
+    return KVTransferConfig(kv_connector="NixlConnector",
+                            kv_role="kv_producer" if cfg.role == "prefill" else "kv_consumer",
+                            kv_buffer_device="cpu" if current_platform.is_cpu() else "cuda",
+                            kv_connector_extra_config={"kv_lease_duration": cfg.kv_lease_s})
+
+
 def ec_consumer(engine_cfg: EngineConfig) -> bool:
     """Whether this LM's engine is an EC consumer (takes encoder outputs over Transfer): every model
     but an encoder-decoder one (issue 25's guard: vLLM 0.32 would decode it without the audio), which
@@ -58,6 +76,9 @@ def check(cfg: LMServiceConfig, security: SecurityConfig) -> EncoderAllowList:
     it (an unauthenticated non-loopback bind, a malformed allow-list); returns
     the allow-list."""
     security.require_for(cfg.host, f"the LM API ({cfg.host}:{cfg.port})")
+    if cfg.disaggregated and cfg.kv_host in ("0.0.0.0", "::"):
+        raise ValueError(f"--kv-host {cfg.kv_host}: NIXL's side channel takes no credentials; bind it to the "
+                         "internal interface the other LMs reach, never every interface")
     return EncoderAllowList.parse(cfg.allowed_encoders, trusted_callers=security.authenticated)
 
 
@@ -82,9 +103,13 @@ async def serve(cfg: LMServiceConfig, engine_cfg: EngineConfig, stop: asyncio.Ev
         # No processor cache: a prompt laid out from an encoder's metadata carries its
         # items without data, which vLLM's engine-side processor cache would take for
         # a cache entry it lost (MultiModalCacheMissError).
+        kv = kv_transfer_config(cfg)
         engine = build_async_engine(engine_cfg, _ec_config(cfg, engine_cfg, security, tuning), ec_manager_config={
             "encoder_cache_manager_cls": "ectransfer.connector.cache_manager.EPDEncoderCacheManager"},
-            mm_processor_cache_gb=0, **cfg.engine_args())
+            mm_processor_cache_gb=0, **({"kv_transfer_config": kv} if kv is not None else {}), **cfg.engine_args())
+    elif cfg.disaggregated:  # vLLM refuses a KV connector for an encoder-decoder model
+        raise UnsupportedModel(f"{engine_cfg.model} is an encoder-decoder model: it cannot run as a {cfg.role} LM "
+                               "(vLLM 0.32 takes no KV connector for one); run it with --role both")
     else:
         logger.warning("%s is an encoder-decoder model: this LM encodes its audio itself and takes no "
                        "encoder outputs (%s)", engine_cfg.model, ENCODER_DECODER_GAP)
@@ -102,7 +127,7 @@ async def serve(cfg: LMServiceConfig, engine_cfg: EngineConfig, stop: asyncio.Ev
         peers = PeerChecker(compat, consumer_id, transports,
                             cfg.handshake_timeout_s, security=security,
                             allowed=allowed)
-        info = lm_pb2.LMInfo(model=frontend.models.model_name(), compat=compat)
+        info = lm_pb2.LMInfo(model=frontend.models.model_name(), compat=compat, role=cfg.role)
         server = GrpcServer(cfg.host, cfg.port, security)
         server.add(lm_pb2_grpc.add_LMServiceServicer_to_server,
                    LMServicer(engine, info, peers, frontend, MediaDecoder(cfg)),

@@ -35,7 +35,7 @@ from services.common.errors import BadInput, EPDError
 from services.common.layout import ItemLayout
 from services.common.media import MediaDecoder
 from services.lm.context import CURRENT, RequestContext
-from services.lm.frontend import Frontend, validation_error
+from services.lm.frontend import DECODE, Frontend, validation_error
 from services.lm.media import RequestMedia
 from services.lm.peers import PeerChecker
 from services.lm.vllm_app import Started, call
@@ -60,9 +60,15 @@ def _dumps(model) -> bytes:
     return json.dumps(model.model_dump(), ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
 
 
+KV_TRANSFER_PARAMS = "kv_transfer_params"
+"""The request field every vLLM API reads (chat, completions, Responses, Messages) that names the prefill
+engine a decode engine dials: dropped from every body (``openai_body``); the gateway's ``KVHandoff`` is the
+one source (``services.lm.frontend.ConsumerEngine``)."""
+
+
 def openai_body(request: lm_pb2.GenerateRequest) -> dict:
-    """The OpenAI body a GenerateRequest carries, as a dict; BadInput for an unknown ``api`` or a
-    body that is not a JSON object (everything inside it is vLLM's to validate)."""
+    """The OpenAI body a GenerateRequest carries, as a dict, without ``kv_transfer_params``; BadInput for an
+    unknown ``api`` or a body that is not a JSON object (everything inside it is vLLM's to validate)."""
     if request.openai.api not in _APIS:
         raise BadInput(f"openai.api must be one of {', '.join(_APIS)}; got {request.openai.api!r}")
     if request.openai.api == "http" and not request.openai.body:
@@ -73,7 +79,23 @@ def openai_body(request: lm_pb2.GenerateRequest) -> dict:
         raise BadInput(f"openai.body is not JSON: {e}") from None
     if not isinstance(body, dict):
         raise BadInput("openai.body must be a JSON object")
+    body.pop(KV_TRANSFER_PARAMS, None)
     return body
+
+
+def _without_kv_params(raw: bytes) -> bytes:
+    """A JSON body for vLLM's app, ``kv_transfer_params`` dropped: parsed as vLLM parses it (``json.loads``,
+    so an escaped key is the same key), re-encoded only when it had them."""
+    if not raw:
+        return raw
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return raw  # vLLM's app answers it as `vllm serve` does
+    if isinstance(body, dict) and KV_TRANSFER_PARAMS in body:
+        del body[KV_TRANSFER_PARAMS]
+        return json.dumps(body, ensure_ascii=False).encode()
+    return raw
 
 
 class LMServicer(lm_pb2_grpc.LMServiceServicer):
@@ -92,6 +114,8 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
 
     def _context(self, request: lm_pb2.GenerateRequest) -> RequestContext:
         ctx = RequestContext(media=RequestMedia(self.decoder, request.request_id))
+        if request.HasField("kv"):
+            ctx.kv_phase, ctx.kv_params = self._handoff(request.kv)
         for item in request.items:
             if not item.identifier or not item.HasField("source"):
                 continue
@@ -117,6 +141,24 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
                                    f"{src.num_embeds} embedding rows")
                 ctx.layouts[item.identifier] = lay
         return ctx
+
+    def _handoff(self, kv: lm_pb2.KVHandoff) -> tuple[int, dict | None]:
+        """The gateway's E -> P -> D phase for this LM: one its role takes, with the prefill LM's params
+        (a JSON object) for DECODE."""
+        want = {lm_pb2.KVHandoff.PREFILL: "prefill", lm_pb2.KVHandoff.DECODE: "decode"}.get(kv.phase)
+        if want is None:
+            raise BadInput(f"kv.phase must be PREFILL or DECODE, got {kv.phase}")
+        if self.info.role != want:
+            raise BadInput(f"this LM's role is {self.info.role or 'both'}: it takes no {want.upper()} call")
+        if kv.phase == lm_pb2.KVHandoff.PREFILL:
+            return kv.phase, None
+        try:
+            params = json.loads(kv.params)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise BadInput(f"kv.params is not JSON: {e}") from None
+        if not isinstance(params, dict) or not params.get("do_remote_prefill"):
+            raise BadInput("kv.params must be a prefill LM's kv_transfer_params (do_remote_prefill)")
+        return kv.phase, params
 
     async def _answer(self, request: lm_pb2.GenerateRequest, ctx: RequestContext):
         """vLLM's answer to the request: (status, body) once, or an async generator of SSE events."""
@@ -190,6 +232,10 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
         finally:
             if ctx.media is not None:
                 ctx.media.release()  # normally done once the prompt was processed
+            if ctx.kv_phase == DECODE and not ctx.submitted:
+                # Refused before the engine (vLLM's validation, a bad item): the prefill LM still pins the
+                # prompt's blocks for us; vLLM's own hook tells it to let them go.
+                await _release_prefill(self.engine, rid, ctx.kv_params)
             REQUESTS.labels(status).inc()
 
     async def _http(self, request: lm_pb2.GenerateRequest, ctx: RequestContext):
@@ -198,11 +244,15 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
         message); the last one the request's facts, as for chat."""
 
         content_type = request.openai.content_type
+        raw = request.openai.body
         if not content_type.lower().startswith("multipart/"):  # an upload is vLLM's to parse (body_type)
-            openai_body(request)  # a JSON object (or nothing, for a GET): everything inside is vLLM's to read
+            # A JSON object (or nothing, for a GET): everything inside is vLLM's to read, but for
+            # kv_transfer_params (only the gateway's KVHandoff names a prefill engine).
+            openai_body(request)
+            raw = _without_kv_params(raw)
         rid = request.request_id
         method, path = request.openai.method or "POST", request.openai.path
-        async with contextlib.aclosing(call(self.frontend.app, method, path, request.openai.body,
+        async with contextlib.aclosing(call(self.frontend.app, method, path, raw,
                                             content_type)) as answer:
             started: Started | None = None
             body: list[bytes] = []  # a plain response's chunks, sent as one message
@@ -252,9 +302,17 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
                                    lm_queue_ms=_queue_ms(final, ec.transfer_ms)),
             local_encoder_runs=ec.local_encoder_runs,
             transferred_items=ec.transferred_items,
+            kv_transfer_params=json.dumps(ctx.kv_report).encode() if ctx.kv_report and ctx.kv_phase else b"",
             transports=[ec.transports.get(s.endpoint) or self.peers.transport.get(s.endpoint, "")
                         for s in ctx.sources.values()] if ec.transferred_items else [],
         )
+
+
+async def _release_prefill(engine, rid: str, params: dict | None) -> None:
+    try:
+        await engine.notify_kv_transfer_request_rejected(rid, params or {})
+    except Exception:  # the blocks' lease frees them anyway
+        logger.warning("request %s: could not tell the prefill LM to release its blocks", rid, exc_info=True)
 
 
 def _queue_ms(output, transfer_ms: float) -> float:

@@ -8,6 +8,7 @@ import time
 from types import SimpleNamespace
 
 import torch
+from vllm.multimodal.inputs import PlaceholderRange
 
 WIDTH = 128
 
@@ -26,8 +27,11 @@ def request(rid: str, items: list[tuple[str, int]], endpoint: str | None = None,
     the request's Encode call (``claim``, default ``claim_of(rid)``)."""
     feats, pos = [], 5
     for ident, n in items:
-        feats.append(SimpleNamespace(identifier=ident, modality="image", mm_position=SimpleNamespace(
-            offset=pos, length=n + 3, get_num_embeds=lambda n=n: n)))
+        # vLLM's own placeholder (its embedding rows between one opening and two closing tokens), so the
+        # connector reads it by vLLM's rules.
+        is_embed = torch.tensor([False] + [True] * n + [False, False])
+        feats.append(SimpleNamespace(identifier=ident, modality="image",
+                                     mm_position=PlaceholderRange(offset=pos, length=n + 3, is_embed=is_embed)))
         pos += n + 3
     params = None
     if endpoint is not None:

@@ -48,9 +48,11 @@ def test_item_descriptor_is_one_message_from_encoder_to_lm():
 
 
 def test_gateway_forwards_the_descriptor_without_copying_its_fields():
-    """The gateway may read the two fields it decides on (the endpoint, for failover; whether a layout
-    came, for whether media bytes must travel) and never builds an ItemSource itself."""
-    fields = set(transfer_pb2.ItemSource.DESCRIPTOR.fields_by_name) - {"transfer_endpoint", "placeholder_token_ids"}
+    """The gateway may read the fields it decides on (the endpoint, for failover; whether a layout came,
+    for whether media bytes must travel; the readers' claims, to give an E -> P -> D request's decode LM
+    its own) and never builds an ItemSource itself."""
+    fields = set(transfer_pb2.ItemSource.DESCRIPTOR.fields_by_name) - {
+        "transfer_endpoint", "placeholder_token_ids", "claim", "extra_claims"}
     for path in sorted((ROOT / "services" / "gateway").rglob("*.py")):
         tree = ast.parse(path.read_text())
         names = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
@@ -63,7 +65,8 @@ def test_lm_message_wire_layout_is_unchanged_by_the_move():
     writes the same bytes."""
     numbers = {f.name: f.number for f in transfer_pb2.ItemSource.DESCRIPTOR.fields}
     assert numbers == {"transfer_endpoint": 1, "encoder_id": 2, "num_embeds": 3, "embed_width": 4, "dtype": 5,
-                       "placeholder_token_ids": 6, "prompt_token_ids": 7, "is_embed": 8, "claim": 9, "mm_kwargs": 10}
+                       "placeholder_token_ids": 6, "prompt_token_ids": 7, "is_embed": 8, "claim": 9, "mm_kwargs": 10,
+                       "extra_claims": 11}
 
 
 def test_peerauth_is_the_floor_below_the_library_and_the_services():

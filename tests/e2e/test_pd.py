@@ -1,0 +1,191 @@
+"""E -> P -> D through ``epd up --prefills 1 --decodes 1``: an encoder, a prefill LM and a decode LM
+(vLLM's NixlConnector moving the prompt's KV, UCX on this host) behind the gateway, against plain
+vLLM's ``LLM.chat`` on the same requests.
+
+One deployment for the module. Its LMs run a chat template that ends the prompt with the last message
+(no end-of-utterance, no generation prompt), so a user message that ends with an image makes a prompt
+that ends inside the image's placeholder: the decode LM's recompute of the last prompt token then needs
+that image's embedding, and reads it under its own claim on the encoder's copy.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from services.up import Deployment
+from tests.e2e.conftest import stop_in_background
+from tests.e2e.helpers import image_chat, metric, post, producer_stats, text_chat
+from tools.media import data_url, make_image
+from tools.reference import run_subprocess
+
+pytestmark = pytest.mark.e2e
+
+TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{ message['role'] | capitalize }}"
+    "{% if message['content'] is string %}{{ ': ' + message['content'] }}{% else %}"
+    "{% if message['content'] and message['content'][0]['type'] in ('image', 'image_url') %}{{ ':' }}"
+    "{% else %}{{ ': ' }}{% endif %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] }}{% elif part['type'] in ('image', 'image_url') %}"
+    "{{ '<image>' }}{% endif %}{% endfor %}{% endif %}{% if not loop.last %}<end_of_utterance>\n{% endif %}"
+    "{% endfor %}")
+"""The tiny model's template, less what follows the last message."""
+
+
+
+def _image_part(seed: int, size=(112, 112)) -> dict:
+    return {"type": "image_url", "image_url": {"url": data_url(make_image(seed, size))}}
+
+
+def _two_images() -> dict:
+    return {"messages": [{"role": "user", "content": [_image_part(3100), {"type": "text", "text": "and"},
+                                                      _image_part(3101, (150, 120)), {"type": "text",
+                                                                                      "text": "compare"}]}],
+            "max_tokens": 10, "temperature": 0, "return_token_ids": True}
+
+
+def _image_last() -> dict:
+    return {"messages": [{"role": "user", "content": [{"type": "text", "text": "Look:"}, _image_part(3200)]}],
+            "max_tokens": 10, "temperature": 0, "return_token_ids": True}
+
+
+REQUESTS = {
+    "text": text_chat("Tell me a story about a dog."),
+    "image": image_chat(3000),
+    "two images": _two_images(),
+    "ends with an image": _image_last(),
+    "stream": {**image_chat(3300), "stream": True, "stream_options": {"include_usage": True}},
+    "logprobs": {**text_chat("Name a colour."), "logprobs": True, "top_logprobs": 2},
+    "seeded n=2": {**image_chat(3400), "temperature": 0.8, "seed": 11, "n": 2},
+    "kv counts": image_chat(3500, text="Count the KV."),
+}
+
+
+@pytest.fixture(scope="module")
+def pd(tiny_model, tmp_path_factory):
+    template = tmp_path_factory.mktemp("pd") / "template.jinja"
+    template.write_text(TEMPLATE)
+    bodies = [{k: v for k, v in b.items() if k not in ("stream", "stream_options")} | {"chat_template": TEMPLATE}
+              for b in REQUESTS.values()]
+    with ThreadPoolExecutor(1) as pool:
+        reference = pool.submit(run_subprocess, tiny_model, bodies)
+        dep = Deployment(model=tiny_model, quiet=True, n_lms=0, n_prefills=1, n_decodes=1,
+                         lm_args=["--chat-template", str(template)])
+        try:
+            dep.start()
+            yield dep, dict(zip(REQUESTS, reference.result()))
+        finally:
+            stop_in_background(dep)
+
+
+def _chat(dep: Deployment, body: dict) -> dict:
+    status, out = post(dep.url + "/v1/chat/completions", body, timeout=120)
+    assert status == 200, out
+    return out
+
+
+def _lms(dep: Deployment):
+    by = {s.name: s for s in dep.lms}
+    return by["prefill"], by["decode"]
+
+
+@pytest.mark.parametrize("name", ["text", "image", "two images", "ends with an image"])
+def test_greedy_tokens_equal_plain_vllm(pd, name):
+    dep, ref = pd
+    out = _chat(dep, REQUESTS[name])
+    assert out["choices"][0]["token_ids"] == ref[name]
+    facts = out["epd"]
+    p, d = _lms(dep)
+    assert facts["prefill_lm"] == p.address and facts["lm"] == d.address, facts
+    assert facts["retries"] == 0 and facts["local_encoder_runs"] == 0, facts
+    if name == "ends with an image":
+        # The prompt ends with the image's closing token (the template adds nothing after the last
+        # message): the decode LM recomputes that token over the KV it loaded. It is inside the image's
+        # placeholder but no embedding row (Idefics3 wraps each image), so the decode LM needs no
+        # embedding and lets its claim go, as vLLM's scheduler decides.
+        assert facts["transferred_items"] == 0, facts
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(dep.model)
+        assert tok.convert_ids_to_tokens(out["prompt_token_ids"][-2:]) == ["<image>", "<fake_token_around_image>"]
+    # Every copy the encoder made was read by the prefill LM and read or let go by the decode LM (its
+    # claim cancelled where the loaded KV covers the image): nothing stays in the encoder's pool.
+    deadline = time.monotonic() + 10
+    while (stats := producer_stats(dep))["items_held"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert stats["items_held"] == 0 and stats["expired"] == 0, stats
+
+
+def test_streaming_with_usage_equals_plain_vllm(pd):
+    dep, ref = pd
+    req = urllib.request.Request(dep.url + "/v1/chat/completions", json.dumps(REQUESTS["stream"]).encode(),
+                                 {"Content-Type": "application/json"})
+    tokens, usage = [], None
+    with urllib.request.urlopen(req, timeout=120) as r:
+        for line in r:
+            line = line.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            for c in event.get("choices", []):
+                tokens += c.get("token_ids") or []
+            usage = event.get("usage") or usage
+    assert tokens == ref["stream"]
+    assert usage["completion_tokens"] == len(ref["stream"])
+
+
+def test_logprobs_equal_plain_vllm(pd):
+    dep, ref = pd
+    out = _chat(dep, REQUESTS["logprobs"])
+    (want,) = ref["logprobs"]["choices"]
+    choice = out["choices"][0]
+    assert choice["token_ids"] == want["tokens"]
+    got = [round(t["logprob"], 2) for t in choice["logprobs"]["content"]]
+    assert got == [round(x, 2) for x in want["logprobs"]]
+
+
+def test_seeded_n2_equals_plain_vllm(pd):
+    dep, ref = pd
+    out = _chat(dep, REQUESTS["seeded n=2"])
+    got = sorted((c["index"], c["token_ids"]) for c in out["choices"])
+    assert [t for _, t in got] == [c["tokens"] for c in ref["seeded n=2"]["choices"]]
+
+
+def _prompt_tokens(lm, source: str) -> float:
+    """vLLM's own count of the prompt tokens an engine took from ``source`` (its Prometheus metrics, on the
+    LM's metrics port)."""
+    return metric(lm.metrics_port, "vllm:prompt_tokens_by_source_total", source=source)
+
+
+def test_decode_lm_loads_the_prompt_kv_and_nothing_is_encoded_on_p_or_d(pd):
+    dep, ref = pd
+    p, d = _lms(dep)
+    sources = ("local_compute", "external_kv_transfer")
+    before = {lm.name: {s: _prompt_tokens(lm, s) for s in sources} for lm in (p, d)}
+    out = _chat(dep, REQUESTS["kv counts"])
+    assert out["choices"][0]["token_ids"] == ref["kv counts"]
+    n_prompt = out["usage"]["prompt_tokens"]
+    delta = {lm.name: {s: _prompt_tokens(lm, s) - before[lm.name][s] for s in sources} for lm in (p, d)}
+    # The prefill LM computed the prompt; the decode LM loaded all of it (vLLM counts the whole prompt as
+    # transferred; it recomputes the last token only for the first logits) and computed none of it.
+    assert delta["prefill"] == {"local_compute": n_prompt, "external_kv_transfer": 0}, delta
+    assert delta["decode"] == {"local_compute": 0, "external_kv_transfer": n_prompt}, delta
+    for lm in (p, d):
+        assert metric(lm.metrics_port, "epd_lm_local_encoder_runs_total") == 0, lm.name
+
+
+def test_a_callers_kv_transfer_params_are_ignored(pd):
+    """A caller's kv_transfer_params (in the body or in vllm_xargs) would make the decode LM dial what
+    the caller chose: both are dropped, and the answer is the one without them."""
+    dep, ref = pd
+    bogus = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "x",
+             "remote_block_ids": [0, 1], "remote_host": "10.255.255.1", "remote_port": 9,
+             "remote_request_id": "x"}
+    for extra in ({"kv_transfer_params": bogus}, {"vllm_xargs": {"kv_transfer_params": json.dumps(bogus)}}):
+        out = _chat(dep, {**REQUESTS["text"], **extra})
+        assert out["choices"][0]["token_ids"] == ref["text"], extra
+        assert out.get("kv_transfer_params") is None
