@@ -29,7 +29,7 @@ kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is i
 pytestmark = pytest.mark.unit
 
 K8S = os.path.join(os.path.dirname(__file__), "..", "..", "docker", "k8s")
-OVERLAYS = ("cpu", "gpu-node", "multi-node")
+OVERLAYS = ("cpu", "gpu-node", "multi-node", "pd-tiers")
 # The oldest Kubernetes release the manifests are checked against (every field they use is GA or
 # on by default there), and the newest whose schemas kubernetes-validate bundles.
 K8S_VERSIONS = ("1.29", kv.latest_version())
@@ -109,7 +109,7 @@ def allowed(docs: list[dict], deployment: str, port: int, direction: str) -> set
     out: set[str] = set()
     for policy in policies:
         for rule in policy["spec"].get(direction, []):
-            if "ports" in rule and port not in {p["port"] for p in rule["ports"]}:
+            if "ports" in rule and not any(p["port"] <= port <= p.get("endPort", p["port"]) for p in rule["ports"]):
                 continue
             if peers_key not in rule:
                 return ANY
