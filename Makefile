@@ -44,13 +44,9 @@ demo: model
 up: model
 	$(VENV)/bin/epd up
 
-test: model  # two tiers side by side (tools/run_tiers.py); with PYTEST_ARGS, one pytest run of those
+test: model
 	$(PY) -m ruff check .
-ifeq ($(strip $(PYTEST_ARGS)),)
-	$(PY) tools/run_tiers.py
-else
 	$(PY) -m pytest $(PYTEST_ARGS)
-endif
 
 test-fast: model  # the inner loop: ruff, then unit and integration (no service subprocesses, no namespaces)
 	$(PY) -m ruff check .

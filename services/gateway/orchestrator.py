@@ -255,14 +255,16 @@ class Orchestrator:
 
     async def generate(self, req: lm_pb2.GenerateRequest, media: list[Media], timings: Timings,
                        prepare: Callable[[lm_pb2.GenerateRequest], None] | None = None,
-                       ticket: Ticket | None = None, lm: str | None = None) -> AsyncIterator[lm_pb2.GenerateResponse]:
+                       ticket: Ticket | None = None, lm: str | None = None,
+                       disaggregate: bool = True) -> AsyncIterator[lm_pb2.GenerateResponse]:
         """Yields the LM's responses. Raises grpc.aio.AioRpcError (from either
         service, or made here) once retries are exhausted or not allowed.
         ``prepare(req)`` runs before each LM call, once the attempt's items have
         their sources (the OpenAI routes write the LM's body there). ``ticket``:
         the request's admission (its encoder slot is given back when the
         images are encoded on the LM). ``lm``: the LM that must answer (it holds
-        state the request refers to, a stored response); no other is tried."""
+        state the request refers to, a stored response); no other is tried. ``disaggregate``: the
+        request may go E -> P -> D (a generating route; not tokenize, say)."""
         deadline = time.monotonic() + self.cfg.request_timeout_s
         excluded = {"encoder": set(), "lm": set()}
         base_id = req.request_id
@@ -276,7 +278,7 @@ class Orchestrator:
                 sent = False
                 try:
                     async with contextlib.aclosing(self._attempt(req, media, timings, deadline, excluded,
-                                                                 prepare, ticket, lm)) as gen:
+                                                                 prepare, ticket, lm, disaggregate)) as gen:
                         async for resp in gen:
                             sent = True
                             yield resp
@@ -315,7 +317,7 @@ class Orchestrator:
     def _remaining(self, deadline: float) -> float:
         return max(0.001, deadline - time.monotonic())
 
-    def _pick_lms(self, excluded: set[str]) -> tuple[Instance | None, Instance | None]:
+    def _pick_lms(self, excluded: set[str], disaggregate: bool = True) -> tuple[Instance | None, Instance | None]:
         """The LM(s) for one attempt: ``(lm, None)``, or ``(prefill, decode)`` for E -> P -> D. LMs of
         role "both" and prefill/decode pairs are one pool: a pair is used when a healthy prefill and a
         healthy decode LM exist and its decode LM is no busier than the least busy "both" LM. With only
@@ -326,7 +328,7 @@ class Orchestrator:
         by_role: dict[str, list[Instance]] = {"both": [], "prefill": [], "decode": []}
         for inst in healthy:
             by_role[inst.lm_role].append(inst)
-        if by_role["prefill"] and by_role["decode"]:
+        if disaggregate and by_role["prefill"] and by_role["decode"]:
             d = self._lm_policy.pick(by_role["decode"])
             both = self._lm_policy.pick(by_role["both"])
             if both is None or d.outstanding <= both.outstanding:
@@ -335,7 +337,8 @@ class Orchestrator:
         return self._lm_policy.pick(healthy), None
 
     async def _attempt(self, req, media, timings: Timings, deadline: float, excluded: dict[str, set[str]],
-                       prepare=None, ticket: Ticket | None = None, pinned: str | None = None):
+                       prepare=None, ticket: Ticket | None = None, pinned: str | None = None,
+                       disaggregate: bool = True):
         for item in req.items:
             item.ClearField("source")
         req.ClearField("kv")
@@ -356,7 +359,7 @@ class Orchestrator:
                                    "lm", [], retryable=False)
                 decode = None
             else:
-                lm, decode = self._pick_lms(excluded["lm"])
+                lm, decode = self._pick_lms(excluded["lm"], disaggregate)
             if lm is None:
                 why = self.lm_wait_reason() or "no healthy LM instance"
                 raise _Failure(rpc_error(grpc.StatusCode.UNAVAILABLE, why), "lm", [], retryable=False)

@@ -90,6 +90,9 @@ class Api:
     done: bool = False
     anthropic: bool = False
     upload: bool = False
+    generates: bool = False
+    """It generates text from a prompt: it goes E -> P -> D where the deployment has prefill and decode LMs
+    (the others, tokenize or a stored response's GET, are answered by one LM)."""
 
     @property
     def lm_api(self) -> str:
@@ -97,12 +100,12 @@ class Api:
 
 
 APIS: tuple[Api, ...] = (
-    Api("chat", "POST", "/v1/chat/completions", "chatcmpl", "messages", done=True),
-    Api("completions", "POST", "/v1/completions", "cmpl", done=True),
-    Api("responses", "POST", "/v1/responses", "resp", "input"),
+    Api("chat", "POST", "/v1/chat/completions", "chatcmpl", "messages", done=True, generates=True),
+    Api("completions", "POST", "/v1/completions", "cmpl", done=True, generates=True),
+    Api("responses", "POST", "/v1/responses", "resp", "input", generates=True),
     Api("responses_get", "GET", "/v1/responses/{response_id}", "resp"),
     Api("responses_cancel", "POST", "/v1/responses/{response_id}/cancel", "resp"),
-    Api("messages", "POST", "/v1/messages", "msg", "anthropic", anthropic=True),
+    Api("messages", "POST", "/v1/messages", "msg", "anthropic", anthropic=True, generates=True),
     Api("count_tokens", "POST", "/v1/messages/count_tokens", "msg", "anthropic", encode=False, anthropic=True),
     Api("tokenize", "POST", "/tokenize", "tok", "messages", encode=False),
     Api("detokenize", "POST", "/detokenize", "tok"),

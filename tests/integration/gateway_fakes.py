@@ -86,10 +86,13 @@ class FakeEncoder(encoder_pb2_grpc.EncoderServiceServicer):
                 self.cancelled.append(rid)
                 raise
         for i, item in enumerate(request.items):
+            # One claim per reader, as the real encoder makes them (EncodeRequest.readers).
+            claims = [f"{rid}-{i}-claim{k}" for k in range(request.readers or 1)]
             md = encoder_pb2.ItemMetadata(identifier=item.identifier, index=i, modality=item.modality,
                                           source=transfer_pb2.ItemSource(
                                               num_embeds=16, embed_width=64, dtype=transfer_pb2.BFLOAT16,
-                                              transfer_endpoint=self.endpoint, encoder_id=self.name))
+                                              transfer_endpoint=self.endpoint, encoder_id=self.name,
+                                              claim=claims[0], extra_claims=claims[1:]))
             if self.layout:
                 md.source.placeholder_token_ids.append(9)
                 md.source.prompt_token_ids.extend([5] * 16)
@@ -130,10 +133,11 @@ class FakeLM(lm_pb2_grpc.LMServiceServicer):
     encoder_unavailable, encoder_unavailable_unnamed, invalid, forbidden (PERMISSION_DENIED, as an
     LM whose encoder allow-list lacks the item's encoder), bad_request:<param> (an HTTP 400 answer as
     vLLM's error body, as vLLM answers a bad sampling parameter), fail_after_first, block (until
-    cancelled), first_then_block."""
+    cancelled), first_then_block. ``role``: what GetInfo says (a prefill LM's last message of a PREFILL
+    call carries kv_transfer_params naming it)."""
 
-    def __init__(self, name: str, world: World, model: str = "fake-model") -> None:
-        self.name, self.world, self.model = name, world, model
+    def __init__(self, name: str, world: World, model: str = "fake-model", role: str = "") -> None:
+        self.name, self.world, self.model, self.role = name, world, model, role
         self.requests: list[lm_pb2.GenerateRequest] = []
         self.cancelled: list[str] = []
 
@@ -217,11 +221,15 @@ class FakeLM(lm_pb2_grpc.LMServiceServicer):
                    "usage": usage}
             yield lm_pb2.GenerateResponse(request_id=rid, openai=json.dumps(out).encode(), http_status=200)
             await self._after_first(mode, rid)
+        # A PREFILL call hands over where its KV is, as vLLM's NixlConnector names it.
+        kv = json.dumps({"do_remote_prefill": True, "remote_engine_id": self.name, "remote_block_ids": [0],
+                         "remote_host": "127.0.0.1", "remote_port": 5600, "remote_request_id": rid}).encode() \
+            if request.kv.phase == lm_pb2.KVHandoff.PREFILL else b""
         yield lm_pb2.GenerateResponse(
             request_id=rid, finish_reason=finish,
             usage=lm_pb2.Usage(prompt_tokens=usage["prompt_tokens"], completion_tokens=n_out),
             timings=lm_pb2.Timings(ttft_ms=1.0, tpot_ms=0.5),
-            transferred_items=sum(1 for i in request.items if i.HasField("source")))
+            transferred_items=sum(1 for i in request.items if i.HasField("source")), kv_transfer_params=kv)
 
     async def _after_first(self, mode: str, rid: str) -> None:
         if mode == "fail_after_first":
@@ -234,7 +242,7 @@ class FakeLM(lm_pb2_grpc.LMServiceServicer):
                 raise
 
     async def GetInfo(self, request, context):
-        return lm_pb2.LMInfo(model=self.model)
+        return lm_pb2.LMInfo(model=self.model, role=self.role)
 
 
 def _sse(obj: dict) -> bytes:

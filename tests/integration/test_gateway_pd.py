@@ -1,0 +1,121 @@
+"""E -> P -> D in the gateway's Orchestrator, against fake encoder and LM gRPC servers: roles learned
+from GetInfo, the PREFILL call then the DECODE call with the prefill LM's kv_transfer_params, one claim
+per reader, failover, and the routes that stay on one LM. No vLLM, no NIXL: the engines' side is
+``tests/e2e/test_pd.py`` (slow: on a 2-core host NIXL's progress threads busy-poll both cores) and the
+LM-side unit tests in ``tests/unit/test_lm_kv_handoff.py``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from epd.lm.v1 import lm_pb2
+from services.gateway.orchestrator import Timings
+from tests.integration.gateway_fakes import FakeLM
+from tests.integration.test_gateway_failover import TEST_LIMIT_S, Cluster, collect, generate, request, tokens
+
+pytestmark = pytest.mark.integration
+
+
+def pd_cluster(both: int = 0) -> Cluster:
+    """One fake encoder, a prefill LM, a decode LM, and ``both`` LMs of role both."""
+    c = Cluster(n_encoders=1, n_lms=0)
+    c.lms = [FakeLM("lm-P", c.world, role="prefill"), FakeLM("lm-D", c.world, role="decode"),
+             *(FakeLM(f"lm-B{i}", c.world, role="both") for i in range(both))]
+    return c
+
+
+def calls(c: Cluster, name: str) -> list[lm_pb2.GenerateRequest]:
+    return next(lm for lm in c.lms if lm.name == name).requests
+
+
+def test_a_request_is_prefilled_on_p_then_decoded_on_d_with_ps_params_and_a_claim_each():
+    async def body(c: Cluster):
+        orch = await c.start()
+        req, media = request("r1", ["img-a", "img-b"])
+        timings = Timings()
+        out = [r async for r in generate(orch, req, media, timings)]
+        assert tokens(out) == [1, 2, 3]  # the decode LM's answer is the client's
+        (p_req,), (d_req,) = calls(c, "lm-P"), calls(c, "lm-D")
+        assert p_req.kv.phase == lm_pb2.KVHandoff.PREFILL and not p_req.kv.params
+        assert d_req.kv.phase == lm_pb2.KVHandoff.DECODE
+        assert json.loads(d_req.kv.params)["remote_engine_id"] == "lm-P"  # as the prefill LM handed it over
+        assert [who for who, w, _ in c.world.log if w == "generate"] == ["lm-P", "lm-D"]
+        (enc_req,) = c.encoders[0].requests
+        assert enc_req.readers == 2
+        for p_item, d_item in zip(p_req.items, d_req.items):
+            # Each LM reads under its own claim; the decode LM gets no further claims.
+            assert p_item.source.claim != d_item.source.claim
+            assert list(p_item.source.extra_claims) == [d_item.source.claim]
+            assert not d_item.source.extra_claims
+        assert timings.prefill_lm == c.lm_addresses[0] and timings.lm == c.lm_addresses[1]
+        assert timings.prefill_ms > 0
+
+    _run(body)
+
+
+def test_a_refusal_by_the_prefill_lm_is_the_answer_and_the_decode_lm_is_not_called():
+    async def body(c: Cluster):
+        orch = await c.start()
+        c.world.lm_script = ["bad_request:temperature"]
+        req, media = request("r2", [])
+        out = await collect(orch, req, media)
+        assert out[0].http_status == 400 and b"temperature" in out[0].openai
+        assert not calls(c, "lm-D")
+
+    _run(body)
+
+
+def test_a_failed_prefill_is_retried_and_the_decode_lm_then_serves_the_whole_request():
+    async def body(c: Cluster):
+        orch = await c.start()
+        c.world.lm_script = ["unavailable"]  # the prefill LM's call fails before any token
+        req, media = request("r3", ["img-c"])
+        timings = Timings()
+        out = [r async for r in generate(orch, req, media, timings)]
+        assert tokens(out) == [1, 2, 3] and timings.retries == 1
+        (d_req,) = calls(c, "lm-D")
+        assert not d_req.HasField("kv")  # the one LM left: a whole request, as any LM serves it
+        assert timings.lm == c.lm_addresses[1]
+
+    _run(body)
+
+
+def test_routes_that_generate_nothing_stay_on_one_lm():
+    async def body(c: Cluster):
+        orch = await c.start()
+        req, media = request("r4", [])
+        out = [r async for r in orch.generate(req, media, Timings(), disaggregate=False)]
+        assert out and sum(len(lm.requests) for lm in c.lms) == 1
+        assert not any(r.HasField("kv") for lm in c.lms for r in lm.requests)
+
+    _run(body)
+
+
+def test_a_mixed_deployment_sends_a_request_to_the_idle_both_lm_when_the_decode_lm_is_busy():
+    async def body(c: Cluster):
+        orch = await c.start()
+        d = next(i for i in orch.lms.instances.values() if i.lm_role == "decode")
+        d.outstanding = 3  # busier than the idle "both" LM
+        req, media = request("r5", [])
+        await collect(orch, req, media)
+        assert len(calls(c, "lm-B0")) == 1 and not calls(c, "lm-P") and not calls(c, "lm-D")
+        d.outstanding = 0
+        req, media = request("r6", [])
+        await collect(orch, req, media)
+        assert len(calls(c, "lm-P")) == 1 and len(calls(c, "lm-D")) == 1
+
+    _run(body, both=1)
+
+
+def _run(body, both: int = 0) -> None:
+    async def main():
+        c = pd_cluster(both)
+        try:
+            await asyncio.wait_for(body(c), TEST_LIMIT_S)
+        finally:
+            await c.close()
+
+    asyncio.run(main())

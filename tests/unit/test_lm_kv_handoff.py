@@ -1,0 +1,111 @@
+"""The LM's half of E -> P -> D without an engine: a caller's kv_transfer_params never reach vLLM, the
+gateway's KVHandoff sets them, a phase the LM's role does not take is refused, and the consumer connector
+needs an item exactly where vLLM's scheduler would run it."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from vllm.multimodal.inputs import PlaceholderRange
+from vllm.sampling_params import SamplingParams
+
+from ectransfer.connector.consumer import _embeds_from
+from epd.lm.v1 import lm_pb2
+from services.common.errors import BadInput
+from services.lm.context import CURRENT, RequestContext
+from services.lm.frontend import REMOTE_DECODE, ConsumerEngine
+from services.lm.servicer import LMServicer, _without_kv_params, openai_body
+
+pytestmark = pytest.mark.unit
+
+BOGUS = {"do_remote_prefill": True, "remote_host": "10.255.255.1", "remote_port": 9}
+
+
+def _request(body: dict, api: str = "chat") -> lm_pb2.GenerateRequest:
+    req = lm_pb2.GenerateRequest(request_id="r")
+    req.openai.api = api
+    req.openai.body = json.dumps(body).encode()
+    return req
+
+
+def test_a_bodys_kv_transfer_params_are_dropped_whatever_the_spelling():
+    assert "kv_transfer_params" not in openai_body(_request({"messages": [], "kv_transfer_params": BOGUS}))
+    escaped = b'{"model": "m", "kv\\u005ftransfer_params": {"do_remote_prefill": true}}'  # one key to json
+    assert json.loads(_without_kv_params(escaped)) == {"model": "m"}
+    plain = b'{"model":"m","input":"hi"}'
+    assert _without_kv_params(plain) is plain  # left as the client wrote it when there is nothing to drop
+    assert _without_kv_params(b"not json") == b"not json"  # vLLM's app answers that one
+
+
+def _engine_call(ctx: RequestContext | None, params: SamplingParams):
+    calls = []
+    engine = SimpleNamespace(model_config=SimpleNamespace(is_encoder_decoder=False),
+                             generate=lambda *a, **k: calls.append(a) or _empty())
+    consumer = object.__new__(ConsumerEngine)  # its renderer is not needed here
+    consumer._engine = engine
+    token = CURRENT.set(ctx)
+    try:
+        consumer.generate("prompt", params, "rid")
+    finally:
+        CURRENT.reset(token)
+    (call,) = calls
+    return call[1]
+
+
+async def _empty():
+    return
+    yield
+
+
+def test_vllm_xargs_cannot_name_a_prefill_engine_and_the_handoff_sets_the_sampling():
+    # A plain request: a caller's kv_transfer_params (vllm_xargs ends up in extra_args) are gone.
+    sent = _engine_call(RequestContext(media=None), SamplingParams(extra_args={"kv_transfer_params": BOGUS, "x": 1}))
+    assert sent.extra_args == {"x": 1}
+    # PREFILL: one sequence, one token, and the blocks kept for a decode engine.
+    ctx = RequestContext(media=None, kv_phase=lm_pb2.KVHandoff.PREFILL)
+    sent = _engine_call(ctx, SamplingParams(n=2, max_tokens=50, min_tokens=5, seed=3,
+                                            extra_args={"kv_transfer_params": BOGUS}))
+    assert (sent.n, sent.max_tokens, sent.min_tokens) == (1, 1, 0)
+    assert sent.extra_args["kv_transfer_params"] == REMOTE_DECODE
+    # DECODE: the gateway's params, not the caller's.
+    handed = {"do_remote_prefill": True, "remote_engine_id": "p", "remote_block_ids": [1]}
+    ctx = RequestContext(media=None, kv_phase=lm_pb2.KVHandoff.DECODE, kv_params=handed)
+    sent = _engine_call(ctx, SamplingParams(n=2, max_tokens=8, extra_args={"kv_transfer_params": BOGUS}))
+    assert sent.extra_args["kv_transfer_params"] == handed and (sent.n, sent.max_tokens) == (2, 8)
+
+
+@pytest.mark.parametrize("role,phase,params,error", [
+    ("both", lm_pb2.KVHandoff.PREFILL, b"", "takes no PREFILL"),
+    ("decode", lm_pb2.KVHandoff.PREFILL, b"", "takes no PREFILL"),
+    ("prefill", lm_pb2.KVHandoff.DECODE, b"{}", "takes no DECODE"),
+    ("decode", lm_pb2.KVHandoff.DECODE, b"[1]", "kv_transfer_params"),
+    ("decode", lm_pb2.KVHandoff.DECODE, b"{not json", "not JSON"),
+    ("decode", 7, b"", "PREFILL or DECODE"),
+])
+def test_a_handoff_the_role_does_not_take_is_refused(role, phase, params, error):
+    servicer = object.__new__(LMServicer)
+    servicer.info = lm_pb2.LMInfo(role=role)
+    with pytest.raises(BadInput, match=error):
+        servicer._handoff(lm_pb2.KVHandoff(phase=phase, params=params))
+
+
+def test_the_handoffs_a_role_takes():
+    servicer = object.__new__(LMServicer)
+    servicer.info = lm_pb2.LMInfo(role="prefill")
+    assert servicer._handoff(lm_pb2.KVHandoff(phase=lm_pb2.KVHandoff.PREFILL)) == (lm_pb2.KVHandoff.PREFILL, None)
+    servicer.info = lm_pb2.LMInfo(role="decode")
+    got = servicer._handoff(lm_pb2.KVHandoff(phase=lm_pb2.KVHandoff.DECODE, params=b'{"do_remote_prefill": true}'))
+    assert got == (lm_pb2.KVHandoff.DECODE, {"do_remote_prefill": True})
+
+
+def test_an_item_is_needed_while_an_embedding_row_is_left_to_compute():
+    # Tokens 10..15: an opening token, four embedding rows, a closing token (Idefics3's shape).
+    pos = PlaceholderRange(offset=10, length=6, is_embed=torch.tensor([False, True, True, True, True, False]))
+    assert _embeds_from(pos, 0) and _embeds_from(pos, 10) and _embeds_from(pos, 14)
+    assert not _embeds_from(pos, 15)  # only the closing token left: vLLM runs no encoder for it
+    assert not _embeds_from(pos, 16) and not _embeds_from(pos, 40)
+    plain = PlaceholderRange(offset=10, length=6)  # every row an embedding
+    assert _embeds_from(plain, 15) and not _embeds_from(plain, 16)
