@@ -3,6 +3,7 @@ for), authentication (``peerauth``), errors, shutdown."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import grpc
@@ -13,6 +14,9 @@ from peerauth import SecurityConfig
 from services.common.errors import ErrorInterceptor
 
 logger = logging.getLogger(__name__)
+
+STOP_MARGIN_S = 5.0
+"""How long past its grace a stopping server may take before it is left to the process's exit."""
 
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", 256 << 20),
@@ -77,4 +81,10 @@ class GrpcServer:
 
     async def stop(self, grace: float = 2.0) -> None:
         await self.set_serving(False)
-        await self.server.stop(grace)
+        try:
+            # Bounded: grpc.aio's stop was seen to hang (once, after a refused TLS handshake), and a
+            # service that cannot stop cannot exit for its supervisor to restart it.
+            await asyncio.wait_for(self.server.stop(grace), grace + STOP_MARGIN_S)
+        except asyncio.TimeoutError:
+            logger.warning("gRPC server on port %s did not stop within %.0f s; leaving it", self.port,
+                           grace + STOP_MARGIN_S)
