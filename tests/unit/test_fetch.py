@@ -217,7 +217,7 @@ class _FakeOrch:
     def encodes_remotely(self, n_media: int) -> bool:
         return False
 
-    async def generate(self, req, media, timings, prepare=None, ticket=None, lm=None):
+    async def generate(self, req, media, timings, prepare=None, ticket=None, lm=None, disaggregate=True):
         if prepare is not None:
             prepare(req)
         # What reached the LM, as it was then (the servicer drops the payload once answered).
