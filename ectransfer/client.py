@@ -120,7 +120,8 @@ class _Peer:
         call = None
         try:
             call = chunkwire.transfer_call(self.channel)(self._requests())
-            choice = await negotiate(call, self.ctrl.put_nowait, self.client.compat, self.client.transports)
+            choice = await negotiate(call, self.ctrl.put_nowait, self.client.compat, self.client.transports,
+                                     channel=self.channel)
             if choice.fell_back:
                 logger.warning("transfer from %s uses %s (%s)", self.endpoint, choice.name, "; ".join(choice.skipped))
             self.transport = choice.transport
@@ -319,20 +320,45 @@ def source_key(desc: transfer_pb2.TensorDescriptor) -> tuple[str, str]:
     return "cuda_ipc", desc.cuda_ipc.pool_id
 
 
+def _older_producer(details: str) -> CompatError:
+    return CompatError(f"the producer has no {TRANSFER_SERVICE} ({details}): it runs an older "
+                       f"epd-serve (its Transfer service was {LEGACY_TRANSFER_SERVICE}); run one "
+                       f"version across the deployment")
+
+
+async def _service_missing(channel) -> str | None:
+    """The details of UNIMPLEMENTED when ``channel``'s server has no
+    epd.transfer.v1 (asked with the unary Stats, which no write can race), else None."""
+    stats = channel.unary_unary(f"/{TRANSFER_SERVICE}/Stats",
+                                request_serializer=transfer_pb2.StatsRequest.SerializeToString,
+                                response_deserializer=transfer_pb2.StatsReply.FromString)
+    try:
+        await stats(transfer_pb2.StatsRequest(), timeout=5)
+    except grpc.aio.AioRpcError as e:
+        if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+            return e.details()
+    return None
+
+
 async def negotiate(call, send, compat: transfer_pb2.CompatInfo, transports: list[ConsumerTransport],
-                    select=None) -> Choice:
+                    select=None, channel=None) -> Choice:
     """Consumer side of the handshake on an open Transfer ``call`` whose request
     stream already yielded Hello; ``send`` enqueues a client message. Raises
     CompatError or ProtocolError with a message meant for people. ``select``:
     a predicate on the Choice; when false the handshake stops before Select
-    (a check that cannot prove the transport itself)."""
+    (a check that cannot prove the transport itself). ``channel``: the call's
+    channel, to tell an older producer apart when grpc hides its answer (below)."""
     try:
         first = await call.read()
     except grpc.aio.AioRpcError as e:
         if e.code() == grpc.StatusCode.UNIMPLEMENTED:  # no epd.transfer.v1: a producer from before the move
-            raise CompatError(f"the producer has no {TRANSFER_SERVICE} ({e.details()}): it runs an older "
-                              f"epd-serve (its Transfer service was {LEGACY_TRANSFER_SERVICE}); run one "
-                              f"version across the deployment") from None
+            raise _older_producer(e.details()) from None
+        if e.code() == grpc.StatusCode.INTERNAL and channel is not None:
+            # grpc.aio replaces the server's status with INTERNAL "Internal error from Core" when the
+            # Hello write loses the race with an UNIMPLEMENTED answer (grpc/grpc#36066): ask again
+            # with a unary call, which has no write to lose.
+            if (details := await _service_missing(channel)) is not None:
+                raise _older_producer(details) from None
         raise
     if first is grpc.aio.EOF or first.WhichOneof("msg") != "hello":
         raise ProtocolError("producer did not answer Hello")

@@ -160,7 +160,7 @@ class PeerChecker:
             call = transfer_pb2_grpc.TransferServiceStub(ch).Transfer(requests(), timeout=self.timeout_s)
             try:
                 choice = await negotiate(call, out.put_nowait, self.compat, self.transports,
-                                         select=lambda c: not isinstance(c.transport, OfferedCudaIpc))
+                                         select=lambda c: not isinstance(c.transport, OfferedCudaIpc), channel=ch)
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
                     raise Incompatible(e.details()) from None

@@ -82,3 +82,29 @@ def test_a_new_consumer_is_told_the_producer_is_older():
     finally:
         consumer.close()
         old.close()
+
+
+def test_grpc_hiding_the_older_producers_answer_behind_internal_still_names_the_version():
+    """grpc.aio may report INTERNAL "Internal error from Core" instead of the server's UNIMPLEMENTED
+    when the Hello write loses a race with it (grpc/grpc#36066); the consumer asks again, unary."""
+    from ectransfer.client import negotiate
+    from ectransfer.protocol import CompatError
+
+    class _HiddenAnswer:
+        async def read(self):
+            raise grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                       details="Internal error from Core")
+
+    old, current = _OldProducer(), Producer(transports=("grpc",))
+    try:
+        async def run():
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{old.port}") as ch:
+                with pytest.raises(CompatError, match="it runs an older epd-serve"):
+                    await negotiate(_HiddenAnswer(), lambda _: None, HELLO.hello.compat, [], channel=ch)
+            async with grpc.aio.insecure_channel(current.endpoint) as ch:
+                with pytest.raises(grpc.aio.AioRpcError):  # a current producer: the INTERNAL stands
+                    await negotiate(_HiddenAnswer(), lambda _: None, HELLO.hello.compat, [], channel=ch)
+        asyncio.run(run())
+    finally:
+        current.close()
+        old.close()
