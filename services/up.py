@@ -262,6 +262,8 @@ class Deployment:
     insecure: bool = False
     """Pass --insecure to every service: "token" or "none" on a non-loopback host, with a warning (the network
     is trusted; the services' own links stay on this host, but other machines can reach their ports)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment for every service (over this process's own)."""
 
     def __post_init__(self) -> None:
         h = self.host
@@ -355,7 +357,7 @@ class Deployment:
             print(msg, end=end, flush=True)
 
     def start(self, timeout: float = 300.0) -> Deployment:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
         self._say(f"epd up: model {self.model}; logs in {self.log_dir}")
         t0 = time.monotonic()
         try:

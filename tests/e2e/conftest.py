@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from services.up import Deployment
+from tests.conftest import MULTIPROCESS_ENGINES
 from tests.e2e.helpers import image_chat, perturb_chat, start_perturbable, text_chat
 from tools.reference import run_subprocess
 
@@ -98,7 +99,9 @@ def _reference_run(tiny_model):
 @pytest.fixture(scope="session")
 def deployment(tiny_model, _reference_run):
     # vLLM's front-end flags for tool calls, as tests/e2e/test_openai_parity.py gives `vllm serve`.
-    dep = Deployment(model=tiny_model, quiet=True, security="tls",
+    # vLLM's default engine processes (the worker in its own process), as production runs them: most
+    # other deployments run one-process engines to save time (tests/conftest.py)
+    dep = Deployment(model=tiny_model, quiet=True, security="tls", env=MULTIPROCESS_ENGINES,
                      lm_args=["--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
     start_perturbable(dep)  # the perturbation hook, off until test_perturbation turns it on
     yield dep

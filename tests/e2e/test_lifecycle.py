@@ -16,6 +16,7 @@ import pytest
 
 from services.cli import DEFAULT_MODEL_DIR
 from services.up import Service, free_port, grpc_serving, http_ok, split_cores, wait_ready
+from tests.conftest import MULTIPROCESS_ENGINES
 from tests.e2e.conftest import REFERENCE_REQUESTS
 from tests.e2e.helpers import post
 from tools.tiny_model import build_tiny_model
@@ -80,8 +81,10 @@ def _epd_segments() -> set[str]:
 def test_epd_up_serves_and_ctrl_c_leaves_nothing_behind(tiny_model):
     before = _epd_segments()
     port = free_port()
+    # vLLM's default engine processes, as a user's `epd up` runs them (tests/conftest.py)
     proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--model", tiny_model, "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **MULTIPROCESS_ENGINES})
     try:
         info, lines = None, []
         deadline = time.monotonic() + 300
