@@ -66,6 +66,14 @@ class EncoderUnavailable(PeerUnavailable):
         self.endpoints = tuple(endpoints)
 
 
+class PrefillKVUnavailable(PeerUnavailable):
+    """A decode LM could not load the prompt's KV from the prefill LM that computed it (vLLM's NIXL
+    handshake or read failed: the prefill LM is gone, unreachable, or let the blocks go when its lease
+    ran out). Nothing was generated: the gateway runs the request again without that prefill LM."""
+
+    fault = "prefill"
+
+
 class Incompatible(EPDError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 

@@ -342,7 +342,7 @@ class Orchestrator:
         for item in req.items:
             item.ClearField("source")
         req.ClearField("kv")
-        timings.encoders = []
+        timings.encoders, timings.prefill_lm, timings.prefill_ms = [], "", 0.0  # this attempt's
         groups: list[_EncodeGroup] = []
         answered = False
         # Queued until the first attempt dispatches (planning below does no I/O).
@@ -380,6 +380,7 @@ class Orchestrator:
             timings.lm = lm.address
             if prepare is not None:
                 prepare(req)
+            prefill = None
             if decode is not None:
                 handed = await self._prefill(lm, req, groups, timings, deadline)
                 if isinstance(handed, list):  # the prefill LM refused the request: its answer is the answer
@@ -387,11 +388,12 @@ class Orchestrator:
                         yield resp
                     answered = True
                     return
-                lm, req = decode, _decode_request(req, handed)
+                prefill, lm, req = lm, decode, _decode_request(req, handed)
                 timings.prefill_lm, timings.lm = timings.lm, lm.address
             # aclosing: a caller that stops early (client gone) cancels the LM call now,
             # not whenever the garbage collector finalizes the generator.
-            async with contextlib.aclosing(self._generate(lm, req, groups, timings, deadline)) as lm_stream:
+            async with contextlib.aclosing(self._generate(lm, req, groups, timings, deadline,
+                                                          prefill=prefill)) as lm_stream:
                 async for resp in lm_stream:
                     yield resp
             answered = True
@@ -517,9 +519,10 @@ class Orchestrator:
                 call.cancel()
 
     async def _generate(self, lm: Instance, req, groups: list[_EncodeGroup], timings: Timings, deadline: float,
-                        final: bool = True):
+                        final: bool = True, prefill: Instance | None = None):
         """One LM call's responses. ``final``: its answer goes to the client (a PREFILL call's does not:
-        its facts are not the request's)."""
+        its facts are not the request's). ``prefill``: a DECODE call's prefill LM, blamed when the decode
+        LM could not load the KV from it (``epd-fault: prefill``)."""
         first_at = 0.0
         stopped: BaseException | None = None  # the encode failure that stopped this call
         with lm.track():
@@ -558,6 +561,8 @@ class Orchestrator:
                 trailers = list(e.trailing_metadata() or ())
                 if (FAULT_KEY, "encoder") in trailers:
                     raise _Failure(e, "encoder", self._blame(groups, req, trailers)) from None
+                if (FAULT_KEY, "prefill") in trailers and prefill is not None:
+                    raise _Failure(e, "lm", [prefill]) from None
                 raise _Failure(e, "lm", [lm]) from None
             finally:
                 call.cancel()

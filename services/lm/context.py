@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from services.common.errors import EncoderUnavailable
+from services.common.errors import EPDError
 from services.common.layout import ItemLayout
 
 if TYPE_CHECKING:  # ectransfer.connector imports vLLM, which this module's importers must not pay for
@@ -44,10 +44,11 @@ class RequestContext:
     """The consumer connector's report for the request (vLLM's ``RequestOutput.ec_transfer_params``),
     taken off the outputs before vLLM's serving code sees them: it is for the service (its facts and
     metrics), never part of an answer."""
-    encoder_failure: EncoderUnavailable | None = None
-    """Set when the engine failed the request because an item's embedding could not be
-    obtained: the servicer turns it into the ``epd-fault: encoder`` status (the gateway
-    re-encodes elsewhere) instead of passing vLLM's error chunk on."""
+    failure: EPDError | None = None
+    """Why the engine failed the request, when a peer is to blame: an item's embedding could not be
+    obtained (``EncoderUnavailable``) or, on a decode LM, the prompt's KV could not be loaded
+    (``PrefillKVUnavailable``). The servicer turns it into the status with the ``epd-fault`` trailer
+    (the gateway retries without that peer) instead of passing vLLM's error chunk on."""
     kv_phase: int = 0
     """``lm_pb2.KVHandoff.Phase`` of an E -> P -> D request on this LM (0: none; it prefills and decodes)."""
     kv_params: dict | None = None

@@ -63,7 +63,7 @@ from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 from ectransfer.connector.metadata import ConsumerFinished, ECTransferParams
 from epd.lm.v1 import lm_pb2
-from services.common.errors import BadInput, EncoderUnavailable
+from services.common.errors import BadInput, EncoderUnavailable, PrefillKVUnavailable
 from services.common.layout import ItemLayout, splice_modalities
 from services.lm.config import FrontendConfig
 from services.lm.context import CURRENT, RequestContext
@@ -260,15 +260,26 @@ async def _recorded(gen, ctx: RequestContext, request_id: str, delta: bool):
         async for out in gen:
             ctx.final = out
             failed = [c for c in out.outputs if c.finish_reason == "error"]
+            info = ConsumerFinished.from_dict(out.ec_transfer_params) if failed else None
+            if failed and ctx.kv_phase == DECODE and not (info.error or info.failed_endpoints):
+                # vLLM fails a request whose KV it could not load (kv_load_failure_policy "fail"). An item
+                # this engine needed and could not read fails it the same way, and vLLM drops the
+                # connector's report then, so the two look alike here unless the report names the item;
+                # a decode LM needs an item only when the prompt's last token falls inside it, so the KV
+                # is blamed (the retry, without that prefill LM, re-encodes every item anyway).
+                remote = (ctx.kv_params or {}).get("remote_engine_id", "?")
+                ctx.failure = PrefillKVUnavailable(
+                    f"request {request_id}: the prompt's KV could not be loaded from the prefill LM "
+                    f"(engine {remote}): its NIXL handshake or read failed (the service's log has vLLM's reason)")
+                raise ctx.failure
             if failed and ctx.sources:
-                info = ConsumerFinished.from_dict(out.ec_transfer_params)
                 # vLLM drops the connector's ec_transfer_params when it fails a request
                 # (take_unavailable_requests): without them every encoder the request used is named.
                 named = list(info.failed_endpoints) or ECTransferParams(ctx.sources).endpoints()
-                ctx.encoder_failure = EncoderUnavailable(
+                ctx.failure = EncoderUnavailable(
                     info.error or f"request {request_id}: an embedding from encoder(s) {', '.join(named)} "
                     "could not be obtained", named)
-                raise ctx.encoder_failure
+                raise ctx.failure
             if out.ec_transfer_params is not None:
                 ctx.ec_report = out.ec_transfer_params
                 out.ec_transfer_params = None  # vLLM would copy it into answers (Responses, Messages)

@@ -175,11 +175,11 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
         try:
             out = await (serving.create_chat_completion(req) if api == "chat" else serving.create_completion(req))
         except (ValueError, VLLMClientError) as e:  # vLLM's input validation, as its server answers it
-            if ctx.encoder_failure is not None:
-                raise ctx.encoder_failure from None
+            if ctx.failure is not None:
+                raise ctx.failure from None
             out = serving.create_error_response(e)
-        if ctx.encoder_failure is not None:
-            raise ctx.encoder_failure
+        if ctx.failure is not None:
+            raise ctx.failure
         if isinstance(out, ErrorResponse):
             return out.error.code, _dumps(out)
         if hasattr(out, "model_dump"):
@@ -215,14 +215,14 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
                     async with contextlib.aclosing(answer) as events:
                         first = True
                         async for event in events:
-                            if ctx.encoder_failure is not None:  # vLLM made an error event of it
-                                raise ctx.encoder_failure
+                            if ctx.failure is not None:  # vLLM made an error event of it
+                                raise ctx.failure
                             yield lm_pb2.GenerateResponse(request_id=rid, openai=event.encode(),
                                                           http_status=200 if first else 0)
                             first = False
             except GenerationError as e:  # the engine failed the request: vLLM's server answers 500
-                if ctx.encoder_failure is not None:
-                    raise ctx.encoder_failure from None
+                if ctx.failure is not None:
+                    raise ctx.failure from None
                 raise EPDError(f"request {rid}: {e}") from None
             yield self._last(rid, ctx)
             status = "ok"
@@ -258,8 +258,8 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
             body: list[bytes] = []  # a plain response's chunks, sent as one message
             streamed = 0
             async for part in answer:
-                if ctx.encoder_failure is not None:
-                    raise ctx.encoder_failure
+                if ctx.failure is not None:
+                    raise ctx.failure
                 if isinstance(part, Started):
                     started = part
                 elif started.content_type.startswith("text/event-stream"):
@@ -269,8 +269,8 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
                     streamed += 1
                 else:
                     body.append(part)
-        if ctx.encoder_failure is not None:
-            raise ctx.encoder_failure
+        if ctx.failure is not None:
+            raise ctx.failure
         if not streamed:
             yield lm_pb2.GenerateResponse(request_id=rid, openai=b"".join(body),
                                           http_status=started.status, content_type=started.content_type)

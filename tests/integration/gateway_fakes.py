@@ -19,7 +19,7 @@ from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
 from epd.lm.v1 import lm_pb2, lm_pb2_grpc
 from epd.transfer.v1 import transfer_pb2
 from peerauth import SecurityConfig
-from services.common.errors import BadInput, EncoderUnavailable, Forbidden, PeerUnavailable
+from services.common.errors import BadInput, EncoderUnavailable, Forbidden, PeerUnavailable, PrefillKVUnavailable
 from services.common.grpc_server import GrpcServer
 from services.common.protocol import ENCODER_PROTOCOL
 from services.lm.servicer import openai_body
@@ -130,7 +130,7 @@ class FakeLM(lm_pb2_grpc.LMServiceServicer):
     message (the first with http_status 200), then "data: [DONE]". As vLLM with return_token_ids,
     each choice carries its "token_ids"; ids are vLLM's ("chatcmpl-"/"cmpl-" + the body's "request_id") and
     "model" is the request's, else ``model``. GetInfo names ``model``. Scripted modes: unavailable,
-    encoder_unavailable, encoder_unavailable_unnamed, invalid, forbidden (PERMISSION_DENIED, as an
+    encoder_unavailable, encoder_unavailable_unnamed, kv_unavailable, invalid, forbidden (PERMISSION_DENIED, as an
     LM whose encoder allow-list lacks the item's encoder), bad_request:<param> (an HTTP 400 answer as
     vLLM's error body, as vLLM answers a bad sampling parameter), fail_after_first, block (until
     cancelled), first_then_block. ``role``: what GetInfo says (a prefill LM's last message of a PREFILL
@@ -162,6 +162,8 @@ class FakeLM(lm_pb2_grpc.LMServiceServicer):
                                      [request.items[0].source.transfer_endpoint])
         if mode == "encoder_unavailable_unnamed":  # the LM cannot tell which encoder failed
             raise EncoderUnavailable("the encoder output could not be obtained")
+        if mode == "kv_unavailable":  # as a decode LM whose KV pull from the prefill LM failed
+            raise PrefillKVUnavailable("the prompt's KV could not be loaded from the prefill LM")
         if mode == "invalid":
             raise BadInput("prompt too long")
         if mode == "forbidden":

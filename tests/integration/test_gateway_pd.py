@@ -83,6 +83,41 @@ def test_a_failed_prefill_is_retried_and_the_decode_lm_then_serves_the_whole_req
     _run(body)
 
 
+def test_a_decode_lm_that_cannot_load_the_kv_blames_the_prefill_lm_and_the_retry_runs_without_it():
+    async def body(c: Cluster):
+        orch = await c.start()
+        c.world.lm_script = ["ok", "kv_unavailable"]  # P hands over; D's pull fails before any token
+        req, media = request("r5", ["img-d"])
+        timings = Timings()
+        out = [r async for r in generate(orch, req, media, timings)]
+        assert tokens(out) == [1, 2, 3] and timings.retries == 1
+        assert len(calls(c, "lm-P")) == 1  # not asked again
+        first, again = calls(c, "lm-D")
+        assert first.kv.phase == lm_pb2.KVHandoff.DECODE
+        assert not again.HasField("kv")  # the one LM left serves the whole request, its items re-encoded
+        assert again.items[0].source.claim and len(c.encoders[0].requests) == 2
+        assert timings.lm == c.lm_addresses[1] and not timings.prefill_lm
+
+    _run(body)
+
+
+def test_a_decode_lm_that_fails_after_its_first_token_ends_the_stream_with_an_error():
+    async def body(c: Cluster):
+        orch = await c.start()
+        c.world.lm_script = ["ok", "fail_after_first"]
+        req, media = request("r6", [])
+        got, error = [], None
+        try:
+            async for r in generate(orch, req, media, Timings()):
+                got.append(r)
+        except Exception as e:  # noqa: BLE001 - the call's status
+            error = e
+        assert got and error is not None  # tokens went out: no retry, the client sees the failure
+        assert len(calls(c, "lm-P")) == 1 and len(calls(c, "lm-D")) == 1
+
+    _run(body)
+
+
 def test_routes_that_generate_nothing_stay_on_one_lm():
     async def body(c: Cluster):
         orch = await c.start()

@@ -4,6 +4,7 @@ needs an item exactly where vLLM's scheduler would run it."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from types import SimpleNamespace
 
@@ -14,9 +15,9 @@ from vllm.sampling_params import SamplingParams
 
 from ectransfer.connector.consumer import _embeds_from
 from epd.lm.v1 import lm_pb2
-from services.common.errors import BadInput
+from services.common.errors import BadInput, EncoderUnavailable, PrefillKVUnavailable
 from services.lm.context import CURRENT, RequestContext
-from services.lm.frontend import REMOTE_DECODE, ConsumerEngine
+from services.lm.frontend import DECODE, REMOTE_DECODE, ConsumerEngine, _recorded
 from services.lm.servicer import LMServicer, _without_kv_params, openai_body
 
 pytestmark = pytest.mark.unit
@@ -109,3 +110,30 @@ def test_an_item_is_needed_while_an_embedding_row_is_left_to_compute():
     assert not _embeds_from(pos, 16) and not _embeds_from(pos, 40)
     plain = PlaceholderRange(offset=10, length=6)  # every row an embedding
     assert _embeds_from(plain, 15) and not _embeds_from(plain, 16)
+
+
+def _failed_output():
+    return SimpleNamespace(outputs=[SimpleNamespace(finish_reason="error", token_ids=[], index=0)],
+                           ec_transfer_params=None, kv_transfer_params=None)
+
+
+async def _drain(ctx: RequestContext):
+    async def engine():
+        yield _failed_output()
+
+    async for _ in _recorded(engine(), ctx, "r", delta=True):
+        pass
+
+
+def test_a_decode_request_the_engine_failed_blames_the_prefill_lm_and_any_other_the_encoder():
+    """vLLM fails a request whose KV it could not load (kv_load_failure_policy "fail") as it fails one
+    whose embedding could not be read: on a decode LM the KV is blamed (``epd-fault: prefill``)."""
+    ctx = RequestContext()
+    ctx.kv_phase, ctx.kv_params = DECODE, {"remote_engine_id": "engine-p"}
+    with pytest.raises(PrefillKVUnavailable, match="engine engine-p") as e:
+        asyncio.run(_drain(ctx))
+    assert e.value.fault == "prefill" and ctx.failure is e.value
+    whole = RequestContext()
+    whole.sources = {"item": SimpleNamespace(endpoint="enc:1")}
+    with pytest.raises(EncoderUnavailable):
+        asyncio.run(_drain(whole))
