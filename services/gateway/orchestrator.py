@@ -45,7 +45,7 @@ from services.common.protocol import encoder_protocol_problem
 from services.gateway.admission import Admission, Ticket
 from services.gateway.config import GatewayConfig
 from services.gateway.instances import Instance, InstancePool
-from services.gateway.routing import LeastOutstanding, pick_encoder
+from services.gateway.routing import LeastOutstanding, pick_decode, pick_encoder
 
 logger = logging.getLogger(__name__)
 
@@ -320,8 +320,9 @@ class Orchestrator:
     def _pick_lms(self, excluded: set[str], disaggregate: bool = True) -> tuple[Instance | None, Instance | None]:
         """The LM(s) for one attempt: ``(lm, None)``, or ``(prefill, decode)`` for E -> P -> D. LMs of
         role "both" and prefill/decode pairs are one pool: a pair is used when a healthy prefill and a
-        healthy decode LM exist and its decode LM is no busier than the least busy "both" LM. With only
-        one half of a pair left, that LM serves whole requests itself (a prefill or decode engine can)."""
+        healthy decode LM exist and its decode LM is no busier than the least busy "both" LM; the decode LM
+        is one on the prefill LM's host where it can be (``routing.pick_decode``). With only one half of a
+        pair left, that LM serves whole requests itself (a prefill or decode engine can)."""
         healthy = self.lms.healthy(excluded)
         if not healthy:  # all ejected (a health blip on a busy host): try the ejected ones rather than fail
             healthy = self.lms.ejected(excluded)
@@ -329,10 +330,10 @@ class Orchestrator:
         for inst in healthy:
             by_role[inst.lm_role].append(inst)
         if disaggregate and by_role["prefill"] and by_role["decode"]:
-            d = self._lm_policy.pick(by_role["decode"])
             both = self._lm_policy.pick(by_role["both"])
-            if both is None or d.outstanding <= both.outstanding:
-                return self._lm_policy.pick(by_role["prefill"]), d
+            if both is None or min(d.outstanding for d in by_role["decode"]) <= both.outstanding:
+                p = self._lm_policy.pick(by_role["prefill"])
+                return p, pick_decode(p, by_role["decode"], self._lm_policy)
             return both, None
         return self._lm_policy.pick(healthy), None
 

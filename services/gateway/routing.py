@@ -5,7 +5,9 @@ weight) hashing, so a repeated image goes to the encoder that may still hold
 its output and only 1/N of the keys move when an instance joins or leaves. The
 affine encoder is skipped ("spill") when it has more than ``spill`` calls in
 flight beyond the least-loaded healthy encoder. LMs: least outstanding calls,
-ties broken round robin.
+ties broken round robin. E -> P -> D: the decode LM among the least busy ones is one on
+the prefill LM's host where there is one (the KV then moves within a host: shared memory
+or NVLink rather than the network).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from collections.abc import Sequence
 
 from prometheus_client import Counter
 
-from services.gateway.instances import Instance
+from services.gateway.instances import Instance, split_host_port
 
 DECISIONS = Counter("epd_gateway_encoder_routing_total", "Encoder routing decisions (affinity or spill)",
                     ["decision"])
@@ -52,3 +54,16 @@ class LeastOutstanding:
         start = next(self._turn) % len(candidates)
         rotated = list(candidates[start:]) + list(candidates[:start])
         return min(rotated, key=lambda i: i.outstanding)
+
+
+def pick_decode(prefill: Instance, decodes: Sequence[Instance], policy: LeastOutstanding) -> Instance | None:
+    """The decode LM for a request prefilled on ``prefill``: among the least busy decode LMs, one on the
+    prefill LM's host where there is one (NIXL then moves the KV over shared memory or NVLink; it says
+    nothing of where its peers are, so the address is what tells); ties broken by ``policy``."""
+    if not decodes:
+        return None
+    least = min(d.outstanding for d in decodes)
+    idle = [d for d in decodes if d.outstanding == least]
+    host = split_host_port(prefill.address)[0]
+    near = [d for d in idle if split_host_port(d.address)[0] == host]
+    return policy.pick(near or idle)

@@ -11,7 +11,7 @@ import pytest
 
 from epd.encoder.v1 import encoder_pb2_grpc
 from services.gateway.instances import InstancePool, InstanceState, is_ip, join_host_port, resolve, split_host_port
-from services.gateway.routing import LeastOutstanding, pick_encoder
+from services.gateway.routing import LeastOutstanding, pick_decode, pick_encoder
 
 pytestmark = pytest.mark.unit
 
@@ -323,3 +323,19 @@ def test_a_refused_instance_is_never_routed_to_and_failures_keep_it_refused():
             await pool.close()
 
     run(body())
+
+
+def _lm(address: str, outstanding: int = 0):
+    return SimpleNamespace(address=address, outstanding=outstanding)
+
+
+def test_the_decode_lm_is_one_on_the_prefill_lms_host_among_the_least_busy():
+    policy = LeastOutstanding()
+    p = _lm("10.0.0.1:50052")
+    far, near = _lm("10.0.0.2:50052"), _lm("10.0.0.1:50053")
+    assert all(pick_decode(p, [far, near], policy) is near for _ in range(4))
+    near.outstanding = 1  # busier: load wins over locality
+    assert pick_decode(p, [far, near], policy) is far
+    v6 = _lm("[fd00::1]:50052")
+    assert pick_decode(v6, [far, _lm("[fd00::1]:50053")], policy).address == "[fd00::1]:50053"
+    assert pick_decode(p, [], policy) is None
