@@ -17,11 +17,13 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import pytest
 
+from epd.lm.v1 import lm_pb2, lm_pb2_grpc
 from services.up import Deployment
 from tests.e2e.conftest import stop_in_background
-from tests.e2e.helpers import image_chat, metric, post, producer_stats, text_chat
+from tests.e2e.helpers import image_chat, metric, post, producer_stats, settled, text_chat
 from tools.media import data_url, make_image
 from tools.reference import run_subprocess
 
@@ -218,6 +220,95 @@ def test_the_other_generating_apis_go_e_p_d_and_tokenize_goes_to_one_lm(pd):
     status, tok = post(dep.url + "/tokenize", {"model": dep.model, "messages": REQUESTS["text"]["messages"]})
     chat = _chat(dep, REQUESTS["text"])
     assert status == 200 and tok["count"] == chat["usage"]["prompt_tokens"], tok
+
+
+def _lm_call(dep: Deployment, lm, req: lm_pb2.GenerateRequest, timeout: float = 60) -> list:
+    with dep.client_security.channel(lm.address) as ch:
+        return list(lm_pb2_grpc.LMServiceStub(ch).Generate(req, timeout=timeout))
+
+
+def _handoff(rid: str, body: dict, phase, params: bytes = b"") -> lm_pb2.GenerateRequest:
+    req = lm_pb2.GenerateRequest(request_id=rid)
+    req.openai.api = "chat"
+    req.openai.body = json.dumps(body).encode()  # the LMs render with their --chat-template
+    req.kv.phase = phase
+    req.kv.params = params
+    return req
+
+
+def _kv_usage(lm) -> float:
+    return metric(lm.metrics_port, "vllm:kv_cache_usage_perc")
+
+
+def test_a_kv_pull_that_fails_is_a_clear_error_from_the_decode_lm_and_its_blocks_go(pd):
+    """The gateway's two calls made by hand (a trusted peer's credentials): P prefills, then D is given
+    P's kv_transfer_params with another engine id, so its NIXL handshake with P fails (vLLM checks the
+    engine id P answers with). D answers UNAVAILABLE with ``epd-fault: prefill`` within seconds, holds no
+    KV block, and then serves the true params with plain vLLM's tokens (which lets P's blocks go)."""
+    dep, ref = pd
+    p, d = _lms(dep)
+    answer = _lm_call(dep, p, _handoff("kv-fault", REQUESTS["text"], lm_pb2.KVHandoff.PREFILL))
+    assert answer[0].http_status == 200, answer[0].openai
+    params = answer[-1].kv_transfer_params
+    assert json.loads(params)["do_remote_prefill"] is True
+    wrong = json.dumps({**json.loads(params), "remote_engine_id": "not-the-prefill-engine"}).encode()
+    t0 = time.monotonic()
+    with pytest.raises(grpc.RpcError) as e:
+        _lm_call(dep, d, _handoff("kv-fault-d", REQUESTS["text"], lm_pb2.KVHandoff.DECODE, wrong))
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value.details()
+    assert ("epd-fault", "prefill") in tuple(e.value.trailing_metadata() or ())
+    assert "could not be loaded from the prefill LM" in e.value.details()
+    assert time.monotonic() - t0 < 30
+    assert settled(lambda: _kv_usage(d), 0.0) == 0.0
+    answer = _lm_call(dep, d, _handoff("kv-fault-d2", REQUESTS["text"], lm_pb2.KVHandoff.DECODE, params))
+    tokens = [t for r in answer if r.openai for c in json.loads(r.openai).get("choices", [])
+              for t in c.get("token_ids") or []]
+    assert tokens == ref["text"]
+    assert settled(lambda: _kv_usage(p), 0.0) == 0.0 and settled(lambda: _kv_usage(d), 0.0) == 0.0
+
+
+def _health(dep: Deployment) -> dict:
+    with urllib.request.urlopen(dep.url + "/health", timeout=5) as r:
+        return json.loads(r.read())
+
+
+def test_a_decode_lm_killed_mid_stream_ends_the_stream_with_an_error_and_nothing_stays_held(pd):
+    """D dies (SIGKILL, service and engine) after its first tokens: the client's stream ends with an
+    error within seconds (no retry once tokens went out), P holds no block (D had read them) and the
+    encoder no item. D is then started again and admitted."""
+    dep, ref = pd
+    p, d = _lms(dep)
+    body = {**image_chat(3600, text="Tell me a long story.", max_tokens=400), "stream": True, "ignore_eos": True}
+    req = urllib.request.Request(dep.url + "/v1/chat/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    tokens, errors, killed_at = 0, [], None
+    with urllib.request.urlopen(req, timeout=120) as r:
+        for line in r:
+            line = line.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                errors.append(event["error"])
+                continue
+            tokens += sum(len(c.get("token_ids") or []) for c in event.get("choices", []))
+            if tokens and killed_at is None:
+                os.killpg(d.proc.pid, signal.SIGKILL)
+                killed_at = time.monotonic()
+    assert killed_at is not None and errors, (tokens, errors)
+    assert time.monotonic() - killed_at < 30 and tokens < 400
+    d.proc.wait(30)
+    assert settled(lambda: _kv_usage(p), 0.0) == 0.0
+    assert settled(lambda: producer_stats(dep)["items_held"], 0) == 0
+    # The gateway ejects it (its health check, or the next call), then admits the new process.
+    assert settled(lambda: _health(dep)["lms"][d.address], False, timeout=30) is False
+    d.start({**os.environ, "PYTHONUNBUFFERED": "1", **dep.env})
+    deadline = time.monotonic() + 240
+    while not _health(dep)["lms"][d.address]:
+        assert d.alive() and time.monotonic() < deadline, d.log_tail()
+        time.sleep(0.5)
+    out = _chat(dep, REQUESTS["image"])
+    assert out["choices"][0]["token_ids"] == ref["image"] and out["epd"]["lm"] == d.address
 
 
 def test_a_dead_prefill_lm_leaves_the_decode_lm_serving_whole_requests(pd):

@@ -28,10 +28,11 @@ REQUESTS = {
     "pod": image_chat(701, max_tokens=8),
     **{f"dns{i}": image_chat(710 + i, max_tokens=8) for i in range(16)},
     **{f"fault{i}": image_chat(750 + i, max_tokens=8) for i in range(24)},
+    "pd": image_chat(790, max_tokens=8),
 }
 
 # Test files in the order their scenarios must run: the shared deployment is hurt last.
-ORDER = ["test_three_hosts", "test_pod", "test_headless_names", "test_faults"]
+ORDER = ["test_three_hosts", "test_pod", "test_headless_names", "test_faults", "test_pd_hosts"]
 
 
 def pytest_collection_modifyitems(config, items):
