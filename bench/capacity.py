@@ -14,6 +14,9 @@ Workloads:
   ``--input-len`` random text tokens, ``--output-len`` tokens out (``--ignore-eos``).
 * ``mixed``: the seed's mixed traffic through vLLM's ``custom_image`` dataset: a JSONL of prompts
   where every ``--image-every``-th carries an image (written here), the others are text only.
+* ``long-short``: ``mixed`` where every ``--long-every``-th prompt is ``--long-words`` words of text
+  and the others one sentence: long prefills among short ones, the traffic a prefill tier is for
+  (``--systems epd,epd-pd,vllm-epd``: what the P -> D hop costs in TTFT and buys in TPOT).
 
 Run on a host with its capacity in mind: rates are chosen relative to the host (the default list
 suits the 2-core CPU machine and the ``bench-light`` model).
@@ -49,9 +52,15 @@ main(p.parse_args(sys.argv[1:]))
 """
 
 
-def _mixed_dataset(path: str, n: int, image_every: int, image_size: int, offset: int = 0) -> None:
+LONG_WORDS = ("the river light stone cloud north window garden silver market evening paper quiet engine summer "
+              "letter mountain bridge winter forest harbor lantern orchard").split()
+
+
+def _mixed_dataset(path: str, n: int, image_every: int, image_size: int, offset: int = 0,
+                   long_every: int = 0, long_words: int = 0) -> None:
     """vLLM's ``custom_image`` dataset format: one JSON object per line, a prompt and its image files
-    (every ``image_every``-th request one image, the others none)."""
+    (every ``image_every``-th request one image, the others none; with ``long_every``, every
+    ``long_every``-th prompt is ``long_words`` words of text, the others one short sentence)."""
     from tools.media import make_image
 
     with open(path, "w") as f:
@@ -62,6 +71,9 @@ def _mixed_dataset(path: str, n: int, image_every: int, image_size: int, offset:
                 with open(files[-1], "wb") as img:
                     img.write(make_image(50_000 + 1000 * offset + i, (image_size, image_size)))
             text = f"Summarize item {offset}-{i}: the river light stone cloud north window garden."
+            if long_every and i % long_every == 0:
+                words = (LONG_WORDS[(i + k) % len(LONG_WORDS)] for k in range(long_words))
+                text = f"Summarize document {offset}-{i}: " + " ".join(words)
             row = {"content": [*({"type": "image", "image": p} for p in files), {"type": "text", "text": text}]}
             f.write(json.dumps(row) + "\n")
 
@@ -95,8 +107,10 @@ def run_rate(args, url: str, served: str, rate: float, workdir: str, index: int,
     gateway's mean per stage."""
     result = os.path.join(workdir, f"r{rate}.json")
     dataset = os.path.join(workdir, f"mixed-{index}.jsonl")
-    if args.workload == "mixed":
-        _mixed_dataset(dataset, args.num_prompts, args.image_every, args.image_size, offset=index)
+    if args.workload in ("mixed", "long-short"):
+        long_every = args.long_every if args.workload == "long-short" else 0
+        _mixed_dataset(dataset, args.num_prompts, args.image_every, args.image_size, offset=index,
+                       long_every=long_every, long_words=args.long_words)
     env = dict(os.environ, **VLLM_ENV)
     cpu0 = system.cpu_seconds() if system is not None else {}
     client0 = resource.getrusage(resource.RUSAGE_CHILDREN)  # the load generator: the one child waited for
@@ -195,12 +209,14 @@ def main() -> int:
     p.add_argument("--model", default="", help="model directory (default: the bench-light variant)")
     p.add_argument("--systems", default="colocated,epd")
     p.add_argument("--rates", default="0.5,1,2,4")
-    p.add_argument("--workload", choices=["random-mm", "mixed"], default="random-mm")
+    p.add_argument("--workload", choices=["random-mm", "mixed", "long-short"], default="random-mm")
     p.add_argument("--num-prompts", type=int, default=30)
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--image-size", type=int, default=224)
-    p.add_argument("--image-every", type=int, default=10, help="mixed: every n-th request has an image")
+    p.add_argument("--image-every", type=int, default=10, help="mixed, long-short: every n-th request has an image")
+    p.add_argument("--long-every", type=int, default=4, help="long-short: every n-th prompt is long text")
+    p.add_argument("--long-words", type=int, default=500, help="long-short: words in a long prompt")
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=100.0)
     p.add_argument("--knee", type=float, default=0.9)

@@ -13,6 +13,14 @@ same cores (``--cores``, default: all of this machine):
   parallel on equal cores;
 * ``epd``: our encoder on half the cores, our LM on the other half (1E1PD),
   same gateway;
+* ``epd-pd``: E -> P -> D: our encoder on half the cores, a prefill LM and a decode LM
+  (``--role prefill|decode``, vLLM's NixlConnector between them) on the other half (on 2 cores the
+  prefill LM shares the encoder's core), same gateway;
+* ``vllm-epd``: vLLM's own E -> P -> D (upstream's ``disagg_1e1p1d_example.sh``): an
+  ``ec_producer`` server, an ``ec_consumer`` + ``kv_producer`` prefill server and a ``kv_consumer``
+  decode server (NixlConnector with our LM's settings) on the same cores as ``epd-pd``, behind
+  ``bench/ec_proxy.py --prefill`` (encode, then prefill with ``max_tokens`` 1, then decode with the
+  prefill's ``kv_transfer_params``, as upstream's ``disagg_epd_proxy.py``);
 * ``vllm-ec``: vLLM's own encoder disaggregation, ``ECExampleConnector``
   (files): an ``ec_producer`` vLLM OpenAI server on half the cores, an
   ``ec_consumer`` one on the other half, and ``bench/ec_proxy.py`` in front,
@@ -68,7 +76,7 @@ from tools.media import data_url, make_image
 
 WORDS = ("the river light stone cloud north window garden silver market evening paper quiet "
          "engine summer letter mountain bridge winter forest harbor lantern orchard").split()
-SYSTEMS = ("colocated", "colocated-dp2", "epd", "epd-auto", "vllm-ec")
+SYSTEMS = ("colocated", "colocated-dp2", "epd", "epd-auto", "vllm-ec", "epd-pd", "vllm-epd")
 STAGES = ("queue", "metadata", "encode", "transfer", "lm_queue", "ttft", "tpot", "total")
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -170,7 +178,14 @@ def _halves(cores: list[int]) -> tuple[list[int], list[int]]:
 # encoder cache but no KV cache. Each system's slices sum to 0.85.
 GPU_SHARES = {"colocated": {"lm": 0.85}, "colocated-dp2": {"lm0": 0.42, "lm1": 0.42},
               "epd": {"encoder": 0.2, "lm": 0.65}, "epd-auto": {"encoder": 0.2, "lm": 0.65},
-              "vllm-ec": {"producer": 0.2, "consumer": 0.65}}
+              "vllm-ec": {"producer": 0.2, "consumer": 0.65},
+              "epd-pd": {"encoder": 0.15, "prefill": 0.35, "decode": 0.35},
+              "vllm-epd": {"producer": 0.15, "prefill": 0.35, "decode": 0.35}}
+
+# E -> P -> D (epd-pd, vllm-epd): vLLM's NixlConnector between the prefill and the decode engine, with
+# the settings our LM service gives it (services.lm.server.kv_transfer_config): KV staged in host memory
+# on CPU, the same lease.
+KV_LEASE_S = 120
 
 
 def engine_args_for(name: str, tag: str, device: str, vllm_args: dict) -> dict:
@@ -180,7 +195,14 @@ def engine_args_for(name: str, tag: str, device: str, vllm_args: dict) -> dict:
     return {"gpu_memory_utilization": GPU_SHARES[name][tag], **vllm_args}
 
 
-def vllm_server_argv(model: str, port: int, vllm_args: dict, ec: dict, device: str = "cpu") -> list[str]:
+def nixl_config(role: str, device: str) -> dict:
+    """vLLM's ``--kv-transfer-config`` for a prefill (``kv_producer``) or decode (``kv_consumer``) server."""
+    return {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu" if device == "cpu" else "cuda",
+            "kv_connector_extra_config": {"kv_lease_duration": KV_LEASE_S}}
+
+
+def vllm_server_argv(model: str, port: int, vllm_args: dict, ec: dict | None, device: str = "cpu",
+                     kv: dict | None = None) -> list[str]:
     """``python -m vllm.entrypoints.openai.api_server`` with the engine settings our services use
     (``EngineConfig`` defaults, plus ``--vllm-args``): the comparison differs only in the system.
     On cuda the KV cache is sized by vLLM from the engine's memory slice, as for our services."""
@@ -189,7 +211,11 @@ def vllm_server_argv(model: str, port: int, vllm_args: dict, ec: dict, device: s
             "--host", "127.0.0.1", "--port", str(port), "--dtype", cfg.dtype,
             "--max-num-seqs", str(cfg.max_num_seqs), "--seed", str(cfg.seed),
             "--limit-mm-per-prompt", json.dumps({"image": cfg.max_images_per_prompt}),
-            "--disable-uvicorn-access-log", "--ec-transfer-config", json.dumps(ec)]
+            "--disable-uvicorn-access-log"]
+    if ec is not None:
+        argv += ["--ec-transfer-config", json.dumps(ec)]
+    if kv is not None:
+        argv += ["--kv-transfer-config", json.dumps(kv)]
     if device != "cuda":
         argv += ["--kv-cache-memory-bytes", str(cfg.kv_cache_bytes)]
     if cfg.enforce_eager:
@@ -228,18 +254,45 @@ class System:
         log = lambda role: os.path.join(logdir, f"{name}-{role}.log")  # noqa: E731
         base_args = json.loads(vllm_args)
 
-        def epd_service(role: str, tag: str, cs: list[int]) -> str:
+        def epd_service(role: str, tag: str, cs: list[int], extra: list[str] = ()) -> str:
             port = free_port()
             # CPU: disjoint cores per engine. cuda: one GPU, a memory slice per engine, KV sized by vLLM.
             placement = (["--cpu-cores", _fmt(cs)] if device == "cpu" else ["--kv-cache-bytes", "0"])
             svc = Service(role, [role, "--port", str(port), *placement, "--metrics-port", str(free_port()),
-                                 "--model", model, "--vllm-args",
+                                 "--model", model, *extra, "--vllm-args",
                                  json.dumps(engine_args_for(name, tag, device, base_args))], log(tag))
             addr = f"127.0.0.1:{port}"
             self.engines.append((svc, (lambda a: lambda: grpc_serving(a))(addr)))
             return addr
 
         a, b = _halves(cores)
+        # E -> P -> D: the encoder on the first half; the prefill and decode engines split the second
+        # (on 2 cores the decode engine keeps its core and the prefill engine shares the encoder's, as
+        # `epd up --prefills 1 --decodes 1` places them).
+        p_cores, d_cores = (_halves(b) if len(b) > 1 else (a, b))
+        if name == "vllm-epd":
+            self.tmpdir = tempfile.mkdtemp(prefix="vllm-epd-")
+            storage = {"shared_storage_path": self.tmpdir}
+            urls = []
+            for role, cs, ec, kv in (
+                    ("producer", a, {"ec_connector": "ECExampleConnector", "ec_role": "ec_producer",
+                                     "ec_connector_extra_config": storage}, None),
+                    ("prefill", p_cores, {"ec_connector": "ECExampleConnector", "ec_role": "ec_consumer",
+                                          "ec_connector_extra_config": storage}, nixl_config("kv_producer", device)),
+                    ("decode", d_cores, None, nixl_config("kv_consumer", device))):  # as upstream's 1e1p1d
+                port = free_port()
+                env = {**VLLM_ENV, **({"VLLM_CPU_OMP_THREADS_BIND": _fmt(cs)} if device == "cpu" else {})}
+                if kv is not None:
+                    env.update(VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1", VLLM_NIXL_SIDE_CHANNEL_PORT=str(free_port()))
+                svc = Command(role, [], log(role), extra_env=env, command=vllm_server_argv(
+                    model, port, engine_args_for(name, role, device, base_args), ec, device, kv))
+                url = f"http://127.0.0.1:{port}"
+                self.engines.append((svc, (lambda u: lambda: http_ok(u + "/health"))(url)))
+                urls.append(url)
+            self.front = Command("proxy", [], log("proxy"), command=[
+                sys.executable, os.path.join(BENCH_DIR, "ec_proxy.py"), "--port", str(self.port),
+                "--producer", urls[0], "--prefill", urls[1], "--consumer", urls[2], "--model", model])
+            return
         if name == "vllm-ec":
             self.tmpdir = tempfile.mkdtemp(prefix="vllm-ec-")
             urls = []
@@ -261,6 +314,10 @@ class System:
             lms, encoders = [epd_service("lm", "lm", cores)], []
         elif name == "colocated-dp2":
             lms, encoders = [epd_service("lm", "lm0", a), epd_service("lm", "lm1", b)], []
+        elif name == "epd-pd":
+            encoders = [epd_service("encoder", "encoder", a)]
+            lms = [epd_service("lm", role, cs, ["--role", role, "--kv-host", "127.0.0.1", "--kv-port", str(free_port())])
+                   for role, cs in (("prefill", p_cores), ("decode", d_cores))]
         else:  # epd, epd-auto (the gateway's --placement auto)
             encoders, lms = [epd_service("encoder", "encoder", a)], [epd_service("lm", "lm", b)]
         self.front = Service("gateway", ["gateway", "--epd-facts", "--port", str(self.port), "--lms", ",".join(lms),
@@ -329,13 +386,14 @@ class System:
         return out
 
     def stage_totals(self) -> dict:
-        """Cumulative per-stage (sum seconds, count): the gateway's histograms, or for ``vllm-ec`` the
-        proxy's producer round trips (its "encode" stage)."""
+        """Cumulative per-stage (sum seconds, count): the gateway's histograms, or for ``vllm-ec`` and
+        ``vllm-epd`` the proxy's producer round trips (its "encode" stage) and prefill round trips."""
         base = f"http://127.0.0.1:{self.port}"
-        if self.name == "vllm-ec":
+        if self.name in ("vllm-ec", "vllm-epd"):
             with urllib.request.urlopen(base + "/stats", timeout=5) as r:
                 s = json.load(r)
-            return {"encode": (s["encode_s_sum"], s["encode_count"])}
+            return {stage: (s[f"{stage}_s_sum"], s[f"{stage}_count"]) for stage in ("encode", "prefill")
+                    if s.get(f"{stage}_count")}
         with urllib.request.urlopen(base + "/metrics", timeout=5) as r:
             text = r.read().decode()
         out: dict[str, list[float]] = {}

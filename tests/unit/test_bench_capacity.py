@@ -57,6 +57,12 @@ def test_the_mixed_workload_has_an_image_every_nth_request_and_differs_per_rate(
     assert a[0]["content"] != b[0]["content"]  # no rate finds another rate's prompts in a cache
 
 
+def test_the_long_short_workload_has_a_long_prompt_every_nth_request(capacity, tmp_path):
+    capacity._mixed_dataset(str(tmp_path / "a.jsonl"), 8, 0, 32, long_every=4, long_words=300)
+    texts = [json.loads(line)["content"][-1]["text"] for line in open(tmp_path / "a.jsonl")]
+    assert [len(t.split()) > 300 for t in texts] == [True, False, False, False] * 2
+
+
 def test_cpu_seconds_names_each_service_and_what_it_started(tmp_path):
     """``System.cpu_seconds``: a service's own CPU under its role, its children's (vLLM's
     EngineCore) as ``<role> engine``."""

@@ -24,13 +24,13 @@ def _flag(args: list[str], name: str):
     return args[args.index(name) + 1] if name in args else None
 
 
-@pytest.mark.parametrize("name", ["colocated", "colocated-dp2", "epd", "epd-auto", "vllm-ec"])
+@pytest.mark.parametrize("name", ["colocated", "colocated-dp2", "epd", "epd-auto", "vllm-ec", "epd-pd", "vllm-epd"])
 def test_cuda_systems_share_one_gpu_by_memory_slices_not_cores(serving, tmp_path, name):
     system = serving.System(name, "/models/m", [0, 1, 2, 3], str(tmp_path), json.dumps({"max_num_seqs": 64}),
                             device="cuda")
     shares = []
     for svc, _ in system.engines:
-        if name == "vllm-ec":
+        if name in ("vllm-ec", "vllm-epd"):
             assert "--kv-cache-memory-bytes" not in svc.argv  # vLLM sizes KV from the slice
             assert "VLLM_CPU_OMP_THREADS_BIND" not in svc.extra_env
             shares.append(float(_flag(svc.argv, "--gpu-memory-utilization")))
@@ -59,3 +59,24 @@ def test_epd_auto_is_epd_with_the_gateways_auto_placement(serving, tmp_path):
     auto = serving.System("epd-auto", "/models/m", [0, 1], str(tmp_path), "{}")
     plain = serving.System("epd", "/models/m", [0, 1], str(tmp_path), "{}")
     assert _flag(auto.front.argv, "--placement") == "auto" and _flag(plain.front.argv, "--placement") == "encoder"
+
+
+@pytest.mark.parametrize("cores, want", [([0, 1], ["0", "0", "1"]), ([0, 1, 2, 3], ["0,1", "2", "3"])])
+def test_e_p_d_systems_place_their_three_engines_alike_and_vllms_follows_upstreams_1e1p1d(serving, tmp_path,
+                                                                                          cores, want):
+    ours = serving.System("epd-pd", "/models/m", cores, str(tmp_path), "{}")
+    assert [_flag(svc.argv, "--cpu-cores") for svc, _ in ours.engines] == want
+    assert [_flag(svc.argv, "--role") for svc, _ in ours.engines] == [None, "prefill", "decode"]
+    assert _flag(ours.front.argv, "--lms").count(",") == 1
+    vllm = serving.System("vllm-epd", "/models/m", cores, str(tmp_path), "{}")
+    assert [svc.extra_env["VLLM_CPU_OMP_THREADS_BIND"] for svc, _ in vllm.engines] == want
+    (e, _), (p, _), (d, _) = vllm.engines
+    assert json.loads(_flag(e.argv, "--ec-transfer-config"))["ec_role"] == "ec_producer"
+    assert "--kv-transfer-config" not in e.argv
+    assert json.loads(_flag(p.argv, "--ec-transfer-config"))["ec_role"] == "ec_consumer"
+    assert json.loads(_flag(p.argv, "--kv-transfer-config"))["kv_role"] == "kv_producer"
+    assert "--ec-transfer-config" not in d.argv  # upstream's decode server runs no EC connector
+    kv = json.loads(_flag(d.argv, "--kv-transfer-config"))
+    assert kv["kv_role"] == "kv_consumer" and kv["kv_buffer_device"] == "cpu"
+    assert p.extra_env["VLLM_NIXL_SIDE_CHANNEL_PORT"] != d.extra_env["VLLM_NIXL_SIDE_CHANNEL_PORT"]
+    assert _flag(vllm.front.argv, "--prefill") and _flag(vllm.front.argv, "--consumer")
