@@ -128,9 +128,9 @@ def test_greedy_tokens_equal_plain_vllm(pd, name):
     assert stats["items_held"] == 0 and stats["expired"] == 0, stats
 
 
-def test_streaming_with_usage_equals_plain_vllm(pd):
-    dep, ref = pd
-    req = urllib.request.Request(dep.url + "/v1/chat/completions", json.dumps(REQUESTS["stream"]).encode(),
+def _stream_tokens(dep: Deployment, body: dict) -> list[int]:
+    """A streamed chat's tokens; its usage (the last event's) must count them."""
+    req = urllib.request.Request(dep.url + "/v1/chat/completions", json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})
     tokens, usage = [], None
     with urllib.request.urlopen(req, timeout=120) as r:
@@ -142,8 +142,13 @@ def test_streaming_with_usage_equals_plain_vllm(pd):
             for c in event.get("choices", []):
                 tokens += c.get("token_ids") or []
             usage = event.get("usage") or usage
-    assert tokens == ref["stream"]
-    assert usage["completion_tokens"] == len(ref["stream"])
+    assert usage["completion_tokens"] == len(tokens), usage
+    return tokens
+
+
+def test_streaming_with_usage_equals_plain_vllm(pd):
+    dep, ref = pd
+    assert _stream_tokens(dep, REQUESTS["stream"]) == ref["stream"]
 
 
 def test_logprobs_equal_plain_vllm(pd):
@@ -265,6 +270,22 @@ def test_a_kv_pull_that_fails_is_a_clear_error_from_the_decode_lm_and_its_blocks
               for t in c.get("token_ids") or []]
     assert tokens == ref["text"]
     assert settled(lambda: _kv_usage(p), 0.0) == 0.0 and settled(lambda: _kv_usage(d), 0.0) == 0.0
+
+
+def test_a_decode_lm_that_refuses_the_request_lets_the_prefill_lms_blocks_go_at_once(pd):
+    """D refuses the DECODE call before its engine sees it (here vLLM's validation: a bad max_tokens,
+    answered as vLLM answers it): it tells P's engine to release the prompt's blocks (vLLM's
+    notify_kv_transfer_request_rejected), so P holds nothing long before its lease runs out."""
+    dep, _ = pd
+    p, d = _lms(dep)
+    answer = _lm_call(dep, p, _handoff("kv-refused", REQUESTS["text"], lm_pb2.KVHandoff.PREFILL))
+    assert answer[0].http_status == 200, answer[0].openai
+    assert _kv_usage(p) > 0  # held for a decode LM
+    bad = {**REQUESTS["text"], "max_tokens": -1}
+    refused = _lm_call(dep, d, _handoff("kv-refused-d", bad, lm_pb2.KVHandoff.DECODE,
+                                        answer[-1].kv_transfer_params))
+    assert refused[0].http_status == 400, refused[0].openai
+    assert settled(lambda: _kv_usage(p), 0.0) == 0.0 and _kv_usage(d) == 0.0
 
 
 def _health(dep: Deployment) -> dict:

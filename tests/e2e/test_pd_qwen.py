@@ -18,7 +18,7 @@ from services.up import Deployment
 from tests.e2e.conftest import stop_in_background
 from tests.e2e.helpers import image_chat, metric, producer_stats, settled, text_chat
 from tests.e2e.test_families import _video_chat
-from tests.e2e.test_pd import _chat, _image_part, _lms
+from tests.e2e.test_pd import _chat, _image_part, _lms, _stream_tokens
 from tools.reference import run_subprocess
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -31,17 +31,24 @@ REQUESTS = {
         {"type": "text", "text": "compare"}]}], "max_tokens": 10, "temperature": 0, "return_token_ids": True},
     "video": _video_chat([("video", 3803)], "What happens in this video?"),
 }
+MORE = {
+    "stream": {**image_chat(3804), "stream": True, "stream_options": {"include_usage": True}},
+    "logprobs": {**image_chat(3805), "logprobs": True, "top_logprobs": 2},
+    "seeded n=2": {**image_chat(3806), "temperature": 0.8, "seed": 11, "n": 2},
+}
 
 
 @pytest.fixture(scope="module")
 def qwen_pd():
     model = default_model(family="qwen2_5_vl")
     with ThreadPoolExecutor(1) as pool:
-        reference = pool.submit(run_subprocess, model, list(REQUESTS.values()))
+        bodies = [{k: v for k, v in b.items() if k not in ("stream", "stream_options")}
+                  for b in {**REQUESTS, **MORE}.values()]
+        reference = pool.submit(run_subprocess, model, bodies)
         dep = Deployment(model=model, quiet=True, n_lms=0, n_prefills=1, n_decodes=1)
         try:
             dep.start()
-            yield dep, dict(zip(REQUESTS, reference.result()))
+            yield dep, dict(zip({**REQUESTS, **MORE}, reference.result()))
         finally:
             stop_in_background(dep)
 
@@ -56,6 +63,19 @@ def test_qwen2_5_vl_greedy_tokens_equal_plain_vllm(qwen_pd, name):
     assert facts["prefill_lm"] == p.address and facts["lm"] == d.address, facts
     assert facts["retries"] == 0 and facts["local_encoder_runs"] == 0, facts
     assert settled(lambda: producer_stats(dep)["items_held"], 0) == 0
+
+
+def test_qwen2_5_vl_stream_logprobs_and_seeded_n2_equal_plain_vllm(qwen_pd):
+    dep, ref = qwen_pd
+    assert _stream_tokens(dep, MORE["stream"]) == ref["stream"]
+    out = _chat(dep, MORE["logprobs"])
+    (want,) = ref["logprobs"]["choices"]
+    assert out["choices"][0]["token_ids"] == want["tokens"]
+    got = [round(t["logprob"], 2) for t in out["choices"][0]["logprobs"]["content"]]
+    assert got == [round(x, 2) for x in want["logprobs"]]
+    out = _chat(dep, MORE["seeded n=2"])
+    got = sorted((c["index"], c["token_ids"]) for c in out["choices"])
+    assert [t for _, t in got] == [c["tokens"] for c in ref["seeded n=2"]["choices"]]
 
 
 def test_qwen2_5_vl_decode_lm_computes_none_of_the_prompt(qwen_pd):
