@@ -101,15 +101,22 @@ def _lms(dep: Deployment):
     return by["prefill"], by["decode"]
 
 
-@pytest.mark.parametrize("name", ["text", "image", "two images", "ends with an image"])
-def test_greedy_tokens_equal_plain_vllm(pd, name):
-    dep, ref = pd
-    out = _chat(dep, REQUESTS[name])
-    assert out["choices"][0]["token_ids"] == ref[name]
+def assert_prefilled_then_decoded(dep: Deployment, out: dict, want: list[int]) -> dict:
+    """``out`` (a chat answer) has plain vLLM's tokens, was prefilled on the prefill LM and decoded on the
+    decode LM at the first try, and nothing was encoded on either; its facts are returned."""
+    assert out["choices"][0]["token_ids"] == want
     facts = out["epd"]
     p, d = _lms(dep)
     assert facts["prefill_lm"] == p.address and facts["lm"] == d.address, facts
     assert facts["retries"] == 0 and facts["local_encoder_runs"] == 0, facts
+    return facts
+
+
+@pytest.mark.parametrize("name", ["text", "image", "two images", "ends with an image"])
+def test_greedy_tokens_equal_plain_vllm(pd, name):
+    dep, ref = pd
+    out = _chat(dep, REQUESTS[name])
+    facts = assert_prefilled_then_decoded(dep, out, ref[name])
     if name == "ends with an image":
         # The prompt ends with the image's closing token (the template adds nothing after the last
         # message): the decode LM recomputes that token over the KV it loaded. It is inside the image's
@@ -128,22 +135,41 @@ def test_greedy_tokens_equal_plain_vllm(pd, name):
     assert stats["items_held"] == 0 and stats["expired"] == 0, stats
 
 
-def _stream_tokens(dep: Deployment, body: dict) -> list[int]:
-    """A streamed chat's tokens; its usage (the last event's) must count them."""
+def _chat_events(dep: Deployment, body: dict):
+    """The events of a streamed chat, as the gateway sends them (``[DONE]`` left out)."""
     req = urllib.request.Request(dep.url + "/v1/chat/completions", json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})
-    tokens, usage = [], None
     with urllib.request.urlopen(req, timeout=120) as r:
         for line in r:
             line = line.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            for c in event.get("choices", []):
-                tokens += c.get("token_ids") or []
-            usage = event.get("usage") or usage
+            if line.startswith("data: ") and line != "data: [DONE]":
+                yield json.loads(line[6:])
+
+
+def _stream_tokens(dep: Deployment, body: dict) -> list[int]:
+    """A streamed chat's tokens; its usage (the last event's) must count them."""
+    tokens, usage = [], None
+    for event in _chat_events(dep, body):
+        for c in event.get("choices", []):
+            tokens += c.get("token_ids") or []
+        usage = event.get("usage") or usage
     assert usage["completion_tokens"] == len(tokens), usage
     return tokens
+
+
+def assert_logprobs_equal(out: dict, ref: dict) -> None:
+    """A chat answer's tokens and top logprobs (to 2 places) are plain vLLM's."""
+    (want,) = ref["choices"]
+    choice = out["choices"][0]
+    assert choice["token_ids"] == want["tokens"]
+    got = [round(t["logprob"], 2) for t in choice["logprobs"]["content"]]
+    assert got == [round(x, 2) for x in want["logprobs"]]
+
+
+def assert_choices_equal(out: dict, ref: dict) -> None:
+    """A chat answer's n choices, in index order, have plain vLLM's tokens."""
+    got = sorted((c["index"], c["token_ids"]) for c in out["choices"])
+    assert [t for _, t in got] == [c["tokens"] for c in ref["choices"]]
 
 
 def test_streaming_with_usage_equals_plain_vllm(pd):
@@ -153,19 +179,12 @@ def test_streaming_with_usage_equals_plain_vllm(pd):
 
 def test_logprobs_equal_plain_vllm(pd):
     dep, ref = pd
-    out = _chat(dep, REQUESTS["logprobs"])
-    (want,) = ref["logprobs"]["choices"]
-    choice = out["choices"][0]
-    assert choice["token_ids"] == want["tokens"]
-    got = [round(t["logprob"], 2) for t in choice["logprobs"]["content"]]
-    assert got == [round(x, 2) for x in want["logprobs"]]
+    assert_logprobs_equal(_chat(dep, REQUESTS["logprobs"]), ref["logprobs"])
 
 
 def test_seeded_n2_equals_plain_vllm(pd):
     dep, ref = pd
-    out = _chat(dep, REQUESTS["seeded n=2"])
-    got = sorted((c["index"], c["token_ids"]) for c in out["choices"])
-    assert [t for _, t in got] == [c["tokens"] for c in ref["seeded n=2"]["choices"]]
+    assert_choices_equal(_chat(dep, REQUESTS["seeded n=2"]), ref["seeded n=2"])
 
 
 def _prompt_tokens(lm, source: str) -> float:
@@ -300,22 +319,15 @@ def test_a_decode_lm_killed_mid_stream_ends_the_stream_with_an_error_and_nothing
     dep, ref = pd
     p, d = _lms(dep)
     body = {**image_chat(3600, text="Tell me a long story.", max_tokens=400), "stream": True, "ignore_eos": True}
-    req = urllib.request.Request(dep.url + "/v1/chat/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
     tokens, errors, killed_at = 0, [], None
-    with urllib.request.urlopen(req, timeout=120) as r:
-        for line in r:
-            line = line.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                errors.append(event["error"])
-                continue
-            tokens += sum(len(c.get("token_ids") or []) for c in event.get("choices", []))
-            if tokens and killed_at is None:
-                os.killpg(d.proc.pid, signal.SIGKILL)
-                killed_at = time.monotonic()
+    for event in _chat_events(dep, body):
+        if "error" in event:
+            errors.append(event["error"])
+            continue
+        tokens += sum(len(c.get("token_ids") or []) for c in event.get("choices", []))
+        if tokens and killed_at is None:
+            os.killpg(d.proc.pid, signal.SIGKILL)
+            killed_at = time.monotonic()
     assert killed_at is not None and errors, (tokens, errors)
     assert time.monotonic() - killed_at < 30 and tokens < 400
     d.proc.wait(30)

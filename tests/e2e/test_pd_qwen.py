@@ -18,7 +18,15 @@ from services.up import Deployment
 from tests.e2e.conftest import stop_in_background
 from tests.e2e.helpers import image_chat, metric, producer_stats, settled, text_chat
 from tests.e2e.test_families import _video_chat
-from tests.e2e.test_pd import _chat, _image_part, _lms, _stream_tokens
+from tests.e2e.test_pd import (
+    _chat,
+    _image_part,
+    _lms,
+    _stream_tokens,
+    assert_choices_equal,
+    assert_logprobs_equal,
+    assert_prefilled_then_decoded,
+)
 from tools.reference import run_subprocess
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -56,26 +64,15 @@ def qwen_pd():
 @pytest.mark.parametrize("name", list(REQUESTS))
 def test_qwen2_5_vl_greedy_tokens_equal_plain_vllm(qwen_pd, name):
     dep, ref = qwen_pd
-    out = _chat(dep, REQUESTS[name])
-    assert out["choices"][0]["token_ids"] == ref[name]
-    facts = out["epd"]
-    p, d = _lms(dep)
-    assert facts["prefill_lm"] == p.address and facts["lm"] == d.address, facts
-    assert facts["retries"] == 0 and facts["local_encoder_runs"] == 0, facts
+    assert_prefilled_then_decoded(dep, _chat(dep, REQUESTS[name]), ref[name])
     assert settled(lambda: producer_stats(dep)["items_held"], 0) == 0
 
 
 def test_qwen2_5_vl_stream_logprobs_and_seeded_n2_equal_plain_vllm(qwen_pd):
     dep, ref = qwen_pd
     assert _stream_tokens(dep, MORE["stream"]) == ref["stream"]
-    out = _chat(dep, MORE["logprobs"])
-    (want,) = ref["logprobs"]["choices"]
-    assert out["choices"][0]["token_ids"] == want["tokens"]
-    got = [round(t["logprob"], 2) for t in out["choices"][0]["logprobs"]["content"]]
-    assert got == [round(x, 2) for x in want["logprobs"]]
-    out = _chat(dep, MORE["seeded n=2"])
-    got = sorted((c["index"], c["token_ids"]) for c in out["choices"])
-    assert [t for _, t in got] == [c["tokens"] for c in ref["seeded n=2"]["choices"]]
+    assert_logprobs_equal(_chat(dep, MORE["logprobs"]), ref["logprobs"])
+    assert_choices_equal(_chat(dep, MORE["seeded n=2"]), ref["seeded n=2"])
 
 
 def test_qwen2_5_vl_decode_lm_computes_none_of_the_prompt(qwen_pd):
