@@ -31,11 +31,11 @@ from vllm.exceptions import GenerationError, VLLMClientError
 from ectransfer import tensors
 from ectransfer.connector.metadata import ConsumerFinished, ItemSource, TransferReport
 from epd.lm.v1 import lm_pb2, lm_pb2_grpc
-from services.common.errors import BadInput, EPDError
+from services.common.errors import BadInput, EPDError, PrefillKVUnavailable
 from services.common.layout import ItemLayout
 from services.common.media import MediaDecoder
 from services.lm.context import CURRENT, RequestContext
-from services.lm.frontend import DECODE, Frontend, validation_error
+from services.lm.frontend import DECODE, PREFILL, Frontend, validation_error
 from services.lm.media import RequestMedia
 from services.lm.peers import PeerChecker
 from services.lm.vllm_app import Started, call
@@ -45,6 +45,9 @@ logger = logging.getLogger(__name__)
 REQUESTS = Counter("epd_lm_requests_total", "Generate calls", ["status"])
 LOCAL_ENCODER_RUNS = Counter("epd_lm_local_encoder_runs_total", "Items this LM had to encode itself")
 TRANSFERRED = Counter("epd_lm_transferred_items_total", "Items whose embedding arrived from an encoder")
+KV_HANDOFFS = Counter("epd_lm_kv_handoffs_total", "E -> P -> D calls by phase (prefill, decode) and outcome: ok, "
+                      "refused (answered before the engine, e.g. vLLM's validation), kv_unavailable (a decode LM "
+                      "that could not load the prefill LM's KV), cancelled, error", ["phase", "outcome"])
 LAYOUTS = Counter("epd_lm_prompt_layouts_total", "Multimodal prompts by who laid them out: the encoder's "
                   "metadata, or this LM's image processor", ["by"])
 TTFT = Histogram("epd_lm_ttft_seconds", "Arrival at the LM to first token",
@@ -237,6 +240,8 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
                 # prompt's blocks for us; vLLM's own hook tells it to let them go.
                 await _release_prefill(self.engine, rid, ctx.kv_params)
             REQUESTS.labels(status).inc()
+            if ctx.kv_phase:
+                KV_HANDOFFS.labels(_PHASES[ctx.kv_phase], _kv_outcome(status, ctx)).inc()
 
     async def _http(self, request: lm_pb2.GenerateRequest, ctx: RequestContext):
         """A route of vLLM's own app (``services.lm.vllm_app``): the first message has the status,
@@ -306,6 +311,18 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
             transports=[ec.transports.get(s.endpoint) or self.peers.transport.get(s.endpoint, "")
                         for s in ctx.sources.values()] if ec.transferred_items else [],
         )
+
+
+_PHASES = {PREFILL: "prefill", DECODE: "decode"}
+
+
+def _kv_outcome(status: str, ctx: RequestContext) -> str:
+    """A hand-off call's outcome for ``epd_lm_kv_handoffs_total``."""
+    if isinstance(ctx.failure, PrefillKVUnavailable):
+        return "kv_unavailable"
+    if status == "ok":
+        return "ok" if ctx.submitted else "refused"
+    return status  # cancelled, error
 
 
 async def _release_prefill(engine, rid: str, params: dict | None) -> None:

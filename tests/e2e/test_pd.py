@@ -193,12 +193,20 @@ def _prompt_tokens(lm, source: str) -> float:
     return metric(lm.metrics_port, "vllm:prompt_tokens_by_source_total", source=source)
 
 
+def _handoffs(lm, phase: str, outcome: str) -> float:
+    return metric(lm.metrics_port, "epd_lm_kv_handoffs_total", phase=phase, outcome=outcome)
+
+
 def test_decode_lm_loads_the_prompt_kv_and_nothing_is_encoded_on_p_or_d(pd):
     dep, ref = pd
     p, d = _lms(dep)
     sources = ("local_compute", "external_kv_transfer")
     before = {lm.name: {s: _prompt_tokens(lm, s) for s in sources} for lm in (p, d)}
+    handoffs = _handoffs(p, "prefill", "ok"), _handoffs(d, "decode", "ok")
     out = _chat(dep, REQUESTS["kv counts"])
+    # Counted as each call ends, which can trail the gateway's answer.
+    assert settled(lambda: (_handoffs(p, "prefill", "ok"), _handoffs(d, "decode", "ok")),
+                   (handoffs[0] + 1, handoffs[1] + 1)) == (handoffs[0] + 1, handoffs[1] + 1)
     assert out["choices"][0]["token_ids"] == ref["kv counts"]
     n_prompt = out["usage"]["prompt_tokens"]
     delta = {lm.name: {s: _prompt_tokens(lm, s) - before[lm.name][s] for s in sources} for lm in (p, d)}
@@ -276,6 +284,7 @@ def test_a_kv_pull_that_fails_is_a_clear_error_from_the_decode_lm_and_its_blocks
     params = answer[-1].kv_transfer_params
     assert json.loads(params)["do_remote_prefill"] is True
     wrong = json.dumps({**json.loads(params), "remote_engine_id": "not-the-prefill-engine"}).encode()
+    failed = _handoffs(d, "decode", "kv_unavailable")
     t0 = time.monotonic()
     with pytest.raises(grpc.RpcError) as e:
         _lm_call(dep, d, _handoff("kv-fault-d", REQUESTS["text"], lm_pb2.KVHandoff.DECODE, wrong))
@@ -283,6 +292,7 @@ def test_a_kv_pull_that_fails_is_a_clear_error_from_the_decode_lm_and_its_blocks
     assert ("epd-fault", "prefill") in tuple(e.value.trailing_metadata() or ())
     assert "could not be loaded from the prefill LM" in e.value.details()
     assert time.monotonic() - t0 < 30
+    assert settled(lambda: _handoffs(d, "decode", "kv_unavailable"), failed + 1) == failed + 1
     assert settled(lambda: _kv_usage(d), 0.0) == 0.0
     answer = _lm_call(dep, d, _handoff("kv-fault-d2", REQUESTS["text"], lm_pb2.KVHandoff.DECODE, params))
     tokens = [t for r in answer if r.openai for c in json.loads(r.openai).get("choices", [])
@@ -301,9 +311,11 @@ def test_a_decode_lm_that_refuses_the_request_lets_the_prefill_lms_blocks_go_at_
     assert answer[0].http_status == 200, answer[0].openai
     assert _kv_usage(p) > 0  # held for a decode LM
     bad = {**REQUESTS["text"], "max_tokens": -1}
+    refusals = _handoffs(d, "decode", "refused")
     refused = _lm_call(dep, d, _handoff("kv-refused-d", bad, lm_pb2.KVHandoff.DECODE,
                                         answer[-1].kv_transfer_params))
     assert refused[0].http_status == 400, refused[0].openai
+    assert settled(lambda: _handoffs(d, "decode", "refused"), refusals + 1) == refusals + 1
     assert settled(lambda: _kv_usage(p), 0.0) == 0.0 and _kv_usage(d) == 0.0
 
 

@@ -18,7 +18,7 @@ from epd.lm.v1 import lm_pb2
 from services.common.errors import BadInput, EncoderUnavailable, PrefillKVUnavailable
 from services.lm.context import CURRENT, RequestContext
 from services.lm.frontend import DECODE, REMOTE_DECODE, ConsumerEngine, _recorded
-from services.lm.servicer import LMServicer, _without_kv_params, openai_body
+from services.lm.servicer import LMServicer, _kv_outcome, _without_kv_params, openai_body
 
 pytestmark = pytest.mark.unit
 
@@ -137,3 +137,16 @@ def test_a_decode_request_the_engine_failed_blames_the_prefill_lm_and_any_other_
     whole.sources = {"item": SimpleNamespace(endpoint="enc:1")}
     with pytest.raises(EncoderUnavailable):
         asyncio.run(_drain(whole))
+
+
+@pytest.mark.parametrize("status, submitted, failure, outcome", [
+    ("ok", True, None, "ok"),
+    ("ok", False, None, "refused"),  # answered before the engine: vLLM's validation
+    ("error", True, PrefillKVUnavailable("x"), "kv_unavailable"),
+    ("error", True, EncoderUnavailable("x"), "error"),
+    ("cancelled", True, None, "cancelled"),
+])
+def test_each_handoff_call_is_counted_by_its_outcome(status, submitted, failure, outcome):
+    ctx = RequestContext(kv_phase=DECODE)
+    ctx.submitted, ctx.failure = submitted, failure
+    assert _kv_outcome(status, ctx) == outcome
