@@ -101,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--prefills", type=int, default=0, help="prefill LMs (E -> P -> D, with --decodes; "
                    "KV moves over NIXL); default: one LM that prefills and decodes")
     u.add_argument("--decodes", type=int, default=0, help="decode LMs (with --prefills)")
+    u.add_argument("--lms", type=int, default=None, help="LMs that prefill and decode (default: 1, or 0 with "
+                   "--prefills/--decodes; more beside them is a mixed deployment: the gateway sends a request to "
+                   "a pair, or to such an LM when it is less busy than every decode LM)")
     u.add_argument("--security", default="auto", choices=["auto", "token", "tls", "none"],
                    help="how the services prove themselves to each other: a fresh shared token (loopback --host "
                         "only), mutual TLS with a private CA plus the token, nothing (loopback only), or auto "
@@ -175,7 +178,7 @@ def _main(argv: list[str] | None = None) -> int:
             return run_up(model=ns.model or default_model(), host=ns.host, port=ns.port, engine_args=ns.vllm_args,
                           security=ns.security, encoder_args=shlex.split(ns.encoder_args),
                           lm_args=shlex.split(ns.lm_args), gateway_args=shlex.split(ns.gateway_args),
-                          insecure=ns.insecure, prefills=ns.prefills, decodes=ns.decodes)
+                          insecure=ns.insecure, prefills=ns.prefills, decodes=ns.decodes, lms=ns.lms)
         except ValueError as e:  # refused before anything started
             print(f"epd: error: {e}", file=sys.stderr)
             return 2

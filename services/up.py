@@ -407,16 +407,28 @@ class Deployment:
         self.stop()
 
 
+def up_lms(prefills: int, decodes: int, lms: int | None) -> int:
+    """``epd up``'s LMs of role "both" for its ``--lms``/``--prefills``/``--decodes``; ValueError for a set
+    that cannot serve."""
+    if bool(prefills) != bool(decodes) or prefills < 0 or decodes < 0:
+        raise ValueError("--prefills and --decodes go together (E -> P -> D needs both tiers), each at least 1")
+    if lms is None:
+        return 0 if prefills else 1
+    if lms < 0 or (lms == 0 and not prefills):
+        raise ValueError(f"--lms {lms}: at least one LM (or --prefills and --decodes)")
+    return lms
+
+
 def run_up(model: str, host: str, port: int, engine_args: str, security: str = "auto",
            encoder_args: list[str] | None = None, lm_args: list[str] | None = None,
            gateway_args: list[str] | None = None, insecure: bool = False, prefills: int = 0,
-           decodes: int = 0) -> int:
+           decodes: int = 0, lms: int | None = None) -> int:
     """``epd up``. Raises ValueError for a configuration refused before anything starts. An
     encoder-decoder model (Whisper-class) runs without an encoder service: its LM encodes the audio
-    itself (docs/design.md, Encoder-decoder models)."""
+    itself (docs/design.md, Encoder-decoder models). ``lms``: LMs that prefill and decode (default 1, or 0
+    beside prefill and decode LMs; more than 0 beside them is a mixed deployment)."""
     check_security(host, security, insecure)  # refused before anything else is read
-    if bool(prefills) != bool(decodes) or prefills < 0 or decodes < 0:
-        raise ValueError("--prefills and --decodes go together (E -> P -> D needs both tiers), each at least 1")
+    lms = up_lms(prefills, decodes, lms)
     configure_process_env()  # the check below reads the model's config as the services will
     try:
         speech = is_encoder_decoder(EngineConfig(model=model, vllm_args=engine_args))
@@ -427,7 +439,7 @@ def run_up(model: str, host: str, port: int, engine_args: str, security: str = "
               "itself; /v1/audio/transcriptions and /v1/audio/translations)", flush=True)
     dep = Deployment(model=model, host=host, port=port, engine_args=engine_args, security=security,
                      encoder_args=encoder_args or [], lm_args=lm_args or [], gateway_args=gateway_args or [],
-                     insecure=insecure, with_encoder=not speech, n_lms=0 if prefills and decodes else 1,
+                     insecure=insecure, with_encoder=not speech, n_lms=lms,
                      n_prefills=prefills, n_decodes=decodes)
     stop = {"now": False}
 

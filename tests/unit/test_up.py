@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from services.up import _ephemeral_low, free_port
+from services.up import _ephemeral_low, free_port, up_lms
 
 
 def test_free_ports_are_distinct_bindable_and_outside_the_ephemeral_range():
@@ -29,3 +29,17 @@ def test_epd_port_range_bounds_the_ports_and_a_malformed_one_is_a_clear_error(mo
         monkeypatch.setenv("EPD_PORT_RANGE", bad)
         with pytest.raises(ValueError, match="EPD_PORT_RANGE"):
             free_port()
+
+
+@pytest.mark.parametrize("prefills, decodes, lms, want", [
+    (0, 0, None, 1), (1, 1, None, 0), (2, 1, None, 0),  # the defaults
+    (0, 0, 2, 2), (1, 1, 1, 1),  # more LMs; a mixed deployment
+])
+def test_epd_ups_lms_beside_prefill_and_decode_lms(prefills, decodes, lms, want):
+    assert up_lms(prefills, decodes, lms) == want
+
+
+@pytest.mark.parametrize("prefills, decodes, lms", [(1, 0, None), (0, 1, 1), (-1, -1, None), (0, 0, 0), (1, 1, -1)])
+def test_a_set_of_lms_that_cannot_serve_is_refused(prefills, decodes, lms):
+    with pytest.raises(ValueError):
+        up_lms(prefills, decodes, lms)
