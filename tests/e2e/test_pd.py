@@ -10,6 +10,7 @@ that image's embedding, and reads it under its own claim on the encoder's copy.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
@@ -20,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
+from epd.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from epd.lm.v1 import lm_pb2, lm_pb2_grpc
 from services.up import Deployment
 from tests.e2e.conftest import stop_in_background
@@ -70,6 +72,7 @@ REQUESTS = {
     "logprobs": {**text_chat("Name a colour."), "logprobs": True, "top_logprobs": 2},
     "seeded n=2": {**image_chat(3400), "temperature": 0.8, "seed": 11, "n": 2},
     "kv counts": image_chat(3500, text="Count the KV."),
+    "completion": {"prompt": "Once upon a time", "max_tokens": 10, "temperature": 0, "return_token_ids": True},
 }
 
 
@@ -252,6 +255,27 @@ def test_the_other_generating_apis_go_e_p_d_and_tokenize_goes_to_one_lm(pd):
     status, tok = post(dep.url + "/tokenize", {"model": dep.model, "messages": REQUESTS["text"]["messages"]})
     chat = _chat(dep, REQUESTS["text"])
     assert status == 200 and tok["count"] == chat["usage"]["prompt_tokens"], tok
+
+
+def test_completions_and_the_native_grpc_api_go_e_p_d(pd):
+    """/v1/completions, and the gateway's gRPC API (an image as raw bytes, ``epd-media:0``), take the same
+    two steps as REST chat, with plain vLLM's tokens."""
+    dep, ref = pd
+    p, d = _lms(dep)
+    status, out = post(dep.url + "/v1/completions", REQUESTS["completion"], timeout=120)
+    assert status == 200 and out["choices"][0]["token_ids"] == ref["completion"], out
+    assert (out["epd"]["prefill_lm"], out["epd"]["lm"]) == (p.address, d.address), out["epd"]
+
+    body = json.loads(json.dumps(REQUESTS["image"]))
+    image = body["messages"][0]["content"][0]["image_url"]
+    raw = base64.b64decode(image["url"].split(",", 1)[1])
+    image["url"] = "epd-media:0"
+    req = gateway_pb2.OpenAIRequest(body=json.dumps(body).encode(), media=[raw])
+    with grpc.insecure_channel(dep.gateway_grpc) as ch:
+        answer = list(gateway_pb2_grpc.GatewayServiceStub(ch).ChatCompletion(req, timeout=120))
+    assert json.loads(answer[0].body)["choices"][0]["token_ids"] == ref["image"]
+    facts = json.loads(answer[-1].epd)
+    assert (facts["prefill_lm"], facts["lm"]) == (p.address, d.address), facts
 
 
 def _lm_call(dep: Deployment, lm, req: lm_pb2.GenerateRequest, timeout: float = 60) -> list:
