@@ -181,8 +181,15 @@ class Orchestrator:
         self._draining: set[asyncio.Task] = set()  # encode streams of answered requests, ending on their own
         self.admission = Admission(
             cfg.lm_max_outstanding, cfg.encoder_max_outstanding if self.encoders is not None else 0,
-            cfg.admission_queue, cfg.admission_wait_s, healthy_lms=lambda: len(self.lms.healthy(set())),
+            cfg.admission_queue, cfg.admission_wait_s, healthy_lms=self._generating_lms,
             healthy_encoders=lambda: len(self.encoders.healthy(set())) if self.encoders is not None else 0)
+
+    def _generating_lms(self) -> int:
+        """Healthy LMs that hold a request while it generates, for admission: "both" and decode LMs. A
+        prefill LM holds a request for its prompt only; with no other LM healthy, prefill LMs serve whole
+        requests and count."""
+        healthy = self.lms.healthy(set())
+        return sum(i.lm_role != "prefill" for i in healthy) or len(healthy)
 
     async def start(self) -> None:
         await asyncio.gather(*(p.start() for p in (self.encoders, self.lms) if p is not None))
@@ -385,9 +392,10 @@ class Orchestrator:
             if decode is not None:
                 handed = await self._prefill(lm, req, groups, timings, deadline)
                 if isinstance(handed, list):  # the prefill LM refused the request: its answer is the answer
+                    # Not `answered`: no LM will read the encodes' copies, so they are cancelled (the encoder
+                    # frees them) rather than left to their leases.
                     for resp in handed:
                         yield resp
-                    answered = True
                     return
                 prefill, lm, req = lm, decode, _decode_request(req, handed)
                 timings.prefill_lm, timings.lm = timings.lm, lm.address

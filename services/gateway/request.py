@@ -142,6 +142,14 @@ class OpenAICall:
     """An ``upload`` API's body, as the client sent it (``content_type`` says how it is encoded)."""
     content_type: str = ""
 
+    def one_engine_call(self) -> bool:
+        """Whether the LM answers this request with one engine call, as E -> P -> D needs (the prefill LM
+        computes one token of it; the decode LM loads that call's KV). Beam search calls the engine once
+        per beam per step, and a background Responses request outlives its call: either goes to one LM
+        whole. Read loosely (any truthy value): a value vLLM would read as false then only costs the
+        split, and the LM refuses a second engine call in a hand-off anyway."""
+        return not (self.body.get("use_beam_search") or self.body.get("background"))
+
     def drop_payload(self) -> None:
         """Frees the request's body and media sources once it is answered, whatever still refers to
         this object (a retry closure, a task in a reference cycle)."""

@@ -58,6 +58,8 @@ class RequestContext:
     off the outputs before vLLM's serving code sees them: the gateway's, never part of an answer."""
     submitted: bool = False
     """The request reached the engine (``ConsumerEngine.generate``)."""
+    engine_calls: int = 0
+    """Engine calls this request made (beam search makes one per beam per step; a hand-off takes one)."""
     laid_out: int = 0
     """Prompts of this call laid out from encoder metadata (0 or 1)."""
     media: RequestMedia | None = None

@@ -219,6 +219,14 @@ class ConsumerEngine:
         # prefill engine a decode LM dials. Only the gateway's KVHandoff sets them.
         extra.pop("kv_transfer_params", None)
         if ctx is not None and ctx.kv_phase:
+            if ctx.engine_calls:
+                # Beam search (one call per beam per step) or a Responses loop: the prefill LM would keep
+                # blocks for every call and the decode LM would load one call's KV into another.
+                ctx.failure = BadInput(
+                    "this request makes more than one engine call (beam search, or a Responses request that "
+                    "loops): it cannot be split between a prefill and a decode LM; the gateway sends such a "
+                    "request to one LM whole")
+                raise ctx.failure
             _hand_off(ctx, sampling_params, extra)
         if ctx is not None and ctx.sources:
             if self._engine.model_config.is_encoder_decoder:  # issue 25's guard, last stop before vLLM
@@ -229,6 +237,7 @@ class ConsumerEngine:
         gen = self._engine.generate(prompt, sampling_params, request_id, *args, **kwargs)
         if ctx is not None:
             ctx.submitted = True
+            ctx.engine_calls += 1
         if ctx is None:
             return gen
 

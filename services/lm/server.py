@@ -6,6 +6,7 @@ vLLM is imported at the top: ``epd lm`` imports this module after ``configure_pr
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import os
 import signal
@@ -71,13 +72,25 @@ def ec_consumer(engine_cfg: EngineConfig) -> bool:
     return not is_encoder_decoder(engine_cfg)
 
 
+def _every_interface(host: str) -> bool:
+    """Whether binding ``host`` listens on every interface (``0.0.0.0``, ``::``, ``[::]``, ``0``, ``''``)."""
+    h = host.strip().strip("[]")
+    if h in ("", "0", "*"):
+        return True
+    try:
+        return ipaddress.ip_address(h).is_unspecified
+    except ValueError:
+        return False  # a name: the address it resolves to is the operator's choice
+
+
 def check(cfg: LMServiceConfig, security: SecurityConfig) -> EncoderAllowList:
     """Refuses (ValueError) a configuration before an engine start is spent on
     it (an unauthenticated non-loopback bind, a malformed allow-list); returns
     the allow-list."""
     security.require_for(cfg.host, f"the LM API ({cfg.host}:{cfg.port})")
-    if cfg.disaggregated and cfg.kv_host in ("0.0.0.0", "::"):
-        raise ValueError(f"--kv-host {cfg.kv_host}: NIXL's side channel takes no credentials; bind it to the "
+    if cfg.disaggregated and _every_interface(cfg.kv_host or cfg.host):
+        which = f"--kv-host {cfg.kv_host}" if cfg.kv_host else f"--host {cfg.host} (--kv-host's default)"
+        raise ValueError(f"{which}: NIXL's side channel takes no credentials; bind it (--kv-host) to the "
                          "internal interface the other LMs reach, never every interface")
     return EncoderAllowList.parse(cfg.allowed_encoders, trusted_callers=security.authenticated)
 

@@ -86,19 +86,28 @@ def openai_body(request: lm_pb2.GenerateRequest) -> dict:
     return body
 
 
-def _without_kv_params(raw: bytes) -> bytes:
-    """A JSON body for vLLM's app, ``kv_transfer_params`` dropped: parsed as vLLM parses it (``json.loads``,
-    so an escaped key is the same key), re-encoded only when it had them."""
+PREFILL_ONLY = {"store": False, "background": False}
+"""What a Responses request's prefill call sets: its one-token answer is discarded, so nothing of it is
+stored (the decode LM stores the answer), and it runs within the call (the gateway splits no background
+request; this makes sure)."""
+
+
+def _without_kv_params(raw: bytes, prefill_responses: bool = False) -> bytes:
+    """A JSON body for vLLM's app, ``kv_transfer_params`` dropped (and ``PREFILL_ONLY`` set for a Responses
+    request's prefill call): parsed as vLLM parses it (``json.loads``, so an escaped key is the same key),
+    re-encoded only when it changed."""
     if not raw:
         return raw
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
         return raw  # vLLM's app answers it as `vllm serve` does
-    if isinstance(body, dict) and KV_TRANSFER_PARAMS in body:
-        del body[KV_TRANSFER_PARAMS]
-        return json.dumps(body, ensure_ascii=False).encode()
-    return raw
+    if not isinstance(body, dict) or (KV_TRANSFER_PARAMS not in body and not prefill_responses):
+        return raw
+    body.pop(KV_TRANSFER_PARAMS, None)
+    if prefill_responses:
+        body.update(PREFILL_ONLY)
+    return json.dumps(body, ensure_ascii=False).encode()
 
 
 class LMServicer(lm_pb2_grpc.LMServiceServicer):
@@ -192,8 +201,17 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
         return out
 
     async def Generate(self, request, context):
-        ctx = self._context(request)
         rid = request.request_id
+        try:
+            ctx = self._context(request)
+        except EPDError:
+            # Refused before anything ran (a bad item, a phase this LM's role does not take): a DECODE
+            # call's prefill LM still pins the prompt's blocks for it.
+            REQUESTS.labels("error").inc()
+            params = _decode_params(request)
+            if params is not None:
+                await _release_prefill(self.engine, rid, params)
+            raise
         status = "error"
         # Set in this call's own task (grpc runs each call in one), never reset: a generator closed
         # from another task could not reset it there.
@@ -235,9 +253,11 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
         finally:
             if ctx.media is not None:
                 ctx.media.release()  # normally done once the prompt was processed
-            if ctx.kv_phase == DECODE and not ctx.submitted:
-                # Refused before the engine (vLLM's validation, a bad item): the prefill LM still pins the
-                # prompt's blocks for us; vLLM's own hook tells it to let them go.
+            if ctx.kv_phase == DECODE and (not ctx.submitted or (status == "error" and ctx.final is None)):
+                # Refused before the engine (vLLM's validation, a bad item), or failed before its first
+                # output (vLLM's input processing runs on the generator's first step): the prefill LM may
+                # still pin the prompt's blocks for us; vLLM's own hook tells it to let them go (a prefill
+                # LM that already let them go logs the notice and ignores it).
                 await _release_prefill(self.engine, rid, ctx.kv_params)
             REQUESTS.labels(status).inc()
             if ctx.kv_phase:
@@ -254,7 +274,8 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
             # A JSON object (or nothing, for a GET): everything inside is vLLM's to read, but for
             # kv_transfer_params (only the gateway's KVHandoff names a prefill engine).
             openai_body(request)
-            raw = _without_kv_params(raw)
+            raw = _without_kv_params(raw, prefill_responses=ctx.kv_phase == PREFILL
+                                     and request.openai.path.rstrip("/") == "/v1/responses")
         rid = request.request_id
         method, path = request.openai.method or "POST", request.openai.path
         async with contextlib.aclosing(call(self.frontend.app, method, path, raw,
@@ -323,6 +344,17 @@ def _kv_outcome(status: str, ctx: RequestContext) -> str:
     if status == "ok":
         return "ok" if ctx.submitted else "refused"
     return status  # cancelled, error
+
+
+def _decode_params(request: lm_pb2.GenerateRequest) -> dict | None:
+    """A DECODE call's prefill params, read as ``_handoff`` reads them, or None."""
+    if not request.HasField("kv") or request.kv.phase != DECODE:
+        return None
+    try:
+        params = json.loads(request.kv.params)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return params if isinstance(params, dict) and params.get("do_remote_prefill") else None
 
 
 async def _release_prefill(engine, rid: str, params: dict | None) -> None:

@@ -296,6 +296,22 @@ def _kv_usage(lm) -> float:
     return metric(lm.metrics_port, "vllm:kv_cache_usage_perc")
 
 
+def test_beam_search_is_served_whole_by_one_lm_and_a_split_one_is_refused(pd):
+    """Beam search calls the engine once per beam per step, so it cannot be split: the gateway sends it to
+    one LM whole. Asked by hand to beam-search over a prefill LM's KV, the decode LM refuses at its second
+    engine call, and neither LM holds a block after."""
+    dep, _ = pd
+    p, d = _lms(dep)
+    beam = {**REQUESTS["text"], "use_beam_search": True, "n": 2, "max_tokens": 4}
+    out = _chat(dep, beam)
+    assert len(out["choices"]) == 2 and "prefill_lm" not in out["epd"], out["epd"]
+    answer = _lm_call(dep, p, _handoff("beam", REQUESTS["text"], lm_pb2.KVHandoff.PREFILL))
+    with pytest.raises(grpc.RpcError) as e:
+        _lm_call(dep, d, _handoff("beam-d", beam, lm_pb2.KVHandoff.DECODE, answer[-1].kv_transfer_params))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "more than one engine call" in e.value.details()
+    assert settled(lambda: _kv_usage(p), 0.0) == 0.0 and settled(lambda: _kv_usage(d), 0.0) == 0.0
+
+
 def test_a_kv_pull_that_fails_is_a_clear_error_from_the_decode_lm_and_its_blocks_go(pd):
     """The gateway's two calls made by hand (a trusted peer's credentials): P prefills, then D is given
     P's kv_transfer_params with another engine id, so its NIXL handshake with P fails (vLLM checks the

@@ -68,6 +68,37 @@ def test_a_refusal_by_the_prefill_lm_is_the_answer_and_the_decode_lm_is_not_call
     _run(body)
 
 
+def test_a_refusal_by_the_prefill_lm_cancels_the_encodes_no_lm_will_read():
+    async def body(c: Cluster):
+        orch = await c.start()
+        c.world.enc_script = ["late_encoded"]  # the encode is still going when the prefill LM refuses
+        c.world.lm_script = ["bad_request:temperature"]
+        req, media = request("r7", ["img-e"])
+        out = await collect(orch, req, media)
+        assert out[0].http_status == 400 and not calls(c, "lm-D")
+        for _ in range(100):  # the cancellation crosses the encoder's gRPC call
+            if c.encoders[0].cancelled:
+                break
+            await asyncio.sleep(0.05)
+        assert c.encoders[0].cancelled == ["r7"]
+
+    _run(body)
+
+
+def test_admission_counts_the_lms_that_hold_a_request_while_it_generates():
+    """A prefill LM holds a request for its prompt only: admission's LM capacity counts "both" and decode
+    LMs, and prefill LMs only when nothing else is left (they then serve whole requests)."""
+    async def body(c: Cluster):
+        orch = await c.start()
+        assert orch._generating_lms() == 2  # the decode LM and the "both" LM
+        by_role = {i.lm_role: i for i in orch.lms.instances.values()}
+        orch.lms.eject(by_role["decode"], "test")
+        orch.lms.eject(by_role["both"], "test")
+        assert orch._generating_lms() == 1  # the prefill LM, serving whole requests
+
+    _run(body, both=1)
+
+
 def test_a_failed_prefill_is_retried_and_the_decode_lm_then_serves_the_whole_request():
     async def body(c: Cluster):
         orch = await c.start()

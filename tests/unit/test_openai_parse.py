@@ -86,6 +86,16 @@ def test_only_a_json_true_stream_streams(body, stream):
     assert parse(dict(chat("hi"), **body)).stream is stream
 
 
+@pytest.mark.parametrize("extra, one", [({}, True), ({"use_beam_search": False}, True), ({"background": False}, True),
+                                        ({"use_beam_search": True}, False), ({"use_beam_search": "true"}, False),
+                                        ({"background": True}, False)], ids=str)
+def test_a_request_of_several_engine_calls_is_not_split_between_prefill_and_decode(extra, one):
+    """Beam search calls the engine per beam per step, a background response outlives its call: neither goes
+    E -> P -> D (read loosely: a value vLLM might read as false only costs the split)."""
+    assert parse(dict(chat("hi"), **extra)).one_engine_call() is one
+    assert parse(dict(extra, prompt="hi"), api="completions").one_engine_call() is one
+
+
 def test_completions_bodies_are_not_searched_for_images():
     body = {"prompt": "Once upon", "messages": [{"role": "user", "content": [image("data:,x")]}]}
     call = parse(body, api="completions")
