@@ -57,6 +57,10 @@ PLACEMENT = Counter("epd_gateway_placement_total", "Where image requests were en
                     ["choice", "reason"])
 
 # Codes that say the request itself is wrong (or the pair incompatible): retrying cannot help.
+MAX_PENDING_RELEASES = 1024
+"""RELEASE calls in flight at most (``Orchestrator._release_handoff``); past that, leases free the blocks."""
+RELEASE_TIMEOUT_S = 10.0
+
 _FINAL = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND,
           grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.UNIMPLEMENTED}
 # Codes that say one instance refuses the gateway (a token or certificate that differs, an LM whose encoder
@@ -179,6 +183,7 @@ class Orchestrator:
         """The served model name: ``--model-name``, else learned from the first LM admitted; None until then."""
         self._lm_policy = LeastOutstanding()
         self._draining: set[asyncio.Task] = set()  # encode streams of answered requests, ending on their own
+        self._releasing: set[asyncio.Task] = set()  # RELEASE calls for hand-offs no decode LM took
         self.admission = Admission(
             cfg.lm_max_outstanding, cfg.encoder_max_outstanding if self.encoders is not None else 0,
             cfg.admission_queue, cfg.admission_wait_s, healthy_lms=self._generating_lms,
@@ -195,9 +200,9 @@ class Orchestrator:
         await asyncio.gather(*(p.start() for p in (self.encoders, self.lms) if p is not None))
 
     async def close(self) -> None:
-        for task in list(self._draining):
+        for task in [*self._draining, *self._releasing]:
             task.cancel()
-        await asyncio.gather(*self._draining, return_exceptions=True)
+        await asyncio.gather(*self._draining, *self._releasing, return_exceptions=True)
         await asyncio.gather(*(p.close() for p in (self.encoders, self.lms) if p is not None))
 
     async def _verify_lm(self, inst: Instance) -> str | None:
@@ -351,6 +356,8 @@ class Orchestrator:
             item.ClearField("source")
         req.ClearField("kv")
         timings.encoders, timings.prefill_lm, timings.prefill_ms = [], "", 0.0  # this attempt's
+        handoff: dict[str, bytes] = {}  # the prefill LM's params until the decode LM answers
+        decode: Instance | None = None
         groups: list[_EncodeGroup] = []
         answered = False
         # Queued until the first attempt dispatches (planning below does no I/O).
@@ -390,7 +397,7 @@ class Orchestrator:
                 prepare(req)
             prefill = None
             if decode is not None:
-                handed = await self._prefill(lm, req, groups, timings, deadline)
+                handed = await self._prefill(lm, req, groups, timings, deadline, handoff)
                 if isinstance(handed, list):  # the prefill LM refused the request: its answer is the answer
                     # Not `answered`: no LM will read the encodes' copies, so they are cancelled (the encoder
                     # frees them) rather than left to their leases.
@@ -404,9 +411,14 @@ class Orchestrator:
             async with contextlib.aclosing(self._generate(lm, req, groups, timings, deadline,
                                                           prefill=prefill)) as lm_stream:
                 async for resp in lm_stream:
+                    handoff.clear()  # the decode LM answered: the blocks are its to settle
                     yield resp
             answered = True
         finally:
+            if handoff and decode is not None:
+                # Handed over and never answered by the decode LM (the client went away between the calls,
+                # the call failed before reaching it): the prefill LM would pin the blocks to its lease.
+                self._release_handoff(decode, req.request_id, handoff["params"])
             for g in groups:
                 if g.task is not None and not g.task.done():
                     if answered:
@@ -419,6 +431,29 @@ class Orchestrator:
                     g.task.exception()  # retrieved: a failure after the LM finished is moot
                 if g.metadata.done() and not g.metadata.cancelled():
                     g.metadata.exception()
+
+    def _release_handoff(self, decode: Instance, rid: str, params: bytes) -> None:
+        """Asks ``decode`` (a RELEASE call, in the background, bounded) to tell the prefill LM named in
+        ``params`` to let the prompt's blocks go. Best effort: where it cannot (too many pending, the decode
+        LM gone), the prefill LM's lease (``--kv-lease-s``) frees them."""
+        if len(self._releasing) >= MAX_PENDING_RELEASES:
+            logger.warning("request %s: %d KV releases pending; the prefill LM's lease frees its blocks",
+                           rid, len(self._releasing))
+            return
+        req = lm_pb2.GenerateRequest(request_id=rid)
+        req.kv.phase, req.kv.params = lm_pb2.KVHandoff.RELEASE, params
+
+        async def release() -> None:
+            try:
+                async for _ in decode.stub.Generate(req, timeout=RELEASE_TIMEOUT_S):
+                    pass
+            except grpc.aio.AioRpcError as e:
+                logger.info("request %s: decode LM %s could not release the prefill LM's blocks (%s: %s); "
+                            "its lease frees them", rid, decode.address, e.code().name, e.details())
+
+        task = asyncio.get_running_loop().create_task(release())
+        self._releasing.add(task)
+        task.add_done_callback(self._releasing.discard)
 
     def _drain(self, task: asyncio.Task) -> None:
         """Lets an encode stream end on its own (within its deadline); close() cancels it."""
@@ -577,10 +612,11 @@ class Orchestrator:
                 call.cancel()
 
     async def _prefill(self, lm: Instance, req, groups: list[_EncodeGroup], timings: Timings,
-                       deadline: float) -> bytes | list[lm_pb2.GenerateResponse]:
+                       deadline: float, handoff: dict[str, bytes]) -> bytes | list[lm_pb2.GenerateResponse]:
         """The PREFILL call of an E -> P -> D request: the prefill LM computes the prompt's KV and keeps its
         blocks for a decode LM. Returns its kv_transfer_params, or, when it refused the request (vLLM's
-        validation: the same answer the decode LM would give), its whole answer for the client."""
+        validation: the same answer the decode LM would give), its whole answer for the client.
+        ``handoff["params"]``: the params as soon as they arrive (a cancel after that releases them)."""
         p_req = lm_pb2.GenerateRequest()
         p_req.CopyFrom(req)
         p_req.kv.phase = lm_pb2.KVHandoff.PREFILL
@@ -588,6 +624,8 @@ class Orchestrator:
         started = time.perf_counter()
         async with contextlib.aclosing(self._generate(lm, p_req, groups, timings, deadline, final=False)) as stream:
             async for resp in stream:
+                if resp.kv_transfer_params:
+                    handoff["params"] = resp.kv_transfer_params
                 answer.append(resp)
         timings.prefill_ms = (time.perf_counter() - started) * 1e3
         status = answer[0].http_status if answer else 0

@@ -244,7 +244,7 @@ class ConsumerEngine:
         return _recorded(gen, ctx, request_id, delta=sampling_params.output_kind == RequestOutputKind.DELTA)
 
 
-PREFILL, DECODE = lm_pb2.KVHandoff.PREFILL, lm_pb2.KVHandoff.DECODE
+PREFILL, DECODE, RELEASE = lm_pb2.KVHandoff.PREFILL, lm_pb2.KVHandoff.DECODE, lm_pb2.KVHandoff.RELEASE
 
 REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                  "remote_block_ids": None, "remote_host": None, "remote_port": None}

@@ -35,7 +35,7 @@ from services.common.errors import BadInput, EPDError, PrefillKVUnavailable
 from services.common.layout import ItemLayout
 from services.common.media import MediaDecoder
 from services.lm.context import CURRENT, RequestContext
-from services.lm.frontend import DECODE, PREFILL, Frontend, validation_error
+from services.lm.frontend import DECODE, PREFILL, RELEASE, Frontend, validation_error
 from services.lm.media import RequestMedia
 from services.lm.peers import PeerChecker
 from services.lm.vllm_app import Started, call
@@ -45,9 +45,9 @@ logger = logging.getLogger(__name__)
 REQUESTS = Counter("epd_lm_requests_total", "Generate calls", ["status"])
 LOCAL_ENCODER_RUNS = Counter("epd_lm_local_encoder_runs_total", "Items this LM had to encode itself")
 TRANSFERRED = Counter("epd_lm_transferred_items_total", "Items whose embedding arrived from an encoder")
-KV_HANDOFFS = Counter("epd_lm_kv_handoffs_total", "E -> P -> D calls by phase (prefill, decode) and outcome: ok, "
-                      "refused (answered before the engine, e.g. vLLM's validation), kv_unavailable (a decode LM "
-                      "that could not load the prefill LM's KV), cancelled, error", ["phase", "outcome"])
+KV_HANDOFFS = Counter("epd_lm_kv_handoffs_total", "E -> P -> D calls by phase (prefill, decode, release) and "
+                      "outcome: ok, refused (answered before the engine, e.g. vLLM's validation), kv_unavailable "
+                      "(a decode LM that could not load the prefill LM's KV), cancelled, error", ["phase", "outcome"])
 LAYOUTS = Counter("epd_lm_prompt_layouts_total", "Multimodal prompts by who laid them out: the encoder's "
                   "metadata, or this LM's image processor", ["by"])
 TTFT = Histogram("epd_lm_ttft_seconds", "Arrival at the LM to first token",
@@ -157,11 +157,12 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
     def _handoff(self, kv: lm_pb2.KVHandoff) -> tuple[int, dict | None]:
         """The gateway's E -> P -> D phase for this LM: one its role takes, with the prefill LM's params
         (a JSON object) for DECODE."""
-        want = {lm_pb2.KVHandoff.PREFILL: "prefill", lm_pb2.KVHandoff.DECODE: "decode"}.get(kv.phase)
+        want = {PREFILL: "prefill", DECODE: "decode", RELEASE: "decode"}.get(kv.phase)
         if want is None:
-            raise BadInput(f"kv.phase must be PREFILL or DECODE, got {kv.phase}")
+            raise BadInput(f"kv.phase must be PREFILL, DECODE or RELEASE, got {kv.phase}")
         if self.info.role != want:
-            raise BadInput(f"this LM's role is {self.info.role or 'both'}: it takes no {want.upper()} call")
+            raise BadInput(f"this LM's role is {self.info.role or 'both'}: it takes no "
+                           f"{lm_pb2.KVHandoff.Phase.Name(kv.phase)} call")
         if kv.phase == lm_pb2.KVHandoff.PREFILL:
             return kv.phase, None
         try:
@@ -212,6 +213,11 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
             if params is not None:
                 await _release_prefill(self.engine, rid, params)
             raise
+        if ctx.kv_phase == RELEASE:  # the gateway's DECODE call will not come: let the prefill LM's blocks go
+            await _release_prefill(self.engine, rid, ctx.kv_params)
+            KV_HANDOFFS.labels("release", "ok").inc()
+            yield lm_pb2.GenerateResponse(request_id=rid)
+            return
         status = "error"
         # Set in this call's own task (grpc runs each call in one), never reset: a generator closed
         # from another task could not reset it there.
@@ -334,7 +340,7 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
         )
 
 
-_PHASES = {PREFILL: "prefill", DECODE: "decode"}
+_PHASES = {PREFILL: "prefill", DECODE: "decode", RELEASE: "release"}
 
 
 def _kv_outcome(status: str, ctx: RequestContext) -> str:
@@ -347,8 +353,8 @@ def _kv_outcome(status: str, ctx: RequestContext) -> str:
 
 
 def _decode_params(request: lm_pb2.GenerateRequest) -> dict | None:
-    """A DECODE call's prefill params, read as ``_handoff`` reads them, or None."""
-    if not request.HasField("kv") or request.kv.phase != DECODE:
+    """A DECODE (or RELEASE) call's prefill params, read as ``_handoff`` reads them, or None."""
+    if not request.HasField("kv") or request.kv.phase not in (DECODE, RELEASE):
         return None
     try:
         params = json.loads(request.kv.params)

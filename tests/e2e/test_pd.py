@@ -359,6 +359,21 @@ def test_a_decode_lm_that_refuses_the_request_lets_the_prefill_lms_blocks_go_at_
     assert settled(lambda: _kv_usage(p), 0.0) == 0.0 and _kv_usage(d) == 0.0
 
 
+def test_a_release_call_lets_the_prefill_lms_blocks_go_at_once(pd):
+    """What the gateway sends a decode LM when its DECODE call will not come (the client went away between
+    the two calls): the decode LM tells the prefill LM to let the prompt's blocks go, well before its lease."""
+    dep, _ = pd
+    p, d = _lms(dep)
+    answer = _lm_call(dep, p, _handoff("kv-release", REQUESTS["text"], lm_pb2.KVHandoff.PREFILL))
+    assert answer[0].http_status == 200 and _kv_usage(p) > 0
+    released = _handoffs(d, "release", "ok")
+    out = _lm_call(dep, d, _handoff("kv-release", REQUESTS["text"], lm_pb2.KVHandoff.RELEASE,
+                                    answer[-1].kv_transfer_params))
+    assert len(out) == 1 and not out[0].openai
+    assert settled(lambda: _kv_usage(p), 0.0) == 0.0 and _kv_usage(d) == 0.0
+    assert _handoffs(d, "release", "ok") == released + 1
+
+
 def _health(dep: Deployment) -> dict:
     with urllib.request.urlopen(dep.url + "/health", timeout=5) as r:
         return json.loads(r.read())

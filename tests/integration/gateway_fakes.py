@@ -139,6 +139,7 @@ class FakeLM(lm_pb2_grpc.LMServiceServicer):
     def __init__(self, name: str, world: World, model: str = "fake-model", role: str = "") -> None:
         self.name, self.world, self.model, self.role = name, world, model, role
         self.requests: list[lm_pb2.GenerateRequest] = []
+        self.releases: list[lm_pb2.GenerateRequest] = []  # RELEASE calls (kv.phase), kept apart
         self.cancelled: list[str] = []
 
     @staticmethod
@@ -149,6 +150,10 @@ class FakeLM(lm_pb2_grpc.LMServiceServicer):
     async def Generate(self, request, context):
         got = lm_pb2.GenerateRequest()
         got.CopyFrom(request)
+        if request.kv.phase == lm_pb2.KVHandoff.RELEASE:  # as a decode LM: one empty message, no script
+            self.releases.append(got)
+            yield lm_pb2.GenerateResponse(request_id=request.request_id)
+            return
         self.requests.append(got)
         rid = request.request_id
         self.world.log.append((self.name, "generate", rid))

@@ -7,6 +7,7 @@ LM-side unit tests in ``tests/unit/test_lm_kv_handoff.py``."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import pytest
@@ -81,6 +82,36 @@ def test_a_refusal_by_the_prefill_lm_cancels_the_encodes_no_lm_will_read():
                 break
             await asyncio.sleep(0.05)
         assert c.encoders[0].cancelled == ["r7"]
+
+    _run(body)
+
+
+def test_a_client_gone_between_the_prefill_and_the_decode_call_has_the_decode_lm_release_the_blocks():
+    """The prefill LM handed over, the decode LM never answered (here: it blocks, and the client goes away):
+    the gateway asks the decode LM to tell the prefill LM to let the blocks go (a RELEASE call), rather
+    than leave them to the prefill LM's lease. A decode LM that answered settles them itself."""
+    async def body(c: Cluster):
+        orch = await c.start()
+        c.world.lm_script = ["ok", "block"]
+        req, media = request("r8", [])
+        task = asyncio.ensure_future(collect(orch, req, media))
+        d = next(lm for lm in c.lms if lm.name == "lm-D")
+        while not d.requests:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        for _ in range(100):
+            if d.releases:
+                break
+            await asyncio.sleep(0.05)
+        (release,) = d.releases
+        assert release.kv.phase == lm_pb2.KVHandoff.RELEASE and release.request_id == "r8"
+        assert json.loads(release.kv.params)["remote_engine_id"] == "lm-P"
+        req, media = request("r9", [])
+        await collect(orch, req, media)  # answered by the decode LM: nothing to release
+        await asyncio.sleep(0.2)
+        assert len(d.releases) == 1
 
     _run(body)
 

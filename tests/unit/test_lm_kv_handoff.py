@@ -87,7 +87,9 @@ def test_vllm_xargs_cannot_name_a_prefill_engine_and_the_handoff_sets_the_sampli
     ("prefill", lm_pb2.KVHandoff.DECODE, b"{}", "takes no DECODE"),
     ("decode", lm_pb2.KVHandoff.DECODE, b"[1]", "kv_transfer_params"),
     ("decode", lm_pb2.KVHandoff.DECODE, b"{not json", "not JSON"),
-    ("decode", 7, b"", "PREFILL or DECODE"),
+    ("decode", 7, b"", "PREFILL, DECODE or RELEASE"),
+    ("prefill", lm_pb2.KVHandoff.RELEASE, b"{}", "takes no RELEASE"),
+    ("both", lm_pb2.KVHandoff.RELEASE, b"{}", "takes no RELEASE"),
 ])
 def test_a_handoff_the_role_does_not_take_is_refused(role, phase, params, error):
     servicer = object.__new__(LMServicer)
