@@ -309,7 +309,7 @@ def test_beam_search_is_served_whole_by_one_lm_and_a_split_one_is_refused(pd):
     with pytest.raises(grpc.RpcError) as e:
         _lm_call(dep, d, _handoff("beam-d", beam, lm_pb2.KVHandoff.DECODE, answer[-1].kv_transfer_params))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "more than one engine call" in e.value.details()
-    assert settled(lambda: _kv_usage(p), 0.0) == 0.0 and settled(lambda: _kv_usage(d), 0.0) == 0.0
+    assert settled(lambda: _kv_usage(p), 0.0, timeout=30) == 0.0 and settled(lambda: _kv_usage(d), 0.0) == 0.0
 
 
 def test_a_kv_pull_that_fails_is_a_clear_error_from_the_decode_lm_and_its_blocks_go(pd):
@@ -370,7 +370,7 @@ def test_a_release_call_lets_the_prefill_lms_blocks_go_at_once(pd):
     out = _lm_call(dep, d, _handoff("kv-release", REQUESTS["text"], lm_pb2.KVHandoff.RELEASE,
                                     answer[-1].kv_transfer_params))
     assert len(out) == 1 and not out[0].openai
-    assert settled(lambda: _kv_usage(p), 0.0) == 0.0 and _kv_usage(d) == 0.0
+    assert settled(lambda: _kv_usage(p), 0.0, timeout=30) == 0.0 and _kv_usage(d) == 0.0
     assert _handoffs(d, "release", "ok") == released + 1
 
 

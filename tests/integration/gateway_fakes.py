@@ -55,7 +55,7 @@ class FakeEncoder(encoder_pb2_grpc.EncoderServiceServicer):
     abort_unavailable, invalid, unauthenticated (as a server refusing the
     caller's token), hang, fail_after_metadata, fail_when_released (after
     metadata, once ``world.release`` is set), late_encoded (0.3 s after the LM
-    call)."""
+    call), hold_encoded (not until cancelled)."""
 
     def __init__(self, name: str, world: World, wait_lm_s: float = 2.0) -> None:
         self.name, self.world, self.wait_lm_s = name, world, wait_lm_s
@@ -106,6 +106,12 @@ class FakeEncoder(encoder_pb2_grpc.EncoderServiceServicer):
             await asyncio.wait_for(self.world.lm_arrived(rid).wait(), self.wait_lm_s)
         if mode == "fail_after_metadata":
             raise PeerUnavailable(f"{self.name} died mid-encode")
+        if mode == "hold_encoded":  # the engine's last output is held until the caller cancels (30 s at most)
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                self.cancelled.append(rid)
+                raise
         if mode == "late_encoded":  # the engine's last output comes after the LM answered
             try:
                 await asyncio.sleep(0.3)

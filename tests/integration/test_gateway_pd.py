@@ -72,12 +72,13 @@ def test_a_refusal_by_the_prefill_lm_is_the_answer_and_the_decode_lm_is_not_call
 def test_a_refusal_by_the_prefill_lm_cancels_the_encodes_no_lm_will_read():
     async def body(c: Cluster):
         orch = await c.start()
-        c.world.enc_script = ["late_encoded"]  # the encode is still going when the prefill LM refuses
+        c.world.enc_script = ["hold_encoded"]  # the encode is still going when the prefill LM refuses
         c.world.lm_script = ["bad_request:temperature"]
         req, media = request("r7", ["img-e"])
         out = await collect(orch, req, media)
         assert out[0].http_status == 400 and not calls(c, "lm-D")
-        for _ in range(100):  # the cancellation crosses the encoder's gRPC call
+        assert not orch._draining  # cancelled, not left to end on its own (as for an answered request)
+        for _ in range(200):  # the cancellation crosses the encoder's gRPC call
             if c.encoders[0].cancelled:
                 break
             await asyncio.sleep(0.05)
@@ -101,7 +102,7 @@ def test_a_client_gone_between_the_prefill_and_the_decode_call_has_the_decode_lm
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-        for _ in range(100):
+        for _ in range(200):
             if d.releases:
                 break
             await asyncio.sleep(0.05)
