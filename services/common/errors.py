@@ -78,6 +78,16 @@ class Incompatible(EPDError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class RoleMismatch(EPDError):
+    """A call in an E -> P -> D phase (``KVHandoff``) that this LM's role does not take: its caller (the
+    gateway) routed by a role the LM no longer has (it was restarted with another ``--role`` at the same
+    address before a health check saw it go). The ``epd-fault: role`` trailer tells the gateway to verify
+    the LM again (its GetInfo names the new role) and retry the request elsewhere; nothing ran."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+    fault = "role"
+
+
 class Forbidden(EPDError):
     """A request names a peer this service may not use (an encoder outside the LM's allow-list)."""
 

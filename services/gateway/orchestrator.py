@@ -126,10 +126,14 @@ def _call_failed(call: str, e: grpc.aio.AioRpcError) -> str:
 class _Failure(Exception):
     """One attempt failed at ``role`` (instances ``blame``)."""
 
-    def __init__(self, error: grpc.aio.AioRpcError, role: str, blame: list[Instance], retryable: bool = True) -> None:
+    def __init__(self, error: grpc.aio.AioRpcError, role: str, blame: list[Instance], retryable: bool = True,
+                 reverify: bool = False) -> None:
         super().__init__(error.details())
         self.error, self.role, self.blame = error, role, blame
-        self.retryable = retryable and error.code() not in _FINAL
+        self.reverify = reverify
+        """``blame`` refused a call by what the gateway knows of it (an LM's role, ``epd-fault: role``): it is
+        verified again before it is routed to, and the request retried elsewhere whatever the code."""
+        self.retryable = retryable and (reverify or error.code() not in _FINAL)
 
 
 @dataclass(eq=False)
@@ -314,16 +318,18 @@ class Orchestrator:
         """An instance that failed a call is health-checked at once (in the
         background: this request already excludes it), so a dead one is
         ejected for every request, not just excluded for this one. One that
-        refused the gateway is ejected first, so the check verifies it again
-        (``GetInfo``): refused if it still rejects the credentials, else
-        re-admitted at once."""
+        refused the gateway (its credentials, or a phase its role no longer
+        takes) is ejected first, so the check verifies it again (``GetInfo``):
+        refused if it still rejects the credentials, else re-admitted at once
+        (with the role it now has)."""
         pool = self.encoders if f.role == "encoder" else self.lms
         code = f.error.code()
-        if pool is None or code not in _GONE | _REFUSED:
+        if pool is None or not (f.reverify or code in _GONE | _REFUSED):
             return
-        if code in _REFUSED:
+        if f.reverify or code in _REFUSED:
+            why = f" ({f.error.details()})" if f.reverify else ""
             for inst in f.blame:
-                pool.eject(inst, f"a call was refused: {code.name}")
+                pool.eject(inst, f"a call was refused: {code.name}{why}")
         pool.recheck(f.blame)
 
     def _remaining(self, deadline: float) -> float:
@@ -607,6 +613,8 @@ class Orchestrator:
                     raise _Failure(e, "encoder", self._blame(groups, req, trailers)) from None
                 if (FAULT_KEY, "prefill") in trailers and prefill is not None:
                     raise _Failure(e, "lm", [prefill]) from None
+                if (FAULT_KEY, "role") in trailers:  # restarted with another role since it was verified
+                    raise _Failure(e, "lm", [lm], reverify=True) from None
                 raise _Failure(e, "lm", [lm]) from None
             finally:
                 call.cancel()

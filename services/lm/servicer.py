@@ -31,7 +31,7 @@ from vllm.exceptions import GenerationError, VLLMClientError
 from ectransfer import tensors
 from ectransfer.connector.metadata import ConsumerFinished, ItemSource, TransferReport
 from epd.lm.v1 import lm_pb2, lm_pb2_grpc
-from services.common.errors import BadInput, EPDError, PrefillKVUnavailable
+from services.common.errors import BadInput, EPDError, PrefillKVUnavailable, RoleMismatch
 from services.common.layout import ItemLayout
 from services.common.media import MediaDecoder
 from services.lm.context import CURRENT, RequestContext
@@ -161,7 +161,7 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
         if want is None:
             raise BadInput(f"kv.phase must be PREFILL, DECODE or RELEASE, got {kv.phase}")
         if self.info.role != want:
-            raise BadInput(f"this LM's role is {self.info.role or 'both'}: it takes no "
+            raise RoleMismatch(f"this LM's role is {self.info.role or 'both'}: it takes no "
                            f"{lm_pb2.KVHandoff.Phase.Name(kv.phase)} call")
         if kv.phase == lm_pb2.KVHandoff.PREFILL:
             return kv.phase, None

@@ -19,7 +19,14 @@ from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
 from epd.lm.v1 import lm_pb2, lm_pb2_grpc
 from epd.transfer.v1 import transfer_pb2
 from peerauth import SecurityConfig
-from services.common.errors import BadInput, EncoderUnavailable, Forbidden, PeerUnavailable, PrefillKVUnavailable
+from services.common.errors import (
+    BadInput,
+    EncoderUnavailable,
+    Forbidden,
+    PeerUnavailable,
+    PrefillKVUnavailable,
+    RoleMismatch,
+)
 from services.common.grpc_server import GrpcServer
 from services.common.protocol import ENCODER_PROTOCOL
 from services.lm.servicer import openai_body
@@ -140,7 +147,8 @@ class FakeLM(lm_pb2_grpc.LMServiceServicer):
     LM whose encoder allow-list lacks the item's encoder), bad_request:<param> (an HTTP 400 answer as
     vLLM's error body, as vLLM answers a bad sampling parameter), fail_after_first, block (until
     cancelled), first_then_block. ``role``: what GetInfo says (a prefill LM's last message of a PREFILL
-    call carries kv_transfer_params naming it)."""
+    call carries kv_transfer_params naming it); as the real LM, a hand-off phase the role does not take is
+    refused (``RoleMismatch``): set it after start to play an LM restarted with another role."""
 
     def __init__(self, name: str, world: World, model: str = "fake-model", role: str = "") -> None:
         self.name, self.world, self.model, self.role = name, world, model, role
@@ -156,6 +164,12 @@ class FakeLM(lm_pb2_grpc.LMServiceServicer):
     async def Generate(self, request, context):
         got = lm_pb2.GenerateRequest()
         got.CopyFrom(request)
+        want = {lm_pb2.KVHandoff.PREFILL: "prefill", lm_pb2.KVHandoff.DECODE: "decode",
+                lm_pb2.KVHandoff.RELEASE: "decode"}.get(request.kv.phase)
+        if want is not None and (self.role or "both") != want:  # as the real LM: refused before anything runs
+            self.world.log.append((self.name, "role_mismatch", request.request_id))
+            raise RoleMismatch(f"this LM's role is {self.role or 'both'}: it takes no "
+                               f"{lm_pb2.KVHandoff.Phase.Name(request.kv.phase)} call")
         if request.kv.phase == lm_pb2.KVHandoff.RELEASE:  # as a decode LM: one empty message, no script
             self.releases.append(got)
             yield lm_pb2.GenerateResponse(request_id=request.request_id)

@@ -164,6 +164,46 @@ def test_a_decode_lm_that_cannot_load_the_kv_blames_the_prefill_lm_and_the_retry
     _run(body)
 
 
+async def _relearned(orch, address: str, role: str) -> None:
+    """Until the gateway routes to ``address`` again, with ``role`` (its re-verification, in the background)."""
+    inst = orch.lms.instances[address]
+    while not (inst.healthy and inst.lm_role == role):
+        await asyncio.sleep(0.02)
+
+
+def test_a_prefill_lm_restarted_as_both_is_verified_again_and_the_request_retried_elsewhere():
+    async def body(c: Cluster):
+        orch = await c.start()
+        c.lms[0].role = "both"  # restarted at the same address with another role; no health check saw it go
+        req, media = request("r8", ["img-f"])
+        timings = Timings()
+        out = [r async for r in generate(orch, req, media, timings)]
+        assert tokens(out) == [1, 2, 3] and timings.retries == 1  # not the client's 400
+        assert ("lm-P", "role_mismatch", "r8") in c.world.log and not calls(c, "lm-P")
+        (d_req,) = calls(c, "lm-D")
+        assert not d_req.HasField("kv")  # the retry: the one LM left serves it whole
+        await _relearned(orch, c.lm_addresses[0], "both")  # verified again (GetInfo): its new role
+
+    _run(body)
+
+
+def test_a_decode_lm_restarted_as_prefill_is_verified_again_and_the_prefill_lm_serves_the_request_whole():
+    async def body(c: Cluster):
+        orch = await c.start()
+        c.lms[1].role = "prefill"
+        req, media = request("r9", [])
+        timings = Timings()
+        out = [r async for r in generate(orch, req, media, timings)]
+        assert tokens(out) == [1, 2, 3] and timings.retries == 1
+        assert ("lm-D", "role_mismatch", "r9") in c.world.log and not calls(c, "lm-D")
+        handed, whole = calls(c, "lm-P")
+        assert handed.kv.phase == lm_pb2.KVHandoff.PREFILL and not whole.HasField("kv")
+        assert timings.lm == c.lm_addresses[0] and not timings.prefill_lm
+        await _relearned(orch, c.lm_addresses[1], "prefill")
+
+    _run(body)
+
+
 def test_a_decode_lm_that_fails_after_its_first_token_ends_the_stream_with_an_error():
     async def body(c: Cluster):
         orch = await c.start()

@@ -16,7 +16,7 @@ from vllm.sampling_params import SamplingParams
 from ectransfer.connector.consumer import _embeds_from
 from epd.lm.v1 import lm_pb2
 from peerauth import SecurityConfig
-from services.common.errors import BadInput, EncoderUnavailable, PrefillKVUnavailable
+from services.common.errors import BadInput, EncoderUnavailable, PrefillKVUnavailable, RoleMismatch, _status
 from services.lm.config import LMServiceConfig
 from services.lm.context import CURRENT, RequestContext
 from services.lm.frontend import DECODE, REMOTE_DECODE, ConsumerEngine, _recorded
@@ -81,21 +81,25 @@ def test_vllm_xargs_cannot_name_a_prefill_engine_and_the_handoff_sets_the_sampli
     assert sent.extra_args["kv_transfer_params"] == handed and (sent.n, sent.max_tokens) == (2, 8)
 
 
-@pytest.mark.parametrize("role,phase,params,error", [
-    ("both", lm_pb2.KVHandoff.PREFILL, b"", "takes no PREFILL"),
-    ("decode", lm_pb2.KVHandoff.PREFILL, b"", "takes no PREFILL"),
-    ("prefill", lm_pb2.KVHandoff.DECODE, b"{}", "takes no DECODE"),
-    ("decode", lm_pb2.KVHandoff.DECODE, b"[1]", "kv_transfer_params"),
-    ("decode", lm_pb2.KVHandoff.DECODE, b"{not json", "not JSON"),
-    ("decode", 7, b"", "PREFILL, DECODE or RELEASE"),
-    ("prefill", lm_pb2.KVHandoff.RELEASE, b"{}", "takes no RELEASE"),
-    ("both", lm_pb2.KVHandoff.RELEASE, b"{}", "takes no RELEASE"),
+@pytest.mark.parametrize("role,phase,params,kind,error", [
+    # A phase the role does not take: the gateway's view of the LM is stale (FAILED_PRECONDITION with
+    # ``epd-fault: role``: it verifies the LM again and retries elsewhere).
+    ("both", lm_pb2.KVHandoff.PREFILL, b"", RoleMismatch, "takes no PREFILL"),
+    ("decode", lm_pb2.KVHandoff.PREFILL, b"", RoleMismatch, "takes no PREFILL"),
+    ("prefill", lm_pb2.KVHandoff.DECODE, b"{}", RoleMismatch, "takes no DECODE"),
+    ("prefill", lm_pb2.KVHandoff.RELEASE, b"{}", RoleMismatch, "takes no RELEASE"),
+    ("both", lm_pb2.KVHandoff.RELEASE, b"{}", RoleMismatch, "takes no RELEASE"),
+    # A malformed hand-off: the caller's fault (INVALID_ARGUMENT).
+    ("decode", lm_pb2.KVHandoff.DECODE, b"[1]", BadInput, "kv_transfer_params"),
+    ("decode", lm_pb2.KVHandoff.DECODE, b"{not json", BadInput, "not JSON"),
+    ("decode", 7, b"", BadInput, "PREFILL, DECODE or RELEASE"),
 ])
-def test_a_handoff_the_role_does_not_take_is_refused(role, phase, params, error):
+def test_a_handoff_the_role_does_not_take_is_refused(role, phase, params, kind, error):
     servicer = object.__new__(LMServicer)
     servicer.info = lm_pb2.LMInfo(role=role)
-    with pytest.raises(BadInput, match=error):
+    with pytest.raises(kind, match=error) as got:
         servicer._handoff(lm_pb2.KVHandoff(phase=phase, params=params))
+    assert _status(got.value, "Generate")[2] == ((("epd-fault", "role"),) if kind is RoleMismatch else ())
 
 
 def test_the_handoffs_a_role_takes():
