@@ -2,7 +2,9 @@
 is not installed (``ectransfer``, ``services`` and the generated ``epd`` stubs)."""
 
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 
@@ -17,6 +19,13 @@ os.environ.setdefault("EPD_STRICT_TRANSITIONS", "1")
 # tests/e2e/test_lifecycle.py set MULTIPROCESS_ENGINES.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 MULTIPROCESS_ENGINES = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+
+# Every temporary file of this run, the tests' and the services' they start (`epd up`'s log directories,
+# vLLM's ZMQ sockets, which an engine killed mid-test never unlinks, pytest's own tmp_path), under one
+# directory: removed when the run passes, kept (and named) when it fails. Runs do not pile up in /tmp.
+RUN_TMP = tempfile.mkdtemp(prefix="epd-tests-")
+os.environ["TMPDIR"] = RUN_TMP
+tempfile.tempdir = None  # tempfile reads TMPDIR again
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -50,3 +59,13 @@ def tiny_model() -> str:
     from services.cli import default_model
 
     return default_model()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if exitstatus == 0:
+        shutil.rmtree(RUN_TMP, ignore_errors=True)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if exitstatus != 0 and os.path.isdir(RUN_TMP):
+        terminalreporter.write_line(f"temporary files of this run (service logs) kept in {RUN_TMP}")
