@@ -162,7 +162,7 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
             raise BadInput(f"kv.phase must be PREFILL, DECODE or RELEASE, got {kv.phase}")
         if self.info.role != want:
             raise RoleMismatch(f"this LM's role is {self.info.role or 'both'}: it takes no "
-                           f"{lm_pb2.KVHandoff.Phase.Name(kv.phase)} call")
+                               f"{lm_pb2.KVHandoff.Phase.Name(kv.phase)} call")
         if kv.phase == lm_pb2.KVHandoff.PREFILL:
             return kv.phase, None
         try:
