@@ -4,8 +4,8 @@ and a flood of pixel bombs (8 large solid-colour PNGs per request, a few KB
 each) is refused while the services stay up and answer the next good request.
 
 The encoder runs with a small token budget per engine step, so an Encode of
-several images spans several steps: its first outputs sit in the pool while
-the rest still encode, which is when a client that cancels leaves them.
+several images (24 here) spans several steps: its first outputs sit in the pool
+while the rest still encode, which is when a client that cancels leaves them.
 
 The same deployment's LM allows only gRPC chunks (``--transports grpc``), so it also carries
 tests/e2e/test_transports.py's forced-transport case (one deployment for both; that test runs
@@ -32,11 +32,16 @@ from tools.media import data_url, make_image
 
 pytestmark = pytest.mark.e2e
 
+CANCELLED_IMAGES = 24
+"""Images in the Encode that is cancelled mid-encode: one per engine step, so the cancel has 23 steps to
+land in (with 8, a busy 2-core host sometimes let the tiny model finish all of them first)."""
+
 
 @pytest.fixture(scope="module")
 def dep(tiny_model):
     engine = json.dumps({"max_num_batched_tokens": 96})  # one 224x224 image (5 tiles of 16 tokens) per step
-    d = Deployment(model=tiny_model, quiet=True, encoder_args=["--vllm-args", engine],
+    d = Deployment(model=tiny_model, quiet=True,
+                   encoder_args=["--vllm-args", engine, "--max-images-per-prompt", str(CANCELLED_IMAGES)],
                    lm_args=["--transports", "grpc"]).start()
     yield d
     stop_in_background(d)
@@ -85,7 +90,7 @@ def test_a_cancelled_encode_frees_the_items_it_left_in_the_pool(dep):
 
 
 def _cancel_mid_encode(stub, stats) -> float:
-    """Cancels an Encode of 8 images as soon as its first output is in the pool, until one is
+    """Cancels an Encode of ``CANCELLED_IMAGES`` images as soon as its first output is in the pool, until one is
     cancelled while encoding (the producer counts it aborted); returns the items held before it.
     Skips the test if every Encode finished first (5 tries)."""
     from epd.encoder.v1 import encoder_pb2
@@ -94,8 +99,8 @@ def _cancel_mid_encode(stub, stats) -> float:
         # Items of an earlier attempt whose Encode finished are rightly kept (a lease): the baseline.
         now = stats()
         baseline, aborted = now["items_held"] + now["pending_reservations"], now["aborted_requests"]
-        items = [encoder_pb2.MediaItem(modality="image", data=make_image(7000 + 10 * attempt + i, (224, 224)))
-                 for i in range(8)]
+        items = [encoder_pb2.MediaItem(modality="image", data=make_image(7000 + 100 * attempt + i, (224, 224)))
+                 for i in range(CANCELLED_IMAGES)]
         call = stub.Encode(encoder_pb2.EncodeRequest(request_id=f"cancelled-{attempt}", items=items), timeout=60)
         reader = threading.Thread(target=lambda call=call: list(_drain(call)), daemon=True)
         reader.start()
