@@ -302,6 +302,8 @@ class Orchestrator:
                 except _Failure as f:
                     last = attempt == self.cfg.max_attempts or time.monotonic() >= deadline
                     if sent or not f.retryable or last:
+                        if f.reverify:  # verified again even when this request cannot be retried
+                            self._recheck(f)
                         raise f.error from None
                     excluded[f.role].update(i.address for i in f.blame)
                     timings.retries += 1
@@ -327,9 +329,9 @@ class Orchestrator:
         if pool is None or not (f.reverify or code in _GONE | _REFUSED):
             return
         if f.reverify or code in _REFUSED:
-            why = f" ({f.error.details()})" if f.reverify else ""
             for inst in f.blame:
-                pool.eject(inst, f"a call was refused: {code.name}{why}")
+                pool.eject(inst, f"a call was refused: {code.name}" + (
+                    f" (a hand-off its role no longer takes; it was {inst.lm_role})" if f.reverify else ""))
         pool.recheck(f.blame)
 
     def _remaining(self, deadline: float) -> float:
@@ -416,9 +418,16 @@ class Orchestrator:
             # not whenever the garbage collector finalizes the generator.
             async with contextlib.aclosing(self._generate(lm, req, groups, timings, deadline,
                                                           prefill=prefill)) as lm_stream:
-                async for resp in lm_stream:
-                    handoff.clear()  # the decode LM answered: the blocks are its to settle
-                    yield resp
+                try:
+                    async for resp in lm_stream:
+                        handoff.clear()  # the decode LM answered: the blocks are its to settle
+                        yield resp
+                except _Failure as f:
+                    if f.reverify and decode is not None:
+                        # The decode LM is one no longer (it refuses RELEASE too): another one sends it.
+                        decode = next((i for i in self.lms.healthy({decode.address}) if i.lm_role == "decode"),
+                                      None)
+                    raise
             answered = True
         finally:
             if handoff and decode is not None:
@@ -613,7 +622,8 @@ class Orchestrator:
                     raise _Failure(e, "encoder", self._blame(groups, req, trailers)) from None
                 if (FAULT_KEY, "prefill") in trailers and prefill is not None:
                     raise _Failure(e, "lm", [prefill]) from None
-                if (FAULT_KEY, "role") in trailers:  # restarted with another role since it was verified
+                if ((FAULT_KEY, "role") in trailers and req.HasField("kv")
+                        and e.code() == grpc.StatusCode.FAILED_PRECONDITION):  # restarted with another role
                     raise _Failure(e, "lm", [lm], reverify=True) from None
                 raise _Failure(e, "lm", [lm]) from None
             finally:
