@@ -73,7 +73,8 @@ def test_prealloc_abort_during_transfer_releases_both_sides(producer, consumer):
     assert not sched.ensure_cache_available(req, 0)
     sched.request_finished(req)  # the client went away while the encode runs
     assert used(sched) == 0
-    time.sleep(0.1)  # the Cancel reaches the encoder before its output does
+    # the Cancel reaches the encoder before its output does
+    assert steps_until(lambda: producer.store.settled("c", claim_of("r1")))
     producer.store.put("c", embedding(16, 3), claims=(claim_of("r1"),))
     assert not producer.store.contains("c") and producer.store.stats.cancels == 1
 
