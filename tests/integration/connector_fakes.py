@@ -48,8 +48,9 @@ def claim_of(rid: str) -> str:
     return f"claim-{rid}"
 
 
-def steps_until(predicate, timeout: float = 10.0) -> bool:
-    """Calls ``predicate`` like successive engine steps until it holds."""
+def steps_until(predicate, timeout: float = 30.0) -> bool:
+    """Calls ``predicate`` like successive engine steps until it holds. The default deadline only
+    bounds a hang (it returns as soon as the predicate holds): generous, for a slow, busy host."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():

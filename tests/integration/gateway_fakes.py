@@ -290,7 +290,14 @@ async def serve_fake(fake: FakeEncoder | FakeLM, port: int = 0,
     return server, f"127.0.0.1:{port}"
 
 
+WAIT_FLOOR_S = 20.0
+"""The least time ``wait_until`` gives a state to come about: a deadline only bounds a hang, so a slow,
+busy host (health rounds, gRPC round trips, cancellations crossing a call) is never failed for being late."""
+
+
 async def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> float:
+    """Polls ``predicate`` until it holds; AssertionError after ``timeout`` (at least ``WAIT_FLOOR_S``)."""
+    timeout = max(timeout, WAIT_FLOOR_S)
     t0 = time.monotonic()
     while not predicate():
         if time.monotonic() - t0 > timeout:

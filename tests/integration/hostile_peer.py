@@ -78,10 +78,11 @@ class RawStream:
         await self.channel.close()
 
 
-async def lane_select(address: str, transport: int, proof: bytes, timeout: float = 5.0):
+async def lane_select(address: str, transport: int, proof: bytes, timeout: float = 30.0):
     """Opens a control-lane connection whose first frame is Select{proof};
     returns the producer's answer (a TransferServerMsg) or None if it closed
-    the connection, and the open writer (the caller closes it)."""
+    the connection, and the open writer (the caller closes it). ``timeout`` only
+    bounds a hang (a refusal closes at once): generous, for a slow, busy host."""
     reader, writer = await lane.connect(address)
     writer.write(lane.frame(transfer_pb2.TransferClientMsg(select=transfer_pb2.Select(transport=transport, proof=proof))))
     try:

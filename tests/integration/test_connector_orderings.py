@@ -226,7 +226,7 @@ def test_prealloc_fetches_reserve_vllm_cache_room_first_and_return_it_on_failure
 
 
 def test_in_place_the_worker_reads_the_encoders_segment_and_the_ack_follows_the_load(producer, consumer):
-    sched = consumer()
+    sched = consumer(in_place_hold_s=60)  # not moved to staging while the test runs, however slow the host
     t = embedding(16, 21)
     producer.store.put("i1", t, claims=(claim_of("r1"),))
     req = request("r1", [("i1", 16)], producer.endpoint)
@@ -255,7 +255,7 @@ def test_in_place_off_lands_in_staging_and_acks_at_once(producer, consumer):
 
 
 def test_in_place_a_request_that_ends_before_its_load_cancels_the_hold(producer, consumer):
-    sched = consumer()
+    sched = consumer(in_place_hold_s=60)  # not moved to staging (and acked) before the request ends
     producer.store.put("i3", embedding(16, 23), claims=(claim_of("r1"),))
     req = request("r1", [("i3", 16)], producer.endpoint)
     assert steps_until(lambda: sched.ensure_cache_available(req, 0))
@@ -268,7 +268,9 @@ def test_in_place_an_encoder_that_goes_away_before_the_load_fails_the_request_an
     from tests.integration.connector_fakes import vllm_config as fake_config
 
     p = Producer(pool_bytes=1 << 20)
-    sched = ConsumerScheduler(fake_config("lm-1"), ConnectorConfig(model_name="test-model")).start()
+    # A long hold: the item stays in the encoder's memory (not moved to staging) until the encoder goes.
+    sched = ConsumerScheduler(fake_config("lm-1"), ConnectorConfig(model_name="test-model",
+                                                                   in_place_hold_s=60)).start()
     try:
         p.store.put("i4", embedding(16, 24), claims=(claim_of("r1"),))
         req = request("r1", [("i4", 16)], p.endpoint)

@@ -66,7 +66,11 @@ def test_a_handlers_error_ends_its_call_and_frees_what_the_handler_held():
             assert codes[1][0] == grpc.StatusCode.INTERNAL and "request internal" in codes[1][1]
             assert "secret" not in codes[1][1] and "boom" not in codes[1][1]
             assert codes[2] == (grpc.StatusCode.INVALID_ARGUMENT, f"no info for {8 << 20} bytes")
-            await asyncio.sleep(0.1)
+            # The server's side of a call ends a loop step or two after the caller has its status (more on
+            # a busy host): wait for it, with GC still off.
+            deadline = asyncio.get_running_loop().time() + 30
+            while any(r() is not None for r in servicer.refs) and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.02)
             assert [r() for r in servicer.refs] == [None, None, None]
         finally:
             gc.enable()

@@ -27,7 +27,8 @@ from tools.media import make_audio, make_image
 
 pytestmark = pytest.mark.integration
 
-LOOPBACK_OK = dict(lms="x:1", fetch_allow_networks="127.0.0.0/8", fetch_timeout_s=5.0)
+# A fetch timeout no loopback fetch reaches, however busy the host; the timeout tests set their own.
+LOOPBACK_OK = dict(lms="x:1", fetch_allow_networks="127.0.0.0/8", fetch_timeout_s=30.0)
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +148,7 @@ def test_a_non_2xx_status_is_refused(server, code):
 def test_a_slow_server_times_out_as_a_whole(server, path):
     out, _, took = fetch(server.url(path), fetch_timeout_s=1.0)
     assert isinstance(out, MediaError) and "not fetched within 1 s (--fetch-timeout-s)" in str(out)
-    assert took < 5
+    assert took < 15  # the whole fetch's timeout, not one per read (/trickle's image takes minutes, /slow 60 s)
 
 
 def test_a_connection_refused_is_a_clear_error(server):
@@ -171,7 +172,7 @@ def test_load_images_fetches_concurrently_and_checks_the_header(server):
     t0 = time.monotonic()
     with pytest.raises(MediaError, match="HTTP 404"):
         asyncio.run(go([server.url("/slow"), server.url("/status/404")]))  # the 404 cancels the slow one
-    assert time.monotonic() - t0 < 4
+    assert time.monotonic() - t0 < 15  # not the slow one's 30 s fetch timeout (nor its 60 s answer)
 
 
 def test_audio_urls_are_fetched_under_the_same_guard_with_audio_rules(server):

@@ -64,7 +64,7 @@ async def _get_info(server_security: SecurityConfig, client_security: SecurityCo
     port = await server.start()
     try:
         async with client_security.aio_channel(f"127.0.0.1:{port}") as ch:
-            await encoder_pb2_grpc.EncoderServiceStub(ch).GetInfo(encoder_pb2.GetInfoRequest(), timeout=5)
+            await encoder_pb2_grpc.EncoderServiceStub(ch).GetInfo(encoder_pb2.GetInfoRequest(), timeout=30)
         return grpc.StatusCode.OK
     except grpc.aio.AioRpcError as e:
         return e.code()

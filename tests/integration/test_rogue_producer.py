@@ -29,7 +29,7 @@ NB = 16 * 128 * 2  # bytes of one 16-row bfloat16 item
 def fails(sched: ConsumerScheduler, req) -> bool:
     """Steps until vLLM would be told the request cannot be served."""
     rid = req.request_id
-    return steps_until(lambda: (sched.ensure_cache_available(req, 0), sched.take_unavailable())[1] == {rid}, 5)
+    return steps_until(lambda: (sched.ensure_cache_available(req, 0), sched.take_unavailable())[1] == {rid})
 
 
 def set_shape(*dims):
@@ -63,7 +63,7 @@ def test_a_header_unlike_the_items_metadata_fails_its_request_and_never_reaches_
         error = sched.request_finished(req).error
         assert reason in error and "item a" in error, error
         assert sched.staging.stats()["used_bytes"] == 0
-        assert steps_until(lambda: not rogue.store.contains("a"), 5)  # told to let go (Cancel)
+        assert steps_until(lambda: not rogue.store.contains("a"))  # told to let go (Cancel)
     finally:
         rogue.close()
 

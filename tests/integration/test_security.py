@@ -51,8 +51,8 @@ async def _calls(channel) -> list[grpc.StatusCode]:
     """The status of a unary and a server-streaming call (OK when it worked)."""
     stub = encoder_pb2_grpc.EncoderServiceStub(channel)
     out = []
-    for call in (lambda: stub.GetInfo(encoder_pb2.GetInfoRequest(), timeout=5),
-                 lambda: _drain(stub.Encode(encoder_pb2.EncodeRequest(), timeout=5))):
+    for call in (lambda: stub.GetInfo(encoder_pb2.GetInfoRequest(), timeout=30),
+                 lambda: _drain(stub.Encode(encoder_pb2.EncodeRequest(), timeout=30))):
         try:
             await call()
             out.append(grpc.StatusCode.OK)
@@ -86,7 +86,7 @@ def test_a_caller_without_the_token_or_with_a_wrong_one_is_refused_before_any_ha
             async with grpc.aio.insecure_channel(addr) as ch:
                 assert await _calls(ch) == [grpc.StatusCode.UNAUTHENTICATED] * 2
                 # Health says only SERVING or not, and probes carry no token.
-                resp = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+                resp = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=30)
                 assert resp.status == health_pb2.HealthCheckResponse.SERVING
             async with SecurityConfig(auth_token_file=str(wrong)).aio_channel(addr) as ch:
                 assert await _calls(ch) == [grpc.StatusCode.UNAUTHENTICATED] * 2
@@ -140,7 +140,7 @@ def test_the_transfer_port_serves_only_authenticated_consumers(mode, transport, 
     t = torch.arange(64 * 128, dtype=torch.float32).reshape(64, 128).to(torch.bfloat16)
     try:
         producer.store.put("item", t)
-        stranger = Consumer(transports=(transport,), timeout_s=5)
+        stranger = Consumer(transports=(transport,), timeout_s=30)
         try:
             transfer, got = stranger.get(producer.endpoint, "item", t.numel() * 2)
             assert transfer.state is TransferState.FAILED and got is None
@@ -163,10 +163,10 @@ def test_stats_on_the_transfer_port_needs_the_token(token):
     producer = Producer(security=SecurityConfig(auth_token_file=token))
     try:
         with grpc.insecure_channel(producer.endpoint) as ch, pytest.raises(grpc.RpcError) as e:
-            transfer_pb2_grpc.TransferServiceStub(ch).Stats(transfer_pb2.StatsRequest(), timeout=5)
+            transfer_pb2_grpc.TransferServiceStub(ch).Stats(transfer_pb2.StatsRequest(), timeout=30)
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
         with SecurityConfig(auth_token_file=token).channel(producer.endpoint) as ch:  # raises if refused
-            transfer_pb2_grpc.TransferServiceStub(ch).Stats(transfer_pb2.StatsRequest(), timeout=5)
+            transfer_pb2_grpc.TransferServiceStub(ch).Stats(transfer_pb2.StatsRequest(), timeout=30)
     finally:
         producer.close()
 

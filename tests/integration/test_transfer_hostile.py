@@ -10,6 +10,7 @@ import random
 import signal
 import subprocess
 import sys
+import time
 
 import grpc
 import pytest
@@ -25,6 +26,15 @@ from tests.integration.hostile_peer import RawStream, lane_select
 pytestmark = pytest.mark.integration
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+async def _until(predicate, timeout: float = 30.0) -> None:
+    """Polls ``predicate`` on the test's loop until it holds (the producer's own thread moves on
+    meanwhile); fails after ``timeout``, which only bounds a hang."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"not within {timeout}s"
+        await asyncio.sleep(0.01)
 
 
 def _sessions(producer: Producer):
@@ -101,10 +111,7 @@ def test_sessions_beyond_max_sessions_are_refused_with_resource_exhausted_until_
             await RawStream.open(producer.endpoint)
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         await first.close()
-        for _ in range(500):
-            if producer.servicer.open_sessions < 2:
-                break
-            await asyncio.sleep(0.01)
+        await _until(lambda: producer.servicer.open_sessions < 2)
         third = await RawStream.open(producer.endpoint)  # a slot is free again
         assert third.selected.transport == transfer_pb2.GRPC_CHUNKS
         await third.close()
@@ -168,10 +175,7 @@ def test_lane_a_secret_opens_one_connection_of_its_own_stream_and_none_after_it_
         writer.close()
         assert again is None  # single use
         await b.close()  # b's stream ended before its secret was used
-        for _ in range(500):
-            if producer.servicer.open_sessions <= 2:  # a's stream and a's lane
-                break
-            await asyncio.sleep(0.01)
+        await _until(lambda: producer.servicer.open_sessions <= 2)  # a's stream and a's lane
         late, writer = await lane_select(address, transfer_pb2.SHM, secret_b)
         writer.close()
         assert late is None  # forgotten with its stream
@@ -227,7 +231,8 @@ def test_a_stream_that_never_reads_queues_at_most_its_byte_budget_then_gives_the
             producer.store.put("big", torch.zeros(16 << 20, dtype=torch.uint8))
             await stream.reserve("big")  # and never read
             most = 0
-            for _ in range(100):
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
                 for s in _sessions(producer):
                     most = max(most, s.out.queued_bytes)
                 if not producer.store.contains("big"):  # given up, then its lease expired
@@ -250,7 +255,7 @@ def test_a_peer_that_stops_answering_is_dropped_by_keepalive():
                             cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
         assert peer.stdout.readline().strip() == "READY"
-        assert steps_until(lambda: producer.servicer.open_sessions == 1, 5)
+        assert steps_until(lambda: producer.servicer.open_sessions == 1)
         os.kill(peer.pid, signal.SIGSTOP)  # its TCP connection stays open; its HTTP/2 pings go unanswered
         assert steps_until(lambda: producer.servicer.open_sessions == 0, 30)
     finally:

@@ -194,7 +194,7 @@ def test_a_full_queue_is_refused_at_once_with_429():
         start = time.monotonic()
         with pytest.raises(AdmissionRefused) as e:
             await adm.admit(False)
-        assert time.monotonic() - start < 0.1
+        assert time.monotonic() - start < 2.5  # at once, not after wait_s (5 s)
         assert e.value.status == 429 and e.value.retry_after_s >= 1 and "capacity" in e.value.message
         assert len(adm._waiting) == 2 and adm.in_flight == 1
         await cancel_all(*waiters)
@@ -226,7 +226,7 @@ def test_a_wait_past_wait_s_is_refused_with_503_and_leaves_the_queue():
         with pytest.raises(AdmissionRefused) as e:
             await adm.admit(False)
         waited = time.monotonic() - start
-        assert 0.15 <= waited < 0.6
+        assert 0.15 <= waited < 3.0  # after wait_s; the upper bound is loose (a busy host is late)
         assert e.value.status == 503 and e.value.retry_after_s >= 1 and "0.2s" in e.value.message
         assert (adm.in_flight, len(adm._waiting)) == (1, 0)
         held.release()
@@ -238,7 +238,9 @@ def test_a_wait_past_wait_s_is_refused_with_503_and_leaves_the_queue():
 def test_a_refused_head_of_queue_lets_the_waiter_behind_it_in():
     """The encoder waiter at the head times out; the text waiter behind it, which fits, goes in."""
     async def go():
-        adm, _ = make(lm_slots=4, encoder_slots=1, wait_s=0.2)
+        # wait_s: the head must still wait when `behind` is checked, however busy the host (with 0.2 s a
+        # stall there had the head refused first and `behind` admitted at once).
+        adm, _ = make(lm_slots=4, encoder_slots=1, wait_s=2.0)
         enc = await admit_now(adm, encoder=True)
         head = await queued(adm, encoder=True)
         await asyncio.sleep(0.05)
@@ -266,8 +268,8 @@ def test_a_waiter_is_admitted_when_an_lm_becomes_healthy_without_any_release():
         waiter = await queued(adm)
         healthy["lm"] = 2  # an LM was admitted: capacity 2, re-checked within a second
         start = time.monotonic()
-        ticket = await asyncio.wait_for(waiter, 1.5)
-        assert time.monotonic() - start < 1.3
+        ticket = await asyncio.wait_for(waiter, 10)
+        assert time.monotonic() - start < 3.0  # at the next re-check (each second), well before wait_s (5 s)
         assert adm.in_flight == 2 and not adm._waiting
         for t in (held, ticket):
             t.release()

@@ -85,6 +85,11 @@ def test_at_most_n_jobs_run_at_once():
         with lock:
             now[0] += 1
             peak[0] = max(peak[0], now[0])
+        # Hold the slot until a second job runs beside it (a busy host may start the second thread later
+        # than a fixed sleep lasts), then a little longer, room for a third were it allowed.
+        deadline = time.monotonic() + 10
+        while peak[0] < 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
         time.sleep(0.05)
         with lock:
             now[0] -= 1

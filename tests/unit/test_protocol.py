@@ -199,6 +199,6 @@ def test_hold_makes_a_check_and_the_work_on_it_atomic():
         t.start()
         assert not taken.wait(0.2)  # blocked while the demote runs
         assert item.state is S.LANDED
-    t.join(5)
+    t.join(30)
     assert taken.is_set() and item.state is S.LOADING
     assert not item.try_advance(S.LOST)  # once taken, the client cannot mark it lost
