@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from ectransfer.shm import cleanup_orphans
 from peerauth import SecurityConfig, is_loopback
@@ -167,6 +168,24 @@ def http_ok(url: str, timeout: float = 1.0) -> bool:
             return r.status == 200
     except OSError:
         return False
+
+
+def gateway_admitted(url: str, encoders: list[str], lms: list[str], timeout: float = 2.0) -> bool:
+    """True once the gateway at ``url`` (its HTTP root) is ready and has admitted every one of these
+    encoder and LM addresses (its ``epd_gateway_instance_healthy`` gauge). The gateway is ready (/health
+    200) with one LM admitted; the others join at a later health round (their first check can time out
+    on a loaded host), and a request sent before goes around them (an image is encoded on the LM)."""
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=timeout) as r:
+            text = r.read().decode()
+    except OSError:
+        return False
+    admitted = set()
+    for family in text_string_to_metric_families(text):
+        if family.name == "epd_gateway_instance_healthy":
+            admitted |= {(s.labels.get("role"), s.labels.get("instance")) for s in family.samples if s.value == 1}
+    want = {("encoder", a) for a in encoders} | {("lm", a) for a in lms}
+    return want <= admitted and http_ok(url + "/health", timeout)
 
 
 def split_cores(within: str = "") -> tuple[str, str]:
@@ -367,7 +386,9 @@ class Deployment:
                 engines[svc] = functools.partial(grpc_serving, svc.address, security=self.client_security)
             self._wait(engines, t0, timeout)
             self.gateway.start(env)
-            self._wait({self.gateway: lambda: http_ok(self.url + "/health")}, t0, timeout)
+            # Ready once the gateway has admitted every encoder and LM started here, not only the first LM.
+            self._wait({self.gateway: lambda: gateway_admitted(self.url, [e.address for e in self.encoders],
+                                                               [lm.address for lm in self.lms])}, t0, timeout)
         except BaseException:
             self.stop()
             raise

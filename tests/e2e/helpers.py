@@ -51,7 +51,7 @@ def text_chat(text: str, max_tokens: int = 12) -> dict:
             "return_token_ids": True}
 
 
-def post(url: str, body: bytes | dict, timeout: float = 60) -> tuple[int, dict]:
+def post(url: str, body: bytes | dict, timeout: float = 120) -> tuple[int, dict]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
     try:
@@ -64,7 +64,7 @@ def post(url: str, body: bytes | dict, timeout: float = 60) -> tuple[int, dict]:
 def metric(port: int, name: str, **labels: str) -> float:
     """Sum of the samples of ``name`` on a Prometheus endpoint whose labels
     include ``labels`` (all label sets when none are given)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
         text = r.read().decode()
     total = 0.0
     for line in text.splitlines():
@@ -74,7 +74,7 @@ def metric(port: int, name: str, **labels: str) -> float:
     return total
 
 
-def settled(read, want, timeout: float = 10.0):
+def settled(read, want, timeout: float = 30.0):
     """``read()`` once it equals ``want``, or its last value after ``timeout``
     (assert on it). For counters that trail an answer: the LM can answer
     before the encoder's Encode handler has resumed to count its work."""
@@ -84,14 +84,34 @@ def settled(read, want, timeout: float = 10.0):
     return value
 
 
+def encodes_done(dep, timeout: float = 60.0) -> None:
+    """Returns once ``dep``'s gateway has no Encode call in flight. An encoder counts an Encode's work
+    (``epd_encoder_vision_runs_total``, ``epd_encoder_requests_total``) before its last events, which
+    can reach the gateway after the LM answered: read an encoder counter's baseline after this, or a
+    previous request's count may land between the baseline and the check."""
+    settled(lambda: metric(dep.gateway_metrics, "epd_gateway_instance_outstanding", role="encoder"), 0.0, timeout)
+
+
+def wait_admitted(port: int, encoders: list[str], lms: list[str], timeout: float = 120.0) -> None:
+    """Waits until the gateway whose HTTP port is ``port`` has admitted each of these encoder and LM
+    addresses, as ``Deployment.start`` does for its own gateway (``services.up.gateway_admitted``): for a
+    gateway a test starts itself, whose /health is 200 once one LM is admitted."""
+    from services.up import gateway_admitted
+
+    deadline = time.monotonic() + timeout
+    while not gateway_admitted(f"http://127.0.0.1:{port}", encoders, lms):
+        assert time.monotonic() < deadline, f"gateway on port {port} has not admitted {encoders + lms} in {timeout:.0f}s"
+        time.sleep(0.1)
+
+
 def producer_stats(dep) -> dict[str, float]:
     """Live outbound-pool numbers of a deployment's encoder (TransferService.Stats)."""
     from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
 
     with dep.client_security.channel(dep.encoder_addr) as ch:
-        info = encoder_pb2_grpc.EncoderServiceStub(ch).GetInfo(encoder_pb2.GetInfoRequest(), timeout=5)
+        info = encoder_pb2_grpc.EncoderServiceStub(ch).GetInfo(encoder_pb2.GetInfoRequest(), timeout=30)
     with dep.client_security.channel(info.transfer_endpoint) as ch:
-        return dict(transfer_pb2_grpc.TransferServiceStub(ch).Stats(transfer_pb2.StatsRequest(), timeout=5).values)
+        return dict(transfer_pb2_grpc.TransferServiceStub(ch).Stats(transfer_pb2.StatsRequest(), timeout=30).values)
 
 
 PERTURB_HOOK_DIR = os.path.join(os.path.dirname(__file__), "perturb")

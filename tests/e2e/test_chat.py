@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tests.e2e.conftest import REFERENCE_REQUESTS
-from tests.e2e.helpers import metric, settled
+from tests.e2e.helpers import encodes_done, metric, settled
 
 pytestmark = pytest.mark.e2e
 
@@ -25,6 +25,7 @@ def _create(client, name: str, **kw):
 
 
 def test_image_chat_matches_plain_vllm_and_encodes_once_remotely(client, deployment, reference):
+    encodes_done(deployment)  # an earlier request's encoder counts have landed: the baselines are final
     enc_runs = metric(deployment.encoder_metrics, "epd_encoder_vision_runs_total")
     lm_runs = metric(deployment.lm_metrics, "epd_lm_local_encoder_runs_total")
     transferred = metric(deployment.lm_metrics, "epd_lm_transferred_items_total")
@@ -60,6 +61,7 @@ def test_streaming_and_non_streaming_return_the_same_text(client, reference):
 
 
 def test_text_only_request_never_reaches_the_encoder(client, deployment, reference):
+    encodes_done(deployment)  # the previous test's Encode is counted before the baseline, not after it
     before = metric(deployment.encoder_metrics, "epd_encoder_requests_total")
     resp = _create(client, "text")
     assert resp.choices[0].model_extra["token_ids"] == reference["text"]

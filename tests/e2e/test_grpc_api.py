@@ -153,10 +153,10 @@ def test_health_on_every_service_and_no_reflection_unless_asked(deployment, whic
     secure = which != "gateway_grpc"
     with (deployment.client_security.channel if secure else grpc.insecure_channel)(getattr(deployment, which)) as ch:
         for name in ("", service):
-            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=name), timeout=5)
+            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=name), timeout=30)
             assert resp.status == health_pb2.HealthCheckResponse.SERVING
         stub = reflection_pb2_grpc.ServerReflectionStub(ch)
         with pytest.raises(grpc.RpcError) as e:
             list(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
-                                           timeout=5))
+                                           timeout=30))
         assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED

@@ -395,8 +395,9 @@ def test_streams_match_vllm_serve_event_by_event(servers, path, body):
         _anthropic_image(IMG_A), {"type": "text", "text": "Count me"}]}]}),
 ], ids=["tokenize text", "tokenize chat with images", "tokenize token strs", "detokenize", "count_tokens"])
 def test_token_endpoints_match_vllm_serve(servers, deployment, path, body):
-    from tests.e2e.helpers import metric
+    from tests.e2e.helpers import encodes_done, metric
 
+    encodes_done(deployment)  # an earlier test's vision run is counted before the baseline, not after it
     runs = metric(deployment.encoder_metrics, "epd_encoder_vision_runs_total")
     local = _local_runs(deployment)
     got = _both(servers, path, body)

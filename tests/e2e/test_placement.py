@@ -18,7 +18,7 @@ import pytest
 
 from services.up import Service, free_port, http_ok, wait_ready
 from tests.e2e.conftest import REFERENCE_REQUESTS
-from tests.e2e.helpers import image_chat, post
+from tests.e2e.helpers import image_chat, post, wait_admitted
 
 pytestmark = pytest.mark.e2e
 
@@ -31,7 +31,14 @@ def _gateway(deployment, name: str, *args: str, encoders: bool = True):
                   os.path.join(deployment.log_dir, f"gateway-{name}.log"))
     svc.start(dict(os.environ, PYTHONUNBUFFERED="1"))
     url = f"http://127.0.0.1:{port}"
-    wait_ready({svc: lambda: http_ok(url + "/health")}, time.monotonic() + 120, poll_s=0.3)
+    try:
+        wait_ready({svc: lambda: http_ok(url + "/health")}, time.monotonic() + 120, poll_s=0.3)
+        # Ready is the LM admitted; the encoder may come a health round later (an image sent before
+        # would be encoded on the LM: "auto" would not choose the encoder).
+        wait_admitted(port, [deployment.encoder_addr] if encoders else [], [deployment.lm_addr])
+    except BaseException:
+        svc.stop()
+        raise
     return svc, url
 
 
@@ -87,7 +94,7 @@ def test_past_capacity_every_request_is_answered_or_refused_at_admission(deploym
         for status, out, elapsed in results:
             if status == 429:
                 assert out["error"]["type"] == "rate_limit_error" and "capacity" in out["error"]["message"]
-                assert elapsed < 5  # refused at once, not after a wait
+                assert elapsed < 20  # refused at once, not after a wait (--admission-wait-s, 60 s)
             else:
                 assert len(out["choices"][0]["token_ids"]) == 24
     finally:

@@ -47,7 +47,7 @@ def post(url: str, timeout: str = "120") -> dict:
 
 def get(url: str) -> dict:
     try:
-        with urllib.request.urlopen(url, timeout=10) as r:
+        with urllib.request.urlopen(url, timeout=30) as r:
             return {"status": r.status, "text": r.read().decode(errors="replace")}
     except urllib.error.HTTPError as e:
         return {"status": e.code, "text": e.read().decode(errors="replace")}
@@ -74,9 +74,9 @@ def stats(encoder_addr: str) -> dict:
 
     sec = _security()
     with sec.channel(encoder_addr) as ch:
-        info = encoder_pb2_grpc.EncoderServiceStub(ch).GetInfo(encoder_pb2.GetInfoRequest(), timeout=5)
+        info = encoder_pb2_grpc.EncoderServiceStub(ch).GetInfo(encoder_pb2.GetInfoRequest(), timeout=30)
     with sec.channel(info.transfer_endpoint) as ch:
-        values = transfer_pb2_grpc.TransferServiceStub(ch).Stats(transfer_pb2.StatsRequest(), timeout=5).values
+        values = transfer_pb2_grpc.TransferServiceStub(ch).Stats(transfer_pb2.StatsRequest(), timeout=30).values
     return {"values": dict(values), "transfer_endpoint": info.transfer_endpoint}
 
 

@@ -78,7 +78,7 @@ class Client:
 
     def stats(self, encoder_addr: str) -> dict[str, float]:
         """The encoder's live Transfer ``Stats`` (outbound pool and reservations)."""
-        out = self._run("stats", encoder_addr, timeout=60)
+        out = self._run("stats", encoder_addr, timeout=120)
         if "error" in out:
             raise RuntimeError(f"Stats of {encoder_addr}: {out['error']}")
         return out["values"]

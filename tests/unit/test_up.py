@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import random
 import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from services.up import _ephemeral_low, free_port, up_lms
+from services.up import _ephemeral_low, free_port, gateway_admitted, up_lms
 
 
 def test_free_ports_are_distinct_bindable_and_outside_the_ephemeral_range():
@@ -43,3 +45,39 @@ def test_epd_ups_lms_beside_prefill_and_decode_lms(prefills, decodes, lms, want)
 def test_a_set_of_lms_that_cannot_serve_is_refused(prefills, decodes, lms):
     with pytest.raises(ValueError):
         up_lms(prefills, decodes, lms)
+
+
+def test_a_gateway_counts_as_started_once_every_instance_is_admitted_not_only_its_first_lm():
+    """``Deployment.start``'s readiness: /health 200 (one LM) is not enough while an encoder or another LM
+    waits for a later health round (the gauge reads 0 until a check admits it)."""
+    state = {"enc": 0, "lm2": 0}
+
+    class Gateway(BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = "" if self.path == "/health" else (
+                '# TYPE epd_gateway_instance_healthy gauge\n'
+                f'epd_gateway_instance_healthy{{instance="e:1",role="encoder"}} {state["enc"]}.0\n'
+                'epd_gateway_instance_healthy{instance="l:1",role="lm"} 1.0\n'
+                f'epd_gateway_instance_healthy{{instance="l:2",role="lm"}} {state["lm2"]}.0\n')
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body.encode())
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Gateway)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        assert gateway_admitted(url, [], ["l:1"])
+        assert not gateway_admitted(url, ["e:1"], ["l:1", "l:2"])
+        state["enc"] = 1
+        assert not gateway_admitted(url, ["e:1"], ["l:1", "l:2"])
+        state["lm2"] = 1
+        assert gateway_admitted(url, ["e:1"], ["l:1", "l:2"])
+        assert not gateway_admitted(url, ["l:2"], [])  # the role counts too
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert not gateway_admitted(url, [], ["l:1"])  # nothing listens: not started
