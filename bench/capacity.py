@@ -43,6 +43,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from machine import machine_info
 from serving import SYSTEMS, VLLM_ENV, parse_cores, stage_means, start_system
 
+from services.common.spawn import child_env
+
 RUNNER = """
 import argparse, sys
 from vllm.benchmarks.serve import add_cli_args, main
@@ -111,7 +113,7 @@ def run_rate(args, url: str, served: str, rate: float, workdir: str, index: int,
         long_every = args.long_every if args.workload == "long-short" else 0
         _mixed_dataset(dataset, args.num_prompts, args.image_every, args.image_size, offset=index,
                        long_every=long_every, long_words=args.long_words)
-    env = dict(os.environ, **VLLM_ENV)
+    env = child_env(VLLM_ENV)
     cpu0 = system.cpu_seconds() if system is not None else {}
     client0 = resource.getrusage(resource.RUSAGE_CHILDREN)  # the load generator: the one child waited for
     stages0 = _stage_totals(system)

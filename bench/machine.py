@@ -34,7 +34,8 @@ def machine_info() -> dict:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     try:
         def git(*a: str) -> str:
-            return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout
+            return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, timeout=10,
+                                  env=dict(os.environ)).stdout  # explicit: services/common/spawn.py
 
         info["git_commit"] = git("rev-parse", "HEAD").strip()
         dirty = git("status", "--porcelain", "--", "ectransfer", "services", "protos", "bench")

@@ -53,6 +53,7 @@ from machine import machine_info, pct
 from ectransfer.loopback import Consumer, Producer
 from ectransfer.protocol import TransferState
 from peerauth import SecurityConfig
+from services.common.spawn import child_env
 
 # (rows, width) bf16 embeddings: 64 KiB ... 256 MiB
 SHAPES_QUICK = [(32, 1024), (512, 1024), (1024, 2048), (2048, 4096), (4096, 8192)]
@@ -86,7 +87,7 @@ class ProducerPeer:
             [*wrap, sys.executable, os.path.abspath(__file__), "--producer-peer", "--transports", transports,
              "--pool-bytes", str(pool_bytes), "--chunk-nbytes", str(chunk_nbytes), "--peer-bind", bind]
             + ([] if lane else ["--no-lane"]),
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1, env=child_env())
         self.endpoint = self._reply()
 
     def _reply(self) -> str:
@@ -444,7 +445,7 @@ def run_in_hosts() -> int:
         consumer, producer = net.add_host("consumer"), net.add_host("producer")
         argv = [sys.executable, os.path.abspath(__file__), *(a for a in sys.argv[1:] if a != "--hosts"),
                 "--peer-wrap", json.dumps(producer.wrap([])), "--peer-bind", producer.ip]
-        return subprocess.run(consumer.wrap_net(argv), cwd=os.getcwd(), check=False).returncode
+        return subprocess.run(consumer.wrap_net(argv), cwd=os.getcwd(), check=False, env=child_env()).returncode
     finally:
         net.close()
         signal.signal(signal.SIGTERM, previous)

@@ -31,6 +31,7 @@ from ectransfer.shm import cleanup_orphans
 from peerauth import SecurityConfig, is_loopback
 from services.certs import make_certs, make_token
 from services.common.engine import EngineConfig, configure_process_env, is_encoder_decoder
+from services.common.spawn import child_env
 
 _rng = random.Random()  # its own generator: a test that seeds ``random`` must not make ports repeat
 _handed_out: set[int] = set()
@@ -106,9 +107,10 @@ class Service:
         return self.command or [sys.executable, "-m", "services.cli", *self.args]
 
     def start(self, env: dict[str, str] | None = None) -> Service:
+        """``env``: the child's whole environment (None: a copy of this process's)."""
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True)  # env None: this process's environment
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
+                                         env=child_env() if env is None else env, start_new_session=True)
         return self
 
     def alive(self) -> bool:
@@ -376,7 +378,7 @@ class Deployment:
             print(msg, end=end, flush=True)
 
     def start(self, timeout: float = 300.0) -> Deployment:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        env = child_env({"PYTHONUNBUFFERED": "1", **self.env})
         self._say(f"epd up: model {self.model}; logs in {self.log_dir}")
         t0 = time.monotonic()
         try:

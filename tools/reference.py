@@ -25,6 +25,7 @@ import subprocess
 import sys
 
 from services.common.engine import EngineConfig, configure_process_env, engine_kwargs
+from services.common.spawn import child_env
 
 
 def run(model: str, requests: list[dict], with_prompts: bool = False) -> list:
@@ -57,7 +58,8 @@ def run(model: str, requests: list[dict], with_prompts: bool = False) -> list:
 def run_subprocess(model: str, requests: list[dict], timeout: float = 600, with_prompts: bool = False) -> list:
     """Runs ``run`` in a fresh interpreter and returns its result."""
     argv = [sys.executable, "-m", "tools.reference", "--model", model, *(["--with-prompts"] if with_prompts else [])]
-    proc = subprocess.run(argv, input=json.dumps(requests), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(argv, input=json.dumps(requests), capture_output=True, text=True, timeout=timeout,
+                          env=child_env())  # often called from a worker thread: services/common/spawn.py
     if proc.returncode != 0:
         raise RuntimeError(f"reference run failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -76,7 +76,7 @@ def _installed_version(site: pathlib.Path) -> str | None:
 def _import_ok() -> bool:
     """``import torchvision`` in a fresh interpreter (this one may have cached a failure)."""
     probe = "import torchvision, torchvision.transforms.v2.functional"
-    return subprocess.run([sys.executable, "-c", probe], capture_output=True).returncode == 0
+    return subprocess.run([sys.executable, "-c", probe], capture_output=True, env=dict(os.environ)).returncode == 0
 
 
 def install(site: pathlib.Path | None = None) -> str:
@@ -99,7 +99,7 @@ def install(site: pathlib.Path | None = None) -> str:
         subprocess.run(
             [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile",
              "--target", str(stage), f"torchvision=={want}"],
-            check=True,
+            check=True, env=dict(os.environ),  # explicit: services/common/spawn.py
         )
         meta = stage / "torchvision" / "_meta_registrations.py"
         meta.write_text(patch_source(meta.read_text(encoding="utf-8")), encoding="utf-8")

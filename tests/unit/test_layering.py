@@ -92,3 +92,20 @@ def test_the_command_and_the_gateway_load_neither_torch_nor_vllm():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout
+
+
+SPAWNERS = {"run", "Popen", "call", "check_call", "check_output"}
+
+
+def test_every_product_spawn_passes_an_explicit_environment():
+    """``env=None`` lets a vfork'ed child exec with the global ``environ`` another thread may be
+    reallocating (EFAULT; services/common/spawn.py): every process the project starts gets a copy."""
+    offenders = []
+    for folder in ("services", "ectransfer", "peerauth", "tools", "bench"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                        and isinstance(node.func.value, ast.Name) and node.func.value.id == "subprocess"
+                        and node.func.attr in SPAWNERS and not any(k.arg == "env" for k in node.keywords)):
+                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not offenders, f"spawned without env= (use services.common.spawn.child_env): {offenders}"
