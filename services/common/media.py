@@ -344,6 +344,11 @@ class ByteBudget:
                 return False
             raise
 
+    def force(self, nbytes: int) -> None:
+        """Takes ``nbytes`` at once, even past ``capacity`` (memory already held that must be counted);
+        waiters get room again once enough is released."""
+        self.used += nbytes
+
     def release(self, nbytes: int) -> None:
         self.used -= nbytes
         self._grant()

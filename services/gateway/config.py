@@ -110,6 +110,16 @@ class GatewayConfig:
     body_min_rate_kib: float = 64.0
     """After its first 2 s, a request body must arrive at least this fast (KiB per second), or it is cut off
     (408): a slow drip holds its share of --body-memory-mib for seconds, not --body-timeout-s."""
+    answer_timeout_s: float = 15.0
+    """A client must take each part of its answer (a streamed event, or a whole answer) within this plus the
+    time the part's size takes at --answer-min-rate-kib; a client that reads slower is cut off, and its
+    place, its body's budget and the LM's work are released at once."""
+    answer_min_rate_kib: float = 64.0
+    """The slowest a client may read its answer, KiB per second (with --answer-timeout-s)."""
+    idle_timeout_s: float = 15.0
+    """An HTTP connection must send a request's complete headers within this of opening, or of the end of its
+    previous answer (keep-alive); otherwise it is closed. vllm serve's uvicorn closes idle keep-alive
+    connections after 5 s."""
     fetch_allow_networks: str = ""
     """Comma-separated CIDRs that image URLs may resolve to even though they are loopback, private,
     link-local or otherwise non-public (refused by default: SSRF guard), e.g. 10.1.0.0/16."""
@@ -133,6 +143,8 @@ class GatewayConfig:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         if self.max_body_readers < 1 or self.body_timeout_s <= 0 or self.body_min_rate_kib < 0:
             raise ValueError("max_body_readers must be >= 1, body_timeout_s > 0 and body_min_rate_kib >= 0")
+        if self.answer_timeout_s <= 0 or self.answer_min_rate_kib <= 0 or self.idle_timeout_s <= 0:
+            raise ValueError("answer_timeout_s, answer_min_rate_kib and idle_timeout_s must be > 0")
         if self.body_memory_mib * (1 << 20) < BODY_COPIES * self.max_body_bytes:
             raise ValueError(f"body_memory_mib ({self.body_memory_mib:g}) must hold {BODY_COPIES} copies of the largest "
                              f"body ({self.max_body_bytes >> 20} MiB, from --max-image-bytes, --max-audio-bytes and "

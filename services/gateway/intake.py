@@ -8,14 +8,15 @@ how long one may take, on both public ports. Anyone who can reach the gateway ge
   (503, Retry-After: 1).
 - A body must arrive within ``--body-timeout-s``, and after a grace of ``RATE_GRACE_S`` at no
   less than ``--body-min-rate-kib`` per second (a slow drip is cut off within seconds: 408).
-- Every request holds ``BODY_COPIES`` times its body's size from one budget, ``--body-memory-mib``
-  (the text, what is parsed from it, the media decoded from that), plus twice the bytes of any
-  media it fetched (``charge_fetched``), from its first byte until its answer ends, so what all
-  requests hold is bounded, read, parsed, waiting for admission or in flight. A body with a
-  Content-Length takes its whole share before it is read (admitted whole or refused at once, so
-  partly read bodies never wait on each other); a chunked one takes it chunk by chunk. Room that
-  is not there within ``WAIT_S`` is a 503. The budget is not first-come-first-served: a small body
-  never waits behind a large one.
+- The budget, ``--body-memory-mib``, is charged for bytes a client delivered, never for a length it
+  declared: a body being read holds what has arrived (once per byte, chunk by chunk); once it is all
+  there it holds ``BODY_COPIES`` times its size (the text, what is parsed from it, the media decoded
+  from that), plus twice the bytes of any media it fetched (``charge_fetched``), until its answer
+  ends; a non-streaming answer's bytes are added while they wait to be sent (``BodyLease.hold``).
+  So what all requests hold is bounded, read, parsed, waiting for admission or in flight, and a
+  client that declares 64 MiB and drips holds only what it dripped (and the minimum rate below
+  cuts it off). Room that is not there within ``WAIT_S`` is a 503. The budget is not
+  first-come-first-served: a small body never waits behind a large one.
 
 REST reads the body itself (aiohttp pauses the socket while a handler is not reading, so an
 unread body holds at most its buffer). The native gRPC API's calls go through ``GrpcIntake``, a
@@ -103,6 +104,15 @@ class BodyLease:
         else:
             await self.grow(nbytes - self.nbytes)
 
+    def hold(self, nbytes: int) -> None:
+        """Charges ``nbytes`` now, even past the budget's capacity: bytes the gateway already holds (an
+        answer waiting to be sent) must be counted, not refused; requests that come next wait or are
+        refused until they are gone."""
+        if nbytes > 0:
+            self._budget.force(nbytes)
+            self.nbytes += nbytes
+            HELD.inc(nbytes)
+
     def release(self) -> None:
         if self.nbytes:
             self._budget.release(self.nbytes)
@@ -161,8 +171,6 @@ class Intake:
         self.start_reading()
         lease, buf = BodyLease(self.budget), bytearray()
         try:
-            if declared is not None:
-                await lease.grow(BODY_COPIES * declared)  # the whole share up front
             start = time.monotonic()
             while True:
                 try:
@@ -179,8 +187,7 @@ class Intake:
                 if chunk:
                     if len(buf) + len(chunk) > (declared if declared is not None else self.max_body):
                         raise self._too_large(len(buf) + len(chunk))
-                    if declared is None:
-                        await lease.grow(BODY_COPIES * len(chunk))
+                    await lease.grow(len(chunk))  # what arrived, once: the buffer holds it
                     buf += chunk
                     if request.content.at_eof():
                         break
@@ -188,6 +195,7 @@ class Intake:
                 if elapsed > self.cfg.body_timeout_s or (elapsed > RATE_GRACE_S and
                                                          len(buf) < self.min_rate * (elapsed - RATE_GRACE_S)):
                     raise self._too_slow(len(buf), elapsed)
+            await lease.resize(BODY_COPIES * len(buf))  # all there: parsing and decoding make the copies
         except BaseException:
             lease.release()
             raise

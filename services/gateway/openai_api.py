@@ -38,6 +38,11 @@ logger = logging.getLogger(__name__)
 REQUEST_ID_KEY = "epd_request_id"
 ARRIVAL_KEY = "epd_arrival"
 
+
+class SlowReader(ConnectionResetError):
+    """The client did not take a part of its answer within ``--answer-timeout-s`` (plus the part's size at
+    ``--answer-min-rate-kib``): its connection is closed, and the request ends as if it had gone away."""
+
 def error_response(e: ApiError, headers: dict[str, str] | None = None, anthropic: bool = False) -> web.Response:
     if e.retry_after is not None:
         headers = {**(headers or {}), "Retry-After": e.retry_after}
@@ -120,18 +125,53 @@ class OpenAIRoutes:
             metrics.REQUESTS.labels(api, str(e.status)).inc()
             return error_response(e, headers, spec.anthropic)
         gen = admitted.generate()
+        slow = False
         try:
-            return await self._respond(request, admitted.req, admitted.call, len(admitted.media), gen,
-                                       admitted.timings)
+            response = await self._respond(request, admitted.req, admitted.call, len(admitted.media), gen,
+                                           admitted.timings)
+            if not response.prepared:  # sent here, under the deadline, while the request still holds it
+                if isinstance(response, web.Response) and response.body is not None:
+                    lease.hold(len(response.body))
+                await self._send(request, response, None)
+            return response
+        except SlowReader as e:
+            slow = True
+            metrics.SLOW_READERS.inc()
+            logger.info("request %s: %s; cancelling its LM call", admitted.req.request_id, e)
+            return web.Response(status=408)  # never sent: the connection is closed below
         except (ConnectionResetError, asyncio.CancelledError):
             logger.info("request %s: the client went away after %.0f ms; cancelling its LM call",
                         admitted.req.request_id, admitted.timings.since_start_ms())
             raise
         finally:
             # A client that went away (or any error) must cancel the LM call now,
-            # which aborts the engine request and frees what it holds.
-            await gen.aclose()
-            admitted.close()
+            # which aborts the engine request and frees what it holds; then its places go back, even if
+            # a cancel interrupts the first.
+            try:
+                await gen.aclose()
+            finally:
+                admitted.close()
+                if slow and request.transport is not None:
+                    request.transport.abort()  # what aiohttp still buffers for it goes too
+
+    async def _send(self, request: web.Request, response: web.StreamResponse, data: bytes | None) -> None:
+        """Writes ``data`` (None: prepares ``response`` if needed and ends it) within the answer deadline:
+        ``--answer-timeout-s`` plus the bytes at ``--answer-min-rate-kib``. A client that does not take
+        them in time is cut off (``SlowReader``): ``_serve`` releases what it holds, then closes its
+        connection, so aiohttp's buffer goes too."""
+        size = len(data) if data is not None else len(getattr(response, "body", None) or b"")
+        limit = self.cfg.answer_timeout_s + size / (self.cfg.answer_min_rate_kib * 1024)
+        try:
+            async with asyncio.timeout(limit):
+                if data is not None:
+                    await response.write(data)
+                else:
+                    if not response.prepared:
+                        await response.prepare(request)
+                    await response.write_eof()
+        except TimeoutError:
+            raise SlowReader(f"the client did not read {size} bytes of its answer within {limit:.1f} s "
+                             "(--answer-timeout-s, --answer-min-rate-kib)") from None
 
     async def _respond(self, request, req, call: OpenAICall, n_media: int, gen, timings) -> web.StreamResponse:
         route = call.api
@@ -173,7 +213,8 @@ class OpenAIRoutes:
             return web.Response(body=first.openai, status=200, headers={**headers, "Content-Type": content_type})
         response = web.StreamResponse(headers={"Content-Type": first.content_type or "text/event-stream; charset=utf-8",
                                                "Cache-Control": "no-cache", **headers})
-        await response.prepare(request)
+        async with asyncio.timeout(self.cfg.answer_timeout_s):
+            await response.prepare(request)
         done, last = b"", None
         try:
             resp = first
@@ -181,7 +222,7 @@ class OpenAIRoutes:
                 if resp.openai.startswith(b"data: [DONE]"):
                     done = resp.openai  # after the epd comment
                 elif resp.openai:
-                    await response.write(resp.openai)
+                    await self._send(request, response, resp.openai)
                 else:
                     last = resp
             finished(route, 200, rid, timings, n_media, engine_id=req.request_id)
@@ -190,14 +231,15 @@ class OpenAIRoutes:
             err = from_grpc(e, rid, self.cfg.epd_facts)
             finished(route, err.status, rid, timings, n_media, e.details() or "", engine_id=req.request_id)
             event = b"event: error\n" if spec.anthropic else b""
-            await response.write(event + b"data: " + json.dumps(error_body(err, spec.anthropic)).encode() + b"\n\n")
+            await self._send(request, response,
+                             event + b"data: " + json.dumps(error_body(err, spec.anthropic)).encode() + b"\n\n")
         if self.cfg.epd_facts:
-            await response.write(b": epd " + json.dumps(epd_facts(timings, last)).encode() + b"\n\n")
+            await self._send(request, response, b": epd " + json.dumps(epd_facts(timings, last)).encode() + b"\n\n")
         if spec.done:
-            await response.write(done or b"data: [DONE]\n\n")
+            await self._send(request, response, done or b"data: [DONE]\n\n")
         elif done:
-            await response.write(done)
-        await response.write_eof()
+            await self._send(request, response, done)
+        await self._send(request, response, None)
         return response
 
 

@@ -77,7 +77,10 @@ async def serve(cfg: GatewayConfig, stop: asyncio.Event | None = None, security:
         # cancels the LM call (and with it the engine request).
         # lingering_time=0: a body the gateway refused unread (413 by its Content-Length, 408, 503) is not
         # read and thrown away for 10 s (aiohttp's default); the connection closes instead.
-        runner = web.AppRunner(app, access_log=None, handler_cancellation=True, lingering_time=0)
+        # keepalive_timeout: aiohttp arms it when a connection opens and after each answer, and closes the
+        # connection if no complete request head came by then: the deadline for headers and for idling.
+        runner = web.AppRunner(app, access_log=None, handler_cancellation=True, lingering_time=0,
+                               keepalive_timeout=cfg.idle_timeout_s)
         await runner.setup()
         await web.TCPSite(runner, cfg.host, cfg.port).start()
         http_port, grpc_port = runner.addresses[0][1], 0

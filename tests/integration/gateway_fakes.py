@@ -146,7 +146,8 @@ class FakeLM(lm_pb2_grpc.LMServiceServicer):
     encoder_unavailable, encoder_unavailable_unnamed, kv_unavailable, invalid, forbidden (PERMISSION_DENIED, as an
     LM whose encoder allow-list lacks the item's encoder), bad_request:<param> (an HTTP 400 answer as
     vLLM's error body, as vLLM answers a bad sampling parameter), fail_after_first, block (until
-    cancelled), first_then_block. ``role``: what GetInfo says (a prefill LM's last message of a PREFILL
+    cancelled), first_then_block, big:<bytes> (64 parts of that many bytes of content: streamed as 64
+    events, else one answer; a cancel is recorded). ``role``: what GetInfo says (a prefill LM's last message of a PREFILL
     call carries kv_transfer_params naming it); as the real LM, a hand-off phase the role does not take is
     refused (``RoleMismatch``): set it after start to play an LM restarted with another role."""
 
@@ -206,7 +207,19 @@ class FakeLM(lm_pb2_grpc.LMServiceServicer):
                 self.cancelled.append(rid)
                 raise
         chat = request.openai.api == "chat"
-        steps = [([1, 2], "ab"), ([3], "c")]
+        if mode.startswith("big:"):
+            try:
+                async for resp in self._answer(request, body, rid, chat, [([1], "x" * int(mode[4:]))] * 64, mode):
+                    yield resp
+            except (asyncio.CancelledError, GeneratorExit):
+                self.cancelled.append(rid)
+                raise
+            return
+        async for resp in self._answer(request, body, rid, chat, None, mode):
+            yield resp
+
+    async def _answer(self, request, body: dict, rid: str, chat: bool, steps: list | None, mode: str):
+        steps = steps or [([1, 2], "ab"), ([3], "c")]
         max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or 3
         if max_tokens < 3:
             steps = [([1, 2][:max_tokens], "ab"[:max_tokens])]

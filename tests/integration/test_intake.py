@@ -284,3 +284,30 @@ def test_the_grpc_api_refuses_an_oversized_message_and_a_full_budget_without_rea
             intake.budget.release(intake.budget.capacity)
 
     asyncio.run(main())
+
+
+def test_a_declared_length_is_not_charged_only_the_bytes_that_arrived():
+    """Three clients declare the largest body and drip it: they hold what they sent, not eight times what
+    they declared (which would fill this budget twice over), and a whole body still gets through."""
+    intake = Intake(_cfg(body_timeout_s=20.0, body_min_rate_kib=0))
+    assert 3 * BODY_COPIES * intake.max_body > intake.budget.capacity
+
+    async def main():
+        async with _rest(intake) as port:
+            drips = [asyncio.ensure_future(_raw(port, _head(intake.max_body), [b"{"] * 400, delay=0.05))
+                     for _ in range(3)]
+            while intake.reading < 3:
+                await asyncio.sleep(0.01)
+            assert intake.budget.used < 1024  # a few bytes each
+            body = b"x" * (1 << 20)
+            status, rest = await _raw(port, _head(len(body)), [body])
+            assert status == 200 and json.loads(rest) == {"bytes": len(body)}
+            assert intake.reading == 3  # the drips are still being read
+            for d in drips:
+                d.cancel()
+            await asyncio.gather(*drips, return_exceptions=True)
+            while intake.reading:
+                await asyncio.sleep(0.01)
+            assert intake.budget.used == 0
+
+    asyncio.run(asyncio.wait_for(main(), 60))  # a hang guard
