@@ -72,6 +72,12 @@ class GatewayConfig:
     """Requests that may wait for admission; a request beyond it is refused at once with 429 and Retry-After."""
     admission_wait_s: float = 60.0
     """Longest wait for admission; then 503 with Retry-After. An admitted request is never refused later."""
+    lm_max_background: int = 16
+    """Background Responses requests (``"background": true``) held per generating LM: each keeps its admission
+    place until its LM reports it ended, after its "queued" answer; one more is refused (429) (0: no limit)."""
+    background_timeout_s: float = 600.0
+    """Longest a background Responses request may run: then the gateway cancels it on its LM and its place
+    goes back."""
     max_image_bytes: int = 20 << 20
     """Largest accepted encoded image (data: URL or fetched)."""
     max_image_pixels: int = MAX_IMAGE_PIXELS
@@ -129,10 +135,10 @@ class GatewayConfig:
             raise ValueError("at least one LM address is needed (--lms host:port[,host:port])")
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}")
-        if min(self.lm_max_outstanding, self.encoder_max_outstanding, self.admission_queue) < 0 \
-                or self.admission_wait_s <= 0:
-            raise ValueError("lm_max_outstanding, encoder_max_outstanding and admission_queue must be >= 0, "
-                             "admission_wait_s > 0")
+        if min(self.lm_max_outstanding, self.encoder_max_outstanding, self.admission_queue,
+               self.lm_max_background) < 0 or self.admission_wait_s <= 0 or self.background_timeout_s <= 0:
+            raise ValueError("lm_max_outstanding, encoder_max_outstanding, admission_queue and lm_max_background "
+                             "must be >= 0, admission_wait_s and background_timeout_s > 0")
         if self.dispatch not in DISPATCH_MODES:
             raise ValueError(f"dispatch must be one of {', '.join(DISPATCH_MODES)}, got {self.dispatch!r}")
         if self.max_attempts < 1:

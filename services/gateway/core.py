@@ -29,11 +29,21 @@ from epd.lm.v1 import lm_pb2
 from services.common.errors import MediaError
 from services.gateway import metrics
 from services.gateway.admission import AdmissionRefused
+from services.gateway.background import BackgroundWork
 from services.gateway.config import GatewayConfig
 from services.gateway.fetch import MediaFetcher
 from services.gateway.intake import BodyRefused
 from services.gateway.orchestrator import Media, Orchestrator, Timings
-from services.gateway.request import API, Api, ApiError, OpenAICall, engine_request_id, load_media, parse_openai
+from services.gateway.request import (
+    API,
+    RESPONSE_ID_RE,
+    Api,
+    ApiError,
+    OpenAICall,
+    engine_request_id,
+    load_media,
+    parse_openai,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -86,20 +96,25 @@ class ResponseHomes:
     """Which LM answered each Responses API response (its id), so that a later request about it
     (``GET``/cancel ``/v1/responses/{id}``, ``previous_response_id``) goes to the LM whose vLLM
     stored it (``VLLM_ENABLE_RESPONSES_API_STORE=1``: kept in memory, per LM). Bounded: the oldest
-    entries go first (their lookups then go to any LM, which answers not found)."""
+    entries go first (their lookups then go to any LM, which answers not found). Only ids the gateway
+    minted (``RESPONSE_ID_RE``, 37 bytes) are kept or looked up, so the table is bounded in bytes too."""
 
     def __init__(self, capacity: int = 65536) -> None:
         self.capacity = capacity
         self._homes: OrderedDict[str, str] = OrderedDict()
 
     def record(self, response_id: str, lm: str) -> None:
+        if not RESPONSE_ID_RE.fullmatch(response_id):
+            return
         self._homes[response_id] = lm
         self._homes.move_to_end(response_id)
         while len(self._homes) > self.capacity:
             self._homes.popitem(last=False)
 
     def get(self, response_id: str | None) -> str | None:
-        return self._homes.get(response_id) if isinstance(response_id, str) else None
+        if not isinstance(response_id, str) or not RESPONSE_ID_RE.fullmatch(response_id):
+            return None
+        return self._homes.get(response_id)
 
 
 def response_id(first: lm_pb2.GenerateResponse) -> str | None:
@@ -133,8 +148,12 @@ class Admitted:
     lease: Any = None
     pinned: str | None = None
     """The LM that must answer (it holds the stored response the request names)."""
+    background: bool = False
+    """A background Responses request: once its LM accepted it, ``close`` hands its place to ``_work``."""
     _orch: Orchestrator | None = field(default=None, repr=False)
     _homes: ResponseHomes | None = field(default=None, repr=False)
+    _work: BackgroundWork | None = field(default=None, repr=False)
+    _accepted: tuple[str, str] | None = field(default=None, repr=False)  # (response id, LM) of a background one
 
     async def generate(self):
         """The LM's messages for this request (``Orchestrator.generate``): encodes (for an API that
@@ -151,11 +170,16 @@ class Admitted:
                     rid = response_id(resp)
                     if rid and self.timings.lm:
                         self._homes.record(rid, self.timings.lm)
+                        if self.background:
+                            self._accepted = (rid, self.timings.lm)
                 first = False
                 yield resp
 
     def close(self) -> None:
-        self.ticket.release()
+        if self._accepted is not None and self._work is not None:
+            self._work.hold(*self._accepted, self.ticket)  # the LM works on: the place stays taken
+        else:
+            self.ticket.release()
         if self.lease is not None:
             self.lease.release()
         self.call.drop_payload()
@@ -168,6 +192,12 @@ class RequestCore:
         """``fetcher``: owned by ``server.serve``; without one http(s) media URLs are refused."""
         self.cfg, self.orch, self.fetcher = cfg, orch, fetcher
         self.homes = ResponseHomes()
+        self.background = BackgroundWork(orch.lms, cfg.lm_max_background, cfg.background_timeout_s,
+                                         orch.generating_lms)
+
+    async def close(self) -> None:
+        """Gives back the places background requests hold (their LMs go on with the work)."""
+        await self.background.close()
 
     async def admit(self, api: str, raw: bytes, *, client_id: str, id_given: bool, path: str = "",
                     media: list[bytes] | None = None, lease=None, arrival: float | None = None,
@@ -193,7 +223,10 @@ class RequestCore:
                 req.openai.content_type = call.content_type
             # Admission before any media is fetched: past capacity the request waits its turn or is
             # refused now (429/503 with Retry-After), never half-way through.
+            background = api == "responses" and bool(call.body.get("background"))
             try:
+                if background:
+                    self.background.check_room()
                 ticket = await self.orch.admission.admit(
                     self.orch.encodes_remotely(len(call.parts) if spec.encode else 0))
             except AdmissionRefused as e:
@@ -213,7 +246,8 @@ class RequestCore:
         named = call.body.get("previous_response_id") if api == "responses" else \
             path.rstrip("/").removesuffix("/cancel").rsplit("/", 1)[-1] if api.startswith("responses_") else None
         return Admitted(spec, call, req, loaded, Timings(start=arrival or time.perf_counter()), ticket, lease,
-                        pinned=self.homes.get(named), _orch=self.orch, _homes=self.homes)
+                        pinned=self.homes.get(named), background=background, _orch=self.orch, _homes=self.homes,
+                        _work=self.background)
 
 
 _DEPLOYMENT_FAULTS = {

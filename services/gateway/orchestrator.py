@@ -190,10 +190,10 @@ class Orchestrator:
         self._releasing: set[asyncio.Task] = set()  # RELEASE calls for hand-offs no decode LM took
         self.admission = Admission(
             cfg.lm_max_outstanding, cfg.encoder_max_outstanding if self.encoders is not None else 0,
-            cfg.admission_queue, cfg.admission_wait_s, healthy_lms=self._generating_lms,
+            cfg.admission_queue, cfg.admission_wait_s, healthy_lms=self.generating_lms,
             healthy_encoders=lambda: len(self.encoders.healthy(set())) if self.encoders is not None else 0)
 
-    def _generating_lms(self) -> int:
+    def generating_lms(self) -> int:
         """Healthy LMs that hold a request while it generates, for admission: "both" and decode LMs. A
         prefill LM holds a request for its prompt only; with no other LM healthy, prefill LMs serve whole
         requests and count."""

@@ -11,6 +11,7 @@ import base64
 import copy
 import json
 import logging
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +49,14 @@ def loads_strict(raw: bytes) -> Any:
         return json.loads(raw, parse_constant=refuse)
     except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
         raise ApiError(400, f"request body is not valid JSON: {e}") from None
+
+
+RESPONSE_ID_RE = re.compile(r"resp_[0-9a-f]{32}")
+"""The ids the gateway mints for Responses requests: 128 random bits, never a client's choice."""
+
+
+def mint_response_id() -> str:
+    return f"resp_{uuid.uuid4().hex}"
 
 
 def engine_request_id(client_id: str, prefix: str) -> str:
@@ -138,6 +147,10 @@ class OpenAICall:
     from it. As with ``vllm serve``, the client's X-Request-Id wins (``id_given``); else the body's
     own ``request_id``; else this one, made by the gateway."""
     id_given: bool = False
+    response_id: str = ""
+    """A Responses request's id, minted by the gateway (``RESPONSE_ID_RE``): vLLM names and stores the
+    response under the body's ``request_id``, so a client that chose it could take over or overwrite
+    another's stored response; a body that names one is refused (400)."""
     upload: bytes = b""
     """An ``upload`` API's body, as the client sent it (``content_type`` says how it is encoded)."""
     content_type: str = ""
@@ -168,6 +181,8 @@ class OpenAICall:
         spec = API[self.api]
         if self.request_id and spec.lm_api != "http" and (self.id_given or not body.get("request_id")):
             body["request_id"] = self.request_id
+        if self.response_id:
+            body["request_id"] = self.response_id
         items = list(req.items) if spec.encode else [None] * len(media)
         # The LM lays a prompt out from the encoders' layouts only when every item has one; else its
         # processor lays the whole prompt out and needs every item's bytes.
@@ -266,6 +281,11 @@ def parse_openai(api: str, raw: bytes, cfg: GatewayConfig, media: list[bytes] | 
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
     call = OpenAICall(api, body, body.get("stream") is True)
+    if api == "responses":
+        if "request_id" in body:
+            raise ApiError(400, "request_id: a response's id is chosen by the server (it names the stored "
+                                "response that GET, cancel and previous_response_id reach)", param="request_id")
+        call.response_id = mint_response_id()
     try:
         if spec.media == "anthropic":
             found = anthropic_media_parts(body.get("messages"))

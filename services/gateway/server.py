@@ -62,7 +62,7 @@ async def serve(cfg: GatewayConfig, stop: asyncio.Event | None = None, security:
         loop.add_signal_handler(sig, stop.set)
     orch = Orchestrator(cfg, security)
     fetcher = MediaFetcher(cfg)  # http(s) image URLs; closed below, after the listeners stop
-    runner = grpc_server = None
+    runner = grpc_server = core = None
     try:  # everything set up so far is torn down on the way out, also after a failed start
         # Resolves names, checks every instance once, then keeps checking. No peer need be up: until
         # an LM is admitted (its model learned) /health and every request answer 503.
@@ -104,5 +104,7 @@ async def serve(cfg: GatewayConfig, stop: asyncio.Event | None = None, security:
             await grpc_server.stop()
         if runner is not None:
             await runner.cleanup()
+        if core is not None:
+            await core.close()
         await fetcher.close()
         await orch.close()

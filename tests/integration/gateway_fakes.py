@@ -156,6 +156,7 @@ class FakeLM(lm_pb2_grpc.LMServiceServicer):
         self.requests: list[lm_pb2.GenerateRequest] = []
         self.releases: list[lm_pb2.GenerateRequest] = []  # RELEASE calls (kv.phase), kept apart
         self.cancelled: list[str] = []
+        self.stored: dict[str, str] = {}  # Responses API: id -> status, as vLLM's store keeps them
 
     @staticmethod
     def body(request: lm_pb2.GenerateRequest) -> dict:
@@ -174,6 +175,9 @@ class FakeLM(lm_pb2_grpc.LMServiceServicer):
         if request.kv.phase == lm_pb2.KVHandoff.RELEASE:  # as a decode LM: one empty message, no script
             self.releases.append(got)
             yield lm_pb2.GenerateResponse(request_id=request.request_id)
+            return
+        if request.openai.api == "http" and request.openai.path.startswith("/v1/responses"):
+            yield self._responses(request)
             return
         self.requests.append(got)
         rid = request.request_id
@@ -270,6 +274,29 @@ class FakeLM(lm_pb2_grpc.LMServiceServicer):
             usage=lm_pb2.Usage(prompt_tokens=usage["prompt_tokens"], completion_tokens=n_out),
             timings=lm_pb2.Timings(ttft_ms=1.0, tpot_ms=0.5),
             transferred_items=sum(1 for i in request.items if i.HasField("source")), kv_transfer_params=kv)
+
+    def _responses(self, request) -> lm_pb2.GenerateResponse:
+        """vLLM's Responses routes, as far as the gateway reads them: POST stores a response under the body's
+        ``request_id`` ("queued" in the background, else "completed"), GET answers it or 404, cancel marks it
+        cancelled. A test moves a background one along by setting ``stored[id]``."""
+        path, method = request.openai.path, request.openai.method or "POST"
+        self.world.log.append((self.name, f"{method} {path}", request.request_id))
+        if path == "/v1/responses" and method == "POST":
+            body = self.body(request)
+            rid = str(body.get("request_id") or f"resp_{uuid.uuid4().hex}")
+            self.stored[rid] = "queued" if body.get("background") else "completed"
+        else:
+            rid = path.removeprefix("/v1/responses/").removesuffix("/cancel")
+            if rid not in self.stored:
+                err = {"error": {"message": f"Response with id '{rid}' not found.", "type": "invalid_request_error",
+                                 "param": None, "code": 404}}
+                return lm_pb2.GenerateResponse(request_id=request.request_id, openai=json.dumps(err).encode(),
+                                               http_status=404, content_type="application/json")
+            if path.endswith("/cancel"):
+                self.stored[rid] = "cancelled"
+        out = {"id": rid, "object": "response", "status": self.stored[rid], "model": self.model}
+        return lm_pb2.GenerateResponse(request_id=request.request_id, openai=json.dumps(out).encode(),
+                                       http_status=200, content_type="application/json")
 
     async def _after_first(self, mode: str, rid: str) -> None:
         if mode == "fail_after_first":

@@ -147,3 +147,49 @@ def test_a_connection_that_never_finishes_its_request_head_is_closed_at_the_idle
                     writer.close()
 
     run(body)
+
+
+def test_a_background_response_holds_its_place_until_its_lm_reports_it_ended():
+    async def body(world: World, lm: FakeLM, address: str):
+        async with Gateway(lms=address, lm_max_outstanding=1, admission_queue=0) as gw:
+            await gw.poll(lambda: gw.get("/health"), lambda r: r[0] == 200, 30, "the LM admitted")
+            status, queued, _ = await gw.post("/v1/responses", {"input": "hi", "background": True})
+            assert status == 200 and queued["status"] == "queued", queued
+            # The LM works on: its place is still taken, so with one place and no queue the next is refused.
+            status, refused, headers = await gw.post("/v1/chat/completions", chat())
+            assert status == 429 and "Retry-After" in headers, refused
+            lm.stored[queued["id"]] = "completed"
+            await gw.poll(lambda: gw.post("/v1/chat/completions", chat()), lambda r: r[0] == 200, 30,
+                          "the place back once the LM reports the response completed")
+
+    run(body)
+
+
+def test_background_responses_are_capped_per_lm_and_cancelled_at_their_deadline():
+    async def body(world: World, lm: FakeLM, address: str):
+        async with Gateway(lms=address, lm_max_background=1, background_timeout_s=1.0) as gw:
+            await gw.poll(lambda: gw.get("/health"), lambda r: r[0] == 200, 30, "the LM admitted")
+            status, first, _ = await gw.post("/v1/responses", {"input": "hi", "background": True})
+            assert status == 200, first
+            status, refused, headers = await gw.post("/v1/responses", {"input": "hi", "background": True})
+            assert status == 429 and "--lm-max-background" in refused["error"]["message"]
+            assert "Retry-After" in headers
+            # Past --background-timeout-s the gateway cancels it on its LM and the place goes back.
+            await wait_until(lambda: lm.stored[first["id"]] == "cancelled", 30, "the response cancelled")
+            await gw.poll(lambda: gw.post("/v1/responses", {"input": "hi", "background": True}),
+                          lambda r: r[0] == 200, 30, "room for another background response")
+
+    run(body)
+
+
+def test_a_client_cannot_choose_a_response_id_so_cannot_overwrite_anothers_stored_response():
+    async def body(world: World, lm: FakeLM, address: str):
+        async with Gateway(lms=address) as gw:
+            await gw.poll(lambda: gw.get("/health"), lambda r: r[0] == 200, 30, "the LM admitted")
+            status, victim, _ = await gw.post("/v1/responses", {"input": "my secret"})
+            assert status == 200 and len(victim["id"]) == len("resp_") + 32, victim
+            status, refused, _ = await gw.post("/v1/responses", {"input": "not yours", "request_id": victim["id"]})
+            assert status == 400 and refused["error"]["param"] == "request_id"
+            assert [p for _, p, _ in world.log if p == "POST /v1/responses"] == ["POST /v1/responses"]
+
+    run(body)

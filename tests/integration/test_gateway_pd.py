@@ -123,11 +123,11 @@ def test_admission_counts_the_lms_that_hold_a_request_while_it_generates():
     LMs, and prefill LMs only when nothing else is left (they then serve whole requests)."""
     async def body(c: Cluster):
         orch = await c.start()
-        assert orch._generating_lms() == 2  # the decode LM and the "both" LM
+        assert orch.generating_lms() == 2  # the decode LM and the "both" LM
         by_role = {i.lm_role: i for i in orch.lms.instances.values()}
         orch.lms.eject(by_role["decode"], "test")
         orch.lms.eject(by_role["both"], "test")
-        assert orch._generating_lms() == 1  # the prefill LM, serving whole requests
+        assert orch.generating_lms() == 1  # the prefill LM, serving whole requests
 
     _run(body, both=1)
 

@@ -56,7 +56,7 @@ def test_responses_input_images_carry_their_id_and_their_bytes():
     sent = json.loads(call.lm_body(req, media))
     # The bytes go with the id: vLLM stores the input as given and renders it again for a follow-up.
     assert sent["input"][0]["content"][0] == {"type": "input_image", "image_url": data_url(PNG), "uuid": IDENT}
-    assert "request_id" not in sent  # vLLM's app names Responses by its own ids
+    assert sent["request_id"] == call.response_id  # the id the gateway minted names the stored response
 
 
 def test_a_string_responses_input_has_no_media():
@@ -121,13 +121,44 @@ def test_anthropic_errors_have_anthropics_shape():
 def test_response_homes_remember_the_newest_ids_within_their_bound():
     from services.gateway.core import ResponseHomes
 
+    a, b, c = (f"resp_{x * 32}" for x in "abc")
     homes = ResponseHomes(capacity=2)
-    homes.record("resp_a", "lm1:1")
-    homes.record("resp_b", "lm2:1")
-    homes.record("resp_a", "lm1:1")  # used again: the newest
-    homes.record("resp_c", "lm2:1")
-    assert (homes.get("resp_a"), homes.get("resp_b"), homes.get("resp_c")) == ("lm1:1", None, "lm2:1")
-    assert homes.get(None) is None and homes.get(["resp_a"]) is None  # a body's odd value: no pin
+    homes.record(a, "lm1:1")
+    homes.record(b, "lm2:1")
+    homes.record(a, "lm1:1")  # used again: the newest
+    homes.record(c, "lm2:1")
+    assert (homes.get(a), homes.get(b), homes.get(c)) == ("lm1:1", None, "lm2:1")
+    assert homes.get(None) is None and homes.get([a]) is None  # a body's odd value: no pin
+
+
+def test_response_homes_keep_only_ids_the_gateway_mints():
+    """Bounded in bytes, not only entries: an id the gateway did not mint (a client's, of any length) is
+    neither kept nor looked up."""
+    from services.gateway.core import ResponseHomes
+    from services.gateway.request import RESPONSE_ID_RE, mint_response_id
+
+    homes = ResponseHomes()
+    minted = mint_response_id()
+    assert RESPONSE_ID_RE.fullmatch(minted) and minted != mint_response_id()
+    for odd in ("resp_a", "resp_" + "a" * (1 << 20), minted.upper()):
+        homes.record(odd, "lm1:1")
+        assert homes.get(odd) is None
+    homes.record(minted, "lm1:1")
+    assert homes.get(minted) == "lm1:1" and len(homes._homes) == 1
+
+
+def test_a_responses_request_gets_an_id_the_gateway_minted_and_may_not_choose_one():
+    from epd.lm.v1 import lm_pb2
+    from services.gateway.request import RESPONSE_ID_RE
+
+    call = parse_openai("responses", b'{"input": "hi"}', CFG)
+    assert RESPONSE_ID_RE.fullmatch(call.response_id)
+    body = json.loads(call.lm_body(lm_pb2.GenerateRequest(), []))
+    assert body["request_id"] == call.response_id  # vLLM names and stores the response by it
+    with pytest.raises(ApiError) as e:
+        parse_openai("responses", b'{"input": "hi", "request_id": "resp_victim"}', CFG)
+    assert e.value.status == 400 and e.value.param == "request_id"
+    assert parse_openai("chat", b'{"messages": [], "request_id": "mine"}', CFG).response_id == ""
 
 
 def test_a_responses_answers_id_is_read_from_its_body_or_its_first_event():
@@ -164,8 +195,14 @@ def test_requests_about_a_stored_response_are_pinned_to_its_lm():
                         pass
                 return _T()
 
+        lms = None
+
+        def generating_lms(self):
+            return 1
+
     core = RequestCore(CFG, _Orch())
-    core.homes.record("resp_9", "lm-b:1")
+    r9 = "resp_" + "9" * 32
+    core.homes.record(r9, "lm-b:1")
 
     def pinned(api, body, path=""):
         raw = json.dumps(body).encode() if body is not None else b""
@@ -173,10 +210,10 @@ def test_requests_about_a_stored_response_are_pinned_to_its_lm():
         admitted.close()
         return admitted.pinned
 
-    assert pinned("responses", {"input": "hi", "previous_response_id": "resp_9"}) == "lm-b:1"
+    assert pinned("responses", {"input": "hi", "previous_response_id": r9}) == "lm-b:1"
     assert pinned("responses", {"input": "hi"}) is None
-    assert pinned("responses_get", None, "/v1/responses/resp_9") == "lm-b:1"
-    assert pinned("responses_cancel", {}, "/v1/responses/resp_9/cancel") == "lm-b:1"
+    assert pinned("responses_get", None, f"/v1/responses/{r9}") == "lm-b:1"
+    assert pinned("responses_cancel", {}, f"/v1/responses/{r9}/cancel") == "lm-b:1"
     assert pinned("responses_get", None, "/v1/responses/resp_other") is None
 
 

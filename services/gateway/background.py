@@ -1,0 +1,140 @@
+"""Background Responses requests (``"background": true``): vLLM answers "queued" at once and goes on
+working, so the request's admission place must outlive its HTTP answer, or a client could start any
+amount of work past admission control.
+
+``BackgroundWork`` keeps each such request's admission ``Ticket`` (and a call counted on its LM, for
+load-aware routing) after the answer, and watches the response on the LM that has it (a GET of
+``/v1/responses/{id}`` every ``POLL_S``..``POLL_MAX_S``). The ticket goes back when the LM reports
+the response ended (completed, failed, cancelled, incomplete), when it no longer knows it (404: the
+LM restarted and the work is gone), when the LM is out of the pool or unreachable for
+``UNREACHABLE_S``, or at the server's deadline, ``--background-timeout-s``: then the LM is first
+asked to cancel it. At most ``--lm-max-background`` background requests per generating LM are held
+at once; one more is refused before admission (429, ``Retry-After``).
+
+Owner: ``RequestCore`` makes one and closes it (``close`` cancels every watcher, which releases what
+it holds). ``Admitted.close`` calls ``hold`` with the ticket of a background request its LM accepted;
+from then on the watcher owns the ticket and releases it exactly once. Everything runs on the
+gateway's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable
+
+import grpc
+from prometheus_client import Counter, Gauge
+
+from epd.lm.v1 import lm_pb2
+from services.gateway.admission import AdmissionRefused, Ticket
+from services.gateway.instances import InstancePool
+
+logger = logging.getLogger(__name__)
+
+TERMINAL = frozenset({"completed", "failed", "cancelled", "incomplete"})
+POLL_S, POLL_MAX_S = 0.25, 2.0
+"""The first poll of a held response, and the longest gap between polls (doubling in between)."""
+UNREACHABLE_S = 30.0
+"""An LM that answers no poll for this long has lost the work (or will be ejected): the place goes back."""
+CALL_TIMEOUT_S = 10.0
+
+HELD = Gauge("epd_gateway_background_held", "Background Responses requests holding an admission place")
+ENDED = Counter("epd_gateway_background_ended_total", "Background Responses requests whose place went back, "
+                "by why", ["why"])  # ended | gone | unreachable | deadline | shutdown
+
+
+class BackgroundWork:
+    def __init__(self, lms: InstancePool, per_lm: int, timeout_s: float,
+                 generating_lms: Callable[[], int]) -> None:
+        """``per_lm``: background requests held per generating LM (0: no limit); ``generating_lms``: how
+        many LMs take whole requests now (read at every decision)."""
+        self.lms, self.per_lm, self.timeout_s = lms, per_lm, timeout_s
+        self._generating_lms = generating_lms
+        self._watchers: set[asyncio.Task] = set()
+
+    @property
+    def held(self) -> int:
+        return len(self._watchers)
+
+    def check_room(self) -> None:
+        """Raises AdmissionRefused (429) when the deployment holds all the background work it may."""
+        limit = self.per_lm * max(1, self._generating_lms())
+        if self.per_lm and self.held >= limit:
+            raise AdmissionRefused(429, f"the deployment holds {self.held} background responses, its limit "
+                                        "(--lm-max-background per LM); retry later", 5)
+
+    def hold(self, response_id: str, lm: str, ticket: Ticket) -> None:
+        """Takes over ``ticket`` until the background response ``response_id`` on LM ``lm`` ends."""
+        task = asyncio.get_running_loop().create_task(self._watch(response_id, lm, ticket),
+                                                      name=f"background {response_id}")
+        self._watchers.add(task)
+        HELD.set(len(self._watchers))
+
+        def done(t: asyncio.Task) -> None:
+            self._watchers.discard(t)
+            HELD.set(len(self._watchers))
+
+        task.add_done_callback(done)
+
+    async def close(self) -> None:
+        for task in list(self._watchers):
+            task.cancel()
+        await asyncio.gather(*self._watchers, return_exceptions=True)
+
+    async def _watch(self, response_id: str, address: str, ticket: Ticket) -> None:
+        why = "shutdown"
+        try:
+            inst = self.lms.instances.get(address)
+            if inst is None:
+                why = "gone"
+                return
+            with inst.track():
+                why = await self._until_ended(response_id, address)
+        finally:
+            ticket.release()
+            ENDED.labels(why).inc()
+            logger.info("background response %s on lm %s: its place went back (%s)", response_id, address, why)
+
+    async def _until_ended(self, response_id: str, address: str) -> str:
+        deadline = time.monotonic() + self.timeout_s
+        reached = time.monotonic()
+        pause = POLL_S
+        while True:
+            await asyncio.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+            pause = min(2 * pause, POLL_MAX_S)
+            inst = self.lms.instances.get(address)
+            if inst is None or not inst.healthy:
+                return "gone"
+            if time.monotonic() >= deadline:
+                await self._call(inst, "POST", f"/v1/responses/{response_id}/cancel")
+                return "deadline"
+            status, body = await self._call(inst, "GET", f"/v1/responses/{response_id}")
+            if status == 0:
+                if time.monotonic() - reached > UNREACHABLE_S:
+                    return "unreachable"
+                continue
+            reached = time.monotonic()
+            if status == 404:
+                return "gone"
+            state = body.get("status") if isinstance(body, dict) else None
+            if status != 200 or state in TERMINAL:
+                return "ended"
+
+    @staticmethod
+    async def _call(inst, method: str, path: str) -> tuple[int, object]:
+        """One call of vLLM's Responses routes on the LM: (HTTP status, JSON body), (0, None) if unreachable."""
+        req = lm_pb2.GenerateRequest(request_id=f"bg-{uuid.uuid4().hex}")
+        req.openai.api, req.openai.method, req.openai.path = "http", method, path
+        try:
+            async for resp in inst.stub.Generate(req, timeout=CALL_TIMEOUT_S):
+                with contextlib.suppress(ValueError):
+                    return resp.http_status, json.loads(resp.openai)
+                return resp.http_status, None
+        except grpc.aio.AioRpcError as e:
+            logger.debug("background poll of %s on lm %s failed: %s", path, inst.address, e.code().name)
+        return 0, None
