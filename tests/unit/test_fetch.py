@@ -210,6 +210,10 @@ class _FakeOrch:
 
         self.calls = []
         self.admission = Admission(0, 0, 0, 1.0, lambda: 1, lambda: 1)  # off
+        self.lms = None  # no background request is held here
+
+    def generating_lms(self) -> int:
+        return 1
 
     def lm_wait_reason(self):
         return None
