@@ -138,7 +138,7 @@ class LMServiceConfig(FrontendConfig, MediaConfig):
     """prefill/decode: allow a --kv-host that other hosts reach, for a prefill LM whose decode LMs run on
     other hosts. RISK: NIXL's side channel authenticates nobody: whoever reaches it gets this engine's NIXL
     agent metadata, and with it (UCX) the KV blocks registered there, which are other users' prompts; one
-    malformed message stops vLLM's listener for good (this LM then answers NOT_SERVING). Only where the
+    malformed message stops vLLM's listener for good (a prefill LM then answers NOT_SERVING). Only where the
     network lets nothing but the deployment's LMs reach the port (a NetworkPolicy, a private network)."""
     kv_port: int = 5600
     """prefill/decode: NIXL's side-channel port (vLLM's VLLM_NIXL_SIDE_CHANNEL_PORT); give LMs sharing a

@@ -36,6 +36,7 @@ from services.lm.config import LMServiceConfig
 from services.lm.frontend import build_frontend
 from services.lm.peers import EncoderAllowList, OfferedCudaIpc, PeerChecker
 from services.lm.servicer import LMServicer
+from services.lm.side_channel import SideChannelWatch
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +118,7 @@ async def serve(cfg: LMServiceConfig, engine_cfg: EngineConfig, stop: asyncio.Ev
         logger.warning("%s is an encoder-decoder model: this LM encodes its audio itself and takes no "
                        "encoder outputs (%s)", engine_cfg.model, ENCODER_DECODER_GAP)
         engine = build_async_engine(engine_cfg, None, **cfg.engine_args())
-    server = None
+    server = watch = None
     try:
         frontend = await build_frontend(engine, cfg, engine_cfg.model)
         compat = compat_for(engine.vllm_config, engine_cfg.model)
@@ -139,9 +140,16 @@ async def serve(cfg: LMServiceConfig, engine_cfg: EngineConfig, stop: asyncio.Ev
         if cfg.metrics_port:
             start_http_server(cfg.metrics_port, addr=cfg.host)
         await server.set_serving(True)
+        if cfg.role == "prefill":
+            # Decode LMs dial this LM's side channel (a decode LM's own is dialed by nobody: vLLM's
+            # NixlConnector pulls). vLLM's listener is up once the engine is; without it, NOT_SERVING.
+            watch = SideChannelWatch(cfg.kv_host, cfg.kv_port, on_dead=lambda _why: server.set_serving(False))
+            watch.start()
         logger.info("lm ready: api %s:%d, model %s", cfg.host, port, engine_cfg.model)
         await serve_until_stopped(engine, server.set_serving, stop)  # EngineDied if the engine dies
     finally:
+        if watch is not None:
+            await watch.stop()
         if server is not None:
             await server.stop()
         engine.shutdown()
