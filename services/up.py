@@ -33,6 +33,9 @@ from services.certs import make_certs, make_token
 from services.common.engine import EngineConfig, configure_process_env, is_encoder_decoder
 from services.common.spawn import child_env
 
+KV_HOST = "127.0.0.1"
+"""Where ``epd up``'s prefill and decode LMs bind NIXL's side channel: they all run on this host."""
+
 _rng = random.Random()  # its own generator: a test that seeds ``random`` must not make ports repeat
 _handed_out: set[int] = set()
 
@@ -308,10 +311,12 @@ class Deployment:
                     for i in range(self.n_lms)]
         # Prefill and decode LMs: each engine's cores set (with a KV connector, vLLM's CPU auto-binding
         # and NIXL's own thread pinning would put both engines' threads on one core), and each its own
-        # NIXL side channel on this host.
+        # NIXL side channel on loopback, whatever --host is: every LM is on this host, and the side
+        # channel authenticates nobody (--lm-args '--kv-host ... --insecure-kv-side-channel' overrides).
         p_cores, d_cores = pd_cores(enc_cores, lm_cores) if self.n_prefills and self.n_decodes else (lm_cores,) * 2
         for role, n, cores in (("prefill", self.n_prefills, p_cores), ("decode", self.n_decodes, d_cores)):
-            self.lms += [self._service(role, i, n, ["--role", role, "--kv-host", h, "--kv-port", str(free_port(h)),
+            self.lms += [self._service(role, i, n, ["--role", role, "--kv-host", KV_HOST,
+                                                    "--kv-port", str(free_port(KV_HOST)),
                                                     "--cpu-cores", cores, *common, *self.lm_args], command="lm")
                          for i in range(n)]
         facts = is_loopback(h) if self.epd_facts is None else self.epd_facts

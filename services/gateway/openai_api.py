@@ -31,7 +31,7 @@ from services.gateway.core import (
 from services.gateway.fetch import MediaFetcher
 from services.gateway.intake import CURRENT_LEASE, BodyRefused, Intake
 from services.gateway.orchestrator import Orchestrator
-from services.gateway.request import API, APIS, ApiError, OpenAICall
+from services.gateway.request import API, APIS, SCALE_OUT_DISABLED, SCALE_OUT_PATHS, ApiError, OpenAICall
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +66,8 @@ class OpenAIRoutes:
     def add_to(self, app: web.Application) -> None:
         for spec in APIS:
             app.router.add_route(spec.method, spec.path, functools.partial(self._serve, api=spec.name))
+        for path in SCALE_OUT_PATHS:
+            app.router.add_post(path, self.scale_out)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/ping", self.ping)
         app.router.add_post("/ping", self.ping)
@@ -95,6 +97,13 @@ class OpenAIRoutes:
         status = "ok" if ok else self.orch.lm_wait_reason() or "no healthy LM"
         return web.json_response({"status": status, "model": self.orch.model, **instances,
                                   "out": self.orch.not_admitted()}, status=200 if ok else 503)
+
+    async def scale_out(self, request: web.Request) -> web.Response:
+        """vLLM's scale-out routes, answered as `vllm serve` without --enable-scale-out answers them (403,
+        vLLM's error body), before the body is read: no LM serves them."""
+        metrics.REQUESTS.labels("scale_out", "403").inc()
+        headers = {REQUEST_ID_HEADER: request.get(REQUEST_ID_KEY) or uuid.uuid4().hex}
+        return error_response(ApiError(403, SCALE_OUT_DISABLED, "PermissionDeniedError"), headers)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, api="chat")

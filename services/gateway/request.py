@@ -121,14 +121,18 @@ APIS: tuple[Api, ...] = (
     Api("version", "GET", "/version", "req"),
     Api("transcriptions", "POST", "/v1/audio/transcriptions", "trsc", encode=False, upload=True),
     Api("translations", "POST", "/v1/audio/translations", "trsl", encode=False, upload=True),
-    # vLLM's scale-out routes: `vllm serve` without --enable-scale-out answers each with its 403, and
-    # so does the LM's copy of vLLM's app (the LM never enables them).
-    *(Api("scale_out" + path.replace("/", "_"), "POST", path, "req") for path in (
-        "/v1/chat/completions/render", "/v1/completions/render", "/v1/messages/render", "/v1/responses/render",
-        "/v1/chat/completions/derender", "/v1/completions/derender", "/inference/v1/generate",
-        "/inference/v1/abort_requests")),
 )
 API = {a.name: a for a in APIS}
+
+SCALE_OUT_PATHS: tuple[str, ...] = (
+    "/v1/chat/completions/render", "/v1/completions/render", "/v1/messages/render", "/v1/responses/render",
+    "/v1/chat/completions/derender", "/v1/completions/derender", "/inference/v1/generate",
+    "/inference/v1/abort_requests")
+"""vLLM's scale-out routes (POST): `vllm serve` without ``--enable-scale-out`` answers each with a 403
+(``SCALE_OUT_DISABLED``), and so does the gateway, itself, before reading a body: epd-serve is the
+disaggregated front end, and no LM serves them."""
+SCALE_OUT_DISABLED = "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to enable them."
+"""vLLM's message for them (``vllm/entrypoints/scale_out/factories.py``), word for word."""
 
 
 @dataclass

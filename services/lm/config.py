@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
 from dataclasses import dataclass, field
 from typing import Any
 
 from ectransfer import factory
 from ectransfer.connector.config import ConnectorConfig
+from peerauth import is_loopback
 from services.common.config import transport_list
 from services.common.media import MediaConfig
 
@@ -69,6 +71,32 @@ class FrontendConfig:
 ROLES = ("both", "prefill", "decode")
 
 
+def every_interface(host: str) -> bool:
+    """Whether binding ``host`` listens on every interface (``0.0.0.0``, ``::``, ``[::]``, ``0``, ``''``)."""
+    h = host.strip().strip("[]")
+    if h in ("", "0", "*"):
+        return True
+    try:
+        return ipaddress.ip_address(h).is_unspecified
+    except ValueError:
+        return False  # a name: the address it resolves to is the operator's choice
+
+
+def check_kv_host(kv_host: str, insecure: bool) -> None:
+    """The bind rule of NIXL's side channel (unauthenticated): loopback, or another address with
+    ``insecure`` (``--insecure-kv-side-channel``); never every interface. Raises ValueError."""
+    if every_interface(kv_host):
+        raise ValueError(f"--kv-host {kv_host!r}: NIXL's side channel takes no credentials; it never listens on "
+                         "every interface. Allowed: a loopback address (the default, 127.0.0.1), or with "
+                         "--insecure-kv-side-channel the internal interface the other LMs reach")
+    if not (is_loopback(kv_host) or insecure):
+        raise ValueError(f"--kv-host {kv_host}: NIXL's side channel takes no credentials: whoever reaches it gets "
+                         "this engine's NIXL agent metadata, and with it the KV blocks of every request here. "
+                         "Allowed: a loopback address (the default, 127.0.0.1: LMs on this host), or this one with "
+                         "--insecure-kv-side-channel where decode LMs on other hosts need it and the network lets "
+                         "only the deployment's LMs reach the port")
+
+
 @dataclass
 class LMServiceConfig(FrontendConfig, MediaConfig):
     """The service's own fields; ``FrontendConfig`` adds ``vllm serve``'s front-end flags
@@ -101,10 +129,17 @@ class LMServiceConfig(FrontendConfig, MediaConfig):
     """both (prefill and decode each request here), prefill (compute a prompt's KV cache and hand it to a
     decode LM over NIXL; generate nothing) or decode (load that KV from the prefill LM, then generate). The
     gateway learns each LM's role from GetInfo and sends requests E -> P -> D where it has both kinds."""
-    kv_host: str = ""
+    kv_host: str = "127.0.0.1"
     """prefill/decode: the address NIXL's side channel (its handshake port, unauthenticated) binds and names
-    to the other LMs (vLLM's VLLM_NIXL_SIDE_CHANNEL_HOST). An internal interface only, never a public one;
-    default: --host."""
+    to the other LMs (vLLM's VLLM_NIXL_SIDE_CHANNEL_HOST). Loopback, whatever --host is: LMs on this host
+    only. Any other address needs --insecure-kv-side-channel; an every-interface one (0.0.0.0, ::) is
+    refused always."""
+    insecure_kv_side_channel: bool = False
+    """prefill/decode: allow a --kv-host that other hosts reach, for a prefill LM whose decode LMs run on
+    other hosts. RISK: NIXL's side channel authenticates nobody: whoever reaches it gets this engine's NIXL
+    agent metadata, and with it (UCX) the KV blocks registered there, which are other users' prompts; one
+    malformed message stops vLLM's listener for good (a prefill LM then answers NOT_SERVING). Only where the
+    network lets nothing but the deployment's LMs reach the port (a NetworkPolicy, a private network)."""
     kv_port: int = 5600
     """prefill/decode: NIXL's side-channel port (vLLM's VLLM_NIXL_SIDE_CHANNEL_PORT); give LMs sharing a
     host different ones."""
@@ -124,6 +159,8 @@ class LMServiceConfig(FrontendConfig, MediaConfig):
             raise ValueError(f"role must be one of {', '.join(ROLES)}; got {self.role!r}")
         if not 0 < self.kv_port < 65536:
             raise ValueError(f"kv_port must be 1-65535, got {self.kv_port}")
+        if self.disaggregated:
+            check_kv_host(self.kv_host, self.insecure_kv_side_channel)
 
     @property
     def disaggregated(self) -> bool:

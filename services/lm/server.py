@@ -6,7 +6,6 @@ vLLM is imported at the top: ``epd lm`` imports this module after ``configure_pr
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import os
 import signal
@@ -20,7 +19,7 @@ from ectransfer.connector.common import compat_for
 from ectransfer.connector.config import ConnectorConfig, ConnectorTuning, ec_transfer_config
 from ectransfer.shm import cleanup_orphans
 from epd.lm.v1 import lm_pb2, lm_pb2_grpc
-from peerauth import SecurityConfig
+from peerauth import SecurityConfig, is_loopback
 from services.common.engine import (
     ENCODER_DECODER_GAP,
     EngineConfig,
@@ -37,6 +36,7 @@ from services.lm.config import LMServiceConfig
 from services.lm.frontend import build_frontend
 from services.lm.peers import EncoderAllowList, OfferedCudaIpc, PeerChecker
 from services.lm.servicer import LMServicer
+from services.lm.side_channel import SideChannelWatch
 
 logger = logging.getLogger(__name__)
 
@@ -53,11 +53,16 @@ def _ec_config(cfg: LMServiceConfig, engine_cfg: EngineConfig, security: Securit
 def kv_transfer_config(cfg: LMServiceConfig) -> KVTransferConfig | None:
     """A prefill or decode LM's KV connector: vLLM's NixlConnector (UCX: TCP or shared memory between CPU
     hosts, NVLink/RDMA between GPUs), the KV staged in host memory on a CPU platform. Its side channel (the
-    NIXL handshake, unauthenticated) binds ``--kv-host``:``--kv-port``: vLLM reads both from the environment
-    in the engine's worker, which this process starts next."""
+    NIXL handshake, unauthenticated) binds ``--kv-host``:``--kv-port`` (loopback unless
+    ``--insecure-kv-side-channel``: ``LMServiceConfig``): vLLM reads both from the environment in the
+    engine's worker, which this process starts next."""
     if not cfg.disaggregated:
         return None
-    os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = cfg.kv_host or cfg.host
+    if not is_loopback(cfg.kv_host):
+        logger.warning("NIXL's side channel listens on %s:%d, unauthenticated (--insecure-kv-side-channel): "
+                       "anyone who reaches it can read this engine's KV blocks; keep all but the deployment's "
+                       "LMs off that port", cfg.kv_host, cfg.kv_port)
+    os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = cfg.kv_host
     os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(cfg.kv_port)
     return KVTransferConfig(kv_connector="NixlConnector",
                             kv_role="kv_producer" if cfg.role == "prefill" else "kv_consumer",
@@ -72,26 +77,12 @@ def ec_consumer(engine_cfg: EngineConfig) -> bool:
     return not is_encoder_decoder(engine_cfg)
 
 
-def _every_interface(host: str) -> bool:
-    """Whether binding ``host`` listens on every interface (``0.0.0.0``, ``::``, ``[::]``, ``0``, ``''``)."""
-    h = host.strip().strip("[]")
-    if h in ("", "0", "*"):
-        return True
-    try:
-        return ipaddress.ip_address(h).is_unspecified
-    except ValueError:
-        return False  # a name: the address it resolves to is the operator's choice
-
-
 def check(cfg: LMServiceConfig, security: SecurityConfig) -> EncoderAllowList:
     """Refuses (ValueError) a configuration before an engine start is spent on
     it (an unauthenticated non-loopback bind, a malformed allow-list); returns
-    the allow-list."""
+    the allow-list. NIXL's side channel's bind rule is the config's own
+    (``LMServiceConfig``: refused when it is made)."""
     security.require_for(cfg.host, f"the LM API ({cfg.host}:{cfg.port})")
-    if cfg.disaggregated and _every_interface(cfg.kv_host or cfg.host):
-        which = f"--kv-host {cfg.kv_host}" if cfg.kv_host else f"--host {cfg.host} (--kv-host's default)"
-        raise ValueError(f"{which}: NIXL's side channel takes no credentials; bind it (--kv-host) to the "
-                         "internal interface the other LMs reach, never every interface")
     return EncoderAllowList.parse(cfg.allowed_encoders, trusted_callers=security.authenticated)
 
 
@@ -127,7 +118,7 @@ async def serve(cfg: LMServiceConfig, engine_cfg: EngineConfig, stop: asyncio.Ev
         logger.warning("%s is an encoder-decoder model: this LM encodes its audio itself and takes no "
                        "encoder outputs (%s)", engine_cfg.model, ENCODER_DECODER_GAP)
         engine = build_async_engine(engine_cfg, None, **cfg.engine_args())
-    server = None
+    server = watch = None
     try:
         frontend = await build_frontend(engine, cfg, engine_cfg.model)
         compat = compat_for(engine.vllm_config, engine_cfg.model)
@@ -149,9 +140,16 @@ async def serve(cfg: LMServiceConfig, engine_cfg: EngineConfig, stop: asyncio.Ev
         if cfg.metrics_port:
             start_http_server(cfg.metrics_port, addr=cfg.host)
         await server.set_serving(True)
+        if cfg.role == "prefill":
+            # Decode LMs dial this LM's side channel (a decode LM's own is dialed by nobody: vLLM's
+            # NixlConnector pulls). vLLM's listener is up once the engine is; without it, NOT_SERVING.
+            watch = SideChannelWatch(cfg.kv_host, cfg.kv_port, on_dead=lambda _why: server.set_serving(False))
+            watch.start()
         logger.info("lm ready: api %s:%d, model %s", cfg.host, port, engine_cfg.model)
         await serve_until_stopped(engine, server.set_serving, stop)  # EngineDied if the engine dies
     finally:
+        if watch is not None:
+            await watch.stop()
         if server is not None:
             await server.stop()
         engine.shutdown()

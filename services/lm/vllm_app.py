@@ -11,9 +11,10 @@ are produced. The caller (``LMServicer.Generate``) owns the call: closing the ge
 returns cancels vLLM's handler, which aborts the engine request as a client hanging up on
 `vllm serve` does.
 
-Only ``ROUTES`` are answered: the gateway's public surface. Everything else vLLM's app has (LoRA
-loading, sleep and wake, elastic scaling, the scale-out token routes, metrics) is refused here as
-not found, whatever the gateway sends.
+Only ``ROUTES`` are answered: the part of the gateway's public surface that vLLM's app serves.
+Everything else vLLM's app has (LoRA loading, sleep and wake, elastic scaling, the scale-out render and
+token routes, metrics) is refused here (``BadInput``) before vLLM's app sees it, whatever the gateway
+sends.
 """
 
 from __future__ import annotations
@@ -40,12 +41,10 @@ ROUTES: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
         ("POST", r"/detokenize"),
         ("GET", r"/version"),
         ("POST", r"/v1/audio/(transcriptions|translations)"),
-        # Answered by vLLM's "scale-out endpoints are disabled" 403: the LM never enables them.
-        ("POST", r"/v1/(chat/completions|completions|messages|responses)/render"),
-        ("POST", r"/v1/(chat/completions|completions)/derender"),
-        ("POST", r"/inference/v1/(generate|abort_requests)"),
     ))
-"""The routes of vLLM's app the LM answers (method, full-match path)."""
+"""The routes of vLLM's app the LM serves (method, full-match path): each one runs its handler over
+the LM's engine. Nothing is listed for vLLM to refuse (the scale-out routes' 403 is the gateway's own
+answer, ``services.gateway.request.SCALE_OUT_PATHS``): a route here is one more way into the engine."""
 
 MAX_RESPONSE_BYTES = 64 << 20
 """A non-streaming answer larger than this is refused (it would be one gRPC message)."""

@@ -48,11 +48,16 @@ class PDHosts:
                                               "--transfer-port", str(TRANSFER_PORT), "--metrics-port", "9101",
                                               "--cpu-cores", enc_cores, *common]),
             # On 2 cores the decode LM keeps the LM core and the prefill LM shares the encoder's
-            # (services.up.pd_cores), as `epd up --prefills 1 --decodes 1` places them.
+            # (services.up.pd_cores), as `epd up --prefills 1 --decodes 1` places them. The decode LM
+            # (on another host) dials the prefill LM's side channel: that one is on the prefill host's
+            # address, with the opt-in; nobody dials the decode LM's (vLLM's NixlConnector pulls), which
+            # stays on loopback.
             **{role: self._service(h, ["lm", "--role", role, "--host", h.ip, "--port", str(LM_PORT),
                                        "--kv-port", str(KV_PORT), "--metrics-port", str(METRICS),
-                                       "--cpu-cores", cores, *common])
-               for role, h, cores in (("prefill", self.p, enc_cores), ("decode", self.d, lm_cores))},
+                                       "--cpu-cores", cores, *kv_args, *common])
+               for role, h, cores, kv_args in (
+                   ("prefill", self.p, enc_cores, ["--kv-host", self.p.ip, "--insecure-kv-side-channel"]),
+                   ("decode", self.d, lm_cores, []))},
         }
         self.gateway = self._service(self.gw, ["gateway", "--epd-facts", "--host", self.gw.ip, "--port",
                                                str(GW_PORT), "--encoders", f"{self.e.ip}:{ENC_PORT}",

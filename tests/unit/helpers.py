@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import io
+import logging
 import subprocess
 import sys
 
@@ -91,3 +92,24 @@ def load_bench(name: str):
     sys.modules[spec.name] = mod  # dataclasses look their module up
     spec.loader.exec_module(mod)
     return mod
+
+
+def vllm_serve_app(model: str):
+    """vLLM's FastAPI app as `vllm serve --model MODEL` builds it, with the routes of a generative model
+    and of a speech-to-text one (vLLM registers the audio routes for those), and no engine: its routes,
+    and handlers that need no engine, can be read and called."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    root = logging.getLogger()
+    levels = (root.level, [(h, h.level) for h in root.handlers])
+    try:  # vLLM's app sets the root logger to ERROR (SageMaker's standards): put back for later tests
+        from vllm.entrypoints.launchers.app import build_app
+
+        args = make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", model])
+        return build_app(args, ("generate", "transcription"), AsyncEngineArgs(model=model).create_model_config())
+    finally:
+        root.setLevel(levels[0])
+        for handler, level in levels[1]:
+            handler.setLevel(level)

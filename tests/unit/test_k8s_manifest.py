@@ -22,6 +22,7 @@ from peerauth import SecurityConfig
 from services.cli import build_parser
 from services.common.config import from_args
 from services.gateway.config import GatewayConfig
+from services.lm.config import LMServiceConfig
 from services.lm.peers import EncoderAllowList
 
 yaml = pytest.importorskip("yaml")
@@ -389,3 +390,22 @@ def test_multi_node_spreads_encoders_and_lms_over_nodes_and_uses_grpc_between_po
         assert pods_selected(docs, spread["labelSelector"]) == {name}
     (lm,) = deployments["epd-lm"]["spec"]["template"]["spec"]["containers"]
     assert parse(lm["args"]).transports == "grpc"
+
+
+def test_pd_tiers_open_nixls_side_channel_only_where_another_node_dials_it_and_only_to_the_tiers():
+    """The prefill pods' side channel is on the pod address (decode pods on other nodes dial it), with the
+    opt-in the LM demands for it; the decode pods' stays on loopback (nobody dials it); the LMs' own bind
+    rule (``LMServiceConfig``) accepts both; only prefill and decode pods reach the port."""
+    docs = render("pd-tiers")
+    lms = {dep["metadata"]["name"]: parse(c["args"]) for dep, _, c in containers(docs) if c["name"] == "lm"}
+    assert set(lms) == {"epd-prefill", "epd-decode"}
+    prefill, decode = lms["epd-prefill"], lms["epd-decode"]
+    assert prefill.role == "prefill" and prefill.kv_host == "10.0.0.7" and prefill.insecure_kv_side_channel
+    assert decode.role == "decode" and decode.kv_host == "127.0.0.1" and not decode.insecure_kv_side_channel
+    for ns in lms.values():
+        from_args(LMServiceConfig, ns)  # raises where the LM would refuse to start
+    prefill.insecure_kv_side_channel = False
+    with pytest.raises(ValueError, match="--insecure-kv-side-channel"):
+        from_args(LMServiceConfig, prefill)
+    assert allowed(docs, "epd-prefill", prefill.kv_port, "ingress") == {"epd-prefill", "epd-decode"}
+    assert allowed(docs, "epd-decode", prefill.kv_port, "egress") == {"epd-prefill", "epd-decode"}

@@ -15,12 +15,9 @@ from vllm.sampling_params import SamplingParams
 
 from ectransfer.connector.consumer import _embeds_from
 from epd.lm.v1 import lm_pb2
-from peerauth import SecurityConfig
 from services.common.errors import BadInput, EncoderUnavailable, PrefillKVUnavailable, RoleMismatch, _status
-from services.lm.config import LMServiceConfig
 from services.lm.context import CURRENT, RequestContext
 from services.lm.frontend import DECODE, REMOTE_DECODE, ConsumerEngine, _recorded
-from services.lm.server import check
 from services.lm.servicer import LMServicer, _kv_outcome, _without_kv_params, openai_body
 
 pytestmark = pytest.mark.unit
@@ -159,22 +156,6 @@ def test_each_handoff_call_is_counted_by_its_outcome(status, submitted, failure,
     ctx = RequestContext(kv_phase=DECODE)
     ctx.submitted, ctx.failure = submitted, failure
     assert _kv_outcome(status, ctx) == outcome
-
-
-@pytest.mark.parametrize("host, kv_host, refused", [
-    ("0.0.0.0", "", True),  # --kv-host defaults to --host: the side channel would listen everywhere
-    ("127.0.0.1", "::", True), ("127.0.0.1", "[::]", True), ("127.0.0.1", "0", True), ("127.0.0.1", "0.0.0.0", True),
-    ("0.0.0.0", "10.1.2.3", False), ("127.0.0.1", "", False), ("127.0.0.1", "lm-0.internal", False),
-])
-def test_nixls_side_channel_never_listens_on_every_interface(host, kv_host, refused):
-    cfg = LMServiceConfig(host=host, kv_host=kv_host, role="prefill")
-    security = SecurityConfig(insecure=True)  # the API's own bind rule is test_security's
-    if refused:
-        with pytest.raises(ValueError, match="side channel takes no credentials"):
-            check(cfg, security)
-    else:
-        check(cfg, security)
-    check(LMServiceConfig(host=host, kv_host=kv_host), security)  # no KV connector, no side channel
 
 
 def test_responses_prefill_call_stores_nothing_and_runs_in_the_call():

@@ -5,7 +5,6 @@ serves is one of them or its own."""
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 
@@ -17,22 +16,9 @@ README = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
 
 
 def _vllm_routes(model: str) -> set[tuple[str, str]]:
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    from tests.unit.helpers import vllm_serve_app
 
-    root = logging.getLogger()
-    levels = (root.level, [(h, h.level) for h in root.handlers])
-    try:  # vLLM's app sets the root logger to ERROR (SageMaker's standards): put back for later tests
-        from vllm.entrypoints.launchers.app import build_app
-
-        args = make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", model])
-        # The tasks of a generative model and of a speech one (vLLM registers the audio routes for those).
-        app = build_app(args, ("generate", "transcription"), AsyncEngineArgs(model=model).create_model_config())
-    finally:
-        root.setLevel(levels[0])
-        for handler, level in levels[1]:
-            handler.setLevel(level)
+    app = vllm_serve_app(model)
     return {(m, r.path) for r in app.routes for m in (getattr(r, "methods", None) or {"GET"}) if m != "HEAD"}
 
 
@@ -54,8 +40,10 @@ def test_every_route_vllm_serve_registers_is_in_the_readme(tiny_model):
 
 def test_every_route_the_gateway_serves_is_vllms_or_its_own(tiny_model):
     pytest.importorskip("vllm")
-    from services.gateway.request import APIS
+    from services.gateway.request import APIS, SCALE_OUT_PATHS
 
     routes = _vllm_routes(tiny_model)
     for api in APIS:
         assert (api.method, api.path.replace("{response_id}", "{response_id}")) in routes, api
+    for path in SCALE_OUT_PATHS:  # the ones it answers itself, as vLLM does
+        assert ("POST", path) in routes, path

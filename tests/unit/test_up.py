@@ -9,7 +9,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from services.up import _ephemeral_low, free_port, gateway_admitted, up_lms
+from peerauth import is_loopback
+from services import up
+from services.cli import build_parser
+from services.common.config import from_args
+from services.lm.config import LMServiceConfig
+from services.up import Deployment, _ephemeral_low, free_port, gateway_admitted, up_lms
 
 
 def test_free_ports_are_distinct_bindable_and_outside_the_ephemeral_range():
@@ -81,3 +86,30 @@ def test_a_gateway_counts_as_started_once_every_instance_is_admitted_not_only_it
         server.shutdown()
         server.server_close()
     assert not gateway_admitted(url, [], ["l:1"])  # nothing listens: not started
+
+
+def _pd_deployment(monkeypatch, tmp_path, **kw) -> list:
+    """``epd up --host 10.1.2.3 --prefills 1 --decodes 1`` as built (nothing started): its prefill and decode
+    LMs' parsed command lines. 10.1.2.3 is no address of this machine: ports are handed out unchecked."""
+    ports = iter(range(41000, 41100))
+    monkeypatch.setattr(up, "free_port", lambda host="127.0.0.1": next(ports))
+    dep = Deployment(model="m", host="10.1.2.3", n_lms=0, n_prefills=1, n_decodes=1, security="token",
+                     insecure=True, log_dir=str(tmp_path), **kw)
+    parsed = [build_parser().parse_args(lm.args) for lm in dep.lms]
+    assert sorted(ns.role for ns in parsed) == ["decode", "prefill"]
+    return parsed
+
+
+def test_epd_up_binds_nixls_side_channel_on_loopback_whatever_its_host(monkeypatch, tmp_path):
+    for ns in _pd_deployment(monkeypatch, tmp_path):
+        assert ns.host == "10.1.2.3" and is_loopback(ns.kv_host), (ns.role, ns.kv_host)
+        assert not ns.insecure_kv_side_channel
+        from_args(LMServiceConfig, ns)  # the LM's own bind rule accepts it
+
+
+def test_epd_up_binds_a_side_channel_other_hosts_reach_only_with_the_opt_in(monkeypatch, tmp_path):
+    for ns in _pd_deployment(monkeypatch, tmp_path, lm_args=["--kv-host", "10.1.2.3", "--insecure-kv-side-channel"]):
+        assert ns.kv_host == "10.1.2.3" and from_args(LMServiceConfig, ns).insecure_kv_side_channel
+    for ns in _pd_deployment(monkeypatch, tmp_path, lm_args=["--kv-host", "10.1.2.3"]):
+        with pytest.raises(ValueError, match="--insecure-kv-side-channel"):
+            from_args(LMServiceConfig, ns)
