@@ -29,6 +29,7 @@ from services.common.config import add_dataclass_args, from_args
 from services.common.engine import EngineConfig, EngineDied, UnsupportedModel, configure_process_env
 from services.encoder.config import EncoderServiceConfig
 from services.gateway.config import GatewayConfig
+from services.gateway.tenants import Tenants
 from services.lm.config import LMServiceConfig
 from tools.tiny_families import FAMILIES
 from tools.tiny_model import build_tiny_model
@@ -136,6 +137,15 @@ def service_module(cmd: str):
     return importlib.import_module(f"services.{cmd}.server")
 
 
+def load_tenants(cfg: GatewayConfig) -> Tenants:
+    """The gateway's API keys, loaded before it starts: a keys file that does not load is a refused
+    configuration (ValueError), named with its reason (never a key)."""
+    try:
+        return Tenants.from_config(cfg)
+    except OSError as e:
+        raise ValueError(f"--api-keys-file: {e}") from None
+
+
 def _main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     _logging(ns.log_level)
@@ -147,7 +157,8 @@ def _main(argv: list[str] | None = None) -> int:
             security = from_args(SecurityConfig, ns)
             server = service_module(ns.cmd)
             if ns.cmd == "gateway":
-                run = server.serve(from_args(GatewayConfig, ns), security=security)
+                cfg = from_args(GatewayConfig, ns)
+                run = server.serve(cfg, security=security, tenants=load_tenants(cfg))
             else:
                 cfg = from_args(EncoderServiceConfig if ns.cmd == "encoder" else LMServiceConfig, ns)
                 server.check(cfg, security)

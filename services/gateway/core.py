@@ -34,6 +34,7 @@ from services.gateway.fetch import MediaFetcher
 from services.gateway.intake import BodyRefused
 from services.gateway.orchestrator import Media, Orchestrator, Timings
 from services.gateway.request import API, Api, ApiError, OpenAICall, engine_request_id, load_media, parse_openai
+from services.gateway.tenants import ANONYMOUS
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +132,8 @@ class Admitted:
     timings: Timings
     ticket: Any
     lease: Any = None
+    tenant: str = ANONYMOUS
+    """Whose request this is (``services.gateway.tenants``: the name its API key resolved to)."""
     pinned: str | None = None
     """The LM that must answer (it holds the stored response the request names)."""
     _orch: Orchestrator | None = field(default=None, repr=False)
@@ -171,12 +174,13 @@ class RequestCore:
 
     async def admit(self, api: str, raw: bytes, *, client_id: str, id_given: bool, path: str = "",
                     media: list[bytes] | None = None, lease=None, arrival: float | None = None,
-                    content_type: str = "") -> Admitted:
+                    content_type: str = "", tenant: str = ANONYMOUS) -> Admitted:
         """``raw``: the body (``media``: the gRPC API's raw media, named by ``epd-media:N``;
         ``content_type``: the body's, for an upload API);
         ``client_id``: the request's id (the client's when ``id_given``); ``path``: the route's path
         as requested (a Responses id in it). ``lease``: the body's share of the intake budget, given
-        back by ``Admitted.close`` (or here, on a refusal). Raises ApiError."""
+        back by ``Admitted.close`` (or here, on a refusal). ``tenant``: the client's tenant, as its
+        transport authenticated it (``Admitted.tenant``). Raises ApiError."""
         spec = API[api]
         ticket = None
         try:
@@ -213,7 +217,7 @@ class RequestCore:
         named = call.body.get("previous_response_id") if api == "responses" else \
             path.rstrip("/").removesuffix("/cancel").rsplit("/", 1)[-1] if api.startswith("responses_") else None
         return Admitted(spec, call, req, loaded, Timings(start=arrival or time.perf_counter()), ticket, lease,
-                        pinned=self.homes.get(named), _orch=self.orch, _homes=self.homes)
+                        tenant=tenant, pinned=self.homes.get(named), _orch=self.orch, _homes=self.homes)
 
 
 _DEPLOYMENT_FAULTS = {

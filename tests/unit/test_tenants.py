@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from services.cli import build_parser
+from services.cli import build_parser, load_tenants
 from services.common.config import from_args
 from services.gateway.config import GatewayConfig
 from services.gateway.tenants import ANONYMOUS, DEFAULT, Tenant, Tenants
@@ -95,6 +95,11 @@ def test_one_key_names_one_tenant(tmp_path):
 def test_a_keys_file_without_keys_is_refused_so_that_an_emptied_file_never_opens_the_gateway(tmp_path):
     with pytest.raises(ValueError, match="no keys"):
         Tenants(keys_file=keys_file(tmp_path, "# nobody yet"))
+
+
+def test_the_gateway_command_refuses_a_keys_file_it_cannot_read(tmp_path):
+    with pytest.raises(ValueError, match="--api-keys-file: .*missing.jsonl"):
+        load_tenants(GatewayConfig(lms="l:1", api_keys_file=str(tmp_path / "missing.jsonl")))
 
 
 def test_reload_swaps_the_file_keys_and_keeps_the_flag_keys(tmp_path, caplog):
