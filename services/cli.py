@@ -109,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how the services prove themselves to each other: a fresh shared token (loopback --host "
                         "only), mutual TLS with a private CA plus the token, nothing (loopback only), or auto "
                         "(default: token on a loopback --host, tls on any other)")
+    u.add_argument("--api-key", nargs="+", default=None,
+                   help="client API keys for the gateway, as vllm serve's --api-key (also read from VLLM_API_KEY, "
+                        "which only the gateway is given)")
+    u.add_argument("--api-keys-file", default="", help="the gateway's --api-keys-file (tenants and their keys)")
     u.add_argument("--insecure", action="store_true",
                    help="pass --insecure to every service: --security token or none on a non-loopback --host, "
                         "with a warning (only where the network is trusted)")
@@ -183,12 +187,13 @@ def _main(argv: list[str] | None = None) -> int:
         print(json.dumps(make_certs(ns.dir, [h for h in ns.hosts.split(",") if h]), indent=2))
         return 0
     if ns.cmd == "up":
-        from services.up import run_up  # as for health
+        from services.up import gateway_key_args, run_up  # as for health
 
         try:
             return run_up(model=ns.model or default_model(), host=ns.host, port=ns.port, engine_args=ns.vllm_args,
                           security=ns.security, encoder_args=shlex.split(ns.encoder_args),
-                          lm_args=shlex.split(ns.lm_args), gateway_args=shlex.split(ns.gateway_args),
+                          lm_args=shlex.split(ns.lm_args),
+                          gateway_args=[*gateway_key_args(ns.api_key, ns.api_keys_file), *shlex.split(ns.gateway_args)],
                           insecure=ns.insecure, prefills=ns.prefills, decodes=ns.decodes, lms=ns.lms)
         except ValueError as e:  # refused before anything started
             print(f"epd: error: {e}", file=sys.stderr)
