@@ -29,6 +29,7 @@ from services.common.config import add_dataclass_args, from_args
 from services.common.engine import EngineConfig, EngineDied, UnsupportedModel, configure_process_env
 from services.encoder.config import EncoderServiceConfig
 from services.gateway.config import GatewayConfig
+from services.gateway.tenants import Tenants
 from services.lm.config import LMServiceConfig
 from tools.tiny_families import FAMILIES
 from tools.tiny_model import build_tiny_model
@@ -108,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how the services prove themselves to each other: a fresh shared token (loopback --host "
                         "only), mutual TLS with a private CA plus the token, nothing (loopback only), or auto "
                         "(default: token on a loopback --host, tls on any other)")
+    u.add_argument("--api-key", nargs="+", default=None,
+                   help="client API keys for the gateway, as vllm serve's --api-key (also read from VLLM_API_KEY, "
+                        "which only the gateway is given)")
+    u.add_argument("--api-keys-file", default="", help="the gateway's --api-keys-file (tenants and their keys)")
     u.add_argument("--insecure", action="store_true",
                    help="pass --insecure to every service: --security token or none on a non-loopback --host, "
                         "with a warning (only where the network is trusted)")
@@ -136,6 +141,15 @@ def service_module(cmd: str):
     return importlib.import_module(f"services.{cmd}.server")
 
 
+def load_tenants(cfg: GatewayConfig) -> Tenants:
+    """The gateway's API keys, loaded before it starts: a keys file that does not load is a refused
+    configuration (ValueError), named with its reason (never a key)."""
+    try:
+        return Tenants.from_config(cfg)
+    except OSError as e:
+        raise ValueError(f"--api-keys-file: {e}") from None
+
+
 def _main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     _logging(ns.log_level)
@@ -147,7 +161,8 @@ def _main(argv: list[str] | None = None) -> int:
             security = from_args(SecurityConfig, ns)
             server = service_module(ns.cmd)
             if ns.cmd == "gateway":
-                run = server.serve(from_args(GatewayConfig, ns), security=security)
+                cfg = from_args(GatewayConfig, ns)
+                run = server.serve(cfg, security=security, tenants=load_tenants(cfg))
             else:
                 cfg = from_args(EncoderServiceConfig if ns.cmd == "encoder" else LMServiceConfig, ns)
                 server.check(cfg, security)
@@ -172,12 +187,13 @@ def _main(argv: list[str] | None = None) -> int:
         print(json.dumps(make_certs(ns.dir, [h for h in ns.hosts.split(",") if h]), indent=2))
         return 0
     if ns.cmd == "up":
-        from services.up import run_up  # as for health
+        from services.up import gateway_key_args, run_up  # as for health
 
         try:
             return run_up(model=ns.model or default_model(), host=ns.host, port=ns.port, engine_args=ns.vllm_args,
                           security=ns.security, encoder_args=shlex.split(ns.encoder_args),
-                          lm_args=shlex.split(ns.lm_args), gateway_args=shlex.split(ns.gateway_args),
+                          lm_args=shlex.split(ns.lm_args),
+                          gateway_args=[*gateway_key_args(ns.api_key, ns.api_keys_file), *shlex.split(ns.gateway_args)],
                           insecure=ns.insecure, prefills=ns.prefills, decodes=ns.decodes, lms=ns.lms)
         except ValueError as e:  # refused before anything started
             print(f"epd: error: {e}", file=sys.stderr)

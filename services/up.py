@@ -255,6 +255,15 @@ def check_security(host: str, security: str, insecure: bool) -> str:
     return security
 
 
+GATEWAY_ONLY_ENV = ("VLLM_API_KEY",)
+"""Environment variables only the gateway is given (the encoders and LMs start without them)."""
+
+
+def gateway_key_args(api_key: list[str] | None = None, api_keys_file: str = "") -> list[str]:
+    """The gateway's flags for ``epd up --api-key`` / ``--api-keys-file`` (none when unset)."""
+    return [*(["--api-key", *api_key] if api_key else []), *(["--api-keys-file", api_keys_file] if api_keys_file else [])]
+
+
 @dataclass
 class Deployment:
     model: str
@@ -384,12 +393,15 @@ class Deployment:
 
     def start(self, timeout: float = 300.0) -> Deployment:
         env = child_env({"PYTHONUNBUFFERED": "1", **self.env})
+        # VLLM_API_KEY is the gateway's (its clients' key, as for vllm serve). An LM that had it would
+        # guard the /v1 routes of its in-process vLLM app against the gateway's own calls.
+        engine_env = {k: v for k, v in env.items() if k not in GATEWAY_ONLY_ENV}
         self._say(f"epd up: model {self.model}; logs in {self.log_dir}")
         t0 = time.monotonic()
         try:
             engines = {}
             for svc in [*self.encoders, *self.lms]:
-                svc.start(env)
+                svc.start(engine_env)
                 engines[svc] = functools.partial(grpc_serving, svc.address, security=self.client_security)
             self._wait(engines, t0, timeout)
             self.gateway.start(env)

@@ -1,5 +1,7 @@
 """Builds argparse CLIs from config dataclasses (one flag per field, help from
-the field's docstring) and back."""
+the field's docstring) and back. A list field is one comma-separated value, unless its
+``field(metadata={"nargs": "+"})`` asks for space-separated values (a flag that mirrors one of
+``vllm serve``'s, whose values may hold commas)."""
 
 from __future__ import annotations
 
@@ -42,6 +44,8 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls, prefix: str = "") -
             parser.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=default, help=help_)
         elif typ in (int, float, str):
             parser.add_argument(flag, dest=dest, type=typ, default=default, help=help_)
+        elif getattr(typ, "__origin__", None) is list and f.metadata.get("nargs"):
+            parser.add_argument(flag, dest=dest, nargs=f.metadata["nargs"], default=default, help=help_)
         elif getattr(typ, "__origin__", None) is list:
             parser.add_argument(flag, dest=dest, default=default, help=help_ + " (comma-separated)",
                                 type=lambda s: [x for x in s.split(",") if x])

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.common.media import MAX_AUDIO_SECONDS, MAX_IMAGE_PIXELS
 
@@ -126,6 +126,15 @@ class GatewayConfig:
     """An HTTP connection must send a request's complete headers within this of opening, or of the end of its
     previous answer (keep-alive); otherwise it is closed. vllm serve's uvicorn closes idle keep-alive
     connections after 5 s."""
+    api_key: list[str] = field(default_factory=list, repr=False, metadata={"nargs": "+"})
+    """Client API keys, as vllm serve's --api-key (space-separated; unset: the VLLM_API_KEY environment
+    variable): a request to a path under /v1, /v2, /inference or /cohere (any method but OPTIONS) without
+    "Authorization: Bearer <one of them>" is refused with 401 {"error": "Unauthorized"}, and so is a call on
+    the gRPC API without that metadata (UNAUTHENTICATED). These keys are the tenant "default"."""
+    api_keys_file: str = ""
+    """Tenants and their API keys, one JSON object per line: {"tenant": "name", "key": "..."} (a tenant may
+    have several keys, one per line; blank lines and lines starting with # are skipped); checked as --api-key,
+    beside its keys, and read again on SIGHUP (a file that does not load leaves the keys as they were)."""
     fetch_allow_networks: str = ""
     """Comma-separated CIDRs that image URLs may resolve to even though they are loopback, private,
     link-local or otherwise non-public (refused by default: SSRF guard), e.g. 10.1.0.0/16."""

@@ -44,6 +44,7 @@ from services.gateway.request import (
     load_media,
     parse_openai,
 )
+from services.gateway.tenants import ANONYMOUS
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +147,8 @@ class Admitted:
     timings: Timings
     ticket: Any
     lease: Any = None
+    tenant: str = ANONYMOUS
+    """Whose request this is (``services.gateway.tenants``: the name its API key resolved to)."""
     pinned: str | None = None
     """The LM that must answer (it holds the stored response the request names)."""
     background: bool = False
@@ -201,12 +204,13 @@ class RequestCore:
 
     async def admit(self, api: str, raw: bytes, *, client_id: str, id_given: bool, path: str = "",
                     media: list[bytes] | None = None, lease=None, arrival: float | None = None,
-                    content_type: str = "") -> Admitted:
+                    content_type: str = "", tenant: str = ANONYMOUS) -> Admitted:
         """``raw``: the body (``media``: the gRPC API's raw media, named by ``epd-media:N``;
         ``content_type``: the body's, for an upload API);
         ``client_id``: the request's id (the client's when ``id_given``); ``path``: the route's path
         as requested (a Responses id in it). ``lease``: the body's share of the intake budget, given
-        back by ``Admitted.close`` (or here, on a refusal). Raises ApiError."""
+        back by ``Admitted.close`` (or here, on a refusal). ``tenant``: the client's tenant, as its
+        transport authenticated it (``Admitted.tenant``). Raises ApiError."""
         spec = API[api]
         ticket = None
         try:
@@ -246,8 +250,8 @@ class RequestCore:
         named = call.body.get("previous_response_id") if api == "responses" else \
             path.rstrip("/").removesuffix("/cancel").rsplit("/", 1)[-1] if api.startswith("responses_") else None
         return Admitted(spec, call, req, loaded, Timings(start=arrival or time.perf_counter()), ticket, lease,
-                        pinned=self.homes.get(named), background=background, _orch=self.orch, _homes=self.homes,
-                        _work=self.background)
+                        tenant=tenant, pinned=self.homes.get(named), background=background, _orch=self.orch,
+                        _homes=self.homes, _work=self.background)
 
 
 _DEPLOYMENT_FAULTS = {

@@ -17,6 +17,7 @@ import grpc
 from aiohttp import web
 
 from services.gateway import metrics
+from services.gateway.auth import TENANT_KEY
 from services.gateway.config import GatewayConfig
 from services.gateway.core import (
     REQUEST_ID_HEADER,
@@ -32,6 +33,7 @@ from services.gateway.fetch import MediaFetcher
 from services.gateway.intake import CURRENT_LEASE, BodyRefused, Intake
 from services.gateway.orchestrator import Orchestrator
 from services.gateway.request import API, APIS, SCALE_OUT_DISABLED, SCALE_OUT_PATHS, ApiError, OpenAICall
+from services.gateway.tenants import ANONYMOUS
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +127,8 @@ class OpenAIRoutes:
             CURRENT_LEASE.set(lease)
             admitted = await self.core.admit(api, raw, client_id=rid, id_given=bool(given), path=request.path,
                                              lease=lease, arrival=request.get(ARRIVAL_KEY),
-                                             content_type=request.headers.get("Content-Type", ""))
+                                             content_type=request.headers.get("Content-Type", ""),
+                                             tenant=request.get(TENANT_KEY, ANONYMOUS))
         except (ApiError, BodyRefused) as e:
             if isinstance(e, BodyRefused):
                 if lease is not None:

@@ -15,6 +15,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from epd.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from peerauth import SecurityConfig
 from services.common.grpc_server import GrpcServer
+from services.gateway.auth import GrpcAuth
+from services.gateway.auth import middleware as authenticate
 from services.gateway.config import GatewayConfig
 from services.gateway.core import RequestCore
 from services.gateway.fetch import MediaFetcher
@@ -22,6 +24,7 @@ from services.gateway.intake import GrpcIntake, Intake
 from services.gateway.openai_api import OpenAIRoutes, request_context
 from services.gateway.orchestrator import Orchestrator
 from services.gateway.servicer import GatewayServicer
+from services.gateway.tenants import Tenants
 
 logger = logging.getLogger(__name__)
 
@@ -49,17 +52,21 @@ async def _metrics(request: web.Request) -> web.Response:
 
 
 async def serve(cfg: GatewayConfig, stop: asyncio.Event | None = None, security: SecurityConfig | None = None,
-                on_listening: Callable[[int, int], None] | None = None) -> None:
+                on_listening: Callable[[int, int], None] | None = None, tenants: Tenants | None = None) -> None:
     """``security``: how the gateway proves itself to encoders and LMs (its own
     REST and gRPC API are the public face and take no internal credentials).
     ``on_listening(http_port, grpc_port)`` is called once both listeners are
     bound, with the ports they hold: the one the OS chose for a ``cfg.port`` of
-    0 (how tests run it without guessing a free port), 0 for a disabled gRPC API."""
+    0 (how tests run it without guessing a free port), 0 for a disabled gRPC API.
+    ``tenants``: the clients' API keys (default: ``cfg``'s, loaded here); SIGHUP
+    reloads them."""
     bound_allocator()
     stop = stop or asyncio.Event()
+    tenants = tenants or Tenants.from_config(cfg)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, tenants.reload)
     orch = Orchestrator(cfg, security)
     fetcher = MediaFetcher(cfg)  # http(s) image URLs; closed below, after the listeners stop
     runner = grpc_server = core = None
@@ -69,7 +76,9 @@ async def serve(cfg: GatewayConfig, stop: asyncio.Event | None = None, security:
         await orch.start()
         # Every body is read under the intake limits (size, readers, memory, deadline) before admission.
         intake = Intake(cfg)
-        app = web.Application(middlewares=[request_context], client_max_size=cfg.max_body_bytes)
+        # Authentication first: a refused request is answered before anything else looks at it.
+        app = web.Application(middlewares=[authenticate(tenants), request_context],
+                              client_max_size=cfg.max_body_bytes)
         core = RequestCore(cfg, orch, fetcher)  # one for both transports: they share what it remembers
         OpenAIRoutes(cfg, orch, fetcher=fetcher, intake=intake, core=core).add_to(app)
         app.router.add_get("/metrics", _metrics)
@@ -85,7 +94,7 @@ async def serve(cfg: GatewayConfig, stop: asyncio.Event | None = None, security:
         await web.TCPSite(runner, cfg.host, cfg.port).start()
         http_port, grpc_port = runner.addresses[0][1], 0
         if cfg.grpc_port:
-            grpc_server = GrpcServer(cfg.host, cfg.grpc_port, public=True, interceptors=[GrpcIntake(intake)],
+            grpc_server = GrpcServer(cfg.host, cfg.grpc_port, public=True, interceptors=[GrpcAuth(tenants), GrpcIntake(intake)],
                                      options={"grpc.max_receive_message_length": cfg.max_body_bytes,
                                               "grpc.max_concurrent_streams": PUBLIC_STREAMS_PER_CONNECTION})
             grpc_server.add(gateway_pb2_grpc.add_GatewayServiceServicer_to_server,
@@ -95,9 +104,9 @@ async def serve(cfg: GatewayConfig, stop: asyncio.Event | None = None, security:
             await grpc_server.set_serving(True)
         if on_listening is not None:
             on_listening(http_port, grpc_port)
-        logger.info("gateway listening: http://%s:%d/v1 (model %s, %d encoder(s), %d LM(s)%s)",
+        logger.info("gateway listening: http://%s:%d/v1 (model %s, %d encoder(s), %d LM(s)%s; API keys: %s)",
                     cfg.host, http_port, orch.model or "not known yet", len(cfg.encoder_list), len(cfg.lm_list),
-                    "" if orch.lm_wait_reason() is None else "; waiting for an LM")
+                    "" if orch.lm_wait_reason() is None else "; waiting for an LM", tenants.describe())
         await stop.wait()
     finally:
         if grpc_server is not None:

@@ -16,6 +16,7 @@ import grpc
 
 from epd.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from services.common.errors import BadInput, EPDError
+from services.gateway.auth import CURRENT_TENANT
 from services.gateway.config import GatewayConfig
 from services.gateway.core import (
     REQUEST_ID_HEADER,
@@ -110,7 +111,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         request.ClearField("body")  # parsed below: the text goes (the media stay, shared with the call's sources)
         try:
             admitted = await self.core.admit(api, body, client_id=rid or uuid.uuid4().hex, id_given=bool(rid),
-                                             path=path, media=list(request.media))
+                                             path=path, media=list(request.media), tenant=CURRENT_TENANT.get())
         except ApiError as e:  # 429: RESOURCE_EXHAUSTED, 503: UNAVAILABLE (retry later), 400s: INVALID_ARGUMENT
             raise _Status(grpc_code(e.status), e.message) from None
         try:

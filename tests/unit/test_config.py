@@ -57,6 +57,8 @@ class Sample:
     tags: list[str] = field(default_factory=lambda: ["x"])
     """Tags to attach."""
     extra: dict[str, Any] = field(default_factory=dict)
+    keys: list[str] = field(default_factory=list, metadata={"nargs": "+"})
+    """Space-separated, as a flag mirroring one of vllm serve's."""
 
 
 def parse(argv, prefix=""):
@@ -78,6 +80,11 @@ def test_every_kind_of_field_round_trips():
     assert from_args(Sample, ns) == Sample(
         name="b", count=3, ratio=1.5, verbose=True, enabled=False, tags=["p", "q", "r"], extra={"k": [1, 2], "s": "v"}
     )
+
+
+def test_a_list_field_asking_for_nargs_takes_space_separated_values_that_may_hold_commas():
+    _, ns = parse(["--keys", "a,b", "c", "--count", "2"])
+    assert from_args(Sample, ns) == Sample(keys=["a,b", "c"], count=2)
 
 
 def test_prefix_applies_to_flags_and_destinations():

@@ -14,7 +14,7 @@ from services import up
 from services.cli import build_parser
 from services.common.config import from_args
 from services.lm.config import LMServiceConfig
-from services.up import Deployment, _ephemeral_low, free_port, gateway_admitted, up_lms
+from services.up import Deployment, Service, _ephemeral_low, free_port, gateway_admitted, gateway_key_args, up_lms
 
 
 def test_free_ports_are_distinct_bindable_and_outside_the_ephemeral_range():
@@ -113,3 +113,29 @@ def test_epd_up_binds_a_side_channel_other_hosts_reach_only_with_the_opt_in(monk
     for ns in _pd_deployment(monkeypatch, tmp_path, lm_args=["--kv-host", "10.1.2.3"]):
         with pytest.raises(ValueError, match="--insecure-kv-side-channel"):
             from_args(LMServiceConfig, ns)
+
+
+def test_only_the_gateway_is_given_vllm_api_key(monkeypatch, tmp_path):
+    """VLLM_API_KEY is the gateway's clients' key: an LM given it would guard the /v1 routes of its in-process
+    vLLM app against the gateway's own calls."""
+    monkeypatch.setenv("VLLM_API_KEY", "client-key")
+    envs: dict[str, dict] = {}
+
+    def start(self, env=None):
+        envs[self.name] = env
+        return self
+
+    monkeypatch.setattr(Service, "start", start)
+    monkeypatch.setattr(Deployment, "_wait", lambda self, checks, t0, timeout: None)
+    Deployment(model="m", log_dir=str(tmp_path), quiet=True, security="none").start()
+    assert sorted(envs) == ["encoder", "gateway", "lm"]
+    assert envs["gateway"]["VLLM_API_KEY"] == "client-key"
+    assert "VLLM_API_KEY" not in envs["encoder"] and "VLLM_API_KEY" not in envs["lm"]
+    assert envs["lm"]["PYTHONUNBUFFERED"] == "1"
+
+
+def test_epd_up_passes_its_key_flags_to_the_gateway_only_when_set():
+    assert gateway_key_args(None, "") == []
+    assert gateway_key_args(["a", "b"], "k.jsonl") == ["--api-key", "a", "b", "--api-keys-file", "k.jsonl"]
+    ns = build_parser().parse_args(["up", "--api-key", "a", "b", "--api-keys-file", "k.jsonl"])
+    assert gateway_key_args(ns.api_key, ns.api_keys_file) == ["--api-key", "a", "b", "--api-keys-file", "k.jsonl"]
