@@ -49,13 +49,18 @@ ENDED = Counter("epd_gateway_background_ended_total", "Background Responses requ
 
 
 class BackgroundWork:
-    def __init__(self, lms: InstancePool, per_lm: int, timeout_s: float,
+    def __init__(self, lms: Callable[[], InstancePool], per_lm: int, timeout_s: float,
                  generating_lms: Callable[[], int]) -> None:
-        """``per_lm``: background requests held per generating LM (0: no limit); ``generating_lms``: how
-        many LMs take whole requests now (read at every decision)."""
-        self.lms, self.per_lm, self.timeout_s = lms, per_lm, timeout_s
+        """``lms``: the LM pool (read when a request is held); ``per_lm``: background requests held per
+        generating LM (0: no limit); ``generating_lms``: how many LMs take whole requests now (read at every
+        decision)."""
+        self._lms, self.per_lm, self.timeout_s = lms, per_lm, timeout_s
         self._generating_lms = generating_lms
         self._watchers: set[asyncio.Task] = set()
+
+    @property
+    def lms(self) -> InstancePool:
+        return self._lms()
 
     @property
     def held(self) -> int:

@@ -195,8 +195,8 @@ class RequestCore:
         """``fetcher``: owned by ``server.serve``; without one http(s) media URLs are refused."""
         self.cfg, self.orch, self.fetcher = cfg, orch, fetcher
         self.homes = ResponseHomes()
-        self.background = BackgroundWork(orch.lms, cfg.lm_max_background, cfg.background_timeout_s,
-                                         orch.generating_lms)
+        self.background = BackgroundWork(lambda: orch.lms, cfg.lm_max_background, cfg.background_timeout_s,
+                                         lambda: orch.generating_lms())
 
     async def close(self) -> None:
         """Gives back the places background requests hold (their LMs go on with the work)."""
