@@ -61,6 +61,13 @@ def _selected(request, module: str) -> bool:
                for item in request.session.items)
 
 
+def _selected_families(request) -> set[str]:
+    """The families test_families' selected tests run (its slow ones are left out of the default run)."""
+    return {item.callspec.params["family"] for item in request.session.items
+            if getattr(item, "module", None) is not None and item.module.__name__.endswith(".test_families")
+            and "family" in getattr(getattr(item, "callspec", None), "params", {})}
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _background_starts(request, tiny_model, tmp_path_factory):
     """Work that would otherwise wait for its module, started with the session on one background
@@ -72,7 +79,7 @@ def _background_starts(request, tiny_model, tmp_path_factory):
     if families:
         from tests.e2e import test_families
 
-        test_families.start_references()
+        test_families.start_references(_selected_families(request))
     if parity:
         from tests.e2e import test_openai_parity
 

@@ -1,7 +1,8 @@
-"""Issue 4 must-show: a 200-request burst of image chats, distinct and repeated
-images, with pools sized for about four items on each side: every request
-completes with plain vLLM's tokens, nothing is dropped, and at the end every
-pool reports 0 reserved bytes and 0 pending reservations."""
+"""A burst of image chats, distinct and repeated images, 16 at a time, with pools sized for about four
+items on each side: every request completes with plain vLLM's tokens, nothing is dropped, and at the end
+every pool reports 0 reserved bytes and 0 pending reservations. The default run sends 64 requests (four
+times the concurrency, every pool oversubscribed from the first wave on); the slow tier sends the 200 of
+the reliability goal (docs/design.md)."""
 
 from __future__ import annotations
 
@@ -20,12 +21,12 @@ pytestmark = pytest.mark.e2e
 ITEM_MIB = 16 * 128 * 2 / (1 << 20)  # one tiny-model image: 16 rows x 128 bf16
 POOL_MIB = str(4.5 * ITEM_MIB)       # about four items (plus the shm probe slot)
 DISTINCT = 12
-N = 200
 
 
 
-def test_burst_of_200_with_pools_for_4_items_completes_exactly_and_drains(tiny_model):
-    bodies = [image_chat(3000 + i % DISTINCT, text=f"Question {i % 5}?", max_tokens=6) for i in range(N)]
+@pytest.mark.parametrize("n", [64, pytest.param(200, marks=pytest.mark.slow)])
+def test_a_burst_with_pools_for_4_items_completes_exactly_and_drains(tiny_model, n):
+    bodies = [image_chat(3000 + i % DISTINCT, text=f"Question {i % 5}?", max_tokens=6) for i in range(n)]
     unique = {}
     for b in bodies:
         unique.setdefault(b["messages"][0]["content"][0]["image_url"]["url"] + b["messages"][0]["content"][1]["text"], b)

@@ -86,6 +86,19 @@ VIDEO_REQUESTS = {
 LAID_OUT_BY = {"llava": "encoder", "gemma3": "processor", "qwen2_5_vl": "encoder", "qwen3_vl": "encoder",
                "qwen2_audio": "encoder"}
 
+SLOW_FAMILIES = {
+    "llava": "placeholder replacements laid out from the encoder's metadata: Qwen2.5-VL's and Qwen2-Audio's "
+             "layouts take the same path in the default run",
+    "qwen3_vl": "M-RoPE grids and video as metadata: Qwen2.5-VL's cases (video included) take the same path "
+                "in the default run",
+}
+"""Families whose deployments run in the slow tier only (``make test-all``), each with what covers its path
+in the default run; their reference runs start only when they are selected."""
+
+
+def family_param(name: str):
+    return pytest.param(name, marks=pytest.mark.slow) if name in SLOW_FAMILIES else name
+
 
 def _requests(family: str) -> dict[str, dict]:
     if family == "qwen2_audio":
@@ -107,12 +120,13 @@ def _reference(family: str) -> tuple[dict, dict]:
     return {n: r["tokens"] for n, r in results.items()}, {n: r["prompt_token_ids"] for n, r in results.items()}
 
 
-def start_references() -> None:
-    """Starts every family's reference run, one after another on one background thread: from the
-    session's start when this module is selected (tests/e2e/conftest.py), so that they run while the
-    other modules' tests mostly wait on the network, and each family's deployment then starts alone."""
+def start_references(families=None) -> None:
+    """Starts the reference runs of ``families`` (None: every family), one after another on one background
+    thread: from the session's start for the families selected (tests/e2e/conftest.py), so that they run
+    while the other modules' tests mostly wait on the network, and each family's deployment then starts
+    alone."""
     for name in LAID_OUT_BY:
-        if name not in _REFERENCES:
+        if (families is None or name in families) and name not in _REFERENCES:
             _REFERENCES[name] = _POOL.submit(_reference, name)
 
 
@@ -125,12 +139,12 @@ def stop_references() -> None:
     _POOL.shutdown(wait=False, cancel_futures=True)
 
 
-@pytest.fixture(scope="module", params=list(LAID_OUT_BY))
+@pytest.fixture(scope="module", params=[family_param(n) for n in LAID_OUT_BY])
 def family(request):
     """The family's deployment and plain vLLM's answers (tokens and expanded prompts) to its requests."""
     from services.cli import default_model
 
-    start_references()  # no-op when the session started them
+    start_references([request.param])  # no-op when the session started it
     model = default_model(family=request.param)
     dep = Deployment(model=model, quiet=True)
     try:
@@ -148,7 +162,8 @@ def test_family_matches_plain_vllm_with_every_image_encoded_remotely(family, nam
     _check(family, name)
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"], indirect=True)  # the deployments of the image cases
+@pytest.mark.parametrize("family", [family_param("qwen2_5_vl"), family_param("qwen3_vl")],
+                         indirect=True)  # the deployments of the image cases
 @pytest.mark.parametrize("name", list(VIDEO_REQUESTS))
 def test_qwen_vl_video_matches_plain_vllm_with_every_item_encoded_remotely(family, name):
     """Video (vLLM's video_url, decoded on the encoder by vLLM's opencv backend): each video's grid
