@@ -98,19 +98,27 @@ class ResponseHomes:
     (``GET``/cancel ``/v1/responses/{id}``, ``previous_response_id``) goes to the LM whose vLLM
     stored it (``VLLM_ENABLE_RESPONSES_API_STORE=1``: kept in memory, per LM). Bounded: the oldest
     entries go first (their lookups then go to any LM, which answers not found). Only ids the gateway
-    minted (``RESPONSE_ID_RE``, 37 bytes) are kept or looked up, so the table is bounded in bytes too."""
+    minted (``RESPONSE_ID_RE``, 37 bytes) are kept or looked up, so the table is bounded in bytes too.
+    Each entry also names the tenant that made the response (``owner``): a stored response belongs to it."""
 
     def __init__(self, capacity: int = 65536) -> None:
         self.capacity = capacity
         self._homes: OrderedDict[str, str] = OrderedDict()
+        self._owners: dict[str, str] = {}
 
-    def record(self, response_id: str, lm: str) -> None:
+    def owner(self, response_id: str | None) -> str | None:
+        """The tenant that made ``response_id`` (None: not known here)."""
+        return self._owners.get(response_id) if isinstance(response_id, str) else None
+
+    def record(self, response_id: str, lm: str, tenant: str = ANONYMOUS) -> None:
         if not RESPONSE_ID_RE.fullmatch(response_id):
             return
         self._homes[response_id] = lm
+        self._owners[response_id] = tenant
         self._homes.move_to_end(response_id)
         while len(self._homes) > self.capacity:
-            self._homes.popitem(last=False)
+            old, _ = self._homes.popitem(last=False)
+            self._owners.pop(old, None)
 
     def get(self, response_id: str | None) -> str | None:
         if not isinstance(response_id, str) or not RESPONSE_ID_RE.fullmatch(response_id):
@@ -172,7 +180,7 @@ class Admitted:
                 if first and self.api.name == "responses" and resp.http_status == 200 and self._homes is not None:
                     rid = response_id(resp)
                     if rid and self.timings.lm:
-                        self._homes.record(rid, self.timings.lm)
+                        self._homes.record(rid, self.timings.lm, self.tenant)
                         if self.background:
                             self._accepted = (rid, self.timings.lm)
                 first = False
@@ -217,6 +225,12 @@ class RequestCore:
             call = parse_openai(api, raw, self.cfg, media, content_type)
             del raw  # parsed: the text goes
             call.request_id, call.id_given = client_id, id_given
+            # A request about a stored response goes to the LM that holds it, and only for its owner.
+            named = call.body.get("previous_response_id") if api == "responses" else \
+                path.rstrip("/").removesuffix("/cancel").rsplit("/", 1)[-1] if api.startswith("responses_") else None
+            if named is not None and tenant != ANONYMOUS and self.homes.owner(named) != tenant:
+                # Another tenant's, or one the gateway does not know: as vLLM answers an id it has not stored.
+                raise ApiError(404, f"Response with id '{named}' not found.", param="response_id")
             why = self.orch.lm_wait_reason()
             if why is not None:  # before any media is loaded: nothing could take the request
                 raise ApiError(503, why, "server_error")
@@ -246,9 +260,6 @@ class RequestCore:
             if lease is not None:
                 lease.release()
             raise
-        # A request about a stored response goes to the LM that holds it.
-        named = call.body.get("previous_response_id") if api == "responses" else \
-            path.rstrip("/").removesuffix("/cancel").rsplit("/", 1)[-1] if api.startswith("responses_") else None
         return Admitted(spec, call, req, loaded, Timings(start=arrival or time.perf_counter()), ticket, lease,
                         tenant=tenant, pinned=self.homes.get(named), background=background, _orch=self.orch,
                         _homes=self.homes, _work=self.background)

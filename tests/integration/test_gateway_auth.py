@@ -228,3 +228,26 @@ def test_a_refused_grpc_call_takes_nothing_from_the_intake_and_never_reaches_the
         assert intake.budget.used == 0
 
     asyncio.run(asyncio.wait_for(body(), 60))
+
+
+def test_a_stored_response_belongs_to_the_tenant_that_made_it(tmp_path):
+    """Another tenant's GET, cancel and previous_response_id find nothing (vLLM's 404 for an id it has not
+    stored), so none can read or continue another's conversation; the owner reaches it."""
+    keys = write_keys(tmp_path / "keys.jsonl", ("a", KEY_A), ("b", KEY_B))
+
+    async def body():
+        async with keyed_gateway(api_keys_file=keys) as (gw, lm):
+            status, raw = await rest(gw, "POST", "/v1/responses", KEY_A, body={"input": "mine"})
+            assert status == 200, raw
+            rid = json.loads(raw)["id"]
+            for method, path, req in [("GET", f"/v1/responses/{rid}", None),
+                                      ("POST", f"/v1/responses/{rid}/cancel", {}),
+                                      ("POST", "/v1/responses", {"input": "go on", "previous_response_id": rid})]:
+                status, raw = await rest(gw, method, path, KEY_B, body=req)
+                assert status == 404, (path, raw)
+                assert json.loads(raw)["error"]["message"] == f"Response with id '{rid}' not found."
+            assert lm.stored[rid] == "completed"  # the stranger's cancel never reached the LM
+            status, raw = await rest(gw, "GET", f"/v1/responses/{rid}", KEY_A)
+            assert status == 200 and json.loads(raw)["id"] == rid
+
+    run(body)
