@@ -26,6 +26,7 @@ per refusal would let anyone fill the log.
 from __future__ import annotations
 
 import contextvars
+import inspect
 
 import grpc
 from aiohttp import web
@@ -140,10 +141,15 @@ def _as_tenant(handler, name: str):
     if handler.response_streaming:
         inner = handler.stream_stream if handler.request_streaming else handler.unary_stream
 
-        async def streaming(request, context):
-            CURRENT_TENANT.set(name)
-            async for response in inner(request, context):
-                yield response
+        if inspect.isasyncgenfunction(inner):
+            async def streaming(request, context):
+                CURRENT_TENANT.set(name)
+                async for response in inner(request, context):
+                    yield response
+        else:  # a handler that writes its answers itself (GrpcIntake's)
+            async def streaming(request, context):
+                CURRENT_TENANT.set(name)
+                await inner(request, context)
 
         make = grpc.stream_stream_rpc_method_handler if handler.request_streaming else \
             grpc.unary_stream_rpc_method_handler

@@ -63,6 +63,8 @@ FETCHED_COPIES = 2
 REFUSED = Counter("epd_gateway_bodies_refused_total", "Request bodies refused before admission", ["reason"])
 HELD = Gauge("epd_gateway_body_bytes_held", "Budget held by request bodies (BODY_COPIES per byte)")
 READING = Gauge("epd_gateway_bodies_reading", "Request bodies being read")
+SLOW_READERS = Counter("epd_gateway_slow_readers_total", "Answers cut off because the client did not read them "
+                       "in time (--answer-timeout-s, --answer-min-rate-kib), REST and gRPC")
 
 _CODES = {408: grpc.StatusCode.DEADLINE_EXCEEDED, 413: grpc.StatusCode.RESOURCE_EXHAUSTED,
           503: grpc.StatusCode.UNAVAILABLE}
@@ -244,8 +246,10 @@ class GrpcIntake(grpc.aio.ServerInterceptor):
     """The intake limits on the gateway's native gRPC API (see the module docstring): each
     GatewayService call (one request message, a stream of answers) gets a request-streaming
     handler that takes a read slot and the body budget before grpc reads the message, reads it
-    within ``--body-timeout-s``, and hands it to the servicer's own handler; the lease is held
-    until the call ends, and then the message's payload is dropped even if grpc keeps the
+    within ``--body-timeout-s``, and hands it to the servicer's own handler, writing each answer
+    within the answer deadline (``--answer-timeout-s`` plus its size at ``--answer-min-rate-kib``;
+    a client that does not read is cut off with DEADLINE_EXCEEDED, the servicer's call closed so the
+    LM's work and the admission place go back); the lease is held until the call ends, and then the message's payload is dropped even if grpc keeps the
     message object (it does, with the call, until the call's state is collected)."""
 
     SERVICE = "/epd.gateway.v1.GatewayService/"
@@ -259,8 +263,11 @@ class GrpcIntake(grpc.aio.ServerInterceptor):
                 or not handler.response_streaming:
             return handler
         intake, inner = self.intake, handler.unary_stream
+        cfg = intake.cfg
 
         async def call(request_iterator, context):
+            # A coroutine that writes each answer itself (``context.write``), not a generator: a write
+            # the client does not take in time is abandoned and the call ended, which a yield cannot do.
             status, request, lease = None, None, None
             try:
                 lease = await intake.reserve_message()
@@ -275,8 +282,23 @@ class GrpcIntake(grpc.aio.ServerInterceptor):
                     raise BodyRefused(408, "no request message", "timeout")
                 await lease.resize(BODY_COPIES * message_nbytes(request))
                 CURRENT_LEASE.set(lease)
-                async for response in inner(request, context):
-                    yield response
+                answer = inner(request, context)
+                try:
+                    async for response in answer:
+                        size = response.ByteSize()
+                        limit = cfg.answer_timeout_s + size / (cfg.answer_min_rate_kib * 1024)
+                        try:
+                            async with asyncio.timeout(limit):
+                                await context.write(response)
+                        except TimeoutError:
+                            SLOW_READERS.inc()
+                            logger.info("gRPC call %s: the client did not read %d bytes of its answer within %.1f s; "
+                                        "ending it", details.method, size, limit)
+                            status = (grpc.StatusCode.DEADLINE_EXCEEDED, "the client did not read its answer in "
+                                      "time (--answer-timeout-s, --answer-min-rate-kib)")
+                            break
+                finally:
+                    await answer.aclose()  # the servicer's own finally: the LM call cancelled, places back
             except BodyRefused as e:
                 status = (e.code, e.message)
             finally:

@@ -15,8 +15,6 @@ STAGE = Histogram("epd_gateway_stage_seconds",
                   "fetch, routing), metadata, encode, transfer (LM wait for embeddings), lm_queue (LM scheduler "
                   "queue), ttft, tpot (per output token after the first), total",
                   ["stage"], buckets=_BUCKETS)
-SLOW_READERS = Counter("epd_gateway_slow_readers_total",
-                       "REST answers cut off because the client did not read them in time (--answer-timeout-s)")
 ITEMS = Counter("epd_gateway_items_total", "Media items by how they reached the LM "
                 "(a transport name, or LOCAL when the LM encoded them)", ["transport"])
 

@@ -30,7 +30,7 @@ from services.gateway.core import (
     from_grpc,
 )
 from services.gateway.fetch import MediaFetcher
-from services.gateway.intake import CURRENT_LEASE, BodyRefused, Intake
+from services.gateway.intake import CURRENT_LEASE, SLOW_READERS, BodyRefused, Intake
 from services.gateway.orchestrator import Orchestrator
 from services.gateway.request import API, APIS, SCALE_OUT_DISABLED, SCALE_OUT_PATHS, ApiError, OpenAICall
 from services.gateway.tenants import ANONYMOUS
@@ -148,7 +148,7 @@ class OpenAIRoutes:
             return response
         except SlowReader as e:
             slow = True
-            metrics.SLOW_READERS.inc()
+            SLOW_READERS.inc()
             logger.info("request %s: %s; cancelling its LM call", admitted.req.request_id, e)
             return web.Response(status=408)  # never sent: the connection is closed below
         except (ConnectionResetError, asyncio.CancelledError):

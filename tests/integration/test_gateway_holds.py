@@ -13,6 +13,7 @@ import json
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from epd.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.integration.gateway_fakes import FakeLM, World, serve_fake, wait_until
 from tests.integration.gateway_harness import Gateway, chat
 
@@ -191,5 +192,26 @@ def test_a_client_cannot_choose_a_response_id_so_cannot_overwrite_anothers_store
             status, refused, _ = await gw.post("/v1/responses", {"input": "not yours", "request_id": victim["id"]})
             assert status == 400 and refused["error"]["param"] == "request_id"
             assert [p for _, p, _ in world.log if p == "POST /v1/responses"] == ["POST /v1/responses"]
+
+    run(body)
+
+
+def test_a_grpc_client_that_never_reads_its_stream_is_cut_off_and_its_place_and_lm_work_released():
+    async def body(world: World, lm: FakeLM, address: str):
+        async with Gateway(lms=address, lm_max_outstanding=1, admission_queue=0, answer_timeout_s=1.0,
+                           answer_min_rate_kib=1024) as gw:
+            await gw.poll(lambda: gw.get("/health"), lambda r: r[0] == 200, 30, "the LM admitted")
+            cut0 = await metric(gw, "epd_gateway_slow_readers_total")
+            world.lm_script.append(f"big:{BIG}")
+            stub = gateway_pb2_grpc.GatewayServiceStub(gw.channel)
+            call = stub.ChatCompletion(gateway_pb2.OpenAIRequest(
+                body=json.dumps(chat(stream=True, max_tokens=100)).encode()))  # and never read
+            try:
+                await wait_until(lambda: lm.cancelled, 30, "the LM's work aborted")
+                status, answer, _ = await gw.post("/v1/chat/completions", chat())
+                assert status == 200, answer  # the one place went back
+                assert await metric(gw, "epd_gateway_slow_readers_total") == cut0 + 1
+            finally:
+                call.cancel()
 
     run(body)
