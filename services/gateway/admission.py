@@ -3,9 +3,14 @@ with a status the client can act on; it never times out half-way through.
 
 Each healthy LM takes at most ``--lm-max-outstanding`` admitted requests at once,
 and each healthy encoder at most ``--encoder-max-outstanding`` admitted requests
-that encode on it (``capacity``). A request that finds no room waits in one FIFO
-queue (at most ``--admission-queue`` requests, each at most ``--admission-wait-s``);
-a full queue is 429, a wait that runs out is 503, both with ``Retry-After``. An
+that encode on it (``capacity``). A request that finds no room waits in its tenant's
+FIFO queue (at most ``--admission-queue`` requests per tenant, each at most
+``--admission-wait-s``); a full queue is 429 (that tenant is over its share: the
+others' queues are untouched), a wait that runs out is 503 (the deployment as a
+whole is full), both with ``Retry-After``. Room that frees goes to the waiting
+tenant with the fewest requests in flight (ties: the one waiting longest), so one
+tenant's flood fills its own queue and takes turns with the others, never their
+places. With one tenant (a gateway without keys) this is one FIFO queue. An
 admitted request holds its place until its answer ends (``Ticket.release``, also
 on failure or a client that goes away), so what the LMs and encoders have in
 flight stays bounded and every admitted request is served within the limits the
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,12 +47,16 @@ class AdmissionRefused(Exception):
         self.status, self.message, self.retry_after_s = status, message, retry_after_s
 
 
+ANONYMOUS = "anonymous"  # services.gateway.tenants.ANONYMOUS (this module imports no service module)
+
+
 @dataclass(eq=False)
 class Ticket:
     """One admitted request's place: an LM slot, and an encoder slot if it encodes remotely."""
 
     admission: Admission
     encoder: bool
+    tenant: str = ANONYMOUS
     released: bool = False
 
     def release(self) -> None:
@@ -65,6 +75,8 @@ class Ticket:
 @dataclass(eq=False)
 class _Waiter:
     encoder: bool
+    tenant: str
+    seq: int
     future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
@@ -78,7 +90,18 @@ class Admission:
         self._healthy_lms, self._healthy_encoders = healthy_lms, healthy_encoders
         self.in_flight = 0
         self.encoding = 0
-        self._waiting: collections.deque[_Waiter] = collections.deque()
+        self._held: collections.Counter[str] = collections.Counter()  # in flight, per tenant
+        self._waiting: dict[str, collections.deque[_Waiter]] = {}  # per tenant, FIFO; no empty queues
+        self._seq = itertools.count()
+        self._served: dict[str, int] = {}  # per tenant with requests in flight or waiting: its last admission
+
+    @property
+    def waiting(self) -> int:
+        return sum(len(q) for q in self._waiting.values())
+
+    def held_by(self, tenant: str) -> int:
+        """Admitted requests of ``tenant`` in flight."""
+        return self._held[tenant]
 
     @property
     def enabled(self) -> bool:
@@ -94,22 +117,25 @@ class Admission:
         lms, encoders = self.capacity()
         return self.in_flight < lms and (not encoder or self.encoding < encoders)
 
-    async def admit(self, encoder: bool) -> Ticket:
-        """A ticket for a request (``encoder``: it will encode on an encoder), at once or after
-        waiting its turn. Raises AdmissionRefused."""
+    async def admit(self, encoder: bool, tenant: str = ANONYMOUS) -> Ticket:
+        """A ticket for a request of ``tenant`` (``encoder``: it will encode on an encoder), at once or
+        after waiting its turn. Raises AdmissionRefused."""
         if not self.enabled:
-            return self._take(encoder)
+            return self._take(encoder, tenant)
         if not self._waiting and self._fits(encoder):
             ADMISSIONS.labels("admitted").inc()
-            return self._take(encoder)
-        if len(self._waiting) >= self.queue:
+            return self._take(encoder, tenant)
+        queue = self._waiting.get(tenant, ())
+        if len(queue) >= self.queue:
             ADMISSIONS.labels("refused_full").inc()
-            raise AdmissionRefused(429, f"the gateway is at capacity ({self.in_flight} requests in flight, "
-                                        f"{len(self._waiting)} waiting); retry later", 1)
-        waiter = _Waiter(encoder)
-        self._waiting.append(waiter)
-        WAITING.set(len(self._waiting))
+            whose = "" if tenant == ANONYMOUS else f" for tenant {tenant}"
+            raise AdmissionRefused(429, f"the gateway is at capacity{whose} ({self._held[tenant]} requests in "
+                                        f"flight, {len(queue)} waiting, --admission-queue); retry later", 1)
+        waiter = _Waiter(encoder, tenant, next(self._seq))
+        self._waiting.setdefault(tenant, collections.deque()).append(waiter)
+        WAITING.set(self.waiting)
         ADMISSIONS.labels("queued").inc()
+        self._wake()  # room another tenant's head could not use may be this one's
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.wait_s
         try:
@@ -130,20 +156,35 @@ class Admission:
                 waiter.future.result().release()
             raise
         finally:
-            if waiter in self._waiting:
-                self._waiting.remove(waiter)
-                WAITING.set(len(self._waiting))
+            if self._unqueue(waiter):
                 self._wake()
 
-    def _take(self, encoder: bool) -> Ticket:
+    def _unqueue(self, waiter: _Waiter) -> bool:
+        queue = self._waiting.get(waiter.tenant)
+        if queue is None or waiter not in queue:
+            return False
+        queue.remove(waiter)
+        if not queue:
+            del self._waiting[waiter.tenant]
+        WAITING.set(self.waiting)
+        return True
+
+    def _take(self, encoder: bool, tenant: str) -> Ticket:
         self.in_flight += 1
         self.encoding += encoder
+        self._held[tenant] += 1
+        self._served[tenant] = next(self._seq)
         self._gauges()
-        return Ticket(self, encoder)
+        return Ticket(self, encoder, tenant)
 
     def _release(self, ticket: Ticket) -> None:
         self.in_flight -= 1
         self.encoding -= ticket.encoder
+        self._held[ticket.tenant] -= 1
+        if self._held[ticket.tenant] <= 0:
+            del self._held[ticket.tenant]
+            if ticket.tenant not in self._waiting:
+                self._served.pop(ticket.tenant, None)  # bounded by the tenants in flight or waiting
         self._gauges()
         self._wake()
 
@@ -152,15 +193,20 @@ class Admission:
         self._gauges()
         self._wake()
 
+    def _next(self) -> _Waiter | None:
+        """The head of the queue of the waiting tenant with the fewest requests in flight (ties: the tenant
+        admitted least recently, so tenants take turns; then the head that has waited longest)."""
+        heads = (q[0] for q in self._waiting.values())
+        return min(heads, key=lambda w: (self._held[w.tenant], self._served.get(w.tenant, -1), w.seq), default=None)
+
     def _wake(self) -> None:
-        """Admits waiters in arrival order while they fit (FIFO: a request that needs an encoder
-        slot is not overtaken by text requests behind it)."""
-        while self._waiting and self._fits(self._waiting[0].encoder):
-            waiter = self._waiting.popleft()
-            WAITING.set(len(self._waiting))
+        """Admits waiters while the next one (``_next``) fits; it is never passed over (a request that
+        needs an encoder slot is not overtaken by text requests behind it)."""
+        while (waiter := self._next()) is not None and self._fits(waiter.encoder):
+            self._unqueue(waiter)
             if not waiter.future.done():
                 ADMISSIONS.labels("admitted").inc()
-                waiter.future.set_result(self._take(waiter.encoder))
+                waiter.future.set_result(self._take(waiter.encoder, waiter.tenant))
 
     def _gauges(self) -> None:
         ADMITTED.labels("lm").set(self.in_flight)

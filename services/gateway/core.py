@@ -246,7 +246,7 @@ class RequestCore:
                 if background:
                     self.background.check_room()
                 ticket = await self.orch.admission.admit(
-                    self.orch.encodes_remotely(len(call.parts) if spec.encode else 0))
+                    self.orch.encodes_remotely(len(call.parts) if spec.encode else 0), tenant)
             except AdmissionRefused as e:
                 raise ApiError(e.status, e.message, "rate_limit_error" if e.status == 429 else "server_error",
                                retry_after=str(e.retry_after_s)) from None

@@ -14,6 +14,7 @@ from typing import Any
 
 import aiohttp
 import grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from epd.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from peerauth import SecurityConfig
@@ -101,3 +102,14 @@ class Gateway:
             if time.monotonic() > deadline:
                 raise AssertionError(f"not within {timeout}s: {what} (last: {result})")
             await asyncio.sleep(0.05)
+
+
+async def metric(gw: Gateway, name: str, **labels) -> float:
+    """One sample of the gateway's /metrics (0 when absent)."""
+    async with gw.http.get(gw.url + "/metrics") as r:
+        text = await r.text()
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
+    return 0.0

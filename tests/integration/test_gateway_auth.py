@@ -25,7 +25,7 @@ from services.gateway.core import RequestCore
 from services.gateway.intake import GrpcIntake, Intake
 from services.gateway.tenants import ANONYMOUS, DEFAULT, Tenants
 from tests.integration.gateway_fakes import FakeLM, World, serve_fake, wait_until
-from tests.integration.gateway_harness import Gateway, chat
+from tests.integration.gateway_harness import Gateway, chat, metric
 from tests.integration.test_gateway_start_order import run
 
 pytestmark = pytest.mark.integration
@@ -249,5 +249,34 @@ def test_a_stored_response_belongs_to_the_tenant_that_made_it(tmp_path):
             assert lm.stored[rid] == "completed"  # the stranger's cancel never reached the LM
             status, raw = await rest(gw, "GET", f"/v1/responses/{rid}", KEY_A)
             assert status == 200 and json.loads(raw)["id"] == rid
+
+    run(body)
+
+
+def test_one_tenants_flood_fills_its_own_queue_and_the_other_tenant_is_served_first(tmp_path):
+    """One place, a queue of one per tenant: tenant a holds the place and fills its queue, so its next
+    request is refused (429) while tenant b's is queued, and the freed place goes to b before a's waiter."""
+    keys = write_keys(tmp_path / "keys.jsonl", ("a", KEY_A), ("b", KEY_B))
+
+    def said(r) -> str:
+        return json.loads(r.openai.body)["messages"][0]["content"]
+
+    async def body():
+        async with keyed_gateway(api_keys_file=keys, lm_max_outstanding=1, admission_queue=1,
+                                 admission_wait_s=30.0) as (gw, lm):
+            lm.world.lm_script.append("block")  # a's first request holds the place until cancelled
+            holder = asyncio.create_task(rest(gw, "POST", "/v1/chat/completions", KEY_A, body=chat("a1")))
+            await wait_until(lambda: lm.requests, 20, "a's first request at the LM")
+            a_waiting = asyncio.create_task(rest(gw, "POST", "/v1/chat/completions", KEY_A, body=chat("a2")))
+            await gw.poll(lambda: metric(gw, "epd_gateway_admission_waiting"), lambda v: v == 1, 20,
+                          "a's second request queued")
+            status, raw = await rest(gw, "POST", "/v1/chat/completions", KEY_A, body=chat("a3"))
+            assert status == 429, raw  # a's queue is full ...
+            b_waiting = asyncio.create_task(rest(gw, "POST", "/v1/chat/completions", KEY_B, body=chat("b1")))
+            await gw.poll(lambda: metric(gw, "epd_gateway_admission_waiting"), lambda v: v == 2, 20,
+                          "b's request queued beside a's")  # ... b's is not refused
+            holder.cancel()  # a's client goes away: its place is freed
+            assert [s for s, _ in await asyncio.wait_for(asyncio.gather(b_waiting, a_waiting), 30)] == [200, 200]
+            assert [said(r) for r in lm.requests] == ["a1", "b1", "a2"]  # b first: it had none in flight
 
     run(body)

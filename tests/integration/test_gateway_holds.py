@@ -11,26 +11,15 @@ import contextlib
 import json
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from epd.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.integration.gateway_fakes import FakeLM, World, serve_fake, wait_until
-from tests.integration.gateway_harness import Gateway, chat
+from tests.integration.gateway_harness import Gateway, chat, metric
 
 pytestmark = pytest.mark.integration
 
 TEST_LIMIT_S = 120.0  # a hang guard
 BIG = 1 << 20  # bytes of content per part of a "big" answer: 64 MiB in all, past any socket buffer
-
-
-async def metric(gw: Gateway, name: str, **labels) -> float:
-    async with gw.http.get(gw.url + "/metrics") as r:
-        text = await r.text()
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                return s.value
-    return 0.0
 
 
 async def never_reading(port: int, body: dict) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:

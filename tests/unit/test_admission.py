@@ -1,5 +1,5 @@
-"""Gateway admission control (``Admission``: slots per healthy LM and encoder, one FIFO queue,
-429 when it is full, 503 after ``wait_s``) and the orchestrator's placement decision, driven
+"""Gateway admission control (``Admission``: slots per healthy LM and encoder, a FIFO queue per tenant,
+429 when it is full, 503 after ``wait_s``, room to the waiting tenant with the fewest in flight) and the orchestrator's placement decision, driven
 without servers: instance states and outstanding counts are set by hand."""
 
 from __future__ import annotations
@@ -39,12 +39,12 @@ async def admit_now(adm: Admission, encoder: bool = False) -> Ticket:
     return await asyncio.wait_for(adm.admit(encoder), 0.05)
 
 
-async def queued(adm: Admission, encoder: bool = False) -> asyncio.Task:
+async def queued(adm: Admission, encoder: bool = False, tenant: str = "anonymous") -> asyncio.Task:
     """An admit() that must wait (it is in the queue when this returns)."""
-    before = len(adm._waiting)
-    task = asyncio.create_task(adm.admit(encoder))
+    before = adm.waiting
+    task = asyncio.create_task(adm.admit(encoder, tenant))
     await settle()
-    assert not task.done() and len(adm._waiting) == before + 1
+    assert not task.done() and adm.waiting == before + 1
     return task
 
 
@@ -52,6 +52,37 @@ async def cancel_all(*tasks: asyncio.Task) -> None:
     for t in tasks:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+
+
+# --- tenants: each its own queue, room to the one with the fewest in flight ------------------------------------------
+
+
+def test_a_tenants_flood_fills_only_its_own_queue_and_freed_room_goes_to_the_other_tenant_first():
+    async def main():
+        adm, _ = make(lm_slots=2, queue=3)
+        held = [await asyncio.wait_for(adm.admit(False, "flood"), 0.05) for _ in range(2)]
+        flood = [await queued(adm, tenant="flood") for _ in range(3)]
+        with pytest.raises(AdmissionRefused) as e:  # the flood's own queue is full: 429 for it ...
+            await adm.admit(False, "flood")
+        assert e.value.status == 429 and "tenant flood" in e.value.message
+        other = await queued(adm, tenant="steady")  # ... while the other tenant still queues
+        held[0].release()
+        await settle()
+        # The freed place goes to the tenant with none in flight, not to the flood's older waiter.
+        assert other.done() and (await other).tenant == "steady" and not any(t.done() for t in flood)
+        assert adm.held_by("flood") == 1 and adm.held_by("steady") == 1
+        held[1].release()
+        await settle()
+        assert flood[0].done() and not flood[1].done()  # then the flood's, in its own order
+        (await flood[0]).release()
+        (await other).release()
+        await settle()
+        assert flood[1].done() and flood[2].done()
+        for t in flood[1:]:
+            (await t).release()
+        assert adm.in_flight == 0 and adm.waiting == 0 and not adm._held
+
+    asyncio.run(main())
 
 
 # --- capacity and the FIFO queue -----------------------------------------------------------------------------------
@@ -107,7 +138,7 @@ def test_a_request_waiting_for_an_encoder_is_not_overtaken_by_a_text_request_beh
         text.release()  # an LM slot is free, the encoder slot is not: the head cannot go
         await settle()
         assert not enc_waiter.done() and not text_waiter.done()
-        assert (adm.in_flight, adm.encoding, len(adm._waiting)) == (1, 1, 2)
+        assert (adm.in_flight, adm.encoding, adm.waiting) == (1, 1, 2)
         # A new text request joins the queue too rather than jumping it.
         late = await queued(adm)
         enc.release()
@@ -196,10 +227,10 @@ def test_a_full_queue_is_refused_at_once_with_429():
             await adm.admit(False)
         assert time.monotonic() - start < 2.5  # at once, not after wait_s (5 s)
         assert e.value.status == 429 and e.value.retry_after_s >= 1 and "capacity" in e.value.message
-        assert len(adm._waiting) == 2 and adm.in_flight == 1
+        assert adm.waiting == 2 and adm.in_flight == 1
         await cancel_all(*waiters)
         held.release()
-        assert (adm.in_flight, len(adm._waiting)) == (0, 0)
+        assert (adm.in_flight, adm.waiting) == (0, 0)
 
     asyncio.run(go())
 
@@ -228,7 +259,7 @@ def test_a_wait_past_wait_s_is_refused_with_503_and_leaves_the_queue():
         waited = time.monotonic() - start
         assert 0.15 <= waited < 3.0  # after wait_s; the upper bound is loose (a busy host is late)
         assert e.value.status == 503 and e.value.retry_after_s >= 1 and "0.2s" in e.value.message
-        assert (adm.in_flight, len(adm._waiting)) == (1, 0)
+        assert (adm.in_flight, adm.waiting) == (1, 0)
         held.release()
         assert adm.in_flight == 0
 
@@ -253,7 +284,7 @@ def test_a_refused_head_of_queue_lets_the_waiter_behind_it_in():
         assert behind.done() and (adm.in_flight, adm.encoding) == (2, 1)
         behind.result().release()
         enc.release()
-        assert (adm.in_flight, adm.encoding, len(adm._waiting)) == (0, 0, 0)
+        assert (adm.in_flight, adm.encoding, adm.waiting) == (0, 0, 0)
 
     asyncio.run(go())
 
@@ -287,12 +318,12 @@ def test_a_waiter_cancelled_while_waiting_takes_nothing_and_leaves_the_queue():
         gone.cancel()
         await settle()
         assert gone.cancelled()
-        assert adm.in_flight == 1 and len(adm._waiting) == 1 and not nxt.done()
+        assert adm.in_flight == 1 and adm.waiting == 1 and not nxt.done()
         held.release()
         await settle()
         assert nxt.done() and adm.in_flight == 1  # the next waiter, not the cancelled one, got the place
         nxt.result().release()
-        assert (adm.in_flight, len(adm._waiting)) == (0, 0)
+        assert (adm.in_flight, adm.waiting) == (0, 0)
 
     asyncio.run(go())
 
@@ -309,7 +340,7 @@ def test_a_waiter_cancelled_just_before_it_is_admitted_gives_its_place_back():
         assert gone.cancelled()
         assert nxt.done() and (adm.in_flight, adm.encoding) == (1, 1)  # gone's ticket went on to `nxt`
         nxt.result().release()
-        assert (adm.in_flight, adm.encoding, len(adm._waiting)) == (0, 0, 0)
+        assert (adm.in_flight, adm.encoding, adm.waiting) == (0, 0, 0)
 
     asyncio.run(go())
 
@@ -332,7 +363,7 @@ def test_a_waiter_cancelled_just_after_it_is_admitted_leaks_no_place():
             await settle()
         assert nxt.done() and (adm.in_flight, adm.encoding) == (1, 1)
         nxt.result().release()
-        assert (adm.in_flight, adm.encoding, len(adm._waiting)) == (0, 0, 0)
+        assert (adm.in_flight, adm.encoding, adm.waiting) == (0, 0, 0)
 
     asyncio.run(go())
 
