@@ -225,6 +225,8 @@ class RequestCore:
             call = parse_openai(api, raw, self.cfg, media, content_type)
             del raw  # parsed: the text goes
             call.request_id, call.id_given = client_id, id_given
+            if tenant != ANONYMOUS:
+                call.salt_tenant = tenant  # each tenant its own prefix-cache namespace
             # A request about a stored response goes to the LM that holds it, and only for its owner.
             named = call.body.get("previous_response_id") if api == "responses" else \
                 path.rstrip("/").removesuffix("/cancel").rsplit("/", 1)[-1] if api.startswith("responses_") else None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import hashlib
 import json
 import logging
 import re
@@ -57,6 +58,26 @@ RESPONSE_ID_RE = re.compile(r"resp_[0-9a-f]{32}")
 
 def mint_response_id() -> str:
     return f"resp_{uuid.uuid4().hex}"
+
+
+CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")
+CACHE_SALT_MAX = 128
+"""vLLM's rule for a ``cache_salt`` (``vllm/entrypoints/generate/base/protocol.py``; checked against it by
+tests/unit/test_tenant_salt_vllm.py)."""
+
+
+def tenant_salt(tenant: str, client_salt: Any) -> Any:
+    """The ``cache_salt`` a tenant's request reaches vLLM with: its prefix-cache entries are then its own, so
+    no tenant can tell from a first token's time whether another sent the same prompt (vLLM hashes the salt
+    into a prompt's first block). ``tenant:`` and, for a client's own salt, its digest: a tenant name holds
+    no ``:``, so no client salt can make another tenant's. A client salt vLLM would refuse is passed on as
+    it came, so the client gets vLLM's own 400."""
+    if client_salt is None:
+        return f"{tenant}:"
+    if not isinstance(client_salt, str) or not client_salt or len(client_salt) > CACHE_SALT_MAX \
+            or any(c in CACHE_SALT_FORBIDDEN for c in client_salt):
+        return client_salt
+    return f"{tenant}:{hashlib.sha256(client_salt.encode()).hexdigest()[:40]}"
 
 
 def engine_request_id(client_id: str, prefix: str) -> str:
@@ -155,6 +176,8 @@ class OpenAICall:
     """A Responses request's id, minted by the gateway (``RESPONSE_ID_RE``): vLLM names and stores the
     response under the body's ``request_id``, so a client that chose it could take over or overwrite
     another's stored response; a body that names one is refused (400)."""
+    salt_tenant: str = ""
+    """With client keys, the tenant whose prefix-cache namespace a generating request uses (``tenant_salt``)."""
     upload: bytes = b""
     """An ``upload`` API's body, as the client sent it (``content_type`` says how it is encoded)."""
     content_type: str = ""
@@ -187,6 +210,8 @@ class OpenAICall:
             body["request_id"] = self.request_id
         if self.response_id:
             body["request_id"] = self.response_id
+        if self.salt_tenant and spec.generates:
+            body["cache_salt"] = tenant_salt(self.salt_tenant, body.get("cache_salt"))
         items = list(req.items) if spec.encode else [None] * len(media)
         # The LM lays a prompt out from the encoders' layouts only when every item has one; else its
         # processor lays the whole prompt out and needs every item's bytes.

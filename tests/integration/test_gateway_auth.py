@@ -278,5 +278,7 @@ def test_one_tenants_flood_fills_its_own_queue_and_the_other_tenant_is_served_fi
             holder.cancel()  # a's client goes away: its place is freed
             assert [s for s, _ in await asyncio.wait_for(asyncio.gather(b_waiting, a_waiting), 30)] == [200, 200]
             assert [said(r) for r in lm.requests] == ["a1", "b1", "a2"]  # b first: it had none in flight
+            # Each tenant's prompts in its own prefix-cache namespace (vLLM's cache_salt).
+            assert [json.loads(r.openai.body)["cache_salt"] for r in lm.requests] == ["a:", "b:", "a:"]
 
     run(body)
