@@ -36,6 +36,7 @@ gateway's event loop. A ``BodyLease`` is released by whoever took it when the re
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextvars
 import logging
 import time
@@ -46,7 +47,9 @@ from prometheus_client import Counter, Gauge
 
 from services.common.errors import EPDError
 from services.common.media import ByteBudget
+from services.gateway.auth import CURRENT_TENANT
 from services.gateway.config import BODY_COPIES, GatewayConfig
+from services.gateway.tenants import ANONYMOUS
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +60,9 @@ RATE_GRACE_S = 2.0
 """Seconds a body may take before the minimum upload rate applies."""
 GRPC_READERS = 4
 """gRPC request messages being received at once (each holds twice the largest body until read)."""
+GRPC_READERS_PER_TENANT = GRPC_READERS // 2
+"""Of those, what one named tenant may hold (a gateway without keys: its one tenant, all of them): a
+tenant that floods the gRPC API with messages it never finishes leaves the others room."""
 FETCHED_COPIES = 2
 """Budget charged per fetched media byte: the bytes, and their base64 in an LM body."""
 
@@ -67,7 +73,7 @@ SLOW_READERS = Counter("epd_gateway_slow_readers_total", "Answers cut off becaus
                        "in time (--answer-timeout-s, --answer-min-rate-kib), REST and gRPC")
 
 _CODES = {408: grpc.StatusCode.DEADLINE_EXCEEDED, 413: grpc.StatusCode.RESOURCE_EXHAUSTED,
-          503: grpc.StatusCode.UNAVAILABLE}
+          429: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE}
 
 
 class BodyRefused(EPDError):
@@ -143,6 +149,7 @@ class Intake:
         self.reading = 0
         self.grpc_reading = 0
         self._grpc_slots = asyncio.Semaphore(GRPC_READERS)
+        self._grpc_by_tenant: collections.Counter[str] = collections.Counter()
         self.min_rate = cfg.body_min_rate_kib * 1024
 
     def start_reading(self) -> None:
@@ -205,10 +212,27 @@ class Intake:
             self.done_reading()
         return bytes(buf), lease
 
-    async def reserve_message(self) -> BodyLease:
+    async def reserve_message(self, tenant: str = ANONYMOUS) -> BodyLease:
         """A gRPC call's lease for its one request message, before grpc reads it: a read slot and
-        twice the largest body (the message as grpc holds it, and its deserialized copy). Raises
-        BodyRefused (nothing held then)."""
+        twice the largest body (the message as grpc holds it, and its deserialized copy); a named
+        ``tenant`` gets at most ``GRPC_READERS_PER_TENANT`` slots at once (429 past it). Raises
+        BodyRefused (nothing held then); ``done_grpc_reading(tenant)`` gives the slot back."""
+        if tenant != ANONYMOUS and self._grpc_by_tenant[tenant] >= GRPC_READERS_PER_TENANT:
+            raise BodyRefused(429, f"tenant {tenant} is sending {self._grpc_by_tenant[tenant]} gRPC request messages "
+                                   "at once, its share; retry later", "tenant")
+        self._grpc_by_tenant[tenant] += 1
+        try:
+            return await self._reserve_message()
+        except BaseException:
+            self._release_tenant(tenant)
+            raise
+
+    def _release_tenant(self, tenant: str) -> None:
+        self._grpc_by_tenant[tenant] -= 1
+        if self._grpc_by_tenant[tenant] <= 0:
+            del self._grpc_by_tenant[tenant]
+
+    async def _reserve_message(self) -> BodyLease:
         try:
             await asyncio.wait_for(self._grpc_slots.acquire(), WAIT_S)
         except asyncio.TimeoutError:
@@ -228,7 +252,8 @@ class Intake:
             raise
         return lease
 
-    def done_grpc_reading(self) -> None:
+    def done_grpc_reading(self, tenant: str = ANONYMOUS) -> None:
+        self._release_tenant(tenant)
         self.grpc_reading -= 1
         self._grpc_slots.release()
         self.done_reading()
@@ -269,15 +294,16 @@ class GrpcIntake(grpc.aio.ServerInterceptor):
             # A coroutine that writes each answer itself (``context.write``), not a generator: a write
             # the client does not take in time is abandoned and the call ended, which a yield cannot do.
             status, request, lease = None, None, None
+            tenant = CURRENT_TENANT.get()  # set by the auth interceptor, in this call's task
             try:
-                lease = await intake.reserve_message()
+                lease = await intake.reserve_message(tenant)
                 try:
                     request = await asyncio.wait_for(anext(aiter(request_iterator), None), intake.cfg.body_timeout_s)
                 except asyncio.TimeoutError:
                     raise BodyRefused(408, "the request message did not arrive within "
                                            f"{intake.cfg.body_timeout_s:g} s (--body-timeout-s)", "timeout") from None
                 finally:
-                    intake.done_grpc_reading()
+                    intake.done_grpc_reading(tenant)
                 if request is None:
                     raise BodyRefused(408, "no request message", "timeout")
                 await lease.resize(BODY_COPIES * message_nbytes(request))

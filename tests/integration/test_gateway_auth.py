@@ -201,9 +201,9 @@ def test_a_refused_grpc_call_takes_nothing_from_the_intake_and_never_reaches_the
     reservations = []
     reserve = intake.reserve_message
 
-    async def recording_reserve():
+    async def recording_reserve(*args):
         reservations.append(True)
-        return await reserve()
+        return await reserve(*args)
 
     monkeypatch.setattr(intake, "reserve_message", recording_reserve)
     big = gateway_pb2.OpenAIRequest(body=b"x" * (1 << 20))
@@ -280,5 +280,30 @@ def test_one_tenants_flood_fills_its_own_queue_and_the_other_tenant_is_served_fi
             assert [said(r) for r in lm.requests] == ["a1", "b1", "a2"]  # b first: it had none in flight
             # Each tenant's prompts in its own prefix-cache namespace (vLLM's cache_salt).
             assert [json.loads(r.openai.body)["cache_salt"] for r in lm.requests] == ["a:", "b:", "a:"]
+
+    run(body)
+
+
+def test_a_tenant_whose_grpc_messages_never_come_holds_only_its_share_of_the_readers(tmp_path):
+    """Tenant a opens calls whose request message never comes: past its share of the gRPC readers it is
+    refused at once (RESOURCE_EXHAUSTED), and tenant b's call is still read and served."""
+    from services.gateway.intake import GRPC_READERS_PER_TENANT
+
+    keys = write_keys(tmp_path / "keys.jsonl", ("a", KEY_A), ("b", KEY_B))
+
+    async def body():
+        async with keyed_gateway(api_keys_file=keys, body_timeout_s=20.0) as (gw, lm):
+            method = "/epd.gateway.v1.GatewayService/ChatCompletion"
+            auth_a = (("authorization", f"Bearer {KEY_A}"),)
+            stalled = [gw.channel.stream_stream(method)(metadata=auth_a) for _ in range(GRPC_READERS_PER_TENANT)]
+            await gw.poll(lambda: metric(gw, "epd_gateway_bodies_reading"), lambda v: v >= GRPC_READERS_PER_TENANT,
+                          20, "a's stalled calls hold their readers")
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                one_more = gw.channel.stream_stream(method)(metadata=auth_a)
+                await one_more.read()
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "tenant a" in e.value.details()
+            assert await grpc_chat(gw, KEY_B) == grpc.StatusCode.OK  # b still has room
+            for call in stalled:
+                call.cancel()
 
     run(body)
