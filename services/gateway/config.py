@@ -69,7 +69,8 @@ class GatewayConfig:
     encoder_max_outstanding: int = 32
     """Admission control: requests encoding per healthy encoder; more wait for a place (0: no limit)."""
     admission_queue: int = 1024
-    """Requests that may wait for admission; a request beyond it is refused at once with 429 and Retry-After."""
+    """Requests that may wait for admission, per tenant; a request beyond it is refused at once with 429 and
+    Retry-After."""
     admission_wait_s: float = 60.0
     """Longest wait for admission; then 503 with Retry-After. An admitted request is never refused later."""
     lm_max_background: int = 16
