@@ -67,7 +67,8 @@ class PartError(ValueError):
 class MediaPart:
     """One media item of a request, in request order: where it is, its vLLM part type and
     modality, and its source (a URL; an ``input_audio`` part's data as a data: URL). ``inner``: an
-    Anthropic tool result's image, ``content[part].content[inner]``; else -1."""
+    Anthropic tool result's image, ``content[part].content[inner]``; else -1. ``key``: the list of
+    parts it is in (``content``; a Responses tool output item's ``output``)."""
 
     message: int
     part: int
@@ -76,11 +77,12 @@ class MediaPart:
     source: str
     inner: int = -1
     container: str = "messages"
+    key: str = "content"
 
     @property
     def where(self) -> str:
         inner = f".content[{self.inner}]" if self.inner >= 0 else ""
-        return f"{self.container}[{self.message}].content[{self.part}]{inner}"
+        return f"{self.container}[{self.message}].{self.key}[{self.part}]{inner}"
 
 
 def part_type(part: Any) -> str | None:
@@ -98,15 +100,24 @@ def part_type(part: Any) -> str | None:
     return None
 
 
+TOOL_OUTPUTS = ("function_call_output", "custom_tool_call_output")
+"""Responses input items whose ``output`` vLLM makes a tool message's content
+(``vllm/entrypoints/openai/responses/utils.py``): a list of parts there is read as chat parts."""
+
+
 def media_parts(messages: Any, container: str = "messages") -> list[MediaPart]:
-    """Every media part of a chat request's ``messages`` (any role), by vLLM's rule, in order.
+    """Every media part of a chat request's ``messages`` (any role), or of a Responses request's
+    ``input`` items (their ``content``, and a tool output item's ``output``), by vLLM's rule, in order.
     Raises PartError for a client uuid, a pre-computed input, or a media part without a source.
     Anything that is not a list of message objects has no media here (vLLM validates it)."""
     found: list[MediaPart] = []
     for i, message in enumerate(messages if isinstance(messages, list) else []):
-        content = message.get("content") if isinstance(message, dict) else None
+        key = "content"
+        if container == "input" and isinstance(message, dict) and message.get("type") in TOOL_OUTPUTS:
+            key = "output"
+        content = message.get(key) if isinstance(message, dict) else None
         for j, part in enumerate(content if isinstance(content, list) else []):
-            where = f"{container}[{i}].content[{j}]"
+            where = f"{container}[{i}].{key}[{j}]"
             if isinstance(part, dict) and part.get("uuid") is not None:
                 raise PartError(where, "a client may not set uuid (epd-serve names media by their content)")
             kind = part_type(part)
@@ -115,7 +126,8 @@ def media_parts(messages: Any, container: str = "messages") -> list[MediaPart]:
                 raise PartError(where, f"{kind} parts are not served by epd-serve (pre-computed inputs; "
                                        f"served media: {', '.join(MODALITY)})")
             if role == MEDIA:
-                found.append(MediaPart(i, j, kind, MODALITY[kind], _source(part, kind, where), container=container))
+                found.append(MediaPart(i, j, kind, MODALITY[kind], _source(part, kind, where), container=container,
+                                       key=key))
     return found
 
 

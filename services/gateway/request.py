@@ -232,12 +232,15 @@ class OpenAICall:
                 # and does not decode it): vLLM stores a response's input as given, and a follow-up
                 # (previous_response_id) renders it again, with no encoder named for it then.
                 part: dict[str, Any] = {"type": "input_image", "image_url": _data_url(m)}
+                given = body[p.container][p.message][p.key][p.part]
+                if isinstance(given, dict) and "detail" in given:
+                    part["detail"] = given["detail"]  # vLLM requires it of a tool output's image
             else:
                 kind = LM_PART[m.modality]
                 part = {"type": kind, kind: None if data_url is None else {"url": data_url}}
             if ident is not None:
                 part["uuid"] = ident  # else the LM encodes it itself and hashes it as vLLM does
-            body[p.container][p.message]["content"][p.part] = part
+            body[p.container][p.message][p.key][p.part] = part
         return json.dumps(body, ensure_ascii=False).encode()
 
 

@@ -335,6 +335,13 @@ RESPONSES = {
         _input_image(IMG_B), {"type": "input_text", "text": "and"}, _input_image(IMG_A)]}], "max_output_tokens": 8},
     "tool call": {"input": "Weather in Paris?", "max_output_tokens": 30, "tool_choice": {
         "type": "function", "name": "get_weather"}, "tools": [dict(TOOLS[0]["function"], type="function")]},
+    # A tool's output image beside an ordinary one: the gateway reads both (vLLM makes the output a tool
+    # message's content), so both are encoded on the encoder and checked like any other.
+    "tool output image": {"max_output_tokens": 8, "tools": [dict(TOOLS[0]["function"], type="function")], "input": [
+        {"role": "user", "content": [_input_image(IMG_B), {"type": "input_text", "text": "Weather here?"}]},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": [
+            {"type": "input_text", "text": "The sky:"}, dict(_input_image(IMG_A), detail="auto")]}]},
 }
 MESSAGES = {
     "image as base64": {"max_tokens": 10, "messages": [{"role": "user", "content": [
