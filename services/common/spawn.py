@@ -9,7 +9,7 @@ engine starts) reallocates that array and frees the old one; it is documented MT
 (``const:env``). A child that execs in that window hands the kernel a freed array and
 exec fails with ``EFAULT`` ("OSError: [Errno 14] Bad address: '.../python'"). Seen
 when a reference run was spawned from a worker thread while the main thread started
-an engine; ``tests/unit/test_spawn.py`` reproduces it (about one spawn in three fails
+an engine; ``tests/unit/test_spawn.py`` reproduces it (about half the spawns fail
 under a thread that churns the environment).
 
 With an explicit ``env``, ``subprocess`` builds the child's ``envp`` from this dict in
