@@ -3,7 +3,6 @@ is not installed (``ectransfer``, ``services`` and the generated ``epd`` stubs).
 
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 
@@ -27,14 +26,6 @@ MULTIPROCESS_ENGINES = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
 RUN_TMP = tempfile.mkdtemp(prefix="epd-tests-")
 os.environ["TMPDIR"] = RUN_TMP
 tempfile.tempdir = None  # tempfile reads TMPDIR again
-
-# This process starts children from worker threads (the families' reference runs) and through code it does
-# not own (vLLM's multiprocessing spawns inherit the environment) while in-process engines set environment
-# variables: a vfork'ed child that execs with the global environ another thread is reallocating fails with
-# EFAULT (services/common/spawn.py, tests/unit/test_spawn.py). With fork the child execs from its own copy.
-# `subprocess._USE_VFORK` is the documented switch for this (the subprocess module's docs, "Disabling use
-# of vfork() or posix_spawn()"); it costs a page-table copy per spawn, a few ms at this process's size.
-subprocess._USE_VFORK = False
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:

@@ -18,10 +18,10 @@ exec'd, so no other thread can free it. The same race in the dlang runtime:
 dlang/phobos#10574.
 
 Every product module that starts a process passes ``env=child_env(...)``
-(``tests/unit/test_layering.py`` checks it). The test process also turns off
-``subprocess._USE_VFORK`` (documented in the ``subprocess`` module's docs as the switch
-for this), because it starts processes through code it does not own (vLLM's
-``multiprocessing`` spawns inherit ``environ``) while in-process engines set variables.
+(``tests/unit/test_layering.py`` checks it), and so do the tests' spawns from worker threads.
+Turning vfork off instead (``subprocess._USE_VFORK = False``) is no answer here: with fork, grpcio's
+fork handlers run in the child, whose descriptors ``close_fds`` has closed, and abort it before it
+execs (grpc/grpc#43055; seen in the multihost tests' client processes).
 """
 
 from __future__ import annotations

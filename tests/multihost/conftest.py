@@ -17,6 +17,7 @@ import threading
 
 import pytest
 
+from services.common.spawn import child_env
 from tests.e2e.helpers import image_chat
 from tests.multihost.cluster import Cluster
 from tests.multihost.hosts import Network, Unavailable, check_available, sweep_stale
@@ -78,7 +79,7 @@ class _Reference:
         self._result: dict | BaseException | None = None
         self._proc = subprocess.Popen([sys.executable, "-m", "tools.reference", "--model", model],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True, start_new_session=True)
+                                      text=True, start_new_session=True, env=child_env())
         self._thread = threading.Thread(target=self._run, name="mh-reference", daemon=True)
         self._thread.start()
 

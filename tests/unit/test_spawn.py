@@ -1,5 +1,6 @@
 """Spawning while another thread changes the environment: the EFAULT race of a vfork'ed child that
-execs with the global ``environ`` (services/common/spawn.py), and the two ways the project avoids it."""
+execs with the global ``environ`` (services/common/spawn.py), and that an explicit environment (what the
+project passes) or fork instead of vfork avoids it."""
 
 from __future__ import annotations
 
@@ -66,5 +67,5 @@ def test_inherited_spawns_fail_with_efault_while_another_thread_changes_the_envi
 
 @pytest.mark.parametrize("mode", ["child_env", "no-vfork"])
 def test_spawns_never_fail_while_another_thread_changes_the_environment(mode):
-    """With an explicit copy of the environment (product code) or vfork off (the test process), none may."""
+    """With an explicit copy of the environment (every spawn of the project's), or with fork, none may."""
     assert spawn_under_churn(mode, 300) == []
