@@ -144,6 +144,14 @@ class LMServiceConfig(FrontendConfig, MediaConfig):
     """prefill/decode: NIXL's side-channel port (vLLM's VLLM_NIXL_SIDE_CHANNEL_PORT); give LMs sharing a
     host different ones."""
 
+    responses_store_max: int = 4096
+    """With VLLM_ENABLE_RESPONSES_API_STORE=1: stored Responses this LM keeps at most; past it the oldest ended
+    ones are forgotten (a GET, cancel or previous_response_id naming one is then 404). vLLM alone keeps every
+    one for the life of the process."""
+    responses_store_mib: float = 256.0
+    """With VLLM_ENABLE_RESPONSES_API_STORE=1: what the ended stored Responses (each one's JSON and its input
+    messages, images included) may weigh; past it the oldest are forgotten."""
+
     kv_lease_s: int = 120
     """prefill: how long the prefill engine keeps a prompt's KV blocks for a decode LM that has not read them
     (NixlConnector's kv_lease_duration; vLLM's default is 30 s, which a first NIXL handshake on a busy CPU
@@ -155,6 +163,9 @@ class LMServiceConfig(FrontendConfig, MediaConfig):
             raise ValueError(f"kv_lease_s must be >= 1, got {self.kv_lease_s}")
         if self.staging_mib <= 0:
             raise ValueError(f"staging_mib must be > 0, got {self.staging_mib}")
+        if self.responses_store_max < 1 or self.responses_store_mib <= 0:
+            raise ValueError("responses_store_max must be >= 1 and responses_store_mib > 0, got "
+                             f"{self.responses_store_max} and {self.responses_store_mib}")
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}; got {self.role!r}")
         if not 0 < self.kv_port < 65536:

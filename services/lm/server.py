@@ -35,6 +35,7 @@ from services.lm import media_connector
 from services.lm.config import LMServiceConfig
 from services.lm.frontend import build_frontend
 from services.lm.peers import EncoderAllowList, OfferedCudaIpc, PeerChecker
+from services.lm.response_store import StoredResponses
 from services.lm.servicer import LMServicer
 from services.lm.side_channel import SideChannelWatch
 
@@ -134,7 +135,9 @@ async def serve(cfg: LMServiceConfig, engine_cfg: EngineConfig, stop: asyncio.Ev
         info = lm_pb2.LMInfo(model=frontend.models.model_name(), compat=compat, role=cfg.role)
         server = GrpcServer(cfg.host, cfg.port, security)
         server.add(lm_pb2_grpc.add_LMServiceServicer_to_server,
-                   LMServicer(engine, info, peers, frontend, MediaDecoder(cfg)),
+                   LMServicer(engine, info, peers, frontend, MediaDecoder(cfg),
+                              StoredResponses.of_app(frontend.app, cfg.responses_store_max,
+                                                     int(cfg.responses_store_mib * (1 << 20)))),
                    lm_pb2.DESCRIPTOR.services_by_name["LMService"].full_name)
         port = await server.start()
         if cfg.metrics_port:

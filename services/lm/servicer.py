@@ -38,6 +38,7 @@ from services.lm.context import CURRENT, RequestContext
 from services.lm.frontend import DECODE, PREFILL, RELEASE, Frontend, validation_error
 from services.lm.media import RequestMedia
 from services.lm.peers import PeerChecker
+from services.lm.response_store import StoredResponses
 from services.lm.vllm_app import Started, call
 
 logger = logging.getLogger(__name__)
@@ -112,14 +113,16 @@ def _without_kv_params(raw: bytes, prefill_responses: bool = False) -> bytes:
 
 class LMServicer(lm_pb2_grpc.LMServiceServicer):
     def __init__(self, engine, info: lm_pb2.LMInfo, peers: PeerChecker, frontend: Frontend,
-                 decoder: MediaDecoder) -> None:
+                 decoder: MediaDecoder, stored: StoredResponses | None = None) -> None:
         """``decoder``: the service's media limits and decode budget, for the media this LM decodes
-        itself (data: URLs from the gateway; ``services.lm.media``)."""
+        itself (data: URLs from the gateway; ``services.lm.media``); ``stored``: the bound on the
+        Responses vLLM stores here (``services.lm.response_store``), trimmed after each Responses call."""
         self.engine = engine
         self.info = info
         self.peers = peers
         self.frontend = frontend
         self.decoder = decoder
+        self.stored = stored
 
     async def GetInfo(self, request, context):
         return self.info
@@ -276,14 +279,28 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
 
         content_type = request.openai.content_type
         raw = request.openai.body
+        method, path = request.openai.method or "POST", request.openai.path
+        responses = path.startswith("/v1/responses")
+        response_id = ""
         if not content_type.lower().startswith("multipart/"):  # an upload is vLLM's to parse (body_type)
             # A JSON object (or nothing, for a GET): everything inside is vLLM's to read, but for
             # kv_transfer_params (only the gateway's KVHandoff names a prefill engine).
-            openai_body(request)
+            body = openai_body(request)
             raw = _without_kv_params(raw, prefill_responses=ctx.kv_phase == PREFILL
-                                     and request.openai.path.rstrip("/") == "/v1/responses")
+                                     and path.rstrip("/") == "/v1/responses")
+            if responses and method == "POST" and isinstance(body.get("request_id"), str):
+                response_id = body["request_id"]  # vLLM's id for the response it may store
+        try:
+            async for message in self._relay(request, ctx, method, path, raw, content_type):
+                yield message
+        finally:
+            if responses and self.stored is not None:
+                await self.stored.forget_unstored(response_id)
+                await self.stored.trim()
+
+    async def _relay(self, request: lm_pb2.GenerateRequest, ctx: RequestContext, method: str, path: str,
+                     raw: bytes, content_type: str):
         rid = request.request_id
-        method, path = request.openai.method or "POST", request.openai.path
         async with contextlib.aclosing(call(self.frontend.app, method, path, raw,
                                             content_type)) as answer:
             started: Started | None = None
