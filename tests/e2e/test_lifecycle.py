@@ -57,6 +57,9 @@ def mismatched(deployment, tmp_path_factory):
         lm.stop()
 
 
+@pytest.mark.slow  # an engine of its own (an LM on another model) for one check: in the default run the
+# mismatch is covered by parts: the handshake names the difference (tests/integration/test_transfer_stream.py),
+# every compatibility field (tests/unit/test_protocol.py), FAILED_PRECONDITION -> 502 (tests/unit/test_openai_parse.py)
 def test_compat_mismatch_is_a_clear_error_within_seconds_and_both_engines_stay_up(
         deployment, mismatched, reference):
     url, lm_addr = mismatched
