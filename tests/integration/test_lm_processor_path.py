@@ -313,3 +313,45 @@ def test_building_vllms_app_leaves_the_services_logging_as_it_was(vllm_config, t
     finally:
         root.removeHandler(handler)
         root.setLevel(before)
+
+
+def _generate_http(vllm_config, tiny_model, path: str, body: dict, namespace: str = ""):
+    """One Generate call of api "http" (vLLM's own app in the LM) through the LM's servicer."""
+    engine = _Engine(vllm_config)
+    request = lm_pb2.GenerateRequest(request_id="r", namespace=namespace)
+    request.openai.api, request.openai.method, request.openai.path = "http", "POST", path
+    request.openai.body = json.dumps(body).encode()
+
+    async def main():
+        frontend = await build_frontend(engine, FrontendConfig(), tiny_model)
+        servicer = LMServicer(engine, lm_pb2.LMInfo(), _Peers(), frontend, MediaDecoder(MediaConfig()))
+        return [r async for r in servicer.Generate(request, None)]
+
+    try:
+        return asyncio.run(main()), engine
+    finally:
+        if hasattr(engine.renderer, "shutdown"):
+            engine.renderer.shutdown()
+
+
+@pytest.mark.parametrize("api", ["messages", "responses"])
+def test_an_image_the_lm_decodes_through_vllms_app_is_hashed_in_its_tenants_namespace(vllm_config, tiny_model, api):
+    """vLLM's Messages converter drops any uuid, and a Responses input_image stored by vLLM is rendered again
+    without its encoder: the LM still names each image it decodes in the request's namespace."""
+    import base64
+
+    a = make_image(9, (64, 64))
+    if api == "messages":
+        path, body = "/v1/messages", {"model": tiny_model, "max_tokens": 2, "messages": [{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": base64.b64encode(a).decode()}},
+            {"type": "text", "text": "What is this?"}]}]}
+    else:
+        content = [{"type": "input_image", "image_url": data_url(a), "detail": "auto"},
+                   {"type": "input_text", "text": "What is this?"}]
+        path, body = "/v1/responses", {"model": tiny_model, "max_output_tokens": 2,
+                                       "input": [{"role": "user", "content": content}]}
+    responses, engine = _generate_http(vllm_config, tiny_model, path, body, namespace="t1:")
+    assert responses[0].http_status == 200, responses[0].openai[:300]
+    (request, _), = engine.seen
+    assert [f.identifier for f in request.mm_features] == [content_id(a, "t1:")]
