@@ -203,9 +203,46 @@ def check_video(data: bytes, max_seconds: float, max_frame_pixels: int, *, max_f
     return header
 
 
-def content_id(data: bytes) -> str:
-    """The item's identifier: vLLM uses it verbatim as mm_hash on both engines."""
-    return hashlib.sha256(data).hexdigest()
+MAX_NAMESPACE_LEN = 128
+"""The longest embedding namespace a service takes (UTF-8 bytes): a tenant's is its name (at most 64) and ``:``."""
+_NAMESPACE_TAG = b"epd-embedding-namespace\0"
+
+
+def content_id(data: bytes, namespace: str = "") -> str:
+    """The identifier of a media item (64 hex digits), which vLLM uses verbatim as mm_hash on both
+    engines and every cache of an item's processed input or embedding is keyed by: the SHA-256 of its
+    bytes, or with an embedding ``namespace`` (a tenant's: the gateway's ``tenant_namespace``), the
+    SHA-256 of a tag, the namespace's length and text, then the bytes.
+
+    Computed by whoever holds the bytes and the request's namespace (the gateway, to route; the encoder,
+    which never takes one from its caller; the LM, for the media it decodes itself and for bytes it is
+    sent beside an identifier) and compared, never trusted.
+
+    Why it separates tenants: the length prefix makes (namespace, bytes) -> message one-to-one, so two
+    namespaces never give one identifier for any bytes, and the tag makes a namespaced message start
+    with bytes no accepted media file starts with (each is sniffed by its signature), so no item of the
+    empty namespace shares one either. Every cache keyed by identifier is then per namespace: the
+    gateway's encoder affinity, the encoder's vLLM processor and encoder caches and its outbound store
+    (one copy per identifier), the LM's processor cache, encoder cache and connector (``has_cache_item``,
+    preallocation), and vLLM's prefix cache (mm hashes are block extra keys; ``cache_salt`` also salts a
+    prompt's first block). What it costs: the same bytes sent by two tenants are processed, encoded,
+    held and transferred once per tenant; within a tenant every reuse is as before. The empty namespace
+    gives exactly the SHA-256 of the bytes."""
+    if not namespace:
+        return hashlib.sha256(data).hexdigest()
+    ns = namespace.encode()
+    h = hashlib.sha256(_NAMESPACE_TAG)
+    h.update(len(ns).to_bytes(2, "big"))
+    h.update(ns)
+    h.update(data)
+    return h.hexdigest()
+
+
+def check_namespace(namespace: str) -> str:
+    """``namespace`` as a request carried it, or BadInput when it is too long to be a tenant's."""
+    if len(namespace.encode()) > MAX_NAMESPACE_LEN:
+        raise BadInput(f"an embedding namespace is at most {MAX_NAMESPACE_LEN} bytes, got {len(namespace.encode())}")
+    return namespace
 
 
 def decode_image(data: bytes, *, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Image:

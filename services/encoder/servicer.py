@@ -32,7 +32,7 @@ from epd.transfer.v1 import transfer_pb2
 from services.common.engine import tokenize_async
 from services.common.errors import BadInput, Deadline, EPDError
 from services.common.layout import ItemLayout, item_layouts, placeholder_ranges
-from services.common.media import MediaDecoder, VideoHeader, content_id
+from services.common.media import MediaDecoder, VideoHeader, check_namespace, content_id
 from services.common.vllm_media import frames_sampled_by, video_io_for
 
 logger = logging.getLogger(__name__)
@@ -160,11 +160,14 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
                                    "modality)")
             # The identifier is vLLM's mm_hash on both engines: it names what the bytes are, so it is
             # always computed here, never taken from the caller (who could name another image's embedding).
-            idents = [content_id(item.data) for item in request.items]
+            # It is computed in the request's namespace (its tenant's, from the gateway), so the engine's
+            # processor and encoder caches and the outbound store keep each tenant's items apart.
+            namespace = check_namespace(request.namespace)
+            idents = [content_id(item.data, namespace) for item in request.items]
             for i, (item, ident) in enumerate(zip(request.items, idents)):
                 if item.identifier and item.identifier != ident:
                     raise BadInput(f"item {i}: identifier {item.identifier[:16]!r}... is not the content hash of "
-                                   f"its bytes")
+                                   f"its bytes in the request's namespace")
             datas = [item.data for item in request.items]
             if modality == "image":
                 media, lease = await self.decoder.decode(datas, self.limits[modality], rid)

@@ -542,7 +542,8 @@ class Orchestrator:
                                        identifier=media[i].identifier) for i in g.indices]
         with g.inst.track():
             call = g.inst.stub.Encode(encoder_pb2.EncodeRequest(request_id=req.request_id, items=items,
-                                                                readers=readers if readers > 1 else 0),
+                                                                readers=readers if readers > 1 else 0,
+                                                                namespace=req.namespace),
                                       timeout=self._remaining(enc_deadline))
             seen = encoded = 0
             try:

@@ -80,6 +80,16 @@ def tenant_salt(tenant: str, client_salt: Any) -> Any:
     return f"{tenant}:{hashlib.sha256(client_salt.encode()).hexdigest()[:40]}"
 
 
+def tenant_namespace(tenant: str) -> str:
+    """The embedding namespace of a tenant's media (``services.common.media.content_id``): ``tenant:``, as
+    its prefix-cache salt, so its items' identifiers, and every embedding cache keyed by them, are its
+    own; a tenant name holds no ``:``, and the identifier's rule keeps namespaces apart whatever they
+    hold. The empty tenant (a gateway without keys) has the empty namespace: identifiers are the SHA-256
+    of the bytes, as they always were. A client has no say in it (a client's ``cache_salt`` salts only
+    the prefix cache)."""
+    return f"{tenant}:" if tenant else ""
+
+
 def engine_request_id(client_id: str, prefix: str) -> str:
     """The id the encoders and the LM see for one request: the client's ``X-Request-Id`` with a random
     suffix (clients may send the same id twice; an engine needs unique ones, and the client's id still
@@ -177,10 +187,16 @@ class OpenAICall:
     response under the body's ``request_id``, so a client that chose it could take over or overwrite
     another's stored response; a body that names one is refused (400)."""
     salt_tenant: str = ""
-    """With client keys, the tenant whose prefix-cache namespace a generating request uses (``tenant_salt``)."""
+    """With client keys, the tenant whose prefix-cache namespace a generating request uses (``tenant_salt``),
+    and whose embedding namespace its media are named in (``namespace``)."""
     upload: bytes = b""
     """An ``upload`` API's body, as the client sent it (``content_type`` says how it is encoded)."""
     content_type: str = ""
+
+    @property
+    def namespace(self) -> str:
+        """The embedding namespace of the request's media (``tenant_namespace``; empty without keys)."""
+        return tenant_namespace(self.salt_tenant)
 
     def one_engine_call(self) -> bool:
         """Whether the LM answers this request with one engine call, as E -> P -> D needs (the prefill LM
@@ -358,8 +374,9 @@ async def load_media(call: OpenAICall, req: lm_pb2.GenerateRequest, cfg: Gateway
     await charge_fetched(sum(len(d) for d, src in zip(datas, call.sources)
                              if isinstance(src, str) and not src.startswith("data:")))
     media = []
+    req.namespace = call.namespace  # the encoders and the LM compute and check identifiers in it
     for data, modality in zip(datas, call.modalities):
-        ident = content_id(data)
+        ident = content_id(data, call.namespace)
         if API[call.api].encode:  # else the LM lays the prompt out itself, from the bytes in its body
             req.items.add(modality=modality, identifier=ident)
         media.append(Media(data, ident, modality))

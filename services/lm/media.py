@@ -16,9 +16,20 @@ part has):
 - The check (``check_items``), run by the renderer between vLLM's parsing and its processing:
   every parsed item must be one the gateway sent. A uuid-only item must be one whose source
   (encoder) the request names; an item with data must be one this request's connector loaded,
-  and if it has a uuid, the uuid must be the content hash of its bytes. Anything else (a uuid
-  the caller chose, data from another path, a modality the LM does not take from the gateway)
-  is refused as bad input before anything reaches the engine.
+  and if it has a uuid, the uuid must be the content hash of its bytes in the request's
+  embedding namespace (``GenerateRequest.namespace``). Anything else (a uuid the caller chose,
+  data from another path, a modality the LM does not take from the gateway) is refused as bad
+  input before anything reaches the engine.
+
+Namespaces: every content hash here is ``content_id(bytes, namespace)``, the identifier the
+gateway and the encoders compute for the request's tenant. In a non-empty namespace an item
+with data and no uuid (the media the LM decodes itself: no encoder, an API whose converter
+drops uuids, a stored Responses input rendered again) gets that hash as its uuid, so vLLM uses
+it as the item's mm_hash instead of hashing the pixels: the LM's processor cache, encoder cache
+and the prefix cache's multimodal keys are then per tenant too. A uuid-only item's identifier
+comes with its source: the encoder computed it from the bytes in the same namespace, and serves
+it only under the claim of the Encode call that did. The empty namespace changes nothing
+(vLLM hashes an item without a uuid as ``vllm serve`` does).
 
 Owner: ``RequestMedia`` is made per Generate call by the servicer and released when the call's
 prompt has been processed (the renderer) or the call ends (the servicer), whichever is first;
@@ -67,8 +78,10 @@ class RequestMedia:
     """One call's media decoded on this LM: per decoded object (by identity), the content hash of
     the bytes it came from, and the decode budget they hold."""
 
-    def __init__(self, decoder: MediaDecoder, rid: str = "") -> None:
-        self.decoder, self.rid = decoder, rid
+    def __init__(self, decoder: MediaDecoder, rid: str = "", namespace: str = "") -> None:
+        """``namespace``: the request's embedding namespace (``GenerateRequest.namespace``), in which
+        every content hash here is computed."""
+        self.decoder, self.rid, self.namespace = decoder, rid, namespace
         self.loaded: dict[int, tuple[Any, str]] = {}  # id(object) -> (object, content hash); holds the object
         self.pixels = 0
         self._leases: list[DecodeLease] = []
@@ -81,7 +94,7 @@ class RequestMedia:
     def encoded_elsewhere(self, modality: str, data: bytes, ctx: RequestContext) -> EncodedElsewhere | None:
         """An ``EncodedElsewhere`` for ``data`` when an encoder of this request laid it out (its
         content hash has a source and a layout), recorded like a decoded item; else None."""
-        ident = content_id(data)
+        ident = content_id(data, self.namespace)
         if ident not in ctx.sources or ident not in ctx.layouts:
             return None
         obj = EncodedElsewhere(modality, ident)
@@ -91,7 +104,7 @@ class RequestMedia:
     async def load(self, modality: str, data: bytes, loader: Callable[[bytes], Any],
                    sampled_frames: Callable[[VideoHeader], int] | None = None) -> Any:
         """``loader(data)`` (vLLM's decoder) after the header checks, under the decode budget, on an
-        interruptible thread; the result is recorded with ``content_id(data)``. Raises BadInput
+        interruptible thread; the result is recorded with ``content_id(data, namespace)``. Raises BadInput
         (over a limit, bad bytes, too slow) or NoCapacity (no room in the budget in time)."""
         cfg = self.decoder.cfg
         (nbytes,) = await self.decoder.run_all([functools.partial(self._header, modality, data, sampled_frames)],
@@ -107,7 +120,7 @@ class RequestMedia:
         (obj,), lease = await self.decoder.decode_under_budget(nbytes, modality, self.rid,
                                                                [functools.partial(_load, modality, loader, data)])
         self._leases.append(lease)
-        self.loaded[id(obj)] = (obj, content_id(data))
+        self.loaded[id(obj)] = (obj, content_id(data, self.namespace))
         return obj
 
     def _header(self, modality: str, data: bytes, sampled_frames: Callable[[VideoHeader], int] | None) -> int:
@@ -145,9 +158,13 @@ def _load(modality: str, loader: Callable[[bytes], Any], data: bytes) -> Any:
 def check_items(prompt: dict, ctx: RequestContext) -> None:
     """Refuses (BadInput) a parsed prompt (vLLM's ``render_messages`` output: ``multi_modal_data``
     and ``multi_modal_uuids`` per modality) with any item the gateway did not send this way: see
-    the module docstring. ``prompt_embeds`` never come here (vLLM refuses them: not enabled)."""
+    the module docstring. ``prompt_embeds`` never come here (vLLM refuses them: not enabled).
+    In a non-empty namespace, each item with data and no uuid gets its content hash as uuid (in
+    ``prompt``, which vLLM then processes)."""
     data = prompt.get("multi_modal_data") or {}
     uuids = prompt.get("multi_modal_uuids") or {}
+    namespace = ctx.media.namespace if ctx.media is not None else ""
+    named: dict[str, list] = {}
     for modality in set(data) | set(uuids):
         if modality not in MODALITIES:
             raise BadInput(f"{modality} items are not taken by this LM (only {', '.join(MODALITIES)}, "
@@ -162,6 +179,11 @@ def check_items(prompt: dict, ctx: RequestContext) -> None:
             raise BadInput(f"{modality}: {len(values)} items but {len(idents)} identifiers")
         for i, (value, ident) in enumerate(zip(values, idents)):
             _check_item(modality, i, value, ident, ctx)
+        if namespace and any(v is not None and u is None for v, u in zip(values, idents)):
+            named[modality] = [ctx.media.hash_of(v) if v is not None and u is None else u
+                               for v, u in zip(values, idents)]
+    if named:
+        prompt["multi_modal_uuids"] = {**uuids, **named}
 
 
 def _check_item(modality: str, i: int, value: Any, ident: Any, ctx: RequestContext) -> None:
@@ -176,7 +198,8 @@ def _check_item(modality: str, i: int, value: Any, ident: Any, ctx: RequestConte
         raise BadInput(f"{what} was not loaded from a data: URL of this request (the LM takes media bytes "
                        "only as data: URLs from the gateway)")
     if ident is not None and ident != digest:
-        raise BadInput(f"{what}: its uuid {str(ident)[:16]!r}... is not the content hash of its bytes")
+        raise BadInput(f"{what}: its uuid {str(ident)[:16]!r}... is not the content hash of its bytes in the "
+                       "request's namespace")
 
 
 def _as_list(value: Any) -> list:

@@ -33,7 +33,7 @@ from ectransfer.connector.metadata import ConsumerFinished, ItemSource, Transfer
 from epd.lm.v1 import lm_pb2, lm_pb2_grpc
 from services.common.errors import BadInput, EPDError, PrefillKVUnavailable, RoleMismatch
 from services.common.layout import ItemLayout
-from services.common.media import MediaDecoder
+from services.common.media import MediaDecoder, check_namespace
 from services.lm.context import CURRENT, RequestContext
 from services.lm.frontend import DECODE, PREFILL, RELEASE, Frontend, validation_error
 from services.lm.media import RequestMedia
@@ -128,7 +128,7 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
         return self.info
 
     def _context(self, request: lm_pb2.GenerateRequest) -> RequestContext:
-        ctx = RequestContext(media=RequestMedia(self.decoder, request.request_id))
+        ctx = RequestContext(media=RequestMedia(self.decoder, request.request_id, check_namespace(request.namespace)))
         if request.HasField("kv"):
             ctx.kv_phase, ctx.kv_params = self._handoff(request.kv)
         for item in request.items:

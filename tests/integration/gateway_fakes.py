@@ -28,6 +28,7 @@ from services.common.errors import (
     RoleMismatch,
 )
 from services.common.grpc_server import GrpcServer
+from services.common.media import content_id
 from services.common.protocol import ENCODER_PROTOCOL
 from services.lm.servicer import openai_body
 
@@ -62,7 +63,10 @@ class FakeEncoder(encoder_pb2_grpc.EncoderServiceServicer):
     abort_unavailable, invalid, unauthenticated (as a server refusing the
     caller's token), hang, fail_after_metadata, fail_when_released (after
     metadata, once ``world.release`` is set), late_encoded (0.3 s after the LM
-    call), hold_encoded (not until cancelled)."""
+    call), hold_encoded (not until cancelled). ``names_items``: it names each item
+    as the real encoder does (the content hash of its bytes in the request's
+    namespace, a different caller identifier refused) and records in ``hits``
+    whether it had encoded that identifier before (its caches are keyed by it)."""
 
     def __init__(self, name: str, world: World, wait_lm_s: float = 2.0) -> None:
         self.name, self.world, self.wait_lm_s = name, world, wait_lm_s
@@ -72,6 +76,9 @@ class FakeEncoder(encoder_pb2_grpc.EncoderServiceServicer):
         self.mode = "ok"
         self.layout = False  # send a prompt layout with the metadata, as the real encoder does
         self.protocol = ENCODER_PROTOCOL  # what GetInfo reports (0: an encoder older than ItemSource)
+        self.names_items = False
+        self.encoded: set[str] = set()  # names_items: the identifiers it encoded
+        self.hits: list[bool] = []  # names_items: per item, in order, whether it was encoded before
 
     async def Encode(self, request, context):
         self.requests.append(request)
@@ -92,10 +99,18 @@ class FakeEncoder(encoder_pb2_grpc.EncoderServiceServicer):
             except asyncio.CancelledError:
                 self.cancelled.append(rid)
                 raise
-        for i, item in enumerate(request.items):
+        idents = [item.identifier for item in request.items]
+        if self.names_items:
+            idents = [content_id(item.data, request.namespace) for item in request.items]
+            for i, (item, ident) in enumerate(zip(request.items, idents)):
+                if item.identifier and item.identifier != ident:
+                    raise BadInput(f"item {i}: identifier is not the content hash of its bytes in the namespace")
+                self.hits.append(ident in self.encoded)
+                self.encoded.add(ident)
+        for i, (item, ident) in enumerate(zip(request.items, idents)):
             # One claim per reader, as the real encoder makes them (EncodeRequest.readers).
             claims = [f"{rid}-{i}-claim{k}" for k in range(request.readers or 1)]
-            md = encoder_pb2.ItemMetadata(identifier=item.identifier, index=i, modality=item.modality,
+            md = encoder_pb2.ItemMetadata(identifier=ident, index=i, modality=item.modality,
                                           source=transfer_pb2.ItemSource(
                                               num_embeds=16, embed_width=64, dtype=transfer_pb2.BFLOAT16,
                                               transfer_endpoint=self.endpoint, encoder_id=self.name,
@@ -125,8 +140,8 @@ class FakeEncoder(encoder_pb2_grpc.EncoderServiceServicer):
             except asyncio.CancelledError:
                 self.cancelled.append(rid)
                 raise
-        for i, item in enumerate(request.items):
-            yield encoder_pb2.EncodeEvent(encoded=encoder_pb2.ItemEncoded(identifier=item.identifier, index=i,
+        for i, ident in enumerate(idents):
+            yield encoder_pb2.EncodeEvent(encoded=encoder_pb2.ItemEncoded(identifier=ident, index=i,
                                                                           encode_ms=5.0))
         self.world.log.append((self.name, "encoded", rid))
 

@@ -99,11 +99,12 @@ def vllm_config(tiny_model):
                       limit_mm_per_prompt={"image": 8}).create_engine_config()
 
 
-def item(data: bytes, identifier: str | None = None, encoder: bool = True) -> tuple[lm_pb2.MMItem, dict]:
+def item(data: bytes, identifier: str | None = None, encoder: bool = True,
+         namespace: str = "") -> tuple[lm_pb2.MMItem, dict]:
     """An image as the gateway sends it when no layout came with its metadata: the item (with its encoder,
     unless ``encoder`` is false) and its part, a data: URL with the identifier (default: the content
-    hash) as uuid, or no uuid without an encoder."""
-    ident = content_id(data) if identifier is None else identifier
+    hash in ``namespace``) as uuid, or no uuid without an encoder."""
+    ident = content_id(data, namespace) if identifier is None else identifier
     mm = lm_pb2.MMItem(modality="image", identifier=ident)
     part = {"type": "image_url", "image_url": {"url": data_url(data)}}
     if encoder:
@@ -114,14 +115,15 @@ def item(data: bytes, identifier: str | None = None, encoder: bool = True) -> tu
 
 
 def _generate(vllm_config, tiny_model, images: list[tuple[lm_pb2.MMItem | None, dict]],
-              decoder: MediaDecoder | None = None):
+              decoder: MediaDecoder | None = None, namespace: str = ""):
     """One Generate call through the LM's servicer and vLLM's serving classes: the parts in one user
-    message (their items, where not None, in ``GenerateRequest.items``)."""
+    message (their items, where not None, in ``GenerateRequest.items``), in the embedding ``namespace``."""
     engine = _Engine(vllm_config)
     peers = _Peers()
     body = {"messages": [{"role": "user", "content": [p for _, p in images] + [
         {"type": "text", "text": "What is this?"}]}], "max_tokens": 4}
-    request = lm_pb2.GenerateRequest(request_id="r", items=[mm for mm, _ in images if mm is not None])
+    request = lm_pb2.GenerateRequest(request_id="r", items=[mm for mm, _ in images if mm is not None],
+                                     namespace=namespace)
     request.openai.api = "chat"
     request.openai.body = json.dumps(body).encode()
     decoder = decoder or MediaDecoder(MediaConfig())
@@ -170,6 +172,37 @@ def test_an_identifier_that_is_not_the_content_hash_of_the_bytes_is_refused(vllm
     a, b = make_image(3, (64, 64)), make_image(4, (64, 64))
     with pytest.raises(BadInput, match="image 0: its uuid .* is not the content hash of its bytes"):
         _generate(vllm_config, tiny_model, [item(a, identifier=content_id(b))])
+
+
+def test_in_a_tenants_namespace_items_are_processed_under_its_identifiers_and_others_are_refused(
+        vllm_config, tiny_model):
+    """With an embedding namespace (a tenant's), an encoder's item is processed under the content hash
+    of (namespace, bytes), and the bare content hash, or another tenant's, is refused for those bytes."""
+    a = make_image(7, (64, 64))
+    _, engine, _ = _generate(vllm_config, tiny_model, [item(a, namespace="t1:")], namespace="t1:")
+    (request, params), = engine.seen
+    assert [f.identifier for f in request.mm_features] == [content_id(a, "t1:")]
+    assert set(params.extra_args["ec_transfer_params"]["items"]) == {content_id(a, "t1:")}
+    for wrong in ("", "t2:"):
+        with pytest.raises(BadInput, match="not the content hash of its bytes in the request's namespace"):
+            _generate(vllm_config, tiny_model, [item(a, namespace=wrong)], namespace="t1:")
+
+
+def test_an_image_the_lm_encodes_itself_is_hashed_in_its_tenants_namespace(vllm_config, tiny_model):
+    """vLLM would hash the pixels alike for every tenant (and its encoder cache would serve one tenant's
+    image to another): in a namespace the LM names the item itself, so two tenants' sends of the same
+    image are different items and one tenant's second send is the same one."""
+    a = make_image(8, (64, 64))
+
+    def identifier(namespace: str) -> str:
+        _, engine, _ = _generate(vllm_config, tiny_model, [item(a, encoder=False)], namespace=namespace)
+        (request, _), = engine.seen
+        (feature,) = request.mm_features
+        return feature.identifier
+
+    first, other, again = identifier("t1:"), identifier("t2:"), identifier("t1:")
+    assert first == again == content_id(a, "t1:") and other == content_id(a, "t2:") != first
+    assert identifier("") not in (first, other)  # no namespace: vLLM's own hash, as before
 
 
 def test_an_image_without_data_and_without_an_encoder_is_refused(vllm_config, tiny_model):
@@ -317,3 +350,45 @@ def test_stored_responses_past_the_bound_are_forgotten_oldest_first(vllm_config,
     finally:
         if hasattr(engine.renderer, "shutdown"):
             engine.renderer.shutdown()
+
+
+def _generate_http(vllm_config, tiny_model, path: str, body: dict, namespace: str = ""):
+    """One Generate call of api "http" (vLLM's own app in the LM) through the LM's servicer."""
+    engine = _Engine(vllm_config)
+    request = lm_pb2.GenerateRequest(request_id="r", namespace=namespace)
+    request.openai.api, request.openai.method, request.openai.path = "http", "POST", path
+    request.openai.body = json.dumps(body).encode()
+
+    async def main():
+        frontend = await build_frontend(engine, FrontendConfig(), tiny_model)
+        servicer = LMServicer(engine, lm_pb2.LMInfo(), _Peers(), frontend, MediaDecoder(MediaConfig()))
+        return [r async for r in servicer.Generate(request, None)]
+
+    try:
+        return asyncio.run(main()), engine
+    finally:
+        if hasattr(engine.renderer, "shutdown"):
+            engine.renderer.shutdown()
+
+
+@pytest.mark.parametrize("api", ["messages", "responses"])
+def test_an_image_the_lm_decodes_through_vllms_app_is_hashed_in_its_tenants_namespace(vllm_config, tiny_model, api):
+    """vLLM's Messages converter drops any uuid, and a Responses input_image stored by vLLM is rendered again
+    without its encoder: the LM still names each image it decodes in the request's namespace."""
+    import base64
+
+    a = make_image(9, (64, 64))
+    if api == "messages":
+        path, body = "/v1/messages", {"model": tiny_model, "max_tokens": 2, "messages": [{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": base64.b64encode(a).decode()}},
+            {"type": "text", "text": "What is this?"}]}]}
+    else:
+        content = [{"type": "input_image", "image_url": data_url(a), "detail": "auto"},
+                   {"type": "input_text", "text": "What is this?"}]
+        path, body = "/v1/responses", {"model": tiny_model, "max_output_tokens": 2,
+                                       "input": [{"role": "user", "content": content}]}
+    responses, engine = _generate_http(vllm_config, tiny_model, path, body, namespace="t1:")
+    assert responses[0].http_status == 200, responses[0].openai[:300]
+    (request, _), = engine.seen
+    assert [f.identifier for f in request.mm_features] == [content_id(a, "t1:")]

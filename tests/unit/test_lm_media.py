@@ -19,8 +19,8 @@ from tools.media import make_audio, make_image, make_video
 pytestmark = pytest.mark.unit
 
 
-def _media(**cfg) -> RequestMedia:
-    return RequestMedia(MediaDecoder(MediaConfig(**cfg)), "r1")
+def _media(namespace: str = "", **cfg) -> RequestMedia:
+    return RequestMedia(MediaDecoder(MediaConfig(**cfg)), "r1", namespace)
 
 
 def _load(media: RequestMedia, modality: str, data: bytes):
@@ -89,3 +89,43 @@ def test_items_the_gateway_does_not_send_are_refused(case):
     }[case]
     with pytest.raises(BadInput):
         check_items(prompt, _ctx(None if case == "no-loader" else media))
+
+
+def test_in_a_namespace_items_are_hashed_in_it_and_an_item_without_uuid_gets_its_namespaced_hash():
+    media, png = _media("acme:"), make_image(3, (16, 16))
+    obj, obj2 = _load(media, "image", png), _load(media, "image", png)
+    assert media.hash_of(obj) == content_id(png, "acme:") != content_id(png)
+    prompt = {"multi_modal_data": {"image": [None, obj, obj2]},
+              "multi_modal_uuids": {"image": ["enc-item", content_id(png, "acme:"), None]}}
+    check_items(prompt, _ctx(media))
+    # vLLM takes the uuid as the item's mm_hash: the pixels' own hash would be the same for every tenant.
+    assert prompt["multi_modal_uuids"]["image"] == ["enc-item", content_id(png, "acme:"), content_id(png, "acme:")]
+    bare = {"multi_modal_data": {"image": [obj]}}
+    check_items(bare, _ctx(media))
+    assert bare["multi_modal_uuids"] == {"image": [content_id(png, "acme:")]}
+
+
+def test_without_a_namespace_an_item_without_uuid_is_left_to_vllm_s_hash():
+    media, png = _media(), make_image(3, (16, 16))
+    bare = {"multi_modal_data": {"image": [_load(media, "image", png)]}}
+    check_items(bare, _ctx(media))
+    assert "multi_modal_uuids" not in bare
+
+
+@pytest.mark.parametrize("uuid_ns", ["", "other:"], ids=["bare-hash", "another-tenant"])
+def test_in_a_namespace_a_uuid_hashed_outside_it_is_refused(uuid_ns):
+    media, png = _media("acme:"), make_image(3, (16, 16))
+    obj = _load(media, "image", png)
+    with pytest.raises(BadInput, match="namespace"):
+        check_items({"multi_modal_data": {"image": [obj]},
+                     "multi_modal_uuids": {"image": [content_id(png, uuid_ns)]}}, _ctx(media))
+
+
+def test_bytes_an_encoder_laid_out_are_known_by_their_hash_in_the_request_s_namespace():
+    png = make_image(6, (16, 16))
+    for ns in ("acme:", ""):
+        media = _media(ns)
+        ctx = _ctx(media, sources=(content_id(png, "acme:"),))
+        ctx.layouts[content_id(png, "acme:")] = object()
+        found = media.encoded_elsewhere("image", png, ctx)
+        assert (found is not None) == (ns == "acme:")  # another namespace's item is not this request's

@@ -10,7 +10,15 @@ import pytest
 from helpers import image_bytes
 
 from services.common.errors import BadInput, NoCapacity
-from services.common.media import BYTES_PER_PIXEL, ByteBudget, MediaConfig, MediaDecoder, content_id, decode_image
+from services.common.media import (
+    BYTES_PER_PIXEL,
+    ByteBudget,
+    MediaConfig,
+    MediaDecoder,
+    check_namespace,
+    content_id,
+    decode_image,
+)
 from tools.media import bomb_png
 
 pytestmark = pytest.mark.unit
@@ -63,6 +71,24 @@ def test_content_id_is_the_sha256_hex_of_the_bytes():
     data = image_bytes("PNG")
     assert content_id(data) == hashlib.sha256(data).hexdigest()
     assert content_id(data) != content_id(data + b"\0")
+    assert content_id(data, "") == hashlib.sha256(data).hexdigest()  # the empty namespace: as without one
+
+
+def test_content_id_in_a_namespace_differs_per_namespace_and_from_the_empty_one():
+    data = image_bytes("PNG")
+    ids = {content_id(data, ns) for ns in ("", "a:", "b:", "a", "a:b:", "ab:")}
+    assert len(ids) == 6
+    assert content_id(data, "a:") == content_id(data, "a:")  # a tenant's second send is the same item
+    assert content_id(data, "a:") != content_id(data + b"\0", "a:")
+    # The namespace's length is hashed: moving bytes between namespace and data gives another identifier.
+    assert content_id(b"x" + data, "a:") != content_id(data, "a:x")
+    assert len(content_id(data, "a:")) == 64 and int(content_id(data, "a:"), 16) >= 0
+
+
+def test_a_namespace_longer_than_a_tenant_s_is_refused():
+    assert check_namespace("t" * 64 + ":") == "t" * 64 + ":"
+    with pytest.raises(BadInput, match="at most 128"):
+        check_namespace("t" * 129)
 
 
 # --- formats and bombs -----------------------------------------------------------------------------------

@@ -481,3 +481,20 @@ def test_a_requests_own_error_reaches_the_caller_unchanged_without_epd_facts():
     e = grpc.aio.AioRpcError(grpc.StatusCode.INVALID_ARGUMENT, grpc.aio.Metadata(), grpc.aio.Metadata(),
                              "image 0: its uuid is not the content hash of its bytes")
     assert from_grpc(e, "r", facts=False).message == "image 0: its uuid is not the content hash of its bytes"
+
+
+def test_a_tenants_media_are_named_in_its_namespace_and_a_gateway_without_keys_names_them_as_before():
+    from services.common.media import content_id
+    from services.gateway.request import tenant_namespace
+
+    assert tenant_namespace("") == "" and tenant_namespace("acme") == "acme:"
+    named = {}
+    for tenant in ("", "acme", "lab", "acme"):
+        call = parse(chat("what?", image(data_url(PNG))))
+        call.salt_tenant = tenant  # what RequestCore.admit sets for a keyed request
+        req = lm_pb2.GenerateRequest(request_id="r-1")
+        (m,) = asyncio.run(load_media(call, req, CFG, None))
+        assert req.namespace == tenant_namespace(tenant) and req.items[0].identifier == m.identifier
+        assert named.setdefault(tenant, m.identifier) == m.identifier  # the same tenant, the same item
+    assert named[""] == hashlib.sha256(PNG).hexdigest() == content_id(PNG)
+    assert named["acme"] == content_id(PNG, "acme:") and len(set(named.values())) == 3
