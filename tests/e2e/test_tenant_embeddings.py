@@ -1,20 +1,22 @@
-"""Client keys end to end, and each tenant's embeddings its own: a deployment whose gateway has a keys
-file (two tenants) refuses a request without a key, and the same image sent by tenant a, then b, then a
-again is encoded and transferred for a, again for b (another tenant's item, never served from a's), and
-not at all for a's second send (its own item, in the encoder's and the LM's caches); every answer is
-the same tokens."""
+"""Client keys end to end, and each tenant's embeddings its own: a second gateway with a keys file (two
+tenants) on the session deployment's encoder and LM refuses a request without a key, and the same image
+sent by tenant a, then b, then a again is encoded and transferred for a, again for b (another tenant's
+item, never served from a's), and not at all for a's second send (its own item, in the encoder's and the
+LM's caches); every answer is the same tokens."""
 
 from __future__ import annotations
 
 import json
+import os
+import time
 import urllib.error
 import urllib.request
+from types import SimpleNamespace
 
 import pytest
 
-from services.up import Deployment
-from tests.e2e.conftest import stop_in_background
-from tests.e2e.helpers import encodes_done, image_chat, metric, settled
+from services.up import Service, free_port, http_ok, wait_ready
+from tests.e2e.helpers import encodes_done, image_chat, metric, settled, wait_admitted
 
 pytestmark = pytest.mark.e2e
 
@@ -22,14 +24,25 @@ KEYS = {"a": "sk-e2e-tenant-a-71c3", "b": "sk-e2e-tenant-b-0d9e"}
 
 
 @pytest.fixture(scope="module")
-def keyed(tiny_model, tmp_path_factory):
+def keyed(deployment, tmp_path_factory):
+    """The keyed gateway (no engine of its own: the session's encoder and LM), with the session's metrics
+    ports for the engines' counters."""
     keys = tmp_path_factory.mktemp("keys") / "keys.jsonl"
     keys.write_text("".join(json.dumps({"tenant": t, "key": k}) + "\n" for t, k in KEYS.items()))
-    dep = Deployment(model=tiny_model, quiet=True, gateway_args=["--api-keys-file", str(keys)])
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    svc = Service("gateway-keyed", ["gateway", "--epd-facts", "--host", "127.0.0.1", "--port", str(port),
+                                    "--encoders", deployment.encoder_addr, "--lms", deployment.lm_addr,
+                                    "--api-keys-file", str(keys), *deployment.security_args],
+                  os.path.join(deployment.log_dir, "gateway-keyed.log"))
+    svc.start(dict(os.environ, PYTHONUNBUFFERED="1"))
     try:
-        yield dep.start()
+        wait_ready({svc: lambda: http_ok(url + "/health")}, time.monotonic() + 120, poll_s=0.3)
+        wait_admitted(port, [deployment.encoder_addr], [deployment.lm_addr])
+        yield SimpleNamespace(url=url, gateway_metrics=port, encoder_metrics=deployment.encoder_metrics,
+                              lm_metrics=deployment.lm_metrics)
     finally:
-        stop_in_background(dep)
+        svc.stop()
 
 
 def _post(dep, body: dict, key: str | None) -> tuple[int, dict]:
