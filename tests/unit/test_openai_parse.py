@@ -196,8 +196,29 @@ def test_parts_vllm_reads_as_media_by_their_keys_are_media_here_too(part, modali
     {"type": "image_url", "image_url": "data:image/png;base64,AAAA"},
 ], ids=["null", "no-image-url", "no-url", "empty-url", "non-string-url", "typed-plain-string"])
 def test_an_image_part_without_a_url_is_400(part):
+    """vLLM's parser refuses all but the empty URL (the gateway's own refusal: a media part needs a source)."""
     e = api_error(chat("hi", part))
-    assert e.status == 400 and "messages[0].content[1]: image_url needs a URL" in e.message
+    assert e.status == 400 and e.message.startswith("messages[0].content[1]: ")
+    assert ("image_url needs a URL" if part.get("image_url") == {"url": ""} else "not a valid image_url part") in e.message
+
+
+@pytest.mark.parametrize("part, needle", [
+    ({"type": "input_image", "image_url": {"url": "data:image/png;base64,AAAA"}, "detail": "auto"},
+     "image_url: Input should be a valid string"),
+    ({"type": "input_image", "image_url": "data:image/png;base64,AAAA"}, "detail: Field required"),
+    ({"type": "input_image", "image_url": "data:image/png;base64,AAAA", "detail": "ultra"}, "detail: Input should be"),
+    ({"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA", "detail": "ultra"}},
+     "image_url.detail: Input should be"),
+], ids=["input-image-object-url", "input-image-no-detail", "input-image-unknown-detail", "image-url-unknown-detail"])
+def test_a_typed_image_part_vllms_parser_refuses_is_400_not_rewritten_into_one_it_takes(part, needle):
+    """vLLM validates a typed image part with the openai package's type (``chat_utils.MM_PARSER_MAP``:
+    ``_ResponsesInputImageParser``, ``_ImageParser``) and answers 400; the gateway must not rewrite it into
+    an ``image_url`` part vLLM would take."""
+    parsers = pytest.importorskip("vllm.renderers.chat_utils").MM_PARSER_MAP
+    with pytest.raises(ValueError):  # pydantic's ValidationError: vLLM's 400
+        parsers[part["type"]](part)
+    e = api_error(chat("hi", part))
+    assert e.status == 400 and e.message.startswith("messages[0].content[1]: not a valid ") and needle in e.message
 
 
 @pytest.mark.parametrize(
