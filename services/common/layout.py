@@ -106,30 +106,33 @@ def splice(prompt: Sequence[int], items: Sequence[ItemLayout]) -> tuple[list[int
 def splice_modalities(prompt: Sequence[int], items: dict[str, Sequence[ItemLayout]]
                       ) -> tuple[list[int], dict[str, list[tuple[int, int]]]]:
     """``splice`` for a prompt with items of several modalities (``items``: per modality, its items
-    in prompt order, as vLLM lists them). Each modality's placeholder is its own token run, so at
-    every position at most one modality's next placeholder matches. Returns the spliced prompt and
-    per modality each item's (offset, length) in it; LayoutError when a modality's placeholders and
-    items differ in number."""
+    in prompt order, as vLLM lists them). Returns the spliced prompt and per modality each item's
+    (offset, length) in it.
+
+    vLLM's rule (``vllm/multimodal/processing/processor.py``: ``_plan_prompt_updates_with``, which
+    ``apply_token_matches`` runs): left to right, the earliest placeholder of a modality that still has
+    items takes that modality's next item; once a modality's items are placed, its placeholder is
+    ordinary text (a client's literal ``<image>`` beside one image is kept as a token, not refused).
+    Each modality's placeholder is its own token run, so at every position at most one modality's
+    placeholder matches. LayoutError when the prompt has fewer placeholders than items (vLLM:
+    ``_validate_mm_placeholders``); tests/unit/test_layout.py checks the rule against vLLM's own."""
     out: list[int] = []
     positions: dict[str, list[tuple[int, int]]] = {m: [] for m in items}
-    seen = dict.fromkeys(items, 0)  # placeholders seen per modality, also past the last item (for the error)
     i = 0
     while i < len(prompt):
         for modality, its in items.items():
-            ph = its[min(seen[modality], len(its) - 1)].placeholder if its else ()
+            k = len(positions[modality])
+            ph = its[k].placeholder if k < len(its) else ()
             if ph and tuple(prompt[i:i + len(ph)]) == ph:
-                k = seen[modality]
-                if k < len(its):
-                    positions[modality].append((len(out), len(its[k].tokens)))
-                    out += its[k].tokens
+                positions[modality].append((len(out), len(its[k].tokens)))
+                out += its[k].tokens
                 i += len(ph)
-                seen[modality] = k + 1
                 break
         else:
             out.append(prompt[i])
             i += 1
     for modality, its in items.items():
-        if seen[modality] != len(its):
-            raise LayoutError(f"the prompt has {seen[modality]} {modality} placeholder(s) for {len(its)} "
-                              f"{modality} item(s)")
+        if len(positions[modality]) != len(its):
+            raise LayoutError(f"the prompt has {len(positions[modality])} {modality} placeholder(s) for "
+                              f"{len(its)} {modality} item(s)")
     return out, positions

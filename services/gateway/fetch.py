@@ -19,7 +19,8 @@ and ``AUDIO_FORMATS`` / ``VIDEO_FORMATS``):
   Content-Length is refused before reading, a body is read in chunks and abandoned once over;
 - whatever the source (data: URL, fetched, raw gRPC bytes), an image must be one of
   ``services.common.media.IMAGE_FORMATS`` (the one list, shared with ``check_image``), sniffed from
-  its first bytes (``sniff_image_format``; a declared media type proves nothing), and its header must
+  its first bytes (``sniff_image_format``; a declared media type proves nothing, and a data: URL's is
+  not read, as vLLM does not read it), and its header must
   parse as that format within ``--max-image-pixels``; an audio clip one of ``AUDIO_FORMATS`` whose
   header says at most ``--max-audio-seconds`` (``check_audio``); a video one of ``VIDEO_FORMATS`` by
   its signature (its container is parsed by the encoder that decodes it, never in the gateway);
@@ -314,10 +315,15 @@ def max_bytes(cfg: GatewayConfig, modality: str) -> int:
 
 
 def decode_data_url(url: str, max_bytes: int, modality: str = "image") -> bytes:
-    """The bytes of a ``data:<modality>/...;base64,`` URL, or MediaError (413 when over ``max_bytes``)."""
+    """The bytes of a ``data:[<type>];base64,`` URL, or MediaError (413 when over ``max_bytes``).
+
+    An image's or an audio clip's declared media type is not read, as vLLM does not read it
+    (``vllm/multimodal/media``: ``ImageMediaIO.load_base64`` and ``AudioMediaIO.load_base64`` decode
+    the bytes whatever the type; an Anthropic image's ``media_type`` becomes this type): the bytes'
+    format is sniffed after. A video's must be ``video/*`` (vLLM reads ``video/jpeg`` as frames)."""
     header, _, payload = url.partition(",")
     mime = header[5:].split(";")[0].strip().lower()
-    if not mime.startswith(f"{modality}/"):
+    if modality == "video" and not mime.startswith("video/"):
         raise MediaError(f"data URL has media type {mime or 'none'!r}, expected {modality}/*")
     if ";base64" not in header:
         raise MediaError(f"{modality} data URLs must be base64-encoded")

@@ -13,20 +13,34 @@ identifier a caller chose), so the gateway reads parts exactly as vLLM's chat pa
   of its keys in ``KEY_ORDER``; a dict with none of them is an error (vLLM: "Missing 'type'");
 - any other ``type`` is vLLM's to refuse (an unknown or non-string type).
 
-On top of vLLM's rule, what the gateway refuses (a 400 naming the part): a client ``uuid`` on
-any part (identifiers are content hashes the gateway makes; vLLM would use a client's verbatim
-as the item's cache key), and parts that carry pre-computed inputs (``PRECOMPUTED``: embeddings,
-prompt embeddings, PIL objects), which epd-serve does not serve.
+A typed ``image_url`` or ``input_image`` part is validated as vLLM's parser validates it (pydantic,
+on the ``openai`` package's types: ``MM_PARSER_MAP`` there), so a part vLLM refuses (an object
+``image_url`` in an ``input_image`` part, a ``detail`` it does not know) is refused here too, never
+rewritten into one it takes. A Responses request is read as vLLM's conversion to chat messages reads it
+(``vllm/entrypoints/openai/responses/utils.py``, ``_construct_message_from_response_item``): an
+assistant item whose first part has text is text only; any other item's parts are chat parts (vLLM's
+request model types them only where an item matches a typed Responses item: an item with an ``id``
+passes as an ``item_reference`` and reaches the chat parser as it came), so the gateway rewrites each
+media part as the kind it came as (``OpenAICall.lm_body``) and leaves a kind the request model refuses
+for vLLM to refuse.
+
+On top of vLLM's rule, what the gateway refuses (a 400 naming the part; docs/protocol.md lists
+them): a client ``uuid`` on any part (identifiers are content hashes the gateway makes; vLLM would
+use a client's verbatim as the item's cache key), and parts that carry pre-computed inputs
+(``PRECOMPUTED``: embeddings, prompt embeddings, PIL objects), which epd-serve does not serve.
 
 This module imports nothing from vLLM (the gateway stays free of torch). Its tables are checked
-against vLLM's own in tests/unit/test_parts_vllm.py, and tests/integration/test_parts_property.py
-generates bodies and checks that the items vLLM's parser extracts are exactly the ones found here.
+against vLLM's own in tests/unit/test_parts_vllm.py, which with test_responses_parts_vllm.py and
+test_anthropic_parts_vllm.py generates bodies of each API and checks that the items vLLM's conversion
+and parser extract are exactly the ones found here, and that a body vLLM refuses is refused here or
+still refused by vLLM as the gateway sends it on.
 The LM checks every item vLLM parsed again (``services.lm.media``): this reader decides what the
 gateway loads, hashes and limits; the LM's check is the authority on what reaches its engine.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,14 +122,19 @@ TOOL_OUTPUTS = ("function_call_output", "custom_tool_call_output")
 def media_parts(messages: Any, container: str = "messages") -> list[MediaPart]:
     """Every media part of a chat request's ``messages`` (any role), or of a Responses request's
     ``input`` items (their ``content``, and a tool output item's ``output``), by vLLM's rule, in order.
-    Raises PartError for a client uuid, a pre-computed input, or a media part without a source.
-    Anything that is not a list of message objects has no media here (vLLM validates it)."""
+    Raises PartError for a client uuid, a pre-computed input, a media part without a source, or a
+    part vLLM's own validation refuses. Anything that is not a list of message objects has no media
+    here (vLLM validates it)."""
     found: list[MediaPart] = []
+    responses = container == "input"
     for i, message in enumerate(messages if isinstance(messages, list) else []):
         key = "content"
-        if container == "input" and isinstance(message, dict) and message.get("type") in TOOL_OUTPUTS:
+        if responses and isinstance(message, dict) and message.get("type") in TOOL_OUTPUTS:
             key = "output"
         content = message.get(key) if isinstance(message, dict) else None
+        if responses and _text_only_assistant(message):
+            continue
+        refuses_images = responses and _output_item_model(message)
         for j, part in enumerate(content if isinstance(content, list) else []):
             where = f"{container}[{i}].{key}[{j}]"
             if isinstance(part, dict) and part.get("uuid") is not None:
@@ -125,10 +144,69 @@ def media_parts(messages: Any, container: str = "messages") -> list[MediaPart]:
             if role == PRECOMPUTED:
                 raise PartError(where, f"{kind} parts are not served by epd-serve (pre-computed inputs; "
                                        f"served media: {', '.join(MODALITY)})")
-            if role == MEDIA:
-                found.append(MediaPart(i, j, kind, MODALITY[kind], _source(part, kind, where), container=container,
-                                       key=key))
+            if role != MEDIA:
+                continue
+            if refuses_images:
+                raise PartError(where, "vLLM's parser refuses an image in a custom_tool_call_output item with an id "
+                                       "and a status (it reads the item as a response's output item)")
+            if part.get("type") == kind and kind in ("image_url", "input_image"):
+                _check_typed(part, kind, where, default_detail=responses and key == "content")
+            found.append(MediaPart(i, j, kind, MODALITY[kind], _source(part, kind, where), container=container,
+                                   key=key))
     return found
+
+
+def _text_only_assistant(item: Any) -> bool:
+    """Whether vLLM reads a Responses input item as an assistant message of text only (its images
+    dropped): a dict with role ``assistant`` whose content is a string, or a list whose first part has
+    a ``text`` (``_construct_message_from_response_item``; any other assistant item it passes on as a
+    chat message, every part read)."""
+    if not isinstance(item, dict) or item.get("role") != "assistant" or item.get("type") in TOOL_OUTPUTS:
+        return False
+    content = item.get("content")
+    if isinstance(content, str):
+        return True
+    return isinstance(content, list) and bool(content) and isinstance(content[0], dict) \
+        and content[0].get("text") is not None
+
+
+def _output_item_model(item: Any) -> bool:
+    """Whether vLLM's request model reads a Responses input item as its ``ResponseCustomToolCallOutputItem``
+    (a ``custom_tool_call_output`` with an ``id`` and a status): vLLM converts that model back with
+    ``model_dump``, which gives each image part ``prompt_cache_breakpoint: null``, and its parser's
+    ``ResponseInputImageParam`` then refuses the part (400). The gateway refuses it too: its rewrite
+    names the item by a uuid, which vLLM's parser would take without that check."""
+    return isinstance(item, dict) and item.get("type") == "custom_tool_call_output" \
+        and isinstance(item.get("id"), str) and item.get("status") in ("in_progress", "completed", "incomplete")
+
+
+@functools.cache
+def _validator(kind: str):
+    """vLLM's validator for a typed ``kind`` part (``MM_PARSER_MAP``: a pydantic ``TypeAdapter`` of the
+    ``openai`` package's type). Made on first use: the ``openai`` types take half a second to import."""
+    from pydantic import TypeAdapter
+
+    if kind == "image_url":
+        from openai.types.chat import ChatCompletionContentPartImageParam as PartType
+    else:
+        from openai.types.responses import ResponseInputImageParam as PartType
+    return TypeAdapter(PartType).validate_python
+
+
+def _check_typed(part: dict, kind: str, where: str, default_detail: bool) -> None:
+    """Refuses (PartError) a typed ``image_url`` / ``input_image`` part that vLLM's parser refuses.
+    ``default_detail``: a Responses message's part, whose missing ``detail`` vLLM's request model sets
+    to "auto" first (``_default_input_image_details``); a chat message's or a tool output's part has none."""
+    from pydantic import ValidationError
+
+    if default_detail and "detail" not in part:
+        part = {**part, "detail": "auto"}
+    try:
+        _validator(kind)(part)
+    except ValidationError as e:
+        first = e.errors()[0]
+        loc = ".".join(str(x) for x in first.get("loc", ()))
+        raise PartError(where, f"not a valid {kind} part: {loc + ': ' if loc else ''}{first.get('msg', e)}") from None
 
 
 def anthropic_media_parts(messages: Any) -> list[MediaPart]:

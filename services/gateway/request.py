@@ -243,14 +243,19 @@ class OpenAICall:
                 block["source"] = {"type": "base64", "media_type": "image/png",
                                    "data": base64.b64encode(m.data).decode()}
                 continue
-            if spec.media == "input" and m.modality == "image":
+            if spec.media == "input":
                 # The bytes go too, even for an item an encoder laid out (the LM knows it by its hash
                 # and does not decode it): vLLM stores a response's input as given, and a follow-up
-                # (previous_response_id) renders it again, with no encoder named for it then.
-                part: dict[str, Any] = {"type": "input_image", "image_url": _data_url(m)}
-                given = body[p.container][p.message][p.key][p.part]
-                if isinstance(given, dict) and "detail" in given:
-                    part["detail"] = given["detail"]  # vLLM requires it of a tool output's image
+                # (previous_response_id) renders it again, with no encoder named for it then. The part
+                # keeps its kind: vLLM's request model takes a chat part only where it took the client's.
+                if p.kind == "input_image":
+                    part: dict[str, Any] = {"type": "input_image", "image_url": _data_url(m)}
+                    given = body[p.container][p.message][p.key][p.part]
+                    if isinstance(given, dict) and "detail" in given:
+                        part["detail"] = given["detail"]  # vLLM requires it of a tool output's image
+                else:
+                    kind = p.kind if p.kind != "input_audio" else "audio_url"
+                    part = {"type": kind, kind: {"url": _data_url(m)}}
             else:
                 kind = LM_PART[m.modality]
                 part = {"type": kind, kind: None if data_url is None else {"url": data_url}}

@@ -171,7 +171,7 @@ def _lay_out(tok_prompt: dict, ctx: RequestContext, metadata_fields: dict[str, s
             layouts[modality].append(lay)
     try:
         ids, positions = splice_modalities(list(tok_prompt["prompt_token_ids"]), layouts)
-    except ValueError as e:  # LayoutError: placeholders and items do not match
+    except ValueError as e:  # LayoutError: fewer placeholders than items (more are text, as in vLLM)
         raise BadInput(str(e)) from None
     items, idents, ranges = {}, {}, {}
     for modality, lays in layouts.items():

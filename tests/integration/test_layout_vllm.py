@@ -103,3 +103,19 @@ def test_the_tiled_copy_really_tiles(proc):
     layouts = _encoder_layouts(proc, _placeholder(proc), [img], ["t"])
     tiles = layouts[0].num_embeds // 16
     assert tiles == 1 if proc.model_config.model.endswith("tiny-idefics3") else tiles > 2
+
+
+def test_text_holding_the_image_token_beside_one_image_is_laid_out_as_vllm_processes_it(proc):
+    """A client's text that holds the model's image placeholder, and one image: vLLM's processor gives the
+    first placeholder the image and keeps the others as tokens (no refusal); the splice does the same."""
+    placeholder = _placeholder(proc)
+    img = Image.fromarray(np.random.default_rng(7).integers(0, 255, (200, 300, 3), dtype=np.uint8))
+    layouts = _encoder_layouts(proc, placeholder, [img], ["one"])
+    content = [{"type": "text", "text": f"what is {placeholder} here?"}, {"type": "image"}]
+    chat = proc.get_tokenizer().apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                                     add_generation_prompt=True)
+    for prompt in (chat, f"a{placeholder}b{placeholder}{placeholder}"):
+        want = _run(proc, prompt, [img], ["one"])
+        ids, positions = splice(tokenize(proc.renderer, prompt), layouts)
+        assert ids == want.prompt_token_ids, prompt
+        assert positions == [(f.mm_position.offset, f.mm_position.length) for f in want.mm_features]
