@@ -450,12 +450,16 @@ async def warm_up(port: int, gport: int, key: str) -> str:
 async def attack_phase(hostile: Hostile, kind: str, n: int, phase_s: float, events: list) -> None:
     """``n`` clients of ``kind`` for ``phase_s``; then every request still open is cancelled (its
     connection reset, its call cancelled): the attacker is gone."""
+    stop = asyncio.Event()
     tasks = [asyncio.ensure_future(hostile_client(hostile, kind, hostile.channel() if kind.startswith("grpc")
-                                                  else None, events)) for _ in range(n)]
+                                                  else None, stop, events)) for _ in range(n)]
     await asyncio.sleep(phase_s)
-    for t in tasks:
-        t.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    stop.set()
+    pending = set(tasks)
+    while pending:  # a cancel that wait_for swallowed is sent again
+        for t in pending:
+            t.cancel()
+        _, pending = await asyncio.wait(pending, timeout=0.5)
     await hostile.close()
 
 

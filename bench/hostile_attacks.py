@@ -259,10 +259,12 @@ class Hostile:
             self.session = None
 
 
-async def hostile_client(hostile: Hostile, kind: str, ch: grpc.aio.Channel | None, events: list) -> None:
-    """Loops ``kind`` until cancelled; every answer goes to ``events`` as (sent, answered, kind,
-    outcome); the request cut off by the cancel is ``unanswered``."""
-    while True:
+async def hostile_client(hostile: Hostile, kind: str, ch: grpc.aio.Channel | None, stop: asyncio.Event,
+                         events: list) -> None:
+    """Loops ``kind`` until ``stop`` is set or the task is cancelled; every answer goes to ``events`` as
+    (sent, answered, kind, outcome); the request cut off by the cancel is ``unanswered``. ``stop`` as
+    well as the cancel: Python 3.11's ``wait_for`` can swallow a cancel that meets an answer."""
+    while not stop.is_set():
         t = time.monotonic()
         try:
             outcome = await hostile.fns[kind](ch)
