@@ -578,6 +578,7 @@ def report(res: dict, args, cfg: GatewayConfig, limit: int | None) -> dict:
             "t2_s": rel(p["t2"]), "p99_vs_baseline": round(row["p99_ms"] / base["p99_ms"], 2)
             if row["p99_ms"] and base["p99_ms"] else None,
             **sampler.window(p["t0"], p["t2"]), "rss_hwm_mib": round(hwm / MIB, 1),
+            "rss_at_start_mib": next((round(r / MIB, 1) for t, r, _ in sampler.rss if t >= p["t0"]), None),
             "gauges_peak": {k: (round(v / MIB, 1) if k == "held" else v) for k, v in peaks.items()},
             "released_s": released_s,
             "hostile": summarize_hostile([e for e in res["events"] if p["t0"] <= e[0] < p["t2"]],
@@ -626,17 +627,18 @@ def print_table(out: dict) -> None:
     yes = lambda v: "-" if v is None else ("yes" if v else "NO")  # noqa: E731
     b = out["baseline"]
     hdr = (f"{'attack':<15}{'clients':>8}{'REST ok%':>9}{'gRPC ok%':>9}{'p50 ms':>8}{'p99 ms':>9}{'p99 x':>7}"
-           f"{'RSS MiB':>9}{'released':>9}  {'met: REST gRPC p99 RSS rel':<27}hostile answers")
+           f"{'RSS MiB':>14}{'released':>9}  {'met: REST gRPC p99 RSS rel':<27}hostile answers")
     print(hdr + "\n" + "-" * (len(hdr) + 20))
     print(f"{'baseline':<15}{'-':>8}{pc(b['rest_success']):>9}{pc(b['grpc_success']):>9}{fmt(b['p50_ms']):>8}"
-          f"{fmt(b['p99_ms']):>9}{'1.0':>7}{fmt(b['rss_hwm_mib']):>9}{'-':>9}")
+          f"{fmt(b['p99_ms']):>9}{'1.0':>7}{fmt(b['rss_hwm_mib']):>14}{'-':>9}")
     for a in out["attacks"]:
         t = a["targets"]
         met = " ".join(f"{yes(t[k]):>{w}}" for k, w in (("rest_99", 4), ("grpc_99", 4), ("p99_3x", 3),
                                                             ("rss_k8s", 3), ("released", 3)))
         rel = fmt(a["released_s"]) + " s" if a["released_s"] is not None else "NO"
         print(f"{a['attack']:<15}{a['clients']:>8}{pc(a['rest_success']):>9}{pc(a['grpc_success']):>9}"
-              f"{fmt(a['p50_ms']):>8}{fmt(a['p99_ms']):>9}{fmt(a['p99_vs_baseline']):>7}{fmt(a['rss_hwm_mib']):>9}"
+              f"{fmt(a['p50_ms']):>8}{fmt(a['p99_ms']):>9}{fmt(a['p99_vs_baseline']):>7}"
+              f"{fmt(a['rss_at_start_mib'], '{:.0f}') + ' -> ' + fmt(a['rss_hwm_mib'], '{:.0f}'):>14}"
               f"{rel:>9}  {'     ' + met:<27}{a['hostile']['outcomes']}")
     print("\nlegit failures during each attack:")
     for a in out["attacks"]:
@@ -654,7 +656,8 @@ def print_table(out: dict) -> None:
           f"{m['peak_rss_mib']} MiB (VmHWM); body budget {m['body_memory_mib']:g} MiB, held at most "
           f"{m['peak_budget_held_mib']} MiB; gateway alive at end: {m['gateway_alive_at_end']}")
     print("ok% and latency: the legit tenant's requests sent during the attack (latency = send -> whole answer, "
-          "successful ones); p99 x = vs its baseline; RSS = the gateway's VmHWM over the attack and its recovery; "
+          "successful ones); p99 x = vs its baseline; RSS = the gateway's RSS as the attack began -> its VmHWM over the "
+          "attack and its release (a peak can be what the previous attack left); "
           "released = from the attack's end (the attacker's requests reset or cancelled, the legit tenant paused) until "
           "the gateway holds no admission place, queued request, body budget or background work")
 
