@@ -96,7 +96,7 @@ bench-gateway: install
 
 bench-hostile: install
 	$(PY) -m pip install -q "matplotlib>=3.8"
-	$(PY) bench/hostile.py --json bench/results/hostile-cpu.json --plot bench/results/hostile-cpu.png
+	$(PY) bench/hostile.py --json bench/results/hostile-cpu-tenants.json --plot bench/results/hostile-cpu-tenants.png
 
 clean:
 	rm -rf $(VENV) epd build *.egg-info .pytest_cache

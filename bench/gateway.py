@@ -70,7 +70,8 @@ TARGET_US = 1000.0
 JSON_HEADERS = {"Content-Type": "application/json"}
 
 
-def start_lm(real: bool, logdir: str) -> tuple[Service, str]:
+def start_lm(real: bool, logdir: str, stub_flags: tuple[str, ...] = ()) -> tuple[Service, str]:
+    """The real LM (the default model) or ``bench/stub_lm.py`` with ``stub_flags``, once it serves."""
     port = free_port()
     if real:
         from services.cli import default_model
@@ -80,7 +81,7 @@ def start_lm(real: bool, logdir: str) -> tuple[Service, str]:
                 "--cpu-cores", str(core), "--model", default_model()]
         name, timeout = "lm", 600.0
     else:
-        argv = [sys.executable, "bench/stub_lm.py", "--port", str(port)]
+        argv = [sys.executable, "bench/stub_lm.py", "--port", str(port), *stub_flags]
         name, timeout = "stub-lm", 60.0
     lm = Service(name, [], os.path.join(logdir, f"gateway-bench-{name}.log"), command=argv).start()
     addr = f"127.0.0.1:{port}"

@@ -1,46 +1,61 @@
-"""Hostile-client benchmark: does the gateway hold its memory bound, and keep answering
-legitimate requests, while clients abuse its request bodies?
+"""Hostile-tenant benchmark: while one tenant attacks the gateway, does another tenant's traffic
+keep its success rate and latency, does the gateway stay within its memory limit, and is
+everything the attack took given back soon after it ends?
 
 A real gateway runs as a subprocess against ``bench/stub_lm.py`` (the LMService protocol, no
-engine), with the default intake limits (``services/gateway/intake.py``) unless ``--body-memory-mib``,
-``--max-body-readers`` or ``--body-timeout-s`` say otherwise. Three phases, one run:
+engine), with its default limits unless ``--body-memory-mib``, ``--max-body-readers``,
+``--body-timeout-s``, ``--answer-timeout-s`` or ``--lm-max-background`` say otherwise, and
+``--api-keys-file`` naming two tenants with random keys: ``legit`` and ``attacker`` (each line
+``{"tenant", "key"}``, plus what ``--legit-quota`` / ``--attacker-quota`` add: any JSON object,
+merged into that tenant's line, for the quota fields the gateway reads). The run:
 
-1. ``baseline`` (``--phase-s``): legitimate requests only, a steady ``--legit-rate``, open loop
-   (each sent on schedule, answered or not, so a stall shows as latency), from a few client tasks
-   per kind: ``rest`` (text chat), ``rest-image`` (chat with one tiny PNG data: URL) and ``grpc``
-   (text chat on ``GatewayService/ChatCompletion``), 16 tokens each from the stub;
-2. ``attack`` (``--phase-s``): the same legitimate load plus ``--hostile`` clients split evenly
-   over ``--kinds``, each looping for the phase:
+1. ``baseline`` (``--phase-s``): the legit tenant alone, a steady ``--legit-rate``, open loop (each
+   request sent on schedule, answered or not, so a stall shows as latency), from a few client tasks
+   per kind, with its key: ``rest`` (text chat), ``rest-image`` (chat with one tiny PNG data: URL)
+   and ``grpc`` (text chat on ``GatewayService/ChatCompletion``), 16 tokens each from the stub;
+2. one attack per ``--kinds`` entry, in order (``--phase-s`` each): the same legit load, and the
+   attacker's clients (``--clients``; defaults in ``KINDS``) each looping one kind
+   (``bench/hostile_attacks.py``), with the attacker's key:
 
+   * ``slow-body``: declares ``Content-Length: 64 MiB`` and sends it at 1.25 x --body-min-rate-kib;
+   * ``stream-unread``: a streaming chat (``--stream-tokens`` events) whose answer is never read
+     (a 4 KiB receive buffer); ``answer-unread``: the same, non-streaming, an answer of about
+     ``--answer-mib``; ``grpc-unread``: a streaming ChatCompletion never read. Each renews its
+     request --answer-timeout-s + 2 s after sending it (a FIN from the gateway queues behind the
+     unread answer, so the client cannot see a cut; a reset it sees: ``cut``);
+   * ``background``: ``POST /v1/responses {"background": true}`` as fast as answered (the stub
+     keeps each one in_progress for ``--background-s``);
+   * ``grpc-over``: a ChatCompletion message of ``max_body_bytes + 1``; ``grpc-at-limit``: one of
+     exactly ``max_body_bytes`` (its body as ``rest-at-limit``'s); ``grpc-stall``: a call whose
+     message never comes;
    * ``rest-declared``: a Content-Length of ``max_body_bytes + 1`` (the body follows, fast);
-   * ``rest-chunked``: a chunked body that grows (1 MiB chunks) until the gateway answers;
-   * ``rest-at-limit``: a Content-Length of exactly ``max_body_bytes``, sent fast. ``--at-limit
-     valid`` (default): a chat request with the two largest images the gateway accepts (real PNG
-     headers, padded) and a text part that pads it to the byte; ``invalid``: that many bytes of
-     ``x`` (refused 400 as JSON);
-   * ``rest-drip``: a 4 KiB body, one byte every ``--drip-s``;
-   * ``grpc-over``: a ChatCompletion message of ``max_body_bytes + 1``;
-   * ``grpc-at-limit``: a message of exactly ``max_body_bytes`` (its body as ``rest-at-limit``'s);
-   * ``grpc-stall`` (not in the default mix): a call whose message never comes.
+     ``rest-chunked``: a chunked body that grows (1 MiB chunks) until the gateway answers;
+     ``rest-at-limit``: a Content-Length of exactly ``max_body_bytes``, sent fast (``--at-limit
+     valid``, the default: a chat request with the two largest images the gateway accepts, real PNG
+     headers, padded, and a text part that pads it to the byte; ``invalid``: that many bytes of
+     ``x``); ``rest-drip``: a 4 KiB body, one byte every ``--drip-s``.
 
-3. ``recovery`` (``--recovery-s``, by default ``--body-timeout-s`` + 5 s so every slow upload
-   started in the attack has been answered): legitimate load only; hostile requests started in
-   the attack finish (no new ones). What is still unanswered at the end counts as ``unanswered``.
+   At the attack's end every attacker request still open is dropped (its connection reset, its
+   call cancelled: those count as ``unanswered``) and the legit tenant pauses; the gateway's
+   /metrics are then watched until it holds no admission place, queued request, body budget or
+   background work (at most ``--recovery-s``), and after ``--settle-s`` the next attack begins.
 
-Measured: each legitimate request's latency (send -> whole answer) and outcome; each hostile
-request's answer (the HTTP status, a gRPC code, ``closed`` / ``reset`` for a connection that
-ended without a status); the gateway's RSS (psutil, every 50 ms, and the kernel's exact peak,
-VmHWM, reset at each phase start); the body budget it holds and its refusal counters (its
-/metrics, every 200 ms). The idle RSS (after a warm-up, no load) plus ``--body-memory-mib`` is the
-bound the configuration implies; it is compared with the gateway container's memory limit in
-``docker/k8s/base/gateway.yaml``.
+Measured per attack: the legit tenant's success rate on REST (text and image) and on gRPC for the
+requests sent during the attack, its latency (send -> whole answer) p50 and p99 against the
+baseline's p99; the gateway's RSS peak (the kernel's VmHWM over the attack and its release; psutil
+every 50 ms for the plot) against the gateway container's memory limit in
+``docker/k8s/base/gateway.yaml``; the time from the attack's end until everything is released
+(``epd_gateway_admission_in_flight``, ``_admission_waiting``, ``_body_bytes_held``,
+``_background_held``, every 100 ms); how each attacker request was answered. The targets (each
+attack's ``targets``): success >= 99 % on REST and on gRPC, p99 within 3x the baseline's, RSS
+within the limit, released within ``--release-target-s``.
 
 With two or more cores the gateway gets the last core to itself and every client (legitimate in
 a process of their own, hostile in this one, niced by ``--hostile-nice``) and the stub LM share
 the others, so the clients' own CPU (sending 86 MiB bodies) is not the gateway's. Everything runs
 on loopback. The first answer message of each kind of failure is kept (``answer_messages``).
 
-    python bench/hostile.py --json bench/results/hostile-cpu.json --plot bench/results/hostile-cpu.png
+    python bench/hostile.py --json bench/results/hostile-cpu-tenants.json --plot bench/results/hostile-cpu-tenants.png
 """
 
 from __future__ import annotations
@@ -68,6 +83,7 @@ import aiohttp
 import grpc
 import psutil
 from gateway import machine, start_gateway, start_lm
+from hostile_attacks import Hostile, hostile_client, note
 from machine import pct
 
 from epd.gateway.v1 import gateway_pb2, gateway_pb2_grpc
@@ -77,31 +93,20 @@ from services.up import Service
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MANIFEST = os.path.join(ROOT, "docker", "k8s", "base", "gateway.yaml")
 LEGIT = ("rest", "rest-image", "grpc")
-KINDS = ("rest-declared", "rest-chunked", "rest-at-limit", "rest-drip", "grpc-over", "grpc-at-limit", "grpc-stall")
-DEFAULT_KINDS = KINDS[:-1]
-PHASES = ("baseline", "attack", "recovery")
+KINDS = {"slow-body": 16, "stream-unread": 96, "answer-unread": 80, "grpc-unread": 96, "background": 32,
+         "grpc-over": 8, "grpc-at-limit": 8, "grpc-stall": 16, "rest-declared": 8, "rest-chunked": 8,
+         "rest-at-limit": 8, "rest-drip": 16}
+"""Every attack kind, in the order the phases run, and its clients unless --clients says otherwise."""
+TENANTS = ("legit", "attacker")
 PROMPT = "Summarize in one sentence: the river runs past the stone bridge and the quiet market."
-METHOD = "/epd.gateway.v1.GatewayService/ChatCompletion"
-CHUNK = 1 << 20
-DRIP_BODY = 4096
 LEGIT_TIMEOUT_S = 60.0
 LEGIT_MAX_OUTSTANDING = 2000
-RSS_PERIOD_S, METRICS_PERIOD_S = 0.05, 0.2
+RSS_PERIOD_S, METRICS_PERIOD_S = 0.05, 0.1
+RELEASE_GAUGES = ("in_flight", "waiting", "held", "background")
 MIB = 1 << 20
 
 
 # -- pure helpers (tests/unit/test_bench_hostile.py) ------------------------------------------
-
-
-def note(details: dict[str, str], key: str, text: str) -> str:
-    """Keeps the first message seen for ``key`` (shortened); returns ``key``."""
-    if key not in details:
-        try:
-            text = json.loads(text)["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            pass
-        details[key] = " ".join(str(text).split())[:240]
-    return key
 
 
 def split_clients(n: int, kinds: list[str]) -> dict[str, int]:
@@ -194,7 +199,30 @@ def parse_metrics(text: str) -> dict[str, float]:
             out["reading"] = float(line.split()[1])
         elif m := re.match(r'epd_gateway_bodies_refused_total\{reason="(\w+)"\} (\S+)', line):
             out[f"refused:{m.group(1)}"] = float(m.group(2))
+        elif line.startswith("epd_gateway_admission_in_flight{"):
+            out["in_flight"] = out.get("in_flight", 0.0) + float(line.split()[-1])
+        elif line.startswith("epd_gateway_admission_waiting "):
+            out["waiting"] = float(line.split()[1])
+        elif line.startswith("epd_gateway_background_held "):
+            out["background"] = float(line.split()[1])
+        elif line.startswith("epd_gateway_slow_readers_total "):
+            out["slow_readers"] = float(line.split()[1])
     return out
+
+
+def keys_file_lines(tenants: dict[str, str], quotas: dict[str, dict]) -> list[str]:
+    """The gateway's --api-keys-file: one JSON object per tenant, ``{"tenant", "key"}`` and that
+    tenant's entries of ``quotas`` (whatever fields the gateway reads, e.g. max_in_flight)."""
+    return [json.dumps({"tenant": t, "key": k, **quotas.get(t, {})}) for t, k in tenants.items()]
+
+
+def released_at(metrics: list[tuple[float, dict]], since: float) -> float | None:
+    """The first scrape at or after ``since`` at which the gateway holds nothing of ``RELEASE_GAUGES``
+    (admission places, its queue, body budget, background work). None: not within the scrapes given."""
+    for t, m in metrics:
+        if t >= since and "held" in m and not any(m.get(k, 0.0) for k in RELEASE_GAUGES):
+            return t
+    return None
 
 
 def summarize_legit(samples: list[tuple], t0: float, t1: float) -> dict[str, dict]:
@@ -223,7 +251,7 @@ def summarize_hostile(events: list[tuple], counts: dict[str, int]) -> dict[str, 
     out = {}
     for kind, n in counts.items():
         es = [e for e in events if e[2] == kind]
-        took = [e[1] - e[0] for e in es]
+        took = [e[1] - e[0] for e in es if e[3] != "unanswered"]
         out[kind] = {"clients": n, "requests": len(es), "outcomes": dict(sorted(collections.Counter(
             e[3] for e in es).items())), "median_s": round(statistics.median(took), 3) if took else None,
             "max_s": round(max(took), 3) if took else None}
@@ -314,8 +342,10 @@ class Sampler:
 class Legit:
     """One request of each legit kind; ``call(kind)`` -> "ok" or what went wrong."""
 
-    def __init__(self, port: int, gport: int, model: str) -> None:
+    def __init__(self, port: int, gport: int, model: str, key: str) -> None:
         self.url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        self.headers = {"Content-Type": "application/json", "Authorization": f"Bearer {key}"}
+        self.metadata = (("authorization", f"Bearer {key}"),)
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                              timeout=aiohttp.ClientTimeout(total=LEGIT_TIMEOUT_S))
         self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{gport}")
@@ -333,11 +363,11 @@ class Legit:
         try:
             if kind == "grpc":
                 n = 0
-                async for msg in self.stub.ChatCompletion(self.grpc_req, timeout=LEGIT_TIMEOUT_S):
+                async for msg in self.stub.ChatCompletion(self.grpc_req, timeout=LEGIT_TIMEOUT_S,
+                                                          metadata=self.metadata):
                     n += bool(msg.body)
                 return "ok" if n else "empty"
-            async with self.session.post(self.url, data=self.bodies[kind],
-                                         headers={"Content-Type": "application/json"}) as r:
+            async with self.session.post(self.url, data=self.bodies[kind], headers=self.headers) as r:
                 data = await r.read()
             if r.status == 200 and b'"choices"' in data:
                 return "ok"
@@ -354,11 +384,12 @@ class Legit:
         await self.channel.close()
 
 
-async def _legit_load(port, gport, model, tasks_per_kind, rate, start, end) -> tuple[list[tuple], dict]:
-    """Open loop: every task sends on its schedule whether or not its last request has been
-    answered, so a gateway that stalls shows as slow or failed requests, not as fewer of them.
-    More than ``LEGIT_MAX_OUTSTANDING`` unanswered at once: the next is not sent ("not sent")."""
-    legit = Legit(port, gport, model)
+async def _legit_load(port, gport, model, key, tasks_per_kind, rate, start, stop, pause) -> tuple[list[tuple], dict]:
+    """Open loop from ``start`` until ``stop`` (a multiprocessing Event) is set, skipping its turns
+    while ``pause`` is set: every task sends on its schedule whether or not its last request has been
+    answered, so a gateway that stalls shows as slow or failed requests, not as fewer of them. More
+    than ``LEGIT_MAX_OUTSTANDING`` unanswered at once: the next is not sent ("not sent")."""
+    legit = Legit(port, gport, model, key)
     samples: list[tuple] = []
     flying: set[asyncio.Task] = set()
     interval = len(LEGIT) * tasks_per_kind / rate
@@ -370,9 +401,11 @@ async def _legit_load(port, gport, model, tasks_per_kind, rate, start, end) -> t
 
     async def task(kind: str, offset: float) -> None:
         nxt = start + offset
-        while nxt < end:
+        while not stop.is_set():
             await asyncio.sleep(max(0.0, nxt - time.monotonic()))
-            if len(flying) >= LEGIT_MAX_OUTSTANDING:
+            if pause.is_set():
+                pass
+            elif len(flying) >= LEGIT_MAX_OUTSTANDING:
                 samples.append((time.monotonic(), kind, 0.0, "not sent"))
             else:
                 t = asyncio.ensure_future(one(kind))
@@ -390,184 +423,20 @@ async def _legit_load(port, gport, model, tasks_per_kind, rate, start, end) -> t
 
 
 def legit_worker(conn, *args) -> None:
-    """Entry of the legit clients' process: runs the load, sends the samples back."""
+    """Entry of the legit tenant's process: runs the load, sends the samples back."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops it
     conn.send(asyncio.run(_legit_load(*args)))  # (samples, details)
     conn.close()
 
 
-# -- hostile clients (this process) ----------------------------------------------------------
-
-
-class Hostile:
-    """One request of each hostile kind; each returns how the gateway answered it."""
-
-    def __init__(self, port: int, gport: int, cfg: GatewayConfig, valid: bool, model: str, drip_s: float) -> None:
-        self.port, self.gport, self.max_body, self.drip_s = port, gport, cfg.max_body_bytes, drip_s
-        self.timeout = cfg.body_timeout_s + 30
-        self.at_limit = memoryview(at_limit_body(self.max_body, cfg, valid, model))
-        self.zeros = memoryview(bytes(CHUNK))
-        # Serialized once and sent as they are: the clients' CPU goes to sending, not to protobuf.
-        self.grpc_at = gateway_pb2.OpenAIRequest(
-            body=at_limit_body(grpc_body_len(self.max_body), cfg, valid, model)).SerializeToString()
-        self.grpc_over = gateway_pb2.OpenAIRequest(body=bytes(grpc_body_len(self.max_body + 1))).SerializeToString()
-        assert len(self.grpc_at) == self.max_body and len(self.grpc_over) == self.max_body + 1
-        self.channels: list[grpc.aio.Channel] = []
-        self.details: dict[str, str] = {}
-        """The first answer's message for each (kind, outcome), as "kind outcome" -> text."""
-        self.fns = {"rest-declared": self.rest_declared, "rest-chunked": self.rest_chunked,
-                    "rest-at-limit": self.rest_at_limit, "rest-drip": self.rest_drip,
-                    "grpc-over": lambda ch: self._grpc(ch, "grpc-over", self.grpc_over),
-                    "grpc-at-limit": lambda ch: self._grpc(ch, "grpc-at-limit", self.grpc_at),
-                    "grpc-stall": self.grpc_stall}
-
-    def channel(self) -> grpc.aio.Channel:
-        # A connection of its own per client (no shared subchannel): 32 streams per connection is a
-        # gateway limit that must not be what throttles the attack.
-        ch = grpc.aio.insecure_channel(f"127.0.0.1:{self.gport}", options=[
-            ("grpc.use_local_subchannel_pool", 1), ("grpc.max_receive_message_length", -1)])
-        self.channels.append(ch)
-        return ch
-
-    def _head(self, length: str) -> bytes:
-        return (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{self.port}\r\n"
-                f"Content-Type: application/json\r\nConnection: close\r\n{length}\r\n\r\n").encode()
-
-    async def _exchange(self, kind: str, head: bytes, feed) -> str:
-        """Sends ``head`` then ``feed(writer)`` while waiting for the status line (and, the first time
-        a kind gets a status, the message of the answer)."""
-        try:
-            reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
-        except OSError as e:
-            return f"connect:{type(e).__name__}"
-        writer.write(head)
-        sender = asyncio.ensure_future(feed(writer))
-        try:
-            line = await asyncio.wait_for(reader.readline(), self.timeout)
-            parts = line.split()
-            if len(parts) < 2 or not line.startswith(b"HTTP/"):
-                return "closed"
-            status = parts[1].decode()
-            if f"{kind} {status}" not in self.details:
-                try:
-                    rest = await asyncio.wait_for(reader.read(4096), 1.0)
-                except (asyncio.TimeoutError, ConnectionError, OSError):
-                    rest = b""
-                note(self.details, f"{kind} {status}", rest.partition(b"\r\n\r\n")[2].decode(errors="replace"))
-            return status
-        except asyncio.TimeoutError:
-            return "no answer"
-        except (ConnectionError, OSError):
-            return "reset"
-        finally:
-            sender.cancel()
-            await asyncio.gather(sender, return_exceptions=True)
-            writer.transport.abort()  # close() would wait to flush a body the gateway no longer reads
-
-    async def _send(self, writer, data, total: int) -> None:
-        sent = 0
-        while sent < total:
-            piece = data[sent % len(data):][:min(CHUNK, total - sent)]
-            writer.write(piece)
-            sent += len(piece)
-            await writer.drain()
-
-    async def rest_declared(self, _=None) -> str:
-        n = self.max_body + 1
-        return await self._exchange("rest-declared", self._head(f"Content-Length: {n}"),
-                                    lambda w: self._send(w, self.zeros, n))
-
-    async def rest_chunked(self, _=None) -> str:
-        async def feed(w):
-            frame = b"%x\r\n" % CHUNK + bytes(self.zeros) + b"\r\n"
-            while True:
-                w.write(frame)
-                await w.drain()
-        return await self._exchange("rest-chunked", self._head("Transfer-Encoding: chunked"), feed)
-
-    async def rest_at_limit(self, _=None) -> str:
-        n = len(self.at_limit)
-        return await self._exchange("rest-at-limit", self._head(f"Content-Length: {n}"),
-                                    lambda w: self._send(w, self.at_limit, n))
-
-    async def rest_drip(self, _=None) -> str:
-        async def feed(w):
-            for _ in range(DRIP_BODY):
-                w.write(b" ")
-                await w.drain()
-                await asyncio.sleep(self.drip_s)
-        return await self._exchange("rest-drip", self._head(f"Content-Length: {DRIP_BODY}"), feed)
-
-    async def _grpc(self, ch: grpc.aio.Channel, kind: str, message: bytes) -> str:
-        call = ch.unary_stream(METHOD, request_serializer=bytes, response_deserializer=bytes)
-        try:
-            async for _ in call(message, timeout=self.timeout):
-                pass
-            return "OK"
-        except grpc.aio.AioRpcError as e:
-            note(self.details, f"{kind} {e.code().name}", e.details() or "")
-            return e.code().name
-
-    async def grpc_stall(self, ch: grpc.aio.Channel) -> str:
-        async def never():
-            await asyncio.Event().wait()
-            yield gateway_pb2.OpenAIRequest()
-
-        call = ch.stream_stream(METHOD, request_serializer=gateway_pb2.OpenAIRequest.SerializeToString,
-                                response_deserializer=gateway_pb2.OpenAIResponse.FromString)
-        try:
-            async for _ in call(never(), timeout=self.timeout):
-                pass
-            return "OK"
-        except grpc.aio.AioRpcError as e:
-            note(self.details, f"grpc-stall {e.code().name}", e.details() or "")
-            return e.code().name
-
-    async def close(self) -> None:
-        for ch in self.channels:
-            await ch.close()
-
-
-async def hostile_client(hostile: Hostile, kind: str, stop: asyncio.Event, events: list) -> None:
-    """Loops ``kind`` until ``stop``; every answer goes to ``events`` as (sent, answered, kind,
-    outcome); a request cut off when the run ends is ``unanswered``."""
-    ch = hostile.channel() if kind.startswith("grpc") else None
-    while not stop.is_set():
-        t = time.monotonic()
-        try:
-            outcome = await hostile.fns[kind](ch)
-        except asyncio.CancelledError:
-            events.append((t, time.monotonic(), kind, "unanswered"))
-            raise
-        except Exception as e:  # noqa: BLE001 - counted, the attack goes on
-            outcome = type(e).__name__
-        events.append((t, time.monotonic(), kind, outcome))
-
-
 # -- the run -------------------------------------------------------------------------------
 
 
-async def attack(hostile: Hostile, counts: dict[str, int], t_attack: float, t_recovery: float,
-                 t_end: float) -> list[tuple]:
-    events: list[tuple] = []
-    stop = asyncio.Event()
-    await asyncio.sleep(max(0.0, t_attack - time.monotonic()))
-    tasks = [asyncio.ensure_future(hostile_client(hostile, k, stop, events)) for k, n in counts.items()
-             for _ in range(n)]
-    await asyncio.sleep(max(0.0, t_recovery - time.monotonic()))
-    stop.set()  # no new hostile requests; those in flight get until the end of the recovery phase
-    _, pending = await asyncio.wait(tasks, timeout=max(0.0, t_end - time.monotonic()))
-    for t in pending:
-        t.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-    await hostile.close()
-    return events
-
-
-async def warm_up(port: int, gport: int) -> str:
-    async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{port}/v1/models") as r:
+async def warm_up(port: int, gport: int, key: str) -> str:
+    async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{port}/v1/models",
+                                                   headers={"Authorization": f"Bearer {key}"}) as r:
         model = (await r.json())["data"][0]["id"]
-    legit = Legit(port, gport, model)
+    legit = Legit(port, gport, model, key)
     try:
         for _ in range(20):
             for kind in LEGIT:
@@ -578,109 +447,171 @@ async def warm_up(port: int, gport: int) -> str:
     return model
 
 
-def run(args, cfg: GatewayConfig, flags: list[str], info: dict) -> dict:
+async def attack_phase(hostile: Hostile, kind: str, n: int, phase_s: float, events: list) -> None:
+    """``n`` clients of ``kind`` for ``phase_s``; then every request still open is cancelled (its
+    connection reset, its call cancelled): the attacker is gone."""
+    stop = asyncio.Event()
+    tasks = [asyncio.ensure_future(hostile_client(hostile, kind, hostile.channel() if kind.startswith("grpc")
+                                                  else None, stop, events)) for _ in range(n)]
+    await asyncio.sleep(phase_s)
+    stop.set()
+    pending = set(tasks)
+    while pending:  # a cancel that wait_for swallowed is sent again
+        for t in pending:
+            t.cancel()
+        _, pending = await asyncio.wait(pending, timeout=0.5)
+    await hostile.close()
+
+
+def run(args, cfg: GatewayConfig, flags: list[str], keys: dict[str, str]) -> dict:
     logdir = os.path.join(ROOT, "bench", "results", "logs")
     os.makedirs(logdir, exist_ok=True)
+    keys_path = os.path.join(logdir, "hostile-bench-keys.jsonl")
+    with open(os.open(keys_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+        f.write("\n".join(keys_file_lines(keys, args.quotas)) + "\n")
     cores = sorted(os.sched_getaffinity(0))
     gw_cores = {cores[-1]} if args.pin and len(cores) > 1 else set(cores)
     client_cores = set(cores) - gw_cores or set(cores)
     pin(os.getpid(), client_cores)  # the stub LM and the legit process inherit it
     procs: list[Service] = []
     try:
-        lm, lm_addr = start_lm(False, logdir)
+        lm, lm_addr = start_lm(False, logdir, ("--background-s", str(args.background_s)))
         procs.append(lm)
-        gw, port, gport = start_gateway(lm_addr, logdir, flags, log="hostile-bench-gateway.log")
+        gw, port, gport = start_gateway(lm_addr, logdir, [*flags, "--api-keys-file", keys_path],
+                                        log="hostile-bench-gateway.log")
         procs.append(gw)
         pin(gw.proc.pid, gw_cores)
-        model = asyncio.run(warm_up(port, gport))
+        model = asyncio.run(warm_up(port, gport, keys["legit"]))
         sampler = Sampler(gw.proc.pid, f"http://127.0.0.1:{port}/metrics").start()
         time.sleep(2.0)
         idle = statistics.median(r for _, r, _ in sampler.rss[-20:])
-        counts = split_clients(args.hostile, args.kinds)
-        hostile = Hostile(port, gport, cfg, args.at_limit == "valid", model, args.drip_s)
+        at = at_limit_body(cfg.max_body_bytes, cfg, args.at_limit == "valid", model)
+        grpc_at = gateway_pb2.OpenAIRequest(body=at_limit_body(grpc_body_len(cfg.max_body_bytes), cfg,
+                                                               args.at_limit == "valid", model)).SerializeToString()
+        grpc_over = gateway_pb2.OpenAIRequest(body=bytes(grpc_body_len(cfg.max_body_bytes + 1))).SerializeToString()
+        hostile = Hostile(port, gport, cfg, keys["attacker"], model, args.drip_s, at, grpc_at, grpc_over,
+                          args.answer_mib, args.stream_tokens)
         print(f"gateway pid {gw.proc.pid} on cpu {sorted(gw_cores)}, clients and stub LM on {sorted(client_cores)}; "
-              f"idle RSS {idle / MIB:.0f} MiB; hostile clients {counts}", flush=True)
+              f"idle RSS {idle / MIB:.0f} MiB; attacks {args.counts}", flush=True)
 
         t0 = time.monotonic() + 1.0
-        bounds = [t0, t0 + args.phase_s, t0 + 2 * args.phase_s, t0 + 2 * args.phase_s + args.recovery_s]
         ctx = multiprocessing.get_context("spawn")
         recv, send = ctx.Pipe(duplex=False)
+        stop, pause = ctx.Event(), ctx.Event()
         worker = ctx.Process(target=legit_worker, name="hostile-legit", daemon=True,
-                             args=(send, port, gport, model, args.legit_tasks, args.legit_rate, bounds[0], bounds[3]))
+                             args=(send, port, gport, model, keys["legit"], args.legit_tasks, args.legit_rate, t0,
+                                   stop, pause))
         worker.start()
         # The hostile clients yield the client cores to the legit clients and the stub LM: what the
         # legit latency shows is then the gateway's doing, not this process's 86 MiB copies.
         os.nice(args.hostile_nice)
-        hwm, metrics_at = [], []
+        phases: list[dict] = []
+        events: list[tuple] = []
 
-        async def phases() -> list[tuple]:
-            task = asyncio.ensure_future(attack(hostile, counts, bounds[1], bounds[2], bounds[3]))
-            for b in bounds:
-                await asyncio.sleep(max(0.0, b - time.monotonic()))
-                hwm.append(sampler.mark())
-                metrics_at.append(await asyncio.to_thread(sampler.scrape))
-                print(f"  t={b - t0:5.1f} s: {'phase ' + PHASES[len(hwm) - 1] if len(hwm) <= 3 else 'end'}",
-                      flush=True)
-            return await task
+        async def timeline() -> None:
+            await asyncio.sleep(max(0.0, t0 - time.monotonic()))
+            sampler.mark()
+            await asyncio.sleep(args.phase_s)
+            t1 = time.monotonic()
+            pause.set()
+            phases.append({"phase": "baseline", "t0": t0, "t1": t1, "hwm": sampler.mark()})
+            print(f"  t={t1 - t0:6.1f} s: baseline done", flush=True)
+            await asyncio.sleep(args.settle_s)
+            for kind in args.kinds:
+                a0 = time.monotonic()
+                pause.clear()
+                await attack_phase(hostile, kind, args.counts[kind], args.phase_s, events)
+                a1 = time.monotonic()
+                pause.set()  # the legit tenant pauses too: whatever is still held after a1 is the attack's
+                while time.monotonic() < a1 + args.recovery_s:
+                    await asyncio.sleep(0.2)
+                    if released_at(sampler.metrics, a1) is not None:
+                        break
+                await asyncio.sleep(args.settle_s)
+                r1 = time.monotonic()
+                phases.append({"phase": kind, "t0": a0, "t1": a1, "t2": r1, "hwm": sampler.mark(),
+                               "released": released_at([x for x in sampler.metrics if x[0] < r1], a1)})
+                rel = phases[-1]["released"]
+                took = f"after {rel - a1:.1f} s" if rel else f"NOT within {args.recovery_s:g} s"
+                print(f"  t={r1 - t0:6.1f} s: {kind} done; released {took}", flush=True)
 
-        events = asyncio.run(phases())
+        asyncio.run(timeline())
+        stop.set()
         if not recv.poll(LEGIT_TIMEOUT_S + 10):
             raise RuntimeError("the legit clients' process sent no samples")
         samples, legit_details = recv.recv()
         worker.join(10)
-        time.sleep(1.0)
+        time.sleep(0.5)
         sampler.stop()
         gateway_alive = gw.alive()
     finally:
         for p in reversed(procs):
             p.stop()
-    return {"samples": samples, "events": events, "details": {"legit": legit_details, "hostile": hostile.details}, "counts": counts, "idle": idle, "bounds": bounds, "hwm": hwm[1:],
-            "metrics_at": metrics_at, "sampler": sampler, "gateway_alive": gateway_alive,
+    return {"samples": samples, "events": events, "details": {"legit": legit_details, "hostile": hostile.details},
+            "idle": idle, "t0": t0, "phases": phases, "sampler": sampler, "gateway_alive": gateway_alive,
             "cores": {"gateway": sorted(gw_cores), "clients": sorted(client_cores)}}
 
 
-def report(res: dict, cfg: GatewayConfig, limit: int | None) -> dict:
-    b, sampler = res["bounds"], res["sampler"]
-    phases = []
-    for i, name in enumerate(PHASES):
-        phases.append({"phase": name, "t0_s": round(b[i] - b[0], 2), "t1_s": round(b[i + 1] - b[0], 2),
-                       "legit": summarize_legit(res["samples"], b[i], b[i + 1]),
-                       **sampler.window(b[i], b[i + 1]), "rss_hwm_mib": round(res["hwm"][i] / MIB, 1)})
-        gets = [m["scrape_s"] for t, m in sampler.metrics if b[i] <= t < b[i + 1]]
-        phases[-1]["metrics_get_ms"] = {"p50": round(statistics.median(gets) * 1e3, 1) if gets else None,
-                                        "max": round(max(gets) * 1e3, 1) if gets else None}
-    base = phases[0]["legit"].get("all", {})
-    for p in phases[1:]:
-        a = p["legit"].get("all", {})
-        p["vs_baseline"] = {k: (round(a[k] / base[k], 2) if a.get(k) and base.get(k) else None)
-                            for k in ("p50_ms", "p99_ms")}
-        p["vs_baseline"]["success_delta"] = round(a.get("success", 0) - base.get("success", 0), 4)
-    m0, m1 = res["metrics_at"][1], res["metrics_at"][-1]
-    refused = {k.split(":", 1)[1]: int(m1.get(k, 0) - m0.get(k, 0)) for k in m1 if k.startswith("refused:")}
+def legit_row(samples: list[tuple], t0: float, t1: float) -> dict:
+    """The legit tenant in [t0, t1): REST (text and image together) and gRPC success, and latency."""
+    s = summarize_legit(samples, t0, t1)
+    rest = [x for x in samples if t0 <= x[0] < t1 and x[1] != "grpc"]
+    return {"rest_success": round(sum(x[3] == "ok" for x in rest) / len(rest), 4) if rest else None,
+            "grpc_success": s.get("grpc", {}).get("success"), "p50_ms": s.get("all", {}).get("p50_ms"),
+            "p99_ms": s.get("all", {}).get("p99_ms"), "by_kind": s}
+
+
+def report(res: dict, args, cfg: GatewayConfig, limit: int | None) -> dict:
+    sampler, t0, ph = res["sampler"], res["t0"], res["phases"]
+    rel = lambda t: round(t - t0, 2)  # noqa: E731
+    base = {"t0_s": 0.0, "t1_s": rel(ph[0]["t1"]), **legit_row(res["samples"], ph[0]["t0"], ph[0]["t1"]),
+            **sampler.window(ph[0]["t0"], ph[0]["t1"]), "rss_hwm_mib": round(ph[0]["hwm"] / MIB, 1)}
+    attacks = []
+    for p in ph[1:]:
+        row = legit_row(res["samples"], p["t0"], p["t1"])
+        peaks = {k: max((m.get(k, 0.0) for t, m in sampler.metrics if p["t0"] <= t < p["t2"]), default=0.0)
+                 for k in RELEASE_GAUGES}
+        released_s = round(p["released"] - p["t1"], 2) if p["released"] else None
+        hwm = p["hwm"]
+        row.update({
+            "attack": p["phase"], "clients": args.counts[p["phase"]], "t0_s": rel(p["t0"]), "t1_s": rel(p["t1"]),
+            "t2_s": rel(p["t2"]), "p99_vs_baseline": round(row["p99_ms"] / base["p99_ms"], 2)
+            if row["p99_ms"] and base["p99_ms"] else None,
+            **sampler.window(p["t0"], p["t2"]), "rss_hwm_mib": round(hwm / MIB, 1),
+            "rss_at_start_mib": next((round(r / MIB, 1) for t, r, _ in sampler.rss if t >= p["t0"]), None),
+            "gauges_peak": {k: (round(v / MIB, 1) if k == "held" else v) for k, v in peaks.items()},
+            "released_s": released_s,
+            "hostile": summarize_hostile([e for e in res["events"] if p["t0"] <= e[0] < p["t2"]],
+                                         {p["phase"]: args.counts[p["phase"]]})[p["phase"]]})
+        row["targets"] = {
+            "rest_99": (row["rest_success"] or 0) >= 0.99, "grpc_99": (row["grpc_success"] or 0) >= 0.99,
+            "p99_3x": row["p99_vs_baseline"] is not None and row["p99_vs_baseline"] <= 3.0,
+            "rss_k8s": None if limit is None else hwm <= limit,
+            "released": released_s is not None and released_s <= args.release_target_s}
+        attacks.append(row)
     held = [(t, m["held"]) for t, m in sampler.metrics if "held" in m]
-    peak = max(res["hwm"])
-    bound = res["idle"] + cfg.body_memory_mib * MIB
+    m0, m1 = sampler.metrics[0][1] if sampler.metrics else {}, sampler.metrics[-1][1] if sampler.metrics else {}
     return {
-        "phases": phases,
-        "hostile": summarize_hostile(res["events"], res["counts"]),
-        "server_refused_during_attack_and_recovery": refused,
+        "baseline": base,
+        "attacks": attacks,
+        "server_counters": {k: int(m1.get(k, 0) - m0.get(k, 0)) for k in m1
+                            if k.startswith("refused:") or k == "slow_readers"},
         "answer_messages": res["details"],
         "memory": {"idle_rss_mib": round(res["idle"] / MIB, 1), "body_memory_mib": cfg.body_memory_mib,
-                   "implied_bound_mib": round(bound / MIB, 1),
                    "k8s_limit_mib": round(limit / MIB, 1) if limit else None,
-                   "peak_rss_mib": round(peak / MIB, 1), "peak_under_bound": peak <= bound,
-                   "peak_under_k8s_limit": None if limit is None else peak <= limit,
+                   "peak_rss_mib": round(max(p["hwm"] for p in ph) / MIB, 1),
                    "peak_budget_held_mib": round(max((h for _, h in held), default=0) / MIB, 1),
                    "gateway_alive_at_end": res["gateway_alive"]},
-        "rss_samples": [(round(t - b[0], 2), round(r / MIB, 1)) for t, r, _ in sampler.rss],
-        "budget_held_samples": [(round(t - b[0], 2), round(h / MIB, 1)) for t, h in held],
-        "metrics_get_ms": [(round(t - b[0], 2), round(m["scrape_s"] * 1e3, 1)) for t, m in sampler.metrics],
-        "legit_samples": [(round(s[0] - b[0], 2), s[1], round(s[2] * 1e3, 1), s[3]) for s in res["samples"]],
+        "rss_samples": [(rel(t), round(r / MIB, 1)) for t, r, _ in sampler.rss[::2]],
+        "gauge_samples": [(rel(t), round(m.get("held", 0) / MIB, 2), m.get("in_flight", 0), m.get("waiting", 0),
+                           m.get("background", 0)) for t, m in sampler.metrics],
+        "legit_samples": [(rel(s[0]), s[1], round(s[2] * 1e3, 1), s[3]) for s in res["samples"]],
     }
 
 
-SERIES = ("rss_samples", "budget_held_samples", "metrics_get_ms", "legit_samples")
-"""Time series (s since the baseline began, value): written one line each, the rest indented."""
+SERIES = ("rss_samples", "gauge_samples", "legit_samples")
+"""Time series (s since the baseline began, values): written one line each, the rest indented.
+``gauge_samples``: (s, body budget held MiB, admission in flight, waiting, background held)."""
 
 
 def write_json(path: str, doc: dict) -> None:
@@ -691,38 +622,44 @@ def write_json(path: str, doc: dict) -> None:
 
 
 def print_table(out: dict) -> None:
-    fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
-    hdr = (f"{'phase':<10}{'legit':<12}{'n':>6}{'ok %':>8}{'p50 ms':>9}{'p99 ms':>9}{'RSS peak':>10}{'steady':>8}"
-           f"{'gw cpu':>8}  failures")
-    print(hdr + "\n" + "-" * len(hdr))
-    for p in out["phases"]:
-        for kind, s in p["legit"].items():
-            fails = {k: v for k, v in s["outcomes"].items() if k != "ok"}
-            rss = (fmt(p["rss_hwm_mib"]), fmt(p["rss_steady_mib"]), f"{p['gateway_cpu_pct']}%") if kind == "all" \
-                else ("", "", "")
-            print(f"{p['phase']:<10}{kind:<12}{s['n']:>6}{100 * s['success']:>8.1f}{fmt(s['p50_ms']):>9}"
-                  f"{fmt(s['p99_ms']):>9}{rss[0]:>10}{rss[1]:>8}{rss[2]:>8}  {fails or ''}")
-        g = p["metrics_get_ms"]
-        print(f"{'':<10}{'GET /metrics':<12} p50 {fmt(g['p50'])} ms, max {fmt(g['max'])} ms (every 200 ms: the event loop's lag)")
-        if "vs_baseline" in p:
-            v = p["vs_baseline"]
-            print(f"{'':<10}{'vs baseline':<12} p50 x{fmt(v['p50_ms'])}, p99 x{fmt(v['p99_ms'])}, "
-                  f"success {100 * v['success_delta']:+.1f} points")
-    print(f"\n{'hostile kind':<16}{'clients':>8}{'requests':>10}{'median s':>10}{'max s':>8}  answers")
-    for k, h in out["hostile"].items():
-        print(f"{k:<16}{h['clients']:>8}{h['requests']:>10}{fmt(h['median_s']):>10}{fmt(h['max_s']):>8}  "
-              f"{h['outcomes']}")
-    print(f"gateway's own refusal counters (attack + recovery): {out['server_refused_during_attack_and_recovery']}")
+    fmt = lambda v, f="{:.1f}": "-" if v is None else f.format(v)  # noqa: E731
+    pc = lambda v: fmt(None if v is None else 100 * v)  # noqa: E731
+    yes = lambda v: "-" if v is None else ("yes" if v else "NO")  # noqa: E731
+    b = out["baseline"]
+    hdr = (f"{'attack':<15}{'clients':>8}{'REST ok%':>9}{'gRPC ok%':>9}{'p50 ms':>8}{'p99 ms':>9}{'p99 x':>7}"
+           f"{'RSS MiB':>14}{'released':>9}  {'met: REST gRPC p99 RSS rel':<27}hostile answers")
+    print(hdr + "\n" + "-" * (len(hdr) + 20))
+    print(f"{'baseline':<15}{'-':>8}{pc(b['rest_success']):>9}{pc(b['grpc_success']):>9}{fmt(b['p50_ms']):>8}"
+          f"{fmt(b['p99_ms']):>9}{'1.0':>7}{fmt(b['rss_hwm_mib']):>14}{'-':>9}")
+    for a in out["attacks"]:
+        t = a["targets"]
+        met = " ".join(f"{yes(t[k]):>{w}}" for k, w in (("rest_99", 4), ("grpc_99", 4), ("p99_3x", 3),
+                                                            ("rss_k8s", 3), ("released", 3)))
+        rel = fmt(a["released_s"]) + " s" if a["released_s"] is not None else "NO"
+        print(f"{a['attack']:<15}{a['clients']:>8}{pc(a['rest_success']):>9}{pc(a['grpc_success']):>9}"
+              f"{fmt(a['p50_ms']):>8}{fmt(a['p99_ms']):>9}{fmt(a['p99_vs_baseline']):>7}"
+              f"{fmt(a['rss_at_start_mib'], '{:.0f}') + ' -> ' + fmt(a['rss_hwm_mib'], '{:.0f}'):>14}"
+              f"{rel:>9}  {'     ' + met:<27}{a['hostile']['outcomes']}")
+    print("\nlegit failures during each attack:")
+    for a in out["attacks"]:
+        fails = {k: {o: n for o, n in s["outcomes"].items() if o != "ok"} for k, s in a["by_kind"].items()
+                 if k != "all"}
+        fails = {k: v for k, v in fails.items() if v}
+        if fails:
+            print(f"  {a['attack']}: {fails}")
+    print(f"gateway's own counters over the run: {out['server_counters']}")
     for side, details in out["answer_messages"].items():
         for key, text in sorted(details.items()):
             print(f"  {side} {key}: {text[:150]}")
     m = out["memory"]
-    print(f"\nmemory: idle RSS {m['idle_rss_mib']} MiB + body budget {m['body_memory_mib']:g} MiB = bound "
-          f"{m['implied_bound_mib']} MiB; k8s limit {m['k8s_limit_mib']} MiB; peak RSS {m['peak_rss_mib']} MiB "
-          f"(VmHWM), budget held at most {m['peak_budget_held_mib']} MiB; under bound: {m['peak_under_bound']}, "
-          f"under k8s limit: {m['peak_under_k8s_limit']}; gateway alive at end: {m['gateway_alive_at_end']}")
-    print("RSS peak = VmHWM of the phase (MiB); steady = median of 50 ms samples; gw cpu = the gateway's CPU time / "
-          "wall time; latency = send -> whole answer, successful requests only")
+    print(f"\nmemory: idle RSS {m['idle_rss_mib']} MiB; k8s limit {m['k8s_limit_mib']} MiB; peak RSS "
+          f"{m['peak_rss_mib']} MiB (VmHWM); body budget {m['body_memory_mib']:g} MiB, held at most "
+          f"{m['peak_budget_held_mib']} MiB; gateway alive at end: {m['gateway_alive_at_end']}")
+    print("ok% and latency: the legit tenant's requests sent during the attack (latency = send -> whole answer, "
+          "successful ones); p99 x = vs its baseline; RSS = the gateway's RSS as the attack began -> its VmHWM over the "
+          "attack and its release (a peak can be what the previous attack left); "
+          "released = from the attack's end (the attacker's requests reset or cancelled, the legit tenant paused) until "
+          "the gateway holds no admission place, queued request, body budget or background work")
 
 
 def plot(out: dict, path: str, info: dict) -> None:
@@ -731,61 +668,75 @@ def plot(out: dict, path: str, info: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax, lx) = plt.subplots(2, 1, figsize=(12, 7.5), sharex=True, height_ratios=[3, 2])
+    fig, (ax, gx, lx) = plt.subplots(3, 1, figsize=(14, 9), sharex=True, height_ratios=[2, 2, 3])
     m = out["memory"]
-    for i, p in enumerate(out["phases"]):
-        for a in (ax, lx):
-            a.axvspan(p["t0_s"], p["t1_s"], color=("C2", "C3", "C0")[i], alpha=0.07)
-        ax.text((p["t0_s"] + p["t1_s"]) / 2, 0.98, p["phase"], transform=ax.get_xaxis_transform(), ha="center",
-                va="top", fontsize=9)
-    t, r = zip(*out["rss_samples"]) if out["rss_samples"] else ((), ())
-    ax.plot(t, r, color="k", lw=1, label="gateway RSS (50 ms samples)")
-    if out["budget_held_samples"]:
-        t, h = zip(*out["budget_held_samples"])
-        ax.plot(t, h, color="C1", lw=1, label="body budget held (its /metrics)")
-    ax.axhline(m["implied_bound_mib"], color="C4", ls="--", label=f"idle RSS + --body-memory-mib = "
-                                                                     f"{m['implied_bound_mib']:.0f} MiB")
+    spans = [("baseline", out["baseline"]["t0_s"], out["baseline"]["t1_s"])] + \
+        [(a["attack"], a["t0_s"], a["t1_s"]) for a in out["attacks"]]
+    for i, (name, a, b) in enumerate(spans):
+        for x in (ax, gx, lx):
+            x.axvspan(a, b, color="C2" if i == 0 else "C3", alpha=0.06 if i % 2 else 0.12)
+        ax.text((a + b) / 2, 0.98, name, transform=ax.get_xaxis_transform(), ha="center", va="top", fontsize=7,
+                rotation=90)
+    if out["rss_samples"]:
+        ax.plot(*zip(*out["rss_samples"]), color="k", lw=1, label="gateway RSS")
+    g = out["gauge_samples"]
+    if g:
+        ax.plot([x[0] for x in g], [x[1] for x in g], color="C1", lw=1, label="body budget held (/metrics)")
+        for j, (name, c) in enumerate((("admission in flight", "C0"), ("admission waiting", "C4"),
+                                       ("background held", "C5")), start=2):
+            gx.plot([x[0] for x in g], [x[j] for x in g], color=c, lw=1, label=name)
     if m["k8s_limit_mib"]:
         ax.axhline(m["k8s_limit_mib"], color="red", ls=":", label=f"k8s limit {m['k8s_limit_mib']:.0f} MiB")
     ax.set_ylabel("MiB")
     ax.set_ylim(bottom=0)
-    ax.legend(fontsize=8, loc="center left")
-    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="center left")
+    gx.set_ylabel("requests (/metrics)")
+    gx.legend(fontsize=7, loc="upper left")
     for i, kind in enumerate(LEGIT):
         ok = [(s[0], s[2]) for s in out["legit_samples"] if s[1] == kind and s[3] == "ok"]
-        bad = [(s[0], s[2]) for s in out["legit_samples"] if s[1] == kind and s[3] != "ok"]
+        bad = [(s[0], max(s[2], 1.0)) for s in out["legit_samples"] if s[1] == kind and s[3] != "ok"]
         if ok:
-            lx.scatter(*zip(*ok), s=3, color=f"C{i}", label=f"{kind} ok")
+            lx.scatter(*zip(*ok), s=3, color=f"C{i}", label=f"legit {kind} ok")
         if bad:
-            lx.scatter(*zip(*bad), s=14, marker="x", color=f"C{i}", label=f"{kind} failed")
-    if out["metrics_get_ms"]:
-        lx.plot(*zip(*out["metrics_get_ms"]), color="grey", lw=0.8, label="GET /metrics (event-loop lag)")
+            lx.scatter(*zip(*bad), s=14, marker="x", color=f"C{i}", label=f"legit {kind} failed")
     lx.set_yscale("log")
     lx.set_ylabel("legit latency (ms)")
-    lx.set_xlabel("s since the baseline began")
-    lx.legend(fontsize=7, ncol=2, loc="upper left")
-    lx.grid(alpha=0.3, which="both")
-    fig.suptitle(f"epd-serve gateway under hostile clients; {info['cpu']} ({info['cores']} cores), "
-                 f"{info['date'][:10]}", fontsize=9)
+    lx.set_xlabel("s since the baseline began (shaded: baseline, then each attack; gaps: its recovery)")
+    lx.legend(fontsize=7, ncol=3, loc="upper left")
+    for x in (ax, gx, lx):
+        x.grid(alpha=0.3, which="both")
+    fig.suptitle(f"epd-serve gateway: a legit tenant while an attacker tenant attacks; {info['cpu']} "
+                 f"({info['cores']} cores), {info['date'][:10]}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--hostile", type=int, default=64, help="hostile clients, split evenly over --kinds")
-    ap.add_argument("--kinds", default=",".join(DEFAULT_KINDS), help=f"comma-separated, from {', '.join(KINDS)}")
+    ap.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated, in order, from {', '.join(KINDS)}")
+    ap.add_argument("--clients", default="", help="kind=n,... overriding the attacker's clients per kind "
+                                                  f"(default {', '.join(f'{k}={n}' for k, n in KINDS.items())})")
+    ap.add_argument("--attacker-quota", default="{}", help="JSON object merged into the attacker's keys-file line "
+                                                           '(e.g. \'{"max_in_flight": 8}\')')
+    ap.add_argument("--legit-quota", default="{}", help="JSON object merged into the legit tenant's line")
     ap.add_argument("--at-limit", choices=("valid", "invalid"), default="valid",
                     help="at-limit bodies: a valid chat request with two largest images, or invalid JSON")
-    ap.add_argument("--phase-s", type=float, default=0, help="baseline and attack length (default 15, --quick 4)")
+    ap.add_argument("--phase-s", type=float, default=0,
+                    help="baseline and each attack (default --answer-timeout-s + 5, so the answer deadline acts "
+                         "within each attack; --quick 4)")
     ap.add_argument("--recovery-s", type=float, default=0,
-                    help="recovery length (default --body-timeout-s + 5, --quick 4)")
+                    help="longest wait for the release after each attack (default --answer-timeout-s + 10)")
+    ap.add_argument("--settle-s", type=float, default=1.0, help="a pause after each release")
+    ap.add_argument("--release-target-s", type=float, default=5.0, help="the release target (s)")
     ap.add_argument("--legit-rate", type=float, default=60.0, help="legitimate requests per second, all kinds")
     ap.add_argument("--legit-tasks", type=int, default=2, help="client tasks per legit kind")
-    ap.add_argument("--drip-s", type=float, default=0.1, help="seconds between the bytes of a slow upload")
-    for flag in ("body-memory-mib", "max-body-readers", "body-timeout-s"):
-        ap.add_argument(f"--{flag}", type=float if flag != "max-body-readers" else int, default=None,
-                        help="passed to the gateway (default: the gateway's own)")
+    ap.add_argument("--drip-s", type=float, default=0.1, help="rest-drip: seconds between the bytes of a slow upload")
+    ap.add_argument("--answer-mib", type=float, default=4.0, help="answer-unread: each unread answer's size")
+    ap.add_argument("--stream-tokens", type=int, default=200_000, help="stream-unread, grpc-unread: events asked for")
+    ap.add_argument("--background-s", type=float, default=2.0, help="the stub LM's time per background response")
+    for flag in ("body-memory-mib", "max-body-readers", "body-timeout-s", "answer-timeout-s", "lm-max-background"):
+        ap.add_argument(f"--{flag}", type=int if flag in ("max-body-readers", "lm-max-background") else float,
+                        default=None, help="passed to the gateway (default: the gateway's own)")
     ap.add_argument("--hostile-nice", type=int, default=10, help="niceness of the hostile clients' process")
     ap.add_argument("--no-pin", dest="pin", action="store_false", help="do not give the gateway a core of its own")
     ap.add_argument("--quick", action="store_true", help="4 s phases")
@@ -795,30 +746,47 @@ def main() -> int:
     args.kinds = [k for k in args.kinds.split(",") if k]
     if not args.kinds or any(k not in KINDS for k in args.kinds):
         ap.error(f"--kinds must name some of {', '.join(KINDS)}")
-    given = {f: getattr(args, f) for f in ("body_memory_mib", "max_body_readers", "body_timeout_s")
-             if getattr(args, f) is not None}
+    try:
+        args.counts = dict(KINDS) | {k: int(n) for k, _, n in (x.partition("=") for x in args.clients.split(",") if x)}
+        args.quotas = {"attacker": json.loads(args.attacker_quota), "legit": json.loads(args.legit_quota)}
+    except ValueError as e:
+        ap.error(f"--clients or a quota: {e}")
+    if any(not isinstance(q, dict) for q in args.quotas.values()):
+        ap.error("a quota must be a JSON object")
+    given = {f: getattr(args, f) for f in ("body_memory_mib", "max_body_readers", "body_timeout_s", "answer_timeout_s",
+                                           "lm_max_background") if getattr(args, f) is not None}
     cfg = GatewayConfig(lms="127.0.0.1:1", **given)
     flags = [x for f, v in given.items() for x in (f"--{f.replace('_', '-')}", str(v))]
-    args.phase_s = args.phase_s or (4.0 if args.quick else 15.0)
-    args.recovery_s = args.recovery_s or (4.0 if args.quick else cfg.body_timeout_s + 5)
+    args.phase_s = args.phase_s or (4.0 if args.quick else cfg.answer_timeout_s + 5)
+    args.recovery_s = args.recovery_s or cfg.answer_timeout_s + 10
     limit = manifest_memory_limit()
     info = machine(["python", os.path.relpath(sys.argv[0], ROOT) if os.path.isabs(sys.argv[0]) else sys.argv[0],
                     *sys.argv[1:]])
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    keys = {t: base64.urlsafe_b64encode(os.urandom(24)).decode() for t in TENANTS}
     print(f"max_body_bytes {cfg.max_body_bytes} ({cfg.max_body_bytes / MIB:.1f} MiB), body budget "
-          f"{cfg.body_memory_mib:g} MiB ({BODY_COPIES} x each body), {cfg.max_body_readers} readers, body timeout "
-          f"{cfg.body_timeout_s:g} s; phases {args.phase_s:g} / {args.phase_s:g} / {args.recovery_s:g} s", flush=True)
+          f"{cfg.body_memory_mib:g} MiB, body timeout {cfg.body_timeout_s:g} s (min {cfg.body_min_rate_kib:g} KiB/s), "
+          f"answer timeout {cfg.answer_timeout_s:g} s (min {cfg.answer_min_rate_kib:g} KiB/s), "
+          f"{cfg.lm_max_outstanding} per LM in flight, {cfg.lm_max_background} background; phases {args.phase_s:g} s, "
+          f"release awaited up to {args.recovery_s:g} s", flush=True)
     t = time.monotonic()
-    res = run(args, cfg, flags, info)
+    res = run(args, cfg, flags, keys)
     info["measure_s"] = round(time.monotonic() - t, 1)
     info["cores_used"] = res["cores"]
-    out = report(res, cfg, limit)
+    out = report(res, args, cfg, limit)
     print_table(out)
-    setup = {"hostile": args.hostile, "kinds": args.kinds, "clients": res["counts"], "at_limit": args.at_limit,
-             "phase_s": args.phase_s, "recovery_s": args.recovery_s, "legit_rate": args.legit_rate,
-             "legit_tasks_per_kind": args.legit_tasks, "drip_s": args.drip_s, "hostile_nice": args.hostile_nice, "gateway_flags": flags,
+    setup = {"kinds": args.kinds, "clients": {k: args.counts[k] for k in args.kinds}, "tenants": list(TENANTS),
+             "keys_file": [json.loads(x) | {"key": "(random)"} for x in keys_file_lines(keys, args.quotas)],
+             "at_limit": args.at_limit, "phase_s": args.phase_s, "recovery_s": args.recovery_s,
+             "settle_s": args.settle_s, "release_target_s": args.release_target_s, "legit_rate": args.legit_rate,
+             "legit_tasks_per_kind": args.legit_tasks, "drip_s": args.drip_s, "answer_mib": args.answer_mib,
+             "stream_tokens": args.stream_tokens, "stub_background_s": args.background_s,
+             "hostile_nice": args.hostile_nice, "gateway_flags": flags,
              "max_body_bytes": cfg.max_body_bytes, "body_memory_mib": cfg.body_memory_mib,
              "max_body_readers": cfg.max_body_readers, "body_timeout_s": cfg.body_timeout_s,
+             "body_min_rate_kib": cfg.body_min_rate_kib, "answer_timeout_s": cfg.answer_timeout_s,
+             "answer_min_rate_kib": cfg.answer_min_rate_kib, "lm_max_outstanding": cfg.lm_max_outstanding,
+             "lm_max_background": cfg.lm_max_background, "admission_queue": cfg.admission_queue,
              "body_copies": BODY_COPIES, "k8s_manifest": os.path.relpath(MANIFEST, ROOT)}
     if args.json:
         write_json(args.json, {"machine": info, "setup": setup, **out})

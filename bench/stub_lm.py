@@ -10,7 +10,14 @@ per message ("data: {chunk}\n\n": the role chunk, one chunk per token, the
 usage chunk when ``stream_options.include_usage``, then "data: [DONE]\n\n");
 both end with a message that has no ``openai`` but ``timings``, finish_reason
 and usage set. So ``bench/gateway.py`` measures the gateway's own cost and not
-vLLM's scheduling noise. A body that is not a JSON object is answered 400 with
+vLLM's scheduling noise. vLLM's Responses routes (``openai.api`` "http", as the
+gateway forwards them) are answered from a store as far as the gateway reads
+them: ``POST /v1/responses`` stores the response under the body's
+``request_id`` ("completed" at once, or "queued" when ``"background": true``),
+``GET /v1/responses/{id}`` answers its status (a background one is
+"in_progress" for ``--background-s``, then "completed"), ``POST
+/v1/responses/{id}/cancel`` cancels it; an unknown id is 404. The store keeps
+the newest ``STORE_ENTRIES`` responses. A body that is not a JSON object is answered 400 with
 an OpenAI error body. ``GetInfo`` answers model "stub-lm". The server is the
 services' own ``GrpcServer`` (grpc.health.v1 with "" and the service name
 SERVING, reflection, the error interceptor), so the gateway and a direct client
@@ -23,12 +30,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import logging
 import os
 import signal
 import sys
 import time
+import uuid
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -42,6 +51,7 @@ MODEL = "stub-lm"
 DEFAULT_MAX_TOKENS = 16
 TOKEN = " tok"
 PROMPT_TOKENS = 16  # a fixed prompt length: the stub does not tokenize, and the gateway does not care
+STORE_ENTRIES = 100_000
 
 
 def _error(status: int, message: str) -> bytes:
@@ -91,8 +101,53 @@ def answer(request_id: str, api: str, body: dict, n: int) -> tuple[bytes, list[b
     return b"", events
 
 
+class ResponseStore:
+    """vLLM's Responses store, as far as the gateway reads it (the module docstring). Owned by one
+    ``StubLM``; the oldest entry goes when ``STORE_ENTRIES`` are held."""
+
+    def __init__(self, background_s: float) -> None:
+        self.background_s = background_s
+        self._stored: collections.OrderedDict[str, tuple[float, str]] = collections.OrderedDict()
+
+    def _status(self, rid: str) -> str:
+        created, status = self._stored[rid]
+        if status == "queued":  # background: works for background_s
+            return "in_progress" if time.monotonic() - created < self.background_s else "completed"
+        return status
+
+    def answer(self, method: str, path: str, body: bytes) -> tuple[int, dict]:
+        """(HTTP status, JSON answer) of one Responses route."""
+        if path == "/v1/responses" and method == "POST":
+            try:
+                req = json.loads(body)
+            except (ValueError, UnicodeDecodeError):
+                req = None
+            if not isinstance(req, dict):
+                return 400, json.loads(_error(400, "the body must be a JSON object"))
+            rid = str(req.get("request_id") or f"resp_{uuid.uuid4().hex}")
+            background = req.get("background") is True
+            self._stored[rid] = (time.monotonic(), "queued" if background else "completed")
+            while len(self._stored) > STORE_ENTRIES:
+                self._stored.popitem(last=False)
+            out = {"id": rid, "object": "response", "status": "queued" if background else "completed",
+                   "model": req.get("model") or MODEL, "output": [] if background else [
+                       {"type": "message", "role": "assistant", "content": [
+                           {"type": "output_text", "text": TOKEN * DEFAULT_MAX_TOKENS}]}]}
+            return 200, out
+        rid = path.removeprefix("/v1/responses/").removesuffix("/cancel")
+        if rid not in self._stored:
+            return 404, {"error": {"message": f"Response with id '{rid}' not found.", "type": "invalid_request_error",
+                                   "param": None, "code": 404}}
+        if path.endswith("/cancel") and method == "POST" and self._status(rid) in ("queued", "in_progress"):
+            self._stored[rid] = (self._stored[rid][0], "cancelled")
+        return 200, {"id": rid, "object": "response", "status": self._status(rid), "model": MODEL}
+
+
 class StubLM(lm_pb2_grpc.LMServiceServicer):
-    """Answers every Generate with ``max_tokens`` tokens, no waiting."""
+    """Answers every Generate with ``max_tokens`` tokens, no waiting (Responses routes from its store)."""
+
+    def __init__(self, background_s: float = 2.0) -> None:
+        self.responses = ResponseStore(background_s)
 
     async def GetInfo(self, request, context):
         return lm_pb2.LMInfo(model=MODEL, compat=transfer_pb2.CompatInfo(model=MODEL))
@@ -100,6 +155,12 @@ class StubLM(lm_pb2_grpc.LMServiceServicer):
     async def Generate(self, request, context):
         t0 = time.perf_counter()
         rid = request.request_id
+        if request.openai.api == "http" and request.openai.path.startswith("/v1/responses"):
+            status, out = self.responses.answer(request.openai.method or "POST", request.openai.path,
+                                                request.openai.body)
+            yield lm_pb2.GenerateResponse(request_id=rid, http_status=status, openai=json.dumps(out).encode(),
+                                          content_type="application/json")
+            return
         try:
             body = json.loads(request.openai.body)
         except (ValueError, UnicodeDecodeError) as e:
@@ -121,13 +182,13 @@ class StubLM(lm_pb2_grpc.LMServiceServicer):
             timings=lm_pb2.Timings(transfer_ms=0.0, ttft_ms=(time.perf_counter() - t0) * 1e3))
 
 
-async def serve(host: str, port: int) -> None:
+async def serve(host: str, port: int, background_s: float) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     server = GrpcServer(host, port)
-    server.add(lm_pb2_grpc.add_LMServiceServicer_to_server, StubLM(), "epd.lm.v1.LMService")
+    server.add(lm_pb2_grpc.add_LMServiceServicer_to_server, StubLM(background_s), "epd.lm.v1.LMService")
     bound = await server.start()
     await server.set_serving(True)
     logger.info("stub lm ready: %s:%d", host, bound)
@@ -141,9 +202,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--background-s", type=float, default=2.0,
+                    help="how long a background Responses request stays in_progress")
     args = ap.parse_args()
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(serve(args.host, args.port))
+    asyncio.run(serve(args.host, args.port, args.background_s))
     return 0
 
 

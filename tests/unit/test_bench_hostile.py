@@ -130,3 +130,24 @@ def test_json_keeps_every_value_and_writes_each_series_on_one_line(hostile, tmp_
     hostile.write_json(str(path), doc)
     assert json.loads(path.read_text()) == json.loads(json.dumps(doc))
     assert ' "rss_samples": [[0.0,252.1],[0.05,252.3]],' in path.read_text().splitlines()
+
+
+def test_admission_and_background_gauges_are_read_and_in_flight_summed_over_what_it_holds(hostile):
+    page = ('epd_gateway_admission_in_flight{holds="lm"} 3.0\nepd_gateway_admission_in_flight{holds="encoder"} 2.0\n'
+            'epd_gateway_admission_waiting 7.0\nepd_gateway_background_held 16.0\n'
+            'epd_gateway_slow_readers_total 4.0\nepd_gateway_slow_readers_created 1.7e+09\n')
+    assert hostile.parse_metrics(page) == {"in_flight": 5.0, "waiting": 7.0, "background": 16.0, "slow_readers": 4.0}
+
+
+def test_keys_file_has_a_line_per_tenant_with_its_quota_merged_in(hostile):
+    lines = hostile.keys_file_lines({"legit": "k1", "attacker": "k2"}, {"attacker": {"max_in_flight": 8}})
+    assert [json.loads(x) for x in lines] == [{"tenant": "legit", "key": "k1"},
+                                              {"tenant": "attacker", "key": "k2", "max_in_flight": 8}]
+
+
+def test_release_is_the_first_scrape_after_the_attack_that_holds_nothing(hostile):
+    held = {"held": 8.0, "in_flight": 0.0, "waiting": 0.0, "background": 0.0}
+    metrics = [(0.5, {**held, "held": 0.0}), (1.0, held), (1.2, {**held, "held": 0.0, "background": 2.0}),
+               (1.4, {}), (1.6, {**held, "held": 0.0})]
+    assert hostile.released_at(metrics, 0.9) == 1.6  # a failed scrape ({}) is not a release
+    assert hostile.released_at(metrics[:3], 0.9) is None
