@@ -48,6 +48,19 @@ ENDED = Counter("epd_gateway_background_ended_total", "Background Responses requ
                 "by why", ["why"])  # ended | gone | unreachable | deadline | shutdown
 
 
+class BackgroundPlace:
+    """One background request's place, reserved before admission; ``release`` (idempotent) when the request
+    ends, after ``BackgroundWork.hold`` took it over if its LM accepted it."""
+
+    def __init__(self, work: BackgroundWork) -> None:
+        self._work: BackgroundWork | None = work
+
+    def release(self) -> None:
+        if self._work is not None:
+            self._work._reserved -= 1
+            self._work = None
+
+
 class BackgroundWork:
     def __init__(self, lms: Callable[[], InstancePool], per_lm: int, timeout_s: float,
                  generating_lms: Callable[[], int]) -> None:
@@ -57,6 +70,7 @@ class BackgroundWork:
         self._lms, self.per_lm, self.timeout_s = lms, per_lm, timeout_s
         self._generating_lms = generating_lms
         self._watchers: set[asyncio.Task] = set()
+        self._reserved = 0  # places reserved by requests not yet held (``reserve``)
 
     @property
     def lms(self) -> InstancePool:
@@ -66,12 +80,17 @@ class BackgroundWork:
     def held(self) -> int:
         return len(self._watchers)
 
-    def check_room(self) -> None:
-        """Raises AdmissionRefused (429) when the deployment holds all the background work it may."""
+    def reserve(self) -> BackgroundPlace:
+        """A place for one more background request, taken before its admission and counted until the request
+        ends (``BackgroundPlace.release``) or its watcher holds it (``hold``): requests sent at once cannot all
+        pass the limit while none is held yet. Raises AdmissionRefused (429) when the deployment holds all the
+        background work it may."""
         limit = self.per_lm * max(1, self._generating_lms())
-        if self.per_lm and self.held >= limit:
-            raise AdmissionRefused(429, f"the deployment holds {self.held} background responses, its limit "
-                                        "(--lm-max-background per LM); retry later", 5)
+        if self.per_lm and self.held + self._reserved >= limit:
+            raise AdmissionRefused(429, f"the deployment holds {self.held + self._reserved} background responses, "
+                                        "its limit (--lm-max-background per LM); retry later", 5)
+        self._reserved += 1
+        return BackgroundPlace(self)
 
     def hold(self, response_id: str, lm: str, ticket: Ticket) -> None:
         """Takes over ``ticket`` until the background response ``response_id`` on LM ``lm`` ends."""

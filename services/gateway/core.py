@@ -165,6 +165,7 @@ class Admitted:
     _homes: ResponseHomes | None = field(default=None, repr=False)
     _work: BackgroundWork | None = field(default=None, repr=False)
     _accepted: tuple[str, str] | None = field(default=None, repr=False)  # (response id, LM) of a background one
+    _place: Any = field(default=None, repr=False)  # a background request's reserved place (BackgroundPlace)
 
     async def generate(self):
         """The LM's messages for this request (``Orchestrator.generate``): encodes (for an API that
@@ -191,6 +192,8 @@ class Admitted:
             self._work.hold(*self._accepted, self.ticket)  # the LM works on: the place stays taken
         else:
             self.ticket.release()
+        if self._place is not None:
+            self._place.release()  # held by the watcher now, or never needed
         if self.lease is not None:
             self.lease.release()
         self.call.drop_payload()
@@ -220,7 +223,7 @@ class RequestCore:
         back by ``Admitted.close`` (or here, on a refusal). ``tenant``: the client's tenant, as its
         transport authenticated it (``Admitted.tenant``). Raises ApiError."""
         spec = API[api]
-        ticket = None
+        ticket = place = None
         try:
             call = parse_openai(api, raw, self.cfg, media, content_type)
             del raw  # parsed: the text goes
@@ -246,7 +249,7 @@ class RequestCore:
             background = api == "responses" and bool(call.body.get("background"))
             try:
                 if background:
-                    self.background.check_room()
+                    place = self.background.reserve()
                 ticket = await self.orch.admission.admit(
                     self.orch.encodes_remotely(len(call.parts) if spec.encode else 0), tenant)
             except AdmissionRefused as e:
@@ -259,12 +262,14 @@ class RequestCore:
         except BaseException:  # refused, the client went away during a fetch, or a bug: the places go back
             if ticket is not None:
                 ticket.release()
+            if place is not None:
+                place.release()
             if lease is not None:
                 lease.release()
             raise
         return Admitted(spec, call, req, loaded, Timings(start=arrival or time.perf_counter()), ticket, lease,
                         tenant=tenant, pinned=self.homes.get(named), background=background, _orch=self.orch,
-                        _homes=self.homes, _work=self.background)
+                        _homes=self.homes, _work=self.background, _place=place)
 
 
 _DEPLOYMENT_FAULTS = {
