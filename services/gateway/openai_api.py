@@ -7,9 +7,12 @@ vLLM's bytes unchanged (with ``--epd-facts``, a JSON answer gets an ``epd`` obje
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
+import socket
+import struct
 import time
 import uuid
 
@@ -164,7 +167,7 @@ class OpenAIRoutes:
             finally:
                 admitted.close()
                 if slow and request.transport is not None:
-                    request.transport.abort()  # what aiohttp still buffers for it goes too
+                    _reset(request.transport)
 
     async def _send(self, request: web.Request, response: web.StreamResponse, data: bytes | None) -> None:
         """Writes ``data`` (None: prepares ``response`` if needed and ends it) within the answer deadline:
@@ -274,3 +277,14 @@ async def request_context(request: web.Request, handler):
             return error_response(ApiError(400, f"{REQUEST_ID_HEADER} must match {REQUEST_ID_RE.pattern}"))
         request[REQUEST_ID_KEY] = rid
     return await handler(request)
+
+
+def _reset(transport: asyncio.BaseTransport) -> None:
+    """Closes a slow reader's connection with a reset: what aiohttp still buffers for it goes, and with
+    SO_LINGER 0 so does what the kernel queued (a plain close leaves the socket to the kernel, which goes on
+    trying to deliver its bytes to a client that does not read, for minutes)."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()
