@@ -15,15 +15,30 @@ REST middleware and the gRPC interceptor (``services.gateway.auth``) ask it on t
   A tenant may have several keys (one per line: a new key is added, clients move, the old line is
   removed, each step a reload). Blank lines and lines starting with ``#`` are skipped. A tenant's
   name is letters, digits and ``._-`` (at most 64); a key is printable ASCII (what a header or a
-  gRPC metadata value can carry), with no space at either end. Per-tenant settings (requests in
-  flight, body bytes, images per minute) are to be further fields of these objects, read into
-  ``Tenant``; until then any other field is refused, so that a file written for a later gateway is
-  never half understood.
+  gRPC metadata value can carry), with no space at either end.
+
+  A line may also set the tenant's quotas (``QUOTAS``; each unset field: no limit for this tenant
+  beyond the deployment's), read into ``Tenant``::
+
+      {"tenant": "lab", "key": "sk-lab-1", "max_in_flight": 4, "max_queue": 2, "body_mib": 256,
+       "images_per_minute": 600, "max_background": 8}
+
+  ``max_in_flight``: its admitted requests in flight at once (``services.gateway.admission``);
+  ``max_queue``: its admission queue's length (default ``--admission-queue``); ``body_mib``: the
+  body budget it may hold at once (``services.gateway.intake``); ``images_per_minute``: media items
+  (images, audio clips, videos, as counted against ``--max-images``) it may have admitted per
+  minute, a token bucket that holds a minute's worth; ``max_background``: background Responses it
+  holds at once (``services.gateway.background``). A tenant over a quota is answered 429 with
+  ``Retry-After``. Every line of one tenant carries the same quotas (the same fields, the same
+  values), or the file is refused naming the line that differs. Any other field is refused, so that
+  a file written for a later gateway is never half understood.
 
 No key from any source: the gateway is open, and every request is the tenant ``anonymous`` (it
 stays open: a reload cannot turn keys on, and a keys file without keys is refused, so that an
 emptied file never opens a gateway). ``reload`` reads the file again and swaps the whole key table
-at once; a file that does not load leaves the table as it was (and says why in the log).
+and the quotas at once; a file that does not load leaves both as they were (and says why in the
+log). ``quota(name)`` is how the admission, the intake and background work read a tenant's quotas,
+at every decision, so a reload holds from the next decision on.
 
 Keys are held only as SHA-256 digests and compared in constant time (``hmac.compare_digest``),
 against every key every time, as vLLM's middleware does. No key appears in a log line, an error
@@ -36,6 +51,7 @@ import hashlib
 import hmac
 import json
 import logging
+import math
 import os
 import re
 from collections.abc import Iterable, Mapping
@@ -49,16 +65,58 @@ carries no key it knows."""
 DEFAULT = "default"
 """The tenant of the keys of ``--api-key`` / ``VLLM_API_KEY``."""
 TENANT_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
-FILE_FIELDS = ("tenant", "key")
+QUOTAS: dict[str, tuple[type, float]] = {
+    # field: (type, least value)
+    "max_in_flight": (int, 1),
+    "max_queue": (int, 0),
+    "body_mib": (float, 0),  # more than this
+    "images_per_minute": (int, 1),
+    "max_background": (int, 0),
+}
+"""A tenant's optional quotas in the keys file, ``Tenant``'s fields of the same names."""
+FILE_FIELDS = ("tenant", "key", *QUOTAS)
 """The fields of a keys file's line (``Tenant``'s fields, and its key)."""
 
 
 @dataclass(frozen=True)
 class Tenant:
-    """One client of the gateway, as the rest of a request's path sees it (the key stays here).
-    Per-tenant settings (quotas) will be fields here, read from the tenant's lines of the keys file."""
+    """One client of the gateway, as the rest of a request's path sees it (the key stays here), with
+    its quotas from the keys file (None: no limit for this tenant beyond the deployment's)."""
 
     name: str
+    max_in_flight: int | None = None
+    """Admitted requests in flight at once."""
+    max_queue: int | None = None
+    """Requests waiting for admission at once (None: ``--admission-queue``)."""
+    body_mib: float | None = None
+    """Body budget held at once, in MiB."""
+    images_per_minute: int | None = None
+    """Media items admitted per minute (a token bucket of this many, refilled at this rate)."""
+    max_background: int | None = None
+    """Background Responses requests held at once."""
+
+    @property
+    def body_bytes(self) -> int | None:
+        return None if self.body_mib is None else int(self.body_mib * (1 << 20))
+
+
+def read_quotas(entry: dict, where: str) -> dict:
+    """The quota fields of a keys file's line, checked (``QUOTAS``). Raises ValueError naming ``where``."""
+    quotas = {}
+    for name, (kind, least) in QUOTAS.items():
+        if name not in entry:
+            continue
+        value = entry[name]
+        ok = isinstance(value, (int, float) if kind is float else int) and not isinstance(value, bool)
+        if ok and kind is float:
+            ok = math.isfinite(value) and value > least
+        elif ok:
+            ok = value >= least
+        if not ok:
+            what = f"a number above {least:g}" if kind is float else f"an integer of at least {least:g}"
+            raise ValueError(f"{where}: \"{name}\" must be {what}")
+        quotas[name] = kind(value)
+    return quotas
 
 
 ANONYMOUS_TENANT = Tenant(ANONYMOUS)
@@ -90,6 +148,7 @@ def read_keys_file(path: str, taken: Iterable[bytes] = ()) -> list[tuple[bytes, 
         raise ValueError(f"{path}: not UTF-8 text") from None
     seen = {d: "--api-key" for d in taken}
     table: list[tuple[bytes, Tenant]] = []
+    first: dict[str, tuple[int, Tenant]] = {}  # per tenant: its first line, and what it set
     for n, line in enumerate(lines, 1):
         line = line.strip()
         if not line or line.startswith("#"):
@@ -112,8 +171,13 @@ def read_keys_file(path: str, taken: Iterable[bytes] = ()) -> list[tuple[bytes, 
         digest = key_digest(key)
         if digest in seen:
             raise ValueError(f"{where}: the same key as {seen[digest]} (one key names one tenant)")
+        tenant = Tenant(name, **read_quotas(entry, where))
+        if name in first and first[name][1] != tenant:
+            raise ValueError(f"{where}: tenant {name}'s quotas differ from its line {first[name][0]} (every line "
+                             "of a tenant sets the same quota fields to the same values)")
+        first.setdefault(name, (n, tenant))
         seen[digest] = f"line {n}"
-        table.append((digest, Tenant(name)))
+        table.append((digest, tenant))
     if not table:
         raise ValueError(f"{path}: no keys (a keys file names at least one tenant; for an open gateway "
                          "leave --api-keys-file unset)")
@@ -131,6 +195,16 @@ class Tenants:
         self.required = bool(self._fixed or keys_file)
         """Whether a guarded route needs a key; fixed at start."""
         self._table = self._load()
+        self._quotas = self._by_name(self._table)
+
+    @staticmethod
+    def _by_name(table: list[tuple[bytes, Tenant]]) -> dict[str, Tenant]:
+        return {t.name: t for _, t in table}
+
+    def quota(self, name: str) -> Tenant:
+        """The tenant ``name`` with its quotas as loaded now (a name the keys do not know, ``anonymous``
+        or one a reload removed: no quotas). Called at every admission, body and background decision."""
+        return self._quotas.get(name) or Tenant(name)
 
     @classmethod
     def from_config(cls, cfg, environ: Mapping[str, str] = os.environ) -> Tenants:
@@ -168,7 +242,7 @@ class Tenants:
         except (OSError, ValueError) as e:
             logger.error("API keys not reloaded, the previous ones stay: %s", e)
             return False
-        self._table = table
+        self._table, self._quotas = table, self._by_name(table)
         logger.info("API keys reloaded: %s", self.describe())
         return True
 

@@ -69,7 +69,16 @@ def test_a_keys_file_names_one_tenant_per_key_and_a_tenant_may_have_several(tmp_
 @pytest.mark.parametrize("line,why", [
     ('{"tenant": "a", "key": ', "not a JSON object"),
     ('["a", "k"]', "not a JSON object"),
-    ({"tenant": "a", "key": SECRET, "max_in_flight": 3}, "unknown field(s) ['max_in_flight']"),
+    ({"tenant": "a", "key": SECRET, "max_inflight": 3}, "unknown field(s) ['max_inflight']"),
+    ({"tenant": "a", "key": SECRET, "max_in_flight": 0}, '"max_in_flight" must be an integer of at least 1'),
+    ({"tenant": "a", "key": SECRET, "max_in_flight": 2.5}, '"max_in_flight" must be an integer'),
+    ({"tenant": "a", "key": SECRET, "max_in_flight": True}, '"max_in_flight" must be an integer'),
+    ({"tenant": "a", "key": SECRET, "max_queue": -1}, '"max_queue" must be an integer of at least 0'),
+    ({"tenant": "a", "key": SECRET, "max_queue": "2"}, '"max_queue" must be an integer'),
+    ({"tenant": "a", "key": SECRET, "body_mib": 0}, '"body_mib" must be a number above 0'),
+    ({"tenant": "a", "key": SECRET, "body_mib": "64"}, '"body_mib" must be a number'),
+    ({"tenant": "a", "key": SECRET, "images_per_minute": None}, '"images_per_minute" must be an integer'),
+    ({"tenant": "a", "key": SECRET, "max_background": [1]}, '"max_background" must be an integer'),
     ({"tenant": "a b", "key": SECRET}, '"tenant" must match'),
     ({"tenant": ANONYMOUS, "key": SECRET}, '"tenant" must match'),
     ({"key": SECRET}, '"tenant" must match'),
@@ -83,6 +92,46 @@ def test_a_bad_line_is_refused_naming_the_line_and_never_the_key(tmp_path, line,
         Tenants(keys_file=path)
     assert f"{path}, line 2: " in str(e.value) and why in str(e.value)
     assert SECRET not in str(e.value)
+
+
+def test_a_tenants_quotas_are_read_from_its_lines_and_unset_ones_mean_no_limit(tmp_path):
+    path = keys_file(tmp_path, {"tenant": "a", "key": "ka1", "max_in_flight": 2, "max_queue": 0, "body_mib": 1.5,
+                                "images_per_minute": 30, "max_background": 0},
+                     {"tenant": "a", "key": "ka2", "max_in_flight": 2, "max_queue": 0, "body_mib": 1.5,
+                      "images_per_minute": 30, "max_background": 0},
+                     {"tenant": "b", "key": "kb", "body_mib": 64})
+    tenants = Tenants(["kd"], path)
+    a = Tenant("a", max_in_flight=2, max_queue=0, body_mib=1.5, images_per_minute=30, max_background=0)
+    assert tenants.identify("Bearer ka2") == a and tenants.quota("a") == a and a.body_bytes == 3 << 19
+    assert tenants.quota("b") == Tenant("b", body_mib=64.0)
+    # A tenant without quotas, --api-key's, and a name the file does not know: no limits.
+    for name in (DEFAULT, ANONYMOUS, "nobody"):
+        assert tenants.quota(name) == Tenant(name)
+
+
+@pytest.mark.parametrize("second", [
+    {"tenant": "a", "key": "k2", "max_in_flight": 3},  # another value
+    {"tenant": "a", "key": "k2"},  # the field left out
+    {"tenant": "a", "key": "k2", "max_in_flight": 2, "max_queue": 1},  # one more field
+])
+def test_every_line_of_a_tenant_must_set_the_same_quotas_or_the_file_is_refused_naming_the_line(tmp_path, second):
+    path = keys_file(tmp_path, {"tenant": "b", "key": "kb"}, {"tenant": "a", "key": "k1", "max_in_flight": 2}, second)
+    with pytest.raises(ValueError) as e:
+        Tenants(keys_file=path)
+    assert f"{path}, line 3: tenant a's quotas differ from its line 2" in str(e.value)
+
+
+def test_a_reload_swaps_the_quotas_with_the_keys_and_a_bad_file_keeps_both(tmp_path):
+    path = tmp_path / "keys.jsonl"
+    path.write_text(json.dumps({"tenant": "a", "key": "k1", "max_in_flight": 2}) + "\n")
+    tenants = Tenants(keys_file=str(path))
+    assert tenants.quota("a").max_in_flight == 2
+    path.write_text(json.dumps({"tenant": "a", "key": "k1", "max_in_flight": 5, "images_per_minute": 10}) + "\n")
+    assert tenants.reload()
+    assert tenants.quota("a") == Tenant("a", max_in_flight=5, images_per_minute=10)
+    path.write_text(json.dumps({"tenant": "a", "key": "k1", "max_in_flight": "many"}) + "\n")
+    assert not tenants.reload()
+    assert tenants.quota("a") == Tenant("a", max_in_flight=5, images_per_minute=10)
 
 
 def test_one_key_names_one_tenant(tmp_path):
