@@ -17,16 +17,28 @@ how long one may take, on both public ports. Anyone who can reach the gateway ge
   client that declares 64 MiB and drips holds only what it dripped (and the minimum rate below
   cuts it off). Room that is not there within ``WAIT_S`` is a 503. The budget is not
   first-come-first-served: a small body never waits behind a large one.
+- The budget is shared fairly between tenants (``BodyShares``): a tenant may hold at most its
+  ``body_mib`` quota (keys file) if it has one, and otherwise the budget divided by the tenants
+  *active* now (holding some of it or waiting for room, itself counted): alone, all of it; beside
+  two others, a third. A tenant whose request would go past that is refused at once (429,
+  ``Retry-After: 1``: that tenant is over its share, the others get the room), except for its
+  first body: a tenant holding no other body may always take one (up to the budget itself), so
+  every tenant can make progress whatever its quota or the number of tenants. Nothing already held
+  is taken back: a tenant that filled the budget alone keeps what it holds, but none of its
+  requests grows once another tenant is waiting, so what it gives back goes to the others. One
+  tenant (a gateway without keys): it is always alone, and this changes nothing.
 
 REST reads the body itself (aiohttp pauses the socket while a handler is not reading, so an
 unread body holds at most its buffer). The native gRPC API's calls go through ``GrpcIntake``, a
 server interceptor: it gives each GatewayService call a handler that takes one of
-``GRPC_READERS`` read slots (waiting ``WAIT_S`` for one) and twice the largest body from the budget *before* grpc reads the
+``GRPC_READERS`` read slots (waiting ``WAIT_S`` for one; at most ``GRPC_READERS_PER_TENANT`` for
+one named tenant and ``GRPC_READERS_PER_CONNECTION`` for one connection, ``context.peer()``, else
+429 RESOURCE_EXHAUSTED at once) and twice the largest body from the budget *before* grpc reads the
 request message (a request-streaming handler; grpc buffers only its flow-control window until the
 handler reads), reads it under the deadline, and then keeps what the message needs. What a gRPC
 call's message cannot do, unlike a REST body, is show its progress: a call that never sends its
 message holds its slot until ``--body-timeout-s``, so at most ``GRPC_READERS`` such calls stall
-the gRPC API (never the REST one) at a time.
+the gRPC API (never the REST one) at a time, and one connection or one tenant only half of them.
 
 Owner: ``server.serve`` makes one ``Intake``; the REST routes and ``GrpcIntake`` use it on the
 gateway's event loop. A ``BodyLease`` is released by whoever took it when the request ends
@@ -40,6 +52,7 @@ import collections
 import contextvars
 import logging
 import time
+from collections.abc import Callable
 
 import grpc
 from aiohttp import web
@@ -49,7 +62,7 @@ from services.common.errors import EPDError
 from services.common.media import ByteBudget
 from services.gateway.auth import CURRENT_TENANT
 from services.gateway.config import BODY_COPIES, GatewayConfig
-from services.gateway.tenants import ANONYMOUS
+from services.gateway.tenants import ANONYMOUS, Tenant
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +76,9 @@ GRPC_READERS = 4
 GRPC_READERS_PER_TENANT = GRPC_READERS // 2
 """Of those, what one named tenant may hold (a gateway without keys: its one tenant, all of them): a
 tenant that floods the gRPC API with messages it never finishes leaves the others room."""
+GRPC_READERS_PER_CONNECTION = GRPC_READERS // 2
+"""Of those, what one connection (``context.peer()``: address and port) may hold, whatever its tenant: one
+client's connection cannot take every slot, also on a gateway without keys."""
 FETCHED_COPIES = 2
 """Budget charged per fetched media byte: the bytes, and their base64 in an LM body."""
 
@@ -77,8 +93,8 @@ _CODES = {408: grpc.StatusCode.DEADLINE_EXCEEDED, 413: grpc.StatusCode.RESOURCE_
 
 
 class BodyRefused(EPDError):
-    """A body the gateway will not take: ``status`` 408, 413 or 503, with a message (the gRPC API's
-    error boundary answers the matching code)."""
+    """A body the gateway will not take: ``status`` 408, 413, 429 (its tenant's share) or 503, with a
+    message (the gRPC API's error boundary answers the matching code)."""
 
     def __init__(self, status: int, message: str, reason: str) -> None:
         super().__init__(message)
@@ -87,45 +103,104 @@ class BodyRefused(EPDError):
         REFUSED.labels(reason).inc()
 
 
-class BodyLease:
-    """A request's share of the body budget; ``release`` when its answer ends (idempotent)."""
+class BodyShares:
+    """Each tenant's part of the body budget (the module docstring's rule): what it holds, how many leases
+    it has open, and who waits for room. Owned by ``Intake``; its leases report to it, on the event loop."""
 
-    def __init__(self, budget: ByteBudget) -> None:
-        self._budget = budget
+    def __init__(self, capacity: int, quota: Callable[[str], Tenant] = Tenant) -> None:
+        """``quota``: a tenant's quotas (``Tenants.quota``: its ``body_mib``), read at every decision."""
+        self.capacity, self._quota = capacity, quota
+        self.held: collections.Counter[str] = collections.Counter()
+        self.leases: collections.Counter[str] = collections.Counter()
+        self.waiting: collections.Counter[str] = collections.Counter()
+
+    def active(self, tenant: str) -> int:
+        """Tenants holding some of the budget or waiting for it, ``tenant`` counted."""
+        return len({tenant, *(+self.held), *(+self.waiting)})
+
+    def limit(self, tenant: str) -> tuple[int, str]:
+        """What ``tenant`` may hold now, and why (for its refusal)."""
+        own = self._quota(tenant).body_bytes
+        if own is not None:
+            return own, "its body_mib quota"
+        n = self.active(tenant)
+        return self.capacity // n, f"its share of --body-memory-mib with {n} tenants active"
+
+    def refusal(self, tenant: str, nbytes: int) -> BodyRefused | None:
+        """Why ``tenant`` may not take ``nbytes`` more (None: it may). Its only lease may always grow, and
+        a share of the whole budget is the budget's to refuse (it waits, then 503: one tenant as before)."""
+        if self.leases[tenant] <= 1:
+            return None
+        limit, why = self.limit(tenant)
+        if limit >= self.capacity or self.held[tenant] + nbytes <= limit:
+            return None
+        return BodyRefused(429, f"tenant {tenant} holds {self.held[tenant] >> 20} MiB of request bodies, {limit >> 20} "
+                                f"MiB being {why}; retry later", "tenant")
+
+    def count(self, counter: collections.Counter[str], tenant: str, n: int) -> None:
+        counter[tenant] += n
+        if counter[tenant] <= 0:
+            del counter[tenant]
+
+
+class BodyLease:
+    """A request's share of the body budget, charged to its tenant (``BodyShares``); ``release`` when its
+    answer ends (idempotent)."""
+
+    def __init__(self, budget: ByteBudget, tenant: str = ANONYMOUS, shares: BodyShares | None = None) -> None:
+        self._budget, self.tenant = budget, tenant
+        self._shares = shares or BodyShares(budget.capacity)
+        self._shares.count(self._shares.leases, tenant, 1)
+        self._open = True
         self.nbytes = 0
 
     async def grow(self, nbytes: int) -> None:
         if nbytes <= 0:
             return
-        if nbytes > self._budget.capacity or not await self._budget.acquire(nbytes, WAIT_S):
+        shares = self._shares
+        if (refused := shares.refusal(self.tenant, nbytes)) is not None:
+            raise refused
+        if nbytes > self._budget.capacity:
+            got = False
+        else:
+            shares.count(shares.waiting, self.tenant, 1)
+            try:
+                got = await self._budget.acquire(nbytes, WAIT_S)
+            finally:
+                shares.count(shares.waiting, self.tenant, -1)
+        if not got:
             raise BodyRefused(503, f"the gateway holds {self._budget.used >> 20} MiB of requests, its limit "
                                    "(--body-memory-mib); retry later", "memory")
+        self._add(nbytes)
+
+    def _add(self, nbytes: int) -> None:
         self.nbytes += nbytes
+        self._shares.count(self._shares.held, self.tenant, nbytes)
         HELD.inc(nbytes)
 
     async def resize(self, nbytes: int) -> None:
         """Holds exactly ``nbytes``: gives back what is over, takes what is missing."""
         if nbytes < self.nbytes:
             self._budget.release(self.nbytes - nbytes)
-            HELD.dec(self.nbytes - nbytes)
-            self.nbytes = nbytes
+            self._add(nbytes - self.nbytes)
         else:
             await self.grow(nbytes - self.nbytes)
 
     def hold(self, nbytes: int) -> None:
-        """Charges ``nbytes`` now, even past the budget's capacity: bytes the gateway already holds (an
-        answer waiting to be sent) must be counted, not refused; requests that come next wait or are
-        refused until they are gone."""
+        """Charges ``nbytes`` now, even past the budget's capacity or the tenant's share: bytes the gateway
+        already holds (an answer waiting to be sent) must be counted, not refused; requests that come next
+        wait or are refused until they are gone."""
         if nbytes > 0:
             self._budget.force(nbytes)
-            self.nbytes += nbytes
-            HELD.inc(nbytes)
+            self._add(nbytes)
 
     def release(self) -> None:
         if self.nbytes:
             self._budget.release(self.nbytes)
-            HELD.dec(self.nbytes)
-            self.nbytes = 0
+            self._add(-self.nbytes)
+        if self._open:
+            self._open = False
+            self._shares.count(self._shares.leases, self.tenant, -1)
 
 
 CURRENT_LEASE: contextvars.ContextVar[BodyLease | None] = contextvars.ContextVar("epd_body_lease", default=None)
@@ -142,14 +217,17 @@ async def charge_fetched(nbytes: int) -> None:
 class Intake:
     """The limits above, shared by the REST and gRPC front ends."""
 
-    def __init__(self, cfg: GatewayConfig) -> None:
+    def __init__(self, cfg: GatewayConfig, quota: Callable[[str], Tenant] = Tenant) -> None:
+        """``quota``: a tenant's quotas (``Tenants.quota``; by default none), for its share of the budget."""
         self.cfg = cfg
         self.max_body = cfg.max_body_bytes
         self.budget = ByteBudget(int(cfg.body_memory_mib * (1 << 20)), fifo=False)
+        self.shares = BodyShares(self.budget.capacity, quota)
         self.reading = 0
         self.grpc_reading = 0
         self._grpc_slots = asyncio.Semaphore(GRPC_READERS)
         self._grpc_by_tenant: collections.Counter[str] = collections.Counter()
+        self._grpc_by_peer: collections.Counter[str] = collections.Counter()
         self.min_rate = cfg.body_min_rate_kib * 1024
 
     def start_reading(self) -> None:
@@ -172,13 +250,18 @@ class Intake:
                                 f"{self.cfg.body_min_rate_kib:g} KiB/s after {RATE_GRACE_S:g} s, all of it within "
                                 f"{self.cfg.body_timeout_s:g} s: --body-min-rate-kib, --body-timeout-s)", "timeout")
 
+    def lease(self, tenant: str = ANONYMOUS) -> BodyLease:
+        """An empty lease of ``tenant``'s on the budget."""
+        return BodyLease(self.budget, tenant, self.shares)
+
     async def read(self, request: web.Request) -> tuple[bytes, BodyLease]:
-        """A REST request's body and its lease. Raises BodyRefused (nothing held then)."""
+        """A REST request's body and its lease, charged to its tenant (``CURRENT_TENANT``, set by the
+        authentication middleware). Raises BodyRefused (nothing held then)."""
         declared = request.content_length
         if declared is not None and declared > self.max_body:
             raise self._too_large(declared)
         self.start_reading()
-        lease, buf = BodyLease(self.budget), bytearray()
+        lease, buf = self.lease(CURRENT_TENANT.get()), bytearray()
         try:
             start = time.monotonic()
             while True:
@@ -212,27 +295,33 @@ class Intake:
             self.done_reading()
         return bytes(buf), lease
 
-    async def reserve_message(self, tenant: str = ANONYMOUS) -> BodyLease:
+    async def reserve_message(self, tenant: str = ANONYMOUS, peer: str = "") -> BodyLease:
         """A gRPC call's lease for its one request message, before grpc reads it: a read slot and
         twice the largest body (the message as grpc holds it, and its deserialized copy); a named
-        ``tenant`` gets at most ``GRPC_READERS_PER_TENANT`` slots at once (429 past it). Raises
-        BodyRefused (nothing held then); ``done_grpc_reading(tenant)`` gives the slot back."""
+        ``tenant`` gets at most ``GRPC_READERS_PER_TENANT`` slots at once, and one connection
+        (``peer``: its ``context.peer()``) ``GRPC_READERS_PER_CONNECTION`` (429 past either). Raises
+        BodyRefused (nothing held then); ``done_grpc_reading(tenant, peer)`` gives the slot back."""
         if tenant != ANONYMOUS and self._grpc_by_tenant[tenant] >= GRPC_READERS_PER_TENANT:
             raise BodyRefused(429, f"tenant {tenant} is sending {self._grpc_by_tenant[tenant]} gRPC request messages "
                                    "at once, its share; retry later", "tenant")
+        if self._grpc_by_peer[peer] >= GRPC_READERS_PER_CONNECTION:
+            raise BodyRefused(429, f"this connection is sending {self._grpc_by_peer[peer]} gRPC request messages at "
+                                   "once, its share; retry later", "connection")
         self._grpc_by_tenant[tenant] += 1
+        self._grpc_by_peer[peer] += 1
         try:
-            return await self._reserve_message()
+            return await self._reserve_message(tenant)
         except BaseException:
-            self._release_tenant(tenant)
+            self._release_reader(tenant, peer)
             raise
 
-    def _release_tenant(self, tenant: str) -> None:
-        self._grpc_by_tenant[tenant] -= 1
-        if self._grpc_by_tenant[tenant] <= 0:
-            del self._grpc_by_tenant[tenant]
+    def _release_reader(self, tenant: str, peer: str) -> None:
+        for counter, key in ((self._grpc_by_tenant, tenant), (self._grpc_by_peer, peer)):
+            counter[key] -= 1
+            if counter[key] <= 0:
+                del counter[key]
 
-    async def _reserve_message(self) -> BodyLease:
+    async def _reserve_message(self, tenant: str) -> BodyLease:
         try:
             await asyncio.wait_for(self._grpc_slots.acquire(), WAIT_S)
         except asyncio.TimeoutError:
@@ -244,16 +333,20 @@ class Intake:
             self._grpc_slots.release()
             raise
         self.grpc_reading += 1
-        lease = BodyLease(self.budget)
+        lease = self.lease(tenant)
         try:
             await lease.grow(2 * self.max_body)
         except BaseException:
-            self.done_grpc_reading()
+            lease.release()
+            self._done_slot()
             raise
         return lease
 
-    def done_grpc_reading(self, tenant: str = ANONYMOUS) -> None:
-        self._release_tenant(tenant)
+    def done_grpc_reading(self, tenant: str = ANONYMOUS, peer: str = "") -> None:
+        self._release_reader(tenant, peer)
+        self._done_slot()
+
+    def _done_slot(self) -> None:
         self.grpc_reading -= 1
         self._grpc_slots.release()
         self.done_reading()
@@ -295,15 +388,16 @@ class GrpcIntake(grpc.aio.ServerInterceptor):
             # the client does not take in time is abandoned and the call ended, which a yield cannot do.
             status, request, lease = None, None, None
             tenant = CURRENT_TENANT.get()  # set by the auth interceptor, in this call's task
+            peer = context.peer() or ""  # one connection: its address and port
             try:
-                lease = await intake.reserve_message(tenant)
+                lease = await intake.reserve_message(tenant, peer)
                 try:
                     request = await asyncio.wait_for(anext(aiter(request_iterator), None), intake.cfg.body_timeout_s)
                 except asyncio.TimeoutError:
                     raise BodyRefused(408, "the request message did not arrive within "
                                            f"{intake.cfg.body_timeout_s:g} s (--body-timeout-s)", "timeout") from None
                 finally:
-                    intake.done_grpc_reading(tenant)
+                    intake.done_grpc_reading(tenant, peer)
                 if request is None:
                     raise BodyRefused(408, "no request message", "timeout")
                 await lease.resize(BODY_COPIES * message_nbytes(request))

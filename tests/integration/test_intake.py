@@ -18,6 +18,7 @@ from services.common.grpc_server import GrpcServer
 from services.gateway import intake as intake_module
 from services.gateway.config import BODY_COPIES, GatewayConfig
 from services.gateway.intake import GRPC_READERS, BodyRefused, GrpcIntake, Intake
+from tests.integration.gateway_fakes import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -245,12 +246,15 @@ def test_grpc_calls_that_never_send_their_message_stall_at_most_the_grpc_readers
 
     async def main():
         async with _grpc(intake) as (stub, servicer), _rest(intake) as port:
-            # Calls whose message never comes: raw stream-stream calls that write nothing.
+            # Calls whose message never comes: raw stream-stream calls that write nothing, each on its own
+            # connection (one connection holds at most GRPC_READERS_PER_CONNECTION of the readers).
             method = "/epd.gateway.v1.GatewayService/ChatCompletion"
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{intake.grpc_port}") as raw:
-                stalled = [raw.stream_stream(method)() for _ in range(GRPC_READERS)]
-                while intake.grpc_reading < GRPC_READERS:
-                    await asyncio.sleep(0.01)
+            async with contextlib.AsyncExitStack() as channels:
+                raws = [await channels.enter_async_context(grpc.aio.insecure_channel(
+                    f"127.0.0.1:{intake.grpc_port}", options=[("grpc.use_local_subchannel_pool", 1)]))
+                    for _ in range(GRPC_READERS)]
+                stalled = [raw.stream_stream(method)() for raw in raws]
+                await wait_until(lambda: intake.grpc_reading == GRPC_READERS, 20, "every gRPC reader held")
                 with pytest.raises(grpc.aio.AioRpcError) as e:
                     await anext(aiter(stub.ChatCompletion(gateway_pb2.OpenAIRequest(body=b"{}"), timeout=10)))
                 assert e.value.code() == grpc.StatusCode.UNAVAILABLE
