@@ -10,8 +10,16 @@ others' queues are untouched), a wait that runs out is 503 (the deployment as a
 whole is full), both with ``Retry-After``. Room that frees goes to the waiting
 tenant with the fewest requests in flight (ties: the one waiting longest), so one
 tenant's flood fills its own queue and takes turns with the others, never their
-places. With one tenant (a gateway without keys) this is one FIFO queue. An
-admitted request holds its place until its answer ends (``Ticket.release``, also
+places. With one tenant (a gateway without keys) this is one FIFO queue.
+
+A tenant's quotas from the keys file (``quota(tenant)``, read at every decision so
+a reload holds at once) narrow this further, each answered 429 with ``Retry-After``
+(that tenant is over its quota; 503 stays for the deployment as a whole): at its
+``max_in_flight`` a request is refused at once (and its waiters are passed over
+until one of its own ends), its queue holds ``max_queue`` (else
+``--admission-queue``), and ``ItemRate`` admits at most ``images_per_minute``
+media items a minute (a request's items are taken when it arrives and given back
+if it is not admitted). An admitted request holds its place until its answer ends (``Ticket.release``, also
 on failure or a client that goes away), so what the LMs and encoders have in
 flight stays bounded and every admitted request is served within the limits the
 engines were sized for. ``--lm-max-outstanding 0`` turns admission off.
@@ -27,13 +35,15 @@ import asyncio
 import collections
 import itertools
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from prometheus_client import Counter, Gauge
 
 ADMISSIONS = Counter("epd_gateway_admission_total", "Admission decisions",
-                     ["outcome"])  # admitted | queued | refused_full | refused_wait
+                     ["outcome"])  # admitted | queued | refused_full | refused_wait | refused_quota
 WAITING = Gauge("epd_gateway_admission_waiting", "Requests waiting for admission")
 ADMITTED = Gauge("epd_gateway_admission_in_flight", "Admitted requests in flight, by what they hold", ["holds"])
 
@@ -48,6 +58,60 @@ class AdmissionRefused(Exception):
 
 
 ANONYMOUS = "anonymous"  # services.gateway.tenants.ANONYMOUS (this module imports no service module)
+
+
+class Quota(Protocol):
+    """What admission reads of a tenant's quotas (``services.gateway.tenants.Tenant``; None: no limit)."""
+
+    max_in_flight: int | None
+    max_queue: int | None
+    images_per_minute: int | None
+
+
+@dataclass(frozen=True)
+class NoQuota:
+    """A tenant without quotas (a gateway without a keys file)."""
+
+    max_in_flight: int | None = None
+    max_queue: int | None = None
+    images_per_minute: int | None = None
+
+
+NO_QUOTA = NoQuota()
+
+
+class ItemRate:
+    """Media items admitted per minute, per tenant: a token bucket that holds ``per_minute`` items and
+    refills at ``per_minute`` a minute (so a tenant idle for a minute may send a minute's worth at once).
+    ``clock``: seconds, monotonic (tests pass their own). A bucket goes once it is full again, so
+    only tenants that sent items within the last minute are kept."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._buckets: dict[str, tuple[float, float]] = {}  # tenant: (items left, when)
+
+    def _level(self, tenant: str, per_minute: int) -> float:
+        left, at = self._buckets.get(tenant, (per_minute, 0.0))
+        return min(float(per_minute), left + (self._clock() - at) * per_minute / 60.0)
+
+    def take(self, tenant: str, items: int, per_minute: int) -> float:
+        """Takes ``items`` from ``tenant``'s bucket: 0.0 if they were there, else (nothing taken) the
+        seconds until they will be (``math.inf``: more than a minute's worth, never)."""
+        if items > per_minute:
+            return math.inf
+        level = self._level(tenant, per_minute)
+        if level < items:
+            return (items - level) * 60.0 / per_minute
+        self._buckets[tenant] = (level - items, self._clock())
+        return 0.0
+
+    def give_back(self, tenant: str, items: int, per_minute: int) -> None:
+        """Items of a request that was not admitted after all."""
+        level = min(float(per_minute), self._level(tenant, per_minute) + items)
+        if level >= per_minute:
+            self._buckets.pop(tenant, None)
+        else:
+            self._buckets[tenant] = (level, self._clock())
 
 
 @dataclass(eq=False)
@@ -82,9 +146,12 @@ class _Waiter:
 
 class Admission:
     def __init__(self, lm_slots: int, encoder_slots: int, queue: int, wait_s: float,
-                 healthy_lms: Callable[[], int], healthy_encoders: Callable[[], int]) -> None:
+                 healthy_lms: Callable[[], int], healthy_encoders: Callable[[], int],
+                 quota: Callable[[str], Quota] = lambda tenant: NO_QUOTA,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         """``lm_slots``/``encoder_slots``: admitted requests per healthy instance (0: no limit);
-        ``healthy_*``: how many instances are admitted now (read at every decision)."""
+        ``healthy_*``: how many instances are admitted now (read at every decision); ``quota``: a
+        tenant's quotas (``Tenants.quota``), read at every decision; ``clock``: ``ItemRate``'s."""
         self.lm_slots, self.encoder_slots = lm_slots, encoder_slots
         self.queue, self.wait_s = queue, wait_s
         self._healthy_lms, self._healthy_encoders = healthy_lms, healthy_encoders
@@ -94,6 +161,8 @@ class Admission:
         self._waiting: dict[str, collections.deque[_Waiter]] = {}  # per tenant, FIFO; no empty queues
         self._seq = itertools.count()
         self._served: dict[str, int] = {}  # per tenant with requests in flight or waiting: its last admission
+        self.quota = quota
+        self.items = ItemRate(clock)
 
     @property
     def waiting(self) -> int:
@@ -117,20 +186,47 @@ class Admission:
         lms, encoders = self.capacity()
         return self.in_flight < lms and (not encoder or self.encoding < encoders)
 
-    async def admit(self, encoder: bool, tenant: str = ANONYMOUS) -> Ticket:
-        """A ticket for a request of ``tenant`` (``encoder``: it will encode on an encoder), at once or
-        after waiting its turn. Raises AdmissionRefused."""
+    def _capped(self, tenant: str, quota: Quota | None = None) -> bool:
+        """Whether ``tenant`` has its ``max_in_flight`` requests in flight."""
+        cap = (quota or self.quota(tenant)).max_in_flight
+        return cap is not None and self._held[tenant] >= cap
+
+    async def admit(self, encoder: bool, tenant: str = ANONYMOUS, items: int = 0) -> Ticket:
+        """A ticket for a request of ``tenant`` (``encoder``: it will encode on an encoder; ``items``: the
+        media items it carries), at once or after waiting its turn. Raises AdmissionRefused."""
+        quota = self.quota(tenant)
+        if self._capped(tenant, quota):
+            ADMISSIONS.labels("refused_quota").inc()
+            raise AdmissionRefused(429, f"tenant {tenant} has {self._held[tenant]} requests in flight, its quota "
+                                        "(max_in_flight); retry later", 1)
+        rate = quota.images_per_minute if items else None
+        if rate is not None:
+            wait = self.items.take(tenant, items, rate)
+            if wait:
+                ADMISSIONS.labels("refused_quota").inc()
+                raise AdmissionRefused(429, f"tenant {tenant} may have {rate} media items a minute admitted, its "
+                                            f"quota (images_per_minute); this request has {items}; retry later",
+                                       60 if wait == math.inf else max(1, math.ceil(wait)))
+        try:
+            return await self._admit(encoder, tenant, quota)
+        except BaseException:
+            if rate is not None:
+                self.items.give_back(tenant, items, rate)
+            raise
+
+    async def _admit(self, encoder: bool, tenant: str, quota: Quota) -> Ticket:
         if not self.enabled:
             return self._take(encoder, tenant)
         if not self._waiting and self._fits(encoder):
             ADMISSIONS.labels("admitted").inc()
             return self._take(encoder, tenant)
         queue = self._waiting.get(tenant, ())
-        if len(queue) >= self.queue:
+        limit, flag = (self.queue, "--admission-queue") if quota.max_queue is None else (quota.max_queue, "max_queue")
+        if len(queue) >= limit:
             ADMISSIONS.labels("refused_full").inc()
             whose = "" if tenant == ANONYMOUS else f" for tenant {tenant}"
             raise AdmissionRefused(429, f"the gateway is at capacity{whose} ({self._held[tenant]} requests in "
-                                        f"flight, {len(queue)} waiting, --admission-queue); retry later", 1)
+                                        f"flight, {len(queue)} waiting, {flag}); retry later", 1)
         waiter = _Waiter(encoder, tenant, next(self._seq))
         self._waiting.setdefault(tenant, collections.deque()).append(waiter)
         WAITING.set(self.waiting)
@@ -195,8 +291,9 @@ class Admission:
 
     def _next(self) -> _Waiter | None:
         """The head of the queue of the waiting tenant with the fewest requests in flight (ties: the tenant
-        admitted least recently, so tenants take turns; then the head that has waited longest)."""
-        heads = (q[0] for q in self._waiting.values())
+        admitted least recently, so tenants take turns; then the head that has waited longest). A tenant at
+        its ``max_in_flight`` is passed over: its waiters wait for one of its own requests to end."""
+        heads = (q[0] for t, q in self._waiting.items() if not self._capped(t))
         return min(heads, key=lambda w: (self._held[w.tenant], self._served.get(w.tenant, -1), w.seq), default=None)
 
     def _wake(self) -> None:

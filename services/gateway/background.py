@@ -9,7 +9,8 @@ the response ended (completed, failed, cancelled, incomplete), when it no longer
 LM restarted and the work is gone), when the LM is out of the pool or unreachable for
 ``UNREACHABLE_S``, or at the server's deadline, ``--background-timeout-s``: then the LM is first
 asked to cancel it. At most ``--lm-max-background`` background requests per generating LM are held
-at once; one more is refused before admission (429, ``Retry-After``).
+at once, and at most its tenant's ``max_background`` quota (keys file) for one tenant; one more is
+refused before admission (429, ``Retry-After``).
 
 Owner: ``RequestCore`` makes one and closes it (``close`` cancels every watcher, which releases what
 it holds). ``Admitted.close`` calls ``hold`` with the ticket of a background request its LM accepted;
@@ -20,12 +21,14 @@ gateway's event loop.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
 import time
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 import grpc
 from prometheus_client import Counter, Gauge
@@ -33,6 +36,7 @@ from prometheus_client import Counter, Gauge
 from epd.lm.v1 import lm_pb2
 from services.gateway.admission import AdmissionRefused, Ticket
 from services.gateway.instances import InstancePool
+from services.gateway.tenants import ANONYMOUS, Tenant
 
 logger = logging.getLogger(__name__)
 
@@ -52,25 +56,28 @@ class BackgroundPlace:
     """One background request's place, reserved before admission; ``release`` (idempotent) when the request
     ends, after ``BackgroundWork.hold`` took it over if its LM accepted it."""
 
-    def __init__(self, work: BackgroundWork) -> None:
+    def __init__(self, work: BackgroundWork, tenant: str = ANONYMOUS) -> None:
         self._work: BackgroundWork | None = work
+        self.tenant = tenant
 
     def release(self) -> None:
         if self._work is not None:
-            self._work._reserved -= 1
+            self._work._unreserve(self.tenant)
             self._work = None
 
 
 class BackgroundWork:
     def __init__(self, lms: Callable[[], InstancePool], per_lm: int, timeout_s: float,
-                 generating_lms: Callable[[], int]) -> None:
+                 generating_lms: Callable[[], int], quota: Callable[[str], Any] = Tenant) -> None:
         """``lms``: the LM pool (read when a request is held); ``per_lm``: background requests held per
         generating LM (0: no limit); ``generating_lms``: how many LMs take whole requests now (read at every
-        decision)."""
+        decision); ``quota``: a tenant's quotas (``Tenants.quota``: its ``max_background``), read at every
+        decision."""
         self._lms, self.per_lm, self.timeout_s = lms, per_lm, timeout_s
-        self._generating_lms = generating_lms
+        self._generating_lms, self._quota = generating_lms, quota
         self._watchers: set[asyncio.Task] = set()
         self._reserved = 0  # places reserved by requests not yet held (``reserve``)
+        self._by_tenant: collections.Counter[str] = collections.Counter()  # places reserved or held, per tenant
 
     @property
     def lms(self) -> InstancePool:
@@ -80,27 +87,47 @@ class BackgroundWork:
     def held(self) -> int:
         return len(self._watchers)
 
-    def reserve(self) -> BackgroundPlace:
-        """A place for one more background request, taken before its admission and counted until the request
-        ends (``BackgroundPlace.release``) or its watcher holds it (``hold``): requests sent at once cannot all
-        pass the limit while none is held yet. Raises AdmissionRefused (429) when the deployment holds all the
-        background work it may."""
+    def held_by(self, tenant: str) -> int:
+        """Background places ``tenant`` has reserved or holds."""
+        return self._by_tenant[tenant]
+
+    def reserve(self, tenant: str = ANONYMOUS) -> BackgroundPlace:
+        """A place for one more background request of ``tenant``, taken before its admission and counted until
+        the request ends (``BackgroundPlace.release``) or its watcher holds it (``hold``): requests sent at once
+        cannot all pass the limit while none is held yet. Raises AdmissionRefused (429) when the deployment, or
+        ``tenant`` (its ``max_background``), holds all the background work it may."""
+        cap = self._quota(tenant).max_background
+        if cap is not None and self._by_tenant[tenant] >= cap:
+            raise AdmissionRefused(429, f"tenant {tenant} holds {self._by_tenant[tenant]} background responses, its "
+                                        "quota (max_background); retry later", 5)
         limit = self.per_lm * max(1, self._generating_lms())
         if self.per_lm and self.held + self._reserved >= limit:
             raise AdmissionRefused(429, f"the deployment holds {self.held + self._reserved} background responses, "
                                         "its limit (--lm-max-background per LM); retry later", 5)
         self._reserved += 1
-        return BackgroundPlace(self)
+        self._count(tenant, 1)
+        return BackgroundPlace(self, tenant)
+
+    def _unreserve(self, tenant: str) -> None:
+        self._reserved -= 1
+        self._count(tenant, -1)
+
+    def _count(self, tenant: str, n: int) -> None:
+        self._by_tenant[tenant] += n
+        if self._by_tenant[tenant] <= 0:
+            del self._by_tenant[tenant]
 
     def hold(self, response_id: str, lm: str, ticket: Ticket) -> None:
         """Takes over ``ticket`` until the background response ``response_id`` on LM ``lm`` ends."""
         task = asyncio.get_running_loop().create_task(self._watch(response_id, lm, ticket),
                                                       name=f"background {response_id}")
         self._watchers.add(task)
+        self._count(ticket.tenant, 1)
         HELD.set(len(self._watchers))
 
         def done(t: asyncio.Task) -> None:
             self._watchers.discard(t)
+            self._count(ticket.tenant, -1)
             HELD.set(len(self._watchers))
 
         task.add_done_callback(done)

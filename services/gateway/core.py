@@ -44,7 +44,7 @@ from services.gateway.request import (
     load_media,
     parse_openai,
 )
-from services.gateway.tenants import ANONYMOUS
+from services.gateway.tenants import ANONYMOUS, Tenant
 
 logger = logging.getLogger(__name__)
 
@@ -202,12 +202,14 @@ class Admitted:
 
 
 class RequestCore:
-    def __init__(self, cfg: GatewayConfig, orch: Orchestrator, fetcher: MediaFetcher | None = None) -> None:
-        """``fetcher``: owned by ``server.serve``; without one http(s) media URLs are refused."""
+    def __init__(self, cfg: GatewayConfig, orch: Orchestrator, fetcher: MediaFetcher | None = None,
+                 quota=Tenant) -> None:
+        """``fetcher``: owned by ``server.serve``; without one http(s) media URLs are refused. ``quota``: a
+        tenant's quotas (``Tenants.quota``; by default none), for its background work."""
         self.cfg, self.orch, self.fetcher = cfg, orch, fetcher
         self.homes = ResponseHomes()
         self.background = BackgroundWork(lambda: orch.lms, cfg.lm_max_background, cfg.background_timeout_s,
-                                         lambda: orch.generating_lms())
+                                         lambda: orch.generating_lms(), quota)
 
     async def close(self) -> None:
         """Gives back the places background requests hold (their LMs go on with the work)."""
@@ -249,9 +251,10 @@ class RequestCore:
             background = api == "responses" and bool(call.body.get("background"))
             try:
                 if background:
-                    place = self.background.reserve()
+                    place = self.background.reserve(tenant)
                 ticket = await self.orch.admission.admit(
-                    self.orch.encodes_remotely(len(call.parts) if spec.encode else 0), tenant)
+                    self.orch.encodes_remotely(len(call.parts) if spec.encode else 0), tenant,
+                    items=len(call.modalities))  # as counted against --max-images: its images_per_minute
             except AdmissionRefused as e:
                 raise ApiError(e.status, e.message, "rate_limit_error" if e.status == 429 else "server_error",
                                retry_after=str(e.retry_after_s)) from None
@@ -333,4 +336,6 @@ def body_refused(e: BodyRefused) -> ApiError:
     """The intake's refusal (body too large, too slow, no room to read it now) as the core's."""
     if e.status == 503:
         return ApiError(503, e.message, "server_error", retry_after="1")
+    if e.status == 429:  # a tenant over its share of the body budget
+        return ApiError(429, e.message, "rate_limit_error", retry_after="1")
     return ApiError(e.status, e.message)

@@ -42,7 +42,7 @@ from epd.lm.v1 import lm_pb2, lm_pb2_grpc
 from peerauth import SecurityConfig
 from services.common.errors import FAULT_ENDPOINT_KEY, FAULT_KEY
 from services.common.protocol import encoder_protocol_problem
-from services.gateway.admission import Admission, Ticket
+from services.gateway.admission import NO_QUOTA, Admission, Ticket
 from services.gateway.config import GatewayConfig
 from services.gateway.instances import Instance, InstancePool
 from services.gateway.routing import LeastOutstanding, pick_decode, pick_encoder
@@ -175,7 +175,8 @@ def _decode_request(req: lm_pb2.GenerateRequest, params: bytes) -> lm_pb2.Genera
 class Orchestrator:
     """Owns the instance pools (their health loops start in ``start``) and runs requests."""
 
-    def __init__(self, cfg: GatewayConfig, security: SecurityConfig | None = None) -> None:
+    def __init__(self, cfg: GatewayConfig, security: SecurityConfig | None = None, quota=None) -> None:
+        """``quota``: a tenant's quotas (``Tenants.quota``), for admission; None: no tenant has any."""
         self.cfg = cfg
         pool = dict(health_interval_s=cfg.health_interval_s, dns_refresh_s=cfg.dns_refresh_s,
                     security=security or SecurityConfig())
@@ -191,7 +192,8 @@ class Orchestrator:
         self.admission = Admission(
             cfg.lm_max_outstanding, cfg.encoder_max_outstanding if self.encoders is not None else 0,
             cfg.admission_queue, cfg.admission_wait_s, healthy_lms=self.generating_lms,
-            healthy_encoders=lambda: len(self.encoders.healthy(set())) if self.encoders is not None else 0)
+            healthy_encoders=lambda: len(self.encoders.healthy(set())) if self.encoders is not None else 0,
+            quota=quota or (lambda tenant: NO_QUOTA))
 
     def generating_lms(self) -> int:
         """Healthy LMs that hold a request while it generates, for admission: "both" and decode LMs. A

@@ -67,7 +67,7 @@ async def serve(cfg: GatewayConfig, stop: asyncio.Event | None = None, security:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGHUP, tenants.reload)
-    orch = Orchestrator(cfg, security)
+    orch = Orchestrator(cfg, security, quota=tenants.quota)  # quotas read at every decision: SIGHUP swaps them
     fetcher = MediaFetcher(cfg)  # http(s) image URLs; closed below, after the listeners stop
     runner = grpc_server = core = None
     try:  # everything set up so far is torn down on the way out, also after a failed start
@@ -75,11 +75,11 @@ async def serve(cfg: GatewayConfig, stop: asyncio.Event | None = None, security:
         # an LM is admitted (its model learned) /health and every request answer 503.
         await orch.start()
         # Every body is read under the intake limits (size, readers, memory, deadline) before admission.
-        intake = Intake(cfg)
+        intake = Intake(cfg, quota=tenants.quota)
         # Authentication first: a refused request is answered before anything else looks at it.
         app = web.Application(middlewares=[authenticate(tenants), request_context],
                               client_max_size=cfg.max_body_bytes)
-        core = RequestCore(cfg, orch, fetcher)  # one for both transports: they share what it remembers
+        core = RequestCore(cfg, orch, fetcher, quota=tenants.quota)  # one for both transports: they share what it remembers
         OpenAIRoutes(cfg, orch, fetcher=fetcher, intake=intake, core=core).add_to(app)
         app.router.add_get("/metrics", _metrics)
         # handler_cancellation: a client that disconnects cancels its handler, which

@@ -186,7 +186,7 @@ def test_requests_about_a_stored_response_are_pinned_to_its_lm():
 
         class admission:
             @staticmethod
-            async def admit(remote, tenant=None):
+            async def admit(remote, tenant=None, items=0):
                 class _T:
                     def release(self):
                         pass

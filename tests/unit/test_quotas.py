@@ -1,0 +1,274 @@
+"""Per-tenant quotas from the keys file, each where it is enforced (no servers): admission's
+``max_in_flight``, ``max_queue`` and ``images_per_minute`` (services.gateway.admission), background
+work's ``max_background`` (services.gateway.background), the body budget's fair share and ``body_mib``,
+and the gRPC readers' per-connection cap (services.gateway.intake). Over a quota is 429 with a
+Retry-After, never 503; the other tenants keep their room."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from services.gateway.admission import Admission, AdmissionRefused, ItemRate
+from services.gateway.background import BackgroundWork
+from services.gateway.config import GatewayConfig
+from services.gateway.intake import GRPC_READERS, GRPC_READERS_PER_CONNECTION, BodyRefused, Intake
+from services.gateway.tenants import Tenant
+from tests.unit.test_admission import cancel_all, queued, settle
+
+pytestmark = pytest.mark.unit
+
+MIB = 1 << 20
+
+
+def quotas(**by_tenant: Tenant):
+    """A ``Tenants.quota`` stand-in: the given tenants' quotas, no limits for any other."""
+    return lambda name: by_tenant.get(name) or Tenant(name)
+
+
+def admission(lm_slots: int = 8, queue: int = 4, clock=None, **by_tenant: Tenant) -> Admission:
+    extra = {} if clock is None else {"clock": clock}
+    return Admission(lm_slots, 0, queue, 30.0, healthy_lms=lambda: 1, healthy_encoders=lambda: 0,
+                     quota=quotas(**by_tenant), **extra)
+
+
+async def refused(adm: Admission, tenant: str, items: int = 0) -> AdmissionRefused:
+    with pytest.raises(AdmissionRefused) as e:
+        await asyncio.wait_for(adm.admit(False, tenant, items=items), 1)
+    return e.value
+
+
+# --- admission ----------------------------------------------------------------------------------------------------
+
+
+def test_a_tenant_at_its_max_in_flight_is_refused_429_at_once_while_another_tenant_is_admitted():
+    async def main():
+        adm = admission(a=Tenant("a", max_in_flight=2))
+        held = [await adm.admit(False, "a") for _ in range(2)]
+        e = await refused(adm, "a")  # room is there (8 slots), the tenant's quota is not
+        assert e.status == 429 and e.retry_after_s >= 1 and "tenant a" in e.message and "max_in_flight" in e.message
+        other = [await asyncio.wait_for(adm.admit(False, "b"), 1) for _ in range(3)]
+        held[0].release()
+        again = await asyncio.wait_for(adm.admit(False, "a"), 1)  # one of its own ended: room again
+        for t in [held[1], again, *other]:
+            t.release()
+        assert adm.in_flight == 0
+
+    asyncio.run(main())
+
+
+def test_a_waiter_of_a_tenant_that_reached_its_max_in_flight_is_passed_over_until_one_of_its_own_ends():
+    async def main():
+        adm = admission(lm_slots=6, a=Tenant("a", max_in_flight=2))
+        a1 = await adm.admit(False, "a")
+        b = [await adm.admit(False, "b") for _ in range(5)]  # full
+        aw1, aw2 = await queued(adm, tenant="a"), await queued(adm, tenant="a")  # a has 1 of its 2: it may queue
+        bw = await queued(adm, tenant="b")
+        b[0].release()
+        await settle()
+        assert aw1.done() and adm.held_by("a") == 2  # a had fewer in flight: its turn
+        b[1].release()
+        await settle()
+        # a has fewer in flight than b still, but it is at its quota: the room goes to b's waiter.
+        assert bw.done() and not aw2.done() and adm.held_by("a") == 2
+        a1.release()  # one of a's own ends: its waiter's turn
+        await settle()
+        assert aw2.done() and adm.held_by("a") == 2
+        for t in [*b[2:], await aw1, await aw2, await bw]:
+            t.release()
+        assert adm.in_flight == 0 and adm.waiting == 0
+
+    asyncio.run(main())
+
+
+def test_max_queue_sets_a_tenants_queue_length_in_place_of_admission_queue():
+    async def main():
+        adm = admission(lm_slots=1, queue=1, a=Tenant("a", max_queue=3), b=Tenant("b", max_queue=0))
+        held = await adm.admit(False, "c")
+        a_waiting = [await queued(adm, tenant="a") for _ in range(3)]  # three, past --admission-queue's one
+        e = await refused(adm, "a")
+        assert e.status == 429 and "max_queue" in e.message
+        e = await refused(adm, "b")  # a queue of none
+        assert e.status == 429 and "tenant b" in e.message
+        c_waiting = await queued(adm, tenant="c")  # a tenant without the quota: --admission-queue
+        e = await refused(adm, "c")
+        assert e.status == 429 and "--admission-queue" in e.message
+        await cancel_all(*a_waiting, c_waiting)
+        held.release()
+        assert adm.in_flight == 0 and adm.waiting == 0
+
+    asyncio.run(main())
+
+
+def test_images_per_minute_admits_a_minutes_worth_of_items_then_429_until_the_bucket_refills():
+    now = [1000.0]
+    rate = ItemRate(clock=lambda: now[0])
+    assert rate.take("a", 4, 6) == 0.0
+    assert rate.take("a", 3, 6) == pytest.approx(10.0)  # 2 left: one more item in 10 s (6 a minute)
+    assert rate.take("b", 6, 6) == 0.0  # each tenant its own bucket
+    now[0] += 10.0
+    assert rate.take("a", 3, 6) == 0.0
+    assert rate.take("a", 7, 6) == math.inf  # more than a minute's worth: never
+    now[0] += 3600.0
+    assert rate.take("a", 6, 6) == 0.0  # refilled to a minute's worth, not more
+
+    async def main():
+        adm = admission(clock=lambda: now[0], a=Tenant("a", images_per_minute=4))
+        tickets = [await adm.admit(False, "a", items=2) for _ in range(2)]
+        e = await refused(adm, "a", items=1)
+        assert e.status == 429 and "images_per_minute" in e.message and e.retry_after_s == 15
+        tickets.append(await adm.admit(False, "a"))  # a request without media is not counted
+        tickets.append(await adm.admit(False, "b", items=50))  # nor is a tenant without the quota limited
+        e = await refused(adm, "a", items=5)
+        assert e.status == 429 and e.retry_after_s == 60
+        now[0] += 15.0
+        tickets.append(await adm.admit(False, "a", items=1))
+        for t in tickets:
+            t.release()
+
+    asyncio.run(main())
+
+
+def test_items_of_a_request_that_is_not_admitted_are_given_back():
+    async def main():
+        now = [0.0]
+        adm = admission(lm_slots=1, queue=0, clock=lambda: now[0], a=Tenant("a", images_per_minute=3))
+        held = await adm.admit(False, "b")
+        e = await refused(adm, "a", items=3)  # the queue is full: not admitted, its items stay
+        assert "--admission-queue" in e.message
+        held.release()
+        (await adm.admit(False, "a", items=3)).release()
+
+    asyncio.run(main())
+
+
+# --- background work ---------------------------------------------------------------------------------------------
+
+
+def test_max_background_limits_a_tenants_background_responses_and_not_another_tenants():
+    lm = SimpleNamespace(track=contextlib.nullcontext)
+    work = BackgroundWork(lambda: SimpleNamespace(instances={"lm:1": lm}), per_lm=0, timeout_s=60.0, generating_lms=lambda: 1,
+                          quota=quotas(a=Tenant("a", max_background=1), z=Tenant("z", max_background=0)))
+
+    async def main():
+        adm = admission()
+        work._until_ended = lambda *a: asyncio.Event().wait()  # the LM keeps working until cancelled
+        ticket = await adm.admit(False, "a")
+        place = work.reserve("a")
+        with pytest.raises(AdmissionRefused) as e:  # reserved, not yet held: counted already
+            work.reserve("a")
+        assert e.value.status == 429 and e.value.retry_after_s >= 1 and "max_background" in e.value.message
+        work.hold("resp_1", "lm:1", ticket)  # its LM accepted it (Admitted.close): the watcher holds it
+        place.release()
+        await settle()
+        assert work.held_by("a") == 1
+        with pytest.raises(AdmissionRefused):
+            work.reserve("a")
+        work.reserve("b").release()  # another tenant has room
+        with pytest.raises(AdmissionRefused):
+            work.reserve("z")  # none at all
+        await work.close()
+        assert work.held_by("a") == 0 and adm.in_flight == 0
+        work.reserve("a").release()
+
+    asyncio.run(main())
+
+
+# --- the body budget ---------------------------------------------------------------------------------------------
+
+
+def intake(**by_tenant: Tenant) -> Intake:
+    # A 64 MiB budget; the largest body 8 * 2 MiB (images 0.5 MiB, audio and video 1 MiB).
+    cfg = GatewayConfig(lms="lm:1", max_image_bytes=512 << 10, max_audio_bytes=1 << 20, max_video_bytes=1 << 20,
+                        body_memory_mib=64)
+    return Intake(cfg, quota=quotas(**by_tenant))
+
+
+def test_one_tenant_may_fill_the_whole_body_budget_as_before():
+    async def main():
+        it = intake()
+        leases = [it.lease() for _ in range(4)]
+        for lease in leases:
+            await lease.grow(16 * MIB)
+        one_more = it.lease()
+        with pytest.raises(BodyRefused) as e:  # the budget is full: the deployment's 503, not a share's 429
+            await one_more.grow(MIB)
+        assert e.value.status == 503
+        for lease in [*leases, one_more]:
+            lease.release()
+        assert it.budget.used == 0 and not it.shares.held and not it.shares.leases
+
+    asyncio.run(main())
+
+
+def test_a_flooding_tenant_holds_at_most_its_share_while_another_is_active_and_the_other_still_gets_in():
+    async def main():
+        it = intake()
+        b = it.lease("b")
+        await b.grow(MIB)  # b is active: a's share is half the budget
+        flood = [it.lease("a") for _ in range(8)]
+        refusals = 0
+        for lease in flood:
+            try:
+                await lease.grow(8 * MIB)
+            except BodyRefused as e:
+                assert e.status == 429 and "tenant a" in e.message and "2 tenants" in e.message
+                refusals += 1
+        assert refusals == 4 and it.shares.held["a"] == 32 * MIB
+        more_b = [it.lease("b") for _ in range(3)]  # b's bodies still fit
+        for lease in more_b:
+            await lease.grow(8 * MIB)
+        for lease in [b, *flood, *more_b]:
+            lease.release()
+        assert it.budget.used == 0 and not it.shares.held and not it.shares.leases
+
+    asyncio.run(main())
+
+
+def test_a_tenants_body_mib_caps_what_it_holds_but_its_first_body_always_fits():
+    async def main():
+        it = intake(a=Tenant("a", body_mib=4))
+        first = it.lease("a")
+        await first.grow(20 * MIB)  # its only body: past its quota, still taken (it must make progress)
+        second = it.lease("a")
+        with pytest.raises(BodyRefused) as e:
+            await second.grow(MIB)
+        assert e.value.status == 429 and "body_mib" in e.value.message
+        first.release()
+        await second.grow(3 * MIB)
+        second.hold(8 * MIB)  # an answer's bytes are counted, never refused
+        assert it.shares.held["a"] == 11 * MIB
+        second.release()
+        assert it.budget.used == 0
+
+    asyncio.run(main())
+
+
+# --- the gRPC readers --------------------------------------------------------------------------------------------
+
+
+def test_one_connection_takes_at_most_its_share_of_the_grpc_readers_whatever_its_tenant():
+    assert GRPC_READERS_PER_CONNECTION < GRPC_READERS
+
+    async def main():
+        it = intake()
+        mine = [await it.reserve_message(peer="ipv4:10.0.0.1:5000") for _ in range(GRPC_READERS_PER_CONNECTION)]
+        with pytest.raises(BodyRefused) as e:
+            await it.reserve_message(peer="ipv4:10.0.0.1:5000")
+        assert e.value.status == 429 and "connection" in e.value.message
+        other = await it.reserve_message(peer="ipv4:10.0.0.1:5001")  # another connection still gets one
+        for lease in [*mine, other]:
+            lease.release()
+        for _ in mine:
+            it.done_grpc_reading(peer="ipv4:10.0.0.1:5000")
+        it.done_grpc_reading(peer="ipv4:10.0.0.1:5001")
+        again = await it.reserve_message(peer="ipv4:10.0.0.1:5000")  # given back: room again
+        again.release()
+        it.done_grpc_reading(peer="ipv4:10.0.0.1:5000")
+        assert it.grpc_reading == 0 and it.budget.used == 0
+
+    asyncio.run(main())
