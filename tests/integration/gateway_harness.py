@@ -68,6 +68,12 @@ class Gateway:
             await self.http.close()
         await asyncio.wait_for(self.task, 10)
 
+    def connection(self) -> grpc.aio.Channel:
+        """A gRPC channel to the gateway on a connection of its own, as another client's would be (channels to
+        one target share a connection unless told not to); the caller closes it."""
+        return grpc.aio.insecure_channel(f"127.0.0.1:{self.cfg.grpc_port}",
+                                         options=[("grpc.use_local_subchannel_pool", 1)])
+
     async def get(self, path: str) -> tuple[int, dict]:
         try:
             async with self.http.get(self.url + path) as r:

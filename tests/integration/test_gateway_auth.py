@@ -64,9 +64,11 @@ async def rest(gw: Gateway, method: str, path: str, key: str | None = None, sche
         return r.status, await r.read()
 
 
-async def grpc_chat(gw: Gateway, key: str | None = None, scheme: str = "Bearer") -> grpc.StatusCode:
+async def grpc_chat(gw: Gateway, key: str | None = None, scheme: str = "Bearer",
+                    channel: grpc.aio.Channel | None = None) -> grpc.StatusCode:
+    """A streaming chat on ``channel`` (default: the gateway harness's)."""
     metadata = None if key is None else (("authorization", f"{scheme} {key}"),)
-    stub = gateway_pb2_grpc.GatewayServiceStub(gw.channel)
+    stub = gateway_pb2_grpc.GatewayServiceStub(channel or gw.channel)
     try:
         messages = [m async for m in stub.ChatCompletion(
             gateway_pb2.OpenAIRequest(body=json.dumps(chat(stream=True)).encode()), metadata=metadata, timeout=10)]
@@ -302,7 +304,8 @@ def test_a_tenant_whose_grpc_messages_never_come_holds_only_its_share_of_the_rea
                 one_more = gw.channel.stream_stream(method)(metadata=auth_a)
                 await one_more.read()
             assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "tenant a" in e.value.details()
-            assert await grpc_chat(gw, KEY_B) == grpc.StatusCode.OK  # b still has room
+            async with gw.connection() as b_channel:  # b, another client: its own connection
+                assert await grpc_chat(gw, KEY_B, channel=b_channel) == grpc.StatusCode.OK  # b still has room
             for call in stalled:
                 call.cancel()
 
