@@ -49,8 +49,8 @@ ADMITTED = Gauge("epd_gateway_admission_in_flight", "Admitted requests in flight
 
 
 class AdmissionRefused(Exception):
-    """The request was not admitted: ``status`` 429 (the queue is full) or 503 (it waited
-    ``admission_wait_s`` in vain); ``retry_after_s`` goes into ``Retry-After``."""
+    """The request was not admitted: ``status`` 429 (its tenant's queue is full, or the tenant is over a
+    quota) or 503 (it waited ``admission_wait_s`` in vain); ``retry_after_s`` goes into ``Retry-After``."""
 
     def __init__(self, status: int, message: str, retry_after_s: int) -> None:
         super().__init__(message)

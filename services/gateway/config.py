@@ -134,8 +134,10 @@ class GatewayConfig:
     the gRPC API without that metadata (UNAUTHENTICATED). These keys are the tenant "default"."""
     api_keys_file: str = ""
     """Tenants and their API keys, one JSON object per line: {"tenant": "name", "key": "..."} (a tenant may
-    have several keys, one per line; blank lines and lines starting with # are skipped); checked as --api-key,
-    beside its keys, and read again on SIGHUP (a file that does not load leaves the keys as they were)."""
+    have several keys, one per line; blank lines and lines starting with # are skipped), and optionally its
+    quotas (max_in_flight, max_queue, body_mib, images_per_minute, max_background: 429 past one); checked as
+    --api-key, beside its keys, and read again on SIGHUP (a file that does not load leaves the keys and
+    quotas as they were)."""
     fetch_allow_networks: str = ""
     """Comma-separated CIDRs that image URLs may resolve to even though they are loopback, private,
     link-local or otherwise non-public (refused by default: SSRF guard), e.g. 10.1.0.0/16."""
