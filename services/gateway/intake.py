@@ -32,8 +32,8 @@ REST reads the body itself (aiohttp pauses the socket while a handler is not rea
 unread body holds at most its buffer). The native gRPC API's calls go through ``GrpcIntake``, a
 server interceptor: it gives each GatewayService call a handler that takes one of
 ``GRPC_READERS`` read slots (waiting ``WAIT_S`` for one; at most ``GRPC_READERS_PER_TENANT`` for
-one named tenant and ``GRPC_READERS_PER_CONNECTION`` for one connection, ``context.peer()``, else
-429 RESOURCE_EXHAUSTED at once) and twice the largest body from the budget *before* grpc reads the
+one named tenant, past it 429 RESOURCE_EXHAUSTED at once, and ``GRPC_READERS_PER_CONNECTION`` for
+one connection, ``context.peer()``, past it a wait of ``WAIT_S`` for one of its own, then 429) and twice the largest body from the budget *before* grpc reads the
 request message (a request-streaming handler; grpc buffers only its flow-control window until the
 handler reads), reads it under the deadline, and then keeps what the message needs. What a gRPC
 call's message cannot do, unlike a REST body, is show its progress: a call that never sends its
@@ -227,7 +227,8 @@ class Intake:
         self.grpc_reading = 0
         self._grpc_slots = asyncio.Semaphore(GRPC_READERS)
         self._grpc_by_tenant: collections.Counter[str] = collections.Counter()
-        self._grpc_by_peer: collections.Counter[str] = collections.Counter()
+        self._peer_slots: dict[str, asyncio.Semaphore] = {}  # per connection with calls reading or waiting to
+        self._peer_calls: collections.Counter[str] = collections.Counter()  # those calls, per connection
         self.min_rate = cfg.body_min_rate_kib * 1024
 
     def start_reading(self) -> None:
@@ -298,28 +299,54 @@ class Intake:
     async def reserve_message(self, tenant: str = ANONYMOUS, peer: str = "") -> BodyLease:
         """A gRPC call's lease for its one request message, before grpc reads it: a read slot and
         twice the largest body (the message as grpc holds it, and its deserialized copy); a named
-        ``tenant`` gets at most ``GRPC_READERS_PER_TENANT`` slots at once, and one connection
-        (``peer``: its ``context.peer()``) ``GRPC_READERS_PER_CONNECTION`` (429 past either). Raises
-        BodyRefused (nothing held then); ``done_grpc_reading(tenant, peer)`` gives the slot back."""
+        ``tenant`` gets at most ``GRPC_READERS_PER_TENANT`` slots at once (429 past it), and one
+        connection (``peer``: its ``context.peer()``) ``GRPC_READERS_PER_CONNECTION``: one more of its
+        calls waits up to ``WAIT_S`` for one of them (a burst of small messages multiplexed on one
+        connection is read in turn), then 429. Raises BodyRefused (nothing held then);
+        ``done_grpc_reading(tenant, peer)`` gives the slot back."""
         if tenant != ANONYMOUS and self._grpc_by_tenant[tenant] >= GRPC_READERS_PER_TENANT:
             raise BodyRefused(429, f"tenant {tenant} is sending {self._grpc_by_tenant[tenant]} gRPC request messages "
                                    "at once, its share; retry later", "tenant")
-        if self._grpc_by_peer[peer] >= GRPC_READERS_PER_CONNECTION:
-            raise BodyRefused(429, f"this connection is sending {self._grpc_by_peer[peer]} gRPC request messages at "
-                                   "once, its share; retry later", "connection")
         self._grpc_by_tenant[tenant] += 1
-        self._grpc_by_peer[peer] += 1
+        try:
+            await self._connection_slot(peer)
+        except BaseException:
+            self._release_tenant(tenant)
+            raise
         try:
             return await self._reserve_message(tenant)
         except BaseException:
             self._release_reader(tenant, peer)
             raise
 
+    async def _connection_slot(self, peer: str) -> None:
+        """One of ``peer``'s ``GRPC_READERS_PER_CONNECTION`` read slots, waiting ``WAIT_S`` for it (a call
+        waiting for one holds none of the ``GRPC_READERS``). Raises BodyRefused (429), nothing held then."""
+        slots = self._peer_slots.setdefault(peer, asyncio.Semaphore(GRPC_READERS_PER_CONNECTION))
+        self._peer_calls[peer] += 1
+        try:
+            await asyncio.wait_for(slots.acquire(), WAIT_S)
+        except BaseException as e:
+            self._leave_connection(peer)
+            if isinstance(e, asyncio.TimeoutError):
+                raise BodyRefused(429, f"this connection is sending {GRPC_READERS_PER_CONNECTION} gRPC request "
+                                       "messages at once, its share; retry later", "connection") from None
+            raise
+
+    def _leave_connection(self, peer: str) -> None:
+        self._peer_calls[peer] -= 1
+        if self._peer_calls[peer] <= 0:
+            del self._peer_calls[peer], self._peer_slots[peer]  # bounded by the connections calling now
+
+    def _release_tenant(self, tenant: str) -> None:
+        self._grpc_by_tenant[tenant] -= 1
+        if self._grpc_by_tenant[tenant] <= 0:
+            del self._grpc_by_tenant[tenant]
+
     def _release_reader(self, tenant: str, peer: str) -> None:
-        for counter, key in ((self._grpc_by_tenant, tenant), (self._grpc_by_peer, peer)):
-            counter[key] -= 1
-            if counter[key] <= 0:
-                del counter[key]
+        self._release_tenant(tenant)
+        self._peer_slots[peer].release()
+        self._leave_connection(peer)
 
     async def _reserve_message(self, tenant: str) -> BodyLease:
         try:

@@ -64,7 +64,8 @@ def test_a_tenant_over_its_max_in_flight_gets_429_with_retry_after_on_rest_and_g
 
 def test_one_connection_holds_at_most_its_share_of_the_grpc_readers_and_another_connection_is_read():
     """Without keys (one tenant): calls whose message never comes, all on one connection, take at most
-    ``GRPC_READERS_PER_CONNECTION`` readers; the next is refused at once, and another connection is served."""
+    ``GRPC_READERS_PER_CONNECTION`` readers; the next waits for one of them and is refused, and another
+    connection is served."""
 
     async def body():
         async with keyed_gateway(body_timeout_s=20.0) as (gw, lm):

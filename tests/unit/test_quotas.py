@@ -253,22 +253,28 @@ def test_a_tenants_body_mib_caps_what_it_holds_but_its_first_body_always_fits():
 
 def test_one_connection_takes_at_most_its_share_of_the_grpc_readers_whatever_its_tenant():
     assert GRPC_READERS_PER_CONNECTION < GRPC_READERS
+    conn, other_conn = "ipv4:10.0.0.1:5000", "ipv4:10.0.0.1:5001"
 
     async def main():
         it = intake()
-        mine = [await it.reserve_message(peer="ipv4:10.0.0.1:5000") for _ in range(GRPC_READERS_PER_CONNECTION)]
-        with pytest.raises(BodyRefused) as e:
-            await it.reserve_message(peer="ipv4:10.0.0.1:5000")
+        mine = [await it.reserve_message(peer=conn) for _ in range(GRPC_READERS_PER_CONNECTION)]
+        with pytest.raises(BodyRefused) as e:  # one more waits for one of its connection's own, in vain
+            await it.reserve_message(peer=conn)
         assert e.value.status == 429 and "connection" in e.value.message
-        other = await it.reserve_message(peer="ipv4:10.0.0.1:5001")  # another connection still gets one
+        other = await it.reserve_message(peer=other_conn)  # another connection still gets one
+        assert it.grpc_reading == GRPC_READERS_PER_CONNECTION + 1
+        # A call that waits for its connection's slot gets it when one of the connection's reads ends.
+        waiting = asyncio.create_task(it.reserve_message(peer=conn))
+        await settle()
+        assert not waiting.done() and it.grpc_reading == GRPC_READERS_PER_CONNECTION + 1  # it holds no reader
+        mine[0].release()
+        it.done_grpc_reading(peer=conn)
+        mine[0] = await asyncio.wait_for(waiting, 5)
         for lease in [*mine, other]:
             lease.release()
         for _ in mine:
-            it.done_grpc_reading(peer="ipv4:10.0.0.1:5000")
-        it.done_grpc_reading(peer="ipv4:10.0.0.1:5001")
-        again = await it.reserve_message(peer="ipv4:10.0.0.1:5000")  # given back: room again
-        again.release()
-        it.done_grpc_reading(peer="ipv4:10.0.0.1:5000")
-        assert it.grpc_reading == 0 and it.budget.used == 0
+            it.done_grpc_reading(peer=conn)
+        it.done_grpc_reading(peer=other_conn)
+        assert it.grpc_reading == 0 and it.budget.used == 0 and not it._peer_slots
 
     asyncio.run(main())
