@@ -32,8 +32,8 @@ REST reads the body itself (aiohttp pauses the socket while a handler is not rea
 unread body holds at most its buffer). The native gRPC API's calls go through ``GrpcIntake``, a
 server interceptor: it gives each GatewayService call a handler that takes one of
 ``GRPC_READERS`` read slots (waiting ``WAIT_S`` for one; at most ``GRPC_READERS_PER_TENANT`` for
-one named tenant, past it 429 RESOURCE_EXHAUSTED at once, and ``GRPC_READERS_PER_CONNECTION`` for
-one connection, ``context.peer()``, past it a wait of ``WAIT_S`` for one of its own, then 429) and twice the largest body from the budget *before* grpc reads the
+one named tenant and ``GRPC_READERS_PER_CONNECTION`` for one connection, ``context.peer()``: past
+either a wait of ``WAIT_S`` for one of its own, then 429 RESOURCE_EXHAUSTED) and twice the largest body from the budget *before* grpc reads the
 request message (a request-streaming handler; grpc buffers only its flow-control window until the
 handler reads), reads it under the deadline, and then keeps what the message needs. What a gRPC
 call's message cannot do, unlike a REST body, is show its progress: a call that never sends its
@@ -226,7 +226,8 @@ class Intake:
         self.reading = 0
         self.grpc_reading = 0
         self._grpc_slots = asyncio.Semaphore(GRPC_READERS)
-        self._grpc_by_tenant: collections.Counter[str] = collections.Counter()
+        self._grpc_by_tenant: collections.Counter[str] = collections.Counter()  # calls reading or waiting to
+        self._tenant_slots: dict[str, asyncio.Semaphore] = {}  # per named tenant with such calls
         self._peer_slots: dict[str, asyncio.Semaphore] = {}  # per connection with calls reading or waiting to
         self._peer_calls: collections.Counter[str] = collections.Counter()  # those calls, per connection
         self.min_rate = cfg.body_min_rate_kib * 1024
@@ -299,15 +300,12 @@ class Intake:
     async def reserve_message(self, tenant: str = ANONYMOUS, peer: str = "") -> BodyLease:
         """A gRPC call's lease for its one request message, before grpc reads it: a read slot and
         twice the largest body (the message as grpc holds it, and its deserialized copy); a named
-        ``tenant`` gets at most ``GRPC_READERS_PER_TENANT`` slots at once (429 past it), and one
-        connection (``peer``: its ``context.peer()``) ``GRPC_READERS_PER_CONNECTION``: one more of its
+        ``tenant`` gets at most ``GRPC_READERS_PER_TENANT`` slots at once, and one
+        connection (``peer``: its ``context.peer()``) ``GRPC_READERS_PER_CONNECTION``: one more of either's
         calls waits up to ``WAIT_S`` for one of them (a burst of small messages multiplexed on one
         connection is read in turn), then 429. Raises BodyRefused (nothing held then);
         ``done_grpc_reading(tenant, peer)`` gives the slot back."""
-        if tenant != ANONYMOUS and self._grpc_by_tenant[tenant] >= GRPC_READERS_PER_TENANT:
-            raise BodyRefused(429, f"tenant {tenant} is sending {self._grpc_by_tenant[tenant]} gRPC request messages "
-                                   "at once, its share; retry later", "tenant")
-        self._grpc_by_tenant[tenant] += 1
+        await self._tenant_slot(tenant)
         try:
             await self._connection_slot(peer)
         except BaseException:
@@ -318,6 +316,29 @@ class Intake:
         except BaseException:
             self._release_reader(tenant, peer)
             raise
+
+    async def _tenant_slot(self, tenant: str) -> None:
+        """One of a named ``tenant``'s ``GRPC_READERS_PER_TENANT`` read slots, waiting ``WAIT_S`` for it (as a
+        connection's, so a tenant's burst of small calls is read in turn, not refused; a call waiting holds
+        none of the ``GRPC_READERS``). Raises BodyRefused (429), nothing held then."""
+        self._grpc_by_tenant[tenant] += 1
+        if tenant == ANONYMOUS:
+            return
+        slots = self._tenant_slots.setdefault(tenant, asyncio.Semaphore(GRPC_READERS_PER_TENANT))
+        try:
+            await asyncio.wait_for(slots.acquire(), WAIT_S)
+        except BaseException as e:
+            self._leave_tenant(tenant)
+            if isinstance(e, asyncio.TimeoutError):
+                raise BodyRefused(429, f"tenant {tenant} is sending {GRPC_READERS_PER_TENANT} gRPC request messages "
+                                       "at once, its share; retry later", "tenant") from None
+            raise
+
+    def _leave_tenant(self, tenant: str) -> None:
+        self._grpc_by_tenant[tenant] -= 1
+        if self._grpc_by_tenant[tenant] <= 0:
+            del self._grpc_by_tenant[tenant]
+            self._tenant_slots.pop(tenant, None)  # bounded by the tenants calling now
 
     async def _connection_slot(self, peer: str) -> None:
         """One of ``peer``'s ``GRPC_READERS_PER_CONNECTION`` read slots, waiting ``WAIT_S`` for it (a call
@@ -339,9 +360,9 @@ class Intake:
             del self._peer_calls[peer], self._peer_slots[peer]  # bounded by the connections calling now
 
     def _release_tenant(self, tenant: str) -> None:
-        self._grpc_by_tenant[tenant] -= 1
-        if self._grpc_by_tenant[tenant] <= 0:
-            del self._grpc_by_tenant[tenant]
+        if tenant != ANONYMOUS:
+            self._tenant_slots[tenant].release()
+        self._leave_tenant(tenant)
 
     def _release_reader(self, tenant: str, peer: str) -> None:
         self._release_tenant(tenant)

@@ -278,3 +278,32 @@ def test_one_connection_takes_at_most_its_share_of_the_grpc_readers_whatever_its
         assert it.grpc_reading == 0 and it.budget.used == 0 and not it._peer_slots
 
     asyncio.run(main())
+
+
+def test_a_tenants_call_past_its_share_of_the_grpc_readers_waits_for_one_of_its_own_then_429():
+    """A named tenant's burst of calls (each on its own connection) is read in turn, not refused at once: one
+    past its share waits up to WAIT_S for one of its own slots (found by bench/hostile.py: a legitimate
+    tenant's small calls were refused at 20 calls a second)."""
+    from services.gateway.intake import GRPC_READERS_PER_TENANT
+
+    async def main():
+        it = intake()
+        mine = [await it.reserve_message("a", peer=f"ipv4:10.0.0.2:{i}") for i in range(GRPC_READERS_PER_TENANT)]
+        with pytest.raises(BodyRefused) as e:
+            await it.reserve_message("a", peer="ipv4:10.0.0.2:99")
+        assert e.value.status == 429 and "tenant a" in e.value.message
+        waiting = asyncio.create_task(it.reserve_message("a", peer="ipv4:10.0.0.2:98"))
+        await settle()
+        assert not waiting.done() and it.grpc_reading == GRPC_READERS_PER_TENANT  # it holds no reader
+        b = await it.reserve_message("b", peer="ipv4:10.0.0.3:1")  # another tenant is not held up
+        mine[0].release()
+        it.done_grpc_reading("a", peer="ipv4:10.0.0.2:0")
+        third = await asyncio.wait_for(waiting, 5)
+        for lease, peer in [(mine[1], "ipv4:10.0.0.2:1"), (third, "ipv4:10.0.0.2:98")]:
+            lease.release()
+            it.done_grpc_reading("a", peer=peer)
+        b.release()
+        it.done_grpc_reading("b", peer="ipv4:10.0.0.3:1")
+        assert it.grpc_reading == 0 and it.budget.used == 0 and not it._tenant_slots and not it._grpc_by_tenant
+
+    asyncio.run(main())
