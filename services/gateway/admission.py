@@ -8,7 +8,8 @@ FIFO queue (at most ``--admission-queue`` requests per tenant, each at most
 ``--admission-wait-s``); a full queue is 429 (that tenant is over its share: the
 others' queues are untouched), a wait that runs out is 503 (the deployment as a
 whole is full), both with ``Retry-After``. Room that frees goes to the waiting
-tenant with the fewest requests in flight (ties: the one waiting longest), so one
+tenant with the fewest requests in flight per unit of its ``weight`` (keys file;
+1 by default; ties: the one waiting longest), so one
 tenant's flood fills its own queue and takes turns with the others, never their
 places. With one tenant (a gateway without keys) this is one FIFO queue.
 
@@ -67,6 +68,9 @@ class Quota(Protocol):
     max_queue: int | None
     images_per_minute: int | None
 
+    @property
+    def share(self) -> float: ...
+
 
 @dataclass(frozen=True)
 class NoQuota:
@@ -75,6 +79,7 @@ class NoQuota:
     max_in_flight: int | None = None
     max_queue: int | None = None
     images_per_minute: int | None = None
+    share: float = 1.0
 
 
 NO_QUOTA = NoQuota()
@@ -290,11 +295,13 @@ class Admission:
         self._wake()
 
     def _next(self) -> _Waiter | None:
-        """The head of the queue of the waiting tenant with the fewest requests in flight (ties: the tenant
-        admitted least recently, so tenants take turns; then the head that has waited longest). A tenant at
-        its ``max_in_flight`` is passed over: its waiters wait for one of its own requests to end."""
+        """The head of the queue of the waiting tenant with the fewest requests in flight per unit of its
+        ``weight`` (ties: the tenant admitted least recently, so tenants take turns; then the head that has
+        waited longest). A tenant at its ``max_in_flight`` is passed over: its waiters wait for one of its own
+        requests to end."""
         heads = (q[0] for t, q in self._waiting.items() if not self._capped(t))
-        return min(heads, key=lambda w: (self._held[w.tenant], self._served.get(w.tenant, -1), w.seq), default=None)
+        return min(heads, key=lambda w: (self._held[w.tenant] / self.quota(w.tenant).share,
+                                         self._served.get(w.tenant, -1), w.seq), default=None)
 
     def _wake(self) -> None:
         """Admits waiters while the next one (``_next``) fits; it is never passed over (a request that

@@ -135,7 +135,8 @@ class GatewayConfig:
     api_keys_file: str = ""
     """Tenants and their API keys, one JSON object per line: {"tenant": "name", "key": "..."} (a tenant may
     have several keys, one per line; blank lines and lines starting with # are skipped), and optionally its
-    quotas (max_in_flight, max_queue, body_mib, images_per_minute, max_background: 429 past one); checked as
+    quotas (max_in_flight, max_queue, body_mib, images_per_minute, max_background: 429 past one) and weight
+    (its fair share, default 1); checked as
     --api-key, beside its keys, and read again on SIGHUP (a file that does not load leaves the keys and
     quotas as they were)."""
     fetch_allow_networks: str = ""

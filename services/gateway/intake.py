@@ -18,9 +18,9 @@ how long one may take, on both public ports. Anyone who can reach the gateway ge
   cuts it off). Room that is not there within ``WAIT_S`` is a 503. The budget is not
   first-come-first-served: a small body never waits behind a large one.
 - The budget is shared fairly between tenants (``BodyShares``): a tenant may hold at most its
-  ``body_mib`` quota (keys file) if it has one, and otherwise the budget divided by the tenants
-  *active* now (holding some of it or waiting for room, itself counted): alone, all of it; beside
-  two others, a third. A tenant whose request would go past that is refused at once (429,
+  ``body_mib`` quota (keys file) if it has one, and otherwise its weight's part of the budget among
+  the tenants *active* now (holding some of it or waiting for room, itself counted; ``weight`` in
+  the keys file, 1 by default): alone, all of it; beside two others of the same weight, a third. A tenant whose request would go past that is refused at once (429,
   ``Retry-After: 1``: that tenant is over its share, the others get the room), except for its
   first body: a tenant holding no other body may always take one (up to the budget itself), so
   every tenant can make progress whatever its quota or the number of tenants. Nothing already held
@@ -123,8 +123,12 @@ class BodyShares:
         own = self._quota(tenant).body_bytes
         if own is not None:
             return own, "its body_mib quota"
-        n = self.active(tenant)
-        return self.capacity // n, f"its share of --body-memory-mib with {n} tenants active"
+        active = {tenant, *(+self.held), *(+self.waiting)}
+        if len(active) == 1:
+            return self.capacity, "the whole --body-memory-mib, alone"
+        weights = {t: self._quota(t).share for t in active}
+        part = weights[tenant] / sum(weights.values())
+        return int(self.capacity * part), f"its share of --body-memory-mib ({part:.0%}, {len(active)} tenants active)"
 
     def refusal(self, tenant: str, nbytes: int) -> BodyRefused | None:
         """Why ``tenant`` may not take ``nbytes`` more (None: it may). Its only lease may always grow, and

@@ -21,14 +21,16 @@ REST middleware and the gRPC interceptor (``services.gateway.auth``) ask it on t
   beyond the deployment's), read into ``Tenant``::
 
       {"tenant": "lab", "key": "sk-lab-1", "max_in_flight": 4, "max_queue": 2, "body_mib": 256,
-       "images_per_minute": 600, "max_background": 8}
+       "images_per_minute": 600, "max_background": 8, "weight": 2}
 
   ``max_in_flight``: its admitted requests in flight at once (``services.gateway.admission``);
   ``max_queue``: its admission queue's length (default ``--admission-queue``); ``body_mib``: the
   body budget it may hold at once (``services.gateway.intake``); ``images_per_minute``: media items
   (images, audio clips, videos, as counted against ``--max-images``) it may have admitted per
   minute, a token bucket that holds a minute's worth; ``max_background``: background Responses it
-  holds at once (``services.gateway.background``). A tenant over a quota is answered 429 with
+  holds at once (``services.gateway.background``); ``weight`` (default 1): its share beside other
+  tenants, of freed admission places and of the body budget (a tenant of weight 2 gets twice the
+  share of one of weight 1). A tenant over a quota is answered 429 with
   ``Retry-After``. Every line of one tenant carries the same quotas (the same fields, the same
   values), or the file is refused naming the line that differs. Any other field is refused, so that
   a file written for a later gateway is never half understood.
@@ -72,6 +74,7 @@ QUOTAS: dict[str, tuple[type, float]] = {
     "body_mib": (float, 0),  # more than this
     "images_per_minute": (int, 1),
     "max_background": (int, 0),
+    "weight": (float, 0),  # more than this
 }
 """A tenant's optional quotas in the keys file, ``Tenant``'s fields of the same names."""
 FILE_FIELDS = ("tenant", "key", *QUOTAS)
@@ -94,6 +97,15 @@ class Tenant:
     """Media items admitted per minute (a token bucket of this many, refilled at this rate)."""
     max_background: int | None = None
     """Background Responses requests held at once."""
+    weight: float | None = None
+    """Its share of admission and of the body budget beside other tenants (None: 1): freed places go to the
+    tenant with the fewest in flight per unit of weight, and a tenant's part of the budget is its weight's
+    part of the active tenants' weights."""
+
+    @property
+    def share(self) -> float:
+        """Its weight (1 when unset)."""
+        return 1.0 if self.weight is None else self.weight
 
     @property
     def body_bytes(self) -> int | None:

@@ -307,3 +307,46 @@ def test_a_tenants_call_past_its_share_of_the_grpc_readers_waits_for_one_of_its_
         assert it.grpc_reading == 0 and it.budget.used == 0 and not it._tenant_slots and not it._grpc_by_tenant
 
     asyncio.run(main())
+
+
+# --- weights ---------------------------------------------------------------------------------------------------
+
+
+def test_freed_places_go_to_waiting_tenants_by_their_weight():
+    """a (weight 3) and b (weight 1) both waiting: of four places that free, a gets three, b one."""
+    async def main():
+        adm = admission(lm_slots=4, queue=8, a=Tenant("a", weight=3), b=Tenant("b"))
+        full = [await adm.admit(False, "x") for _ in range(4)]
+        waiters = [await queued(adm, tenant=t) for t in "abababab"]
+        for ticket in full:
+            ticket.release()
+            await settle()
+        assert (adm.held_by("a"), adm.held_by("b")) == (3, 1)
+        await cancel_all(*[w for w in waiters if not w.done()])
+        for w in waiters:
+            if w.done() and not w.cancelled():
+                w.result().release()
+        assert adm.in_flight == 0
+
+    asyncio.run(main())
+
+
+def test_a_tenants_part_of_the_body_budget_is_its_weights_part():
+    async def main():
+        it = intake(a=Tenant("a", weight=3))
+        b = it.lease("b")
+        await b.grow(MIB)  # b (weight 1) is active: a may hold three quarters of the 64 MiB
+        flood = [it.lease("a") for _ in range(8)]
+        refusals = 0
+        for lease in flood:
+            try:
+                await lease.grow(8 * MIB)
+            except BodyRefused as e:
+                assert e.status == 429 and "75%" in e.message
+                refusals += 1
+        assert refusals == 2 and it.shares.held["a"] == 48 * MIB
+        for lease in [b, *flood]:
+            lease.release()
+        assert it.budget.used == 0 and not it.shares.held
+
+    asyncio.run(main())

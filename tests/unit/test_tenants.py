@@ -77,6 +77,8 @@ def test_a_keys_file_names_one_tenant_per_key_and_a_tenant_may_have_several(tmp_
     ({"tenant": "a", "key": SECRET, "max_queue": "2"}, '"max_queue" must be an integer'),
     ({"tenant": "a", "key": SECRET, "body_mib": 0}, '"body_mib" must be a number above 0'),
     ({"tenant": "a", "key": SECRET, "body_mib": "64"}, '"body_mib" must be a number'),
+    ({"tenant": "a", "key": SECRET, "weight": 0}, '"weight" must be a number above 0'),
+    ({"tenant": "a", "key": SECRET, "weight": True}, '"weight" must be a number above 0'),
     ({"tenant": "a", "key": SECRET, "images_per_minute": None}, '"images_per_minute" must be an integer'),
     ({"tenant": "a", "key": SECRET, "max_background": [1]}, '"max_background" must be an integer'),
     ({"tenant": "a b", "key": SECRET}, '"tenant" must match'),
@@ -99,11 +101,12 @@ def test_a_tenants_quotas_are_read_from_its_lines_and_unset_ones_mean_no_limit(t
                                 "images_per_minute": 30, "max_background": 0},
                      {"tenant": "a", "key": "ka2", "max_in_flight": 2, "max_queue": 0, "body_mib": 1.5,
                       "images_per_minute": 30, "max_background": 0},
-                     {"tenant": "b", "key": "kb", "body_mib": 64})
+                     {"tenant": "b", "key": "kb", "body_mib": 64, "weight": 2.5})
     tenants = Tenants(["kd"], path)
     a = Tenant("a", max_in_flight=2, max_queue=0, body_mib=1.5, images_per_minute=30, max_background=0)
     assert tenants.identify("Bearer ka2") == a and tenants.quota("a") == a and a.body_bytes == 3 << 19
-    assert tenants.quota("b") == Tenant("b", body_mib=64.0)
+    assert tenants.quota("b") == Tenant("b", body_mib=64.0, weight=2.5) and tenants.quota("b").share == 2.5
+    assert a.share == 1.0  # no weight: 1
     # A tenant without quotas, --api-key's, and a name the file does not know: no limits.
     for name in (DEFAULT, ANONYMOUS, "nobody"):
         assert tenants.quota(name) == Tenant(name)
