@@ -96,7 +96,8 @@ bench-gateway: install
 
 bench-hostile: install
 	$(PY) -m pip install -q "matplotlib>=3.8"
-	$(PY) bench/hostile.py --json bench/results/hostile-cpu-tenants.json --plot bench/results/hostile-cpu-tenants.png
+	$(PY) bench/hostile.py --attacker-quota '{"max_in_flight": 16, "max_background": 8, "body_mib": 512}' \
+		--json bench/results/hostile-cpu-tenants.json --plot bench/results/hostile-cpu-tenants.png
 
 clean:
 	rm -rf $(VENV) epd build *.egg-info .pytest_cache
