@@ -28,7 +28,7 @@ from services.gateway.tenants import Tenants
 
 logger = logging.getLogger(__name__)
 
-PUBLIC_STREAMS_PER_CONNECTION = 32
+PUBLIC_STREAMS_PER_CONNECTION = 100
 """Concurrent calls one connection may make on the native gRPC API (HTTP/2 streams)."""
 
 
