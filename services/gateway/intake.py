@@ -147,6 +147,40 @@ class BodyShares:
             del counter[tenant]
 
 
+class KeyedSlots:
+    """At most ``per_key`` slots held at once per key (a tenant, a connection): one more caller waits up to
+    ``WAIT_S`` for one of its own key's, then is refused (``refusal(key)``), holding nothing. A key's entry
+    lives while it has callers holding or waiting, so the table is bounded by the calls in flight."""
+
+    def __init__(self, per_key: int, refusal: Callable[[str], BodyRefused]) -> None:
+        self.per_key, self._refusal = per_key, refusal
+        self._slots: dict[str, asyncio.Semaphore] = {}
+        self._callers: collections.Counter[str] = collections.Counter()
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    async def acquire(self, key: str) -> None:
+        slots = self._slots.setdefault(key, asyncio.Semaphore(self.per_key))
+        self._callers[key] += 1
+        try:
+            await asyncio.wait_for(slots.acquire(), WAIT_S)
+        except BaseException as e:
+            self._leave(key)
+            if isinstance(e, asyncio.TimeoutError):
+                raise self._refusal(key) from None
+            raise
+
+    def release(self, key: str) -> None:
+        self._slots[key].release()
+        self._leave(key)
+
+    def _leave(self, key: str) -> None:
+        self._callers[key] -= 1
+        if self._callers[key] <= 0:
+            del self._callers[key], self._slots[key]
+
+
 class BodyLease:
     """A request's share of the body budget, charged to its tenant (``BodyShares``); ``release`` when its
     answer ends (idempotent)."""
@@ -230,10 +264,12 @@ class Intake:
         self.reading = 0
         self.grpc_reading = 0
         self._grpc_slots = asyncio.Semaphore(GRPC_READERS)
-        self._grpc_by_tenant: collections.Counter[str] = collections.Counter()  # calls reading or waiting to
-        self._tenant_slots: dict[str, asyncio.Semaphore] = {}  # per named tenant with such calls
-        self._peer_slots: dict[str, asyncio.Semaphore] = {}  # per connection with calls reading or waiting to
-        self._peer_calls: collections.Counter[str] = collections.Counter()  # those calls, per connection
+        self._tenant_slots = KeyedSlots(GRPC_READERS_PER_TENANT, lambda tenant: BodyRefused(
+            429, f"tenant {tenant} is sending {GRPC_READERS_PER_TENANT} gRPC request messages at once, its share; "
+                 "retry later", "tenant"))
+        self._peer_slots = KeyedSlots(GRPC_READERS_PER_CONNECTION, lambda peer: BodyRefused(
+            429, f"this connection is sending {GRPC_READERS_PER_CONNECTION} gRPC request messages at once, its "
+                 "share; retry later", "connection"))
         self.min_rate = cfg.body_min_rate_kib * 1024
 
     def start_reading(self) -> None:
@@ -311,7 +347,7 @@ class Intake:
         ``done_grpc_reading(tenant, peer)`` gives the slot back."""
         await self._tenant_slot(tenant)
         try:
-            await self._connection_slot(peer)
+            await self._peer_slots.acquire(peer)
         except BaseException:
             self._release_tenant(tenant)
             raise
@@ -322,56 +358,18 @@ class Intake:
             raise
 
     async def _tenant_slot(self, tenant: str) -> None:
-        """One of a named ``tenant``'s ``GRPC_READERS_PER_TENANT`` read slots, waiting ``WAIT_S`` for it (as a
-        connection's, so a tenant's burst of small calls is read in turn, not refused; a call waiting holds
-        none of the ``GRPC_READERS``). Raises BodyRefused (429), nothing held then."""
-        self._grpc_by_tenant[tenant] += 1
-        if tenant == ANONYMOUS:
-            return
-        slots = self._tenant_slots.setdefault(tenant, asyncio.Semaphore(GRPC_READERS_PER_TENANT))
-        try:
-            await asyncio.wait_for(slots.acquire(), WAIT_S)
-        except BaseException as e:
-            self._leave_tenant(tenant)
-            if isinstance(e, asyncio.TimeoutError):
-                raise BodyRefused(429, f"tenant {tenant} is sending {GRPC_READERS_PER_TENANT} gRPC request messages "
-                                       "at once, its share; retry later", "tenant") from None
-            raise
-
-    def _leave_tenant(self, tenant: str) -> None:
-        self._grpc_by_tenant[tenant] -= 1
-        if self._grpc_by_tenant[tenant] <= 0:
-            del self._grpc_by_tenant[tenant]
-            self._tenant_slots.pop(tenant, None)  # bounded by the tenants calling now
-
-    async def _connection_slot(self, peer: str) -> None:
-        """One of ``peer``'s ``GRPC_READERS_PER_CONNECTION`` read slots, waiting ``WAIT_S`` for it (a call
-        waiting for one holds none of the ``GRPC_READERS``). Raises BodyRefused (429), nothing held then."""
-        slots = self._peer_slots.setdefault(peer, asyncio.Semaphore(GRPC_READERS_PER_CONNECTION))
-        self._peer_calls[peer] += 1
-        try:
-            await asyncio.wait_for(slots.acquire(), WAIT_S)
-        except BaseException as e:
-            self._leave_connection(peer)
-            if isinstance(e, asyncio.TimeoutError):
-                raise BodyRefused(429, f"this connection is sending {GRPC_READERS_PER_CONNECTION} gRPC request "
-                                       "messages at once, its share; retry later", "connection") from None
-            raise
-
-    def _leave_connection(self, peer: str) -> None:
-        self._peer_calls[peer] -= 1
-        if self._peer_calls[peer] <= 0:
-            del self._peer_calls[peer], self._peer_slots[peer]  # bounded by the connections calling now
+        """One of a named ``tenant``'s ``GRPC_READERS_PER_TENANT`` read slots (``KeyedSlots``: a tenant's burst
+        of small calls is read in turn, not refused)."""
+        if tenant != ANONYMOUS:
+            await self._tenant_slots.acquire(tenant)
 
     def _release_tenant(self, tenant: str) -> None:
         if tenant != ANONYMOUS:
-            self._tenant_slots[tenant].release()
-        self._leave_tenant(tenant)
+            self._tenant_slots.release(tenant)
 
     def _release_reader(self, tenant: str, peer: str) -> None:
         self._release_tenant(tenant)
-        self._peer_slots[peer].release()
-        self._leave_connection(peer)
+        self._peer_slots.release(peer)
 
     async def _reserve_message(self, tenant: str) -> BodyLease:
         try:

