@@ -99,6 +99,15 @@ class Client:
         return total
 
 
+def logged_ready(svc: Service) -> bool:
+    """Whether the service has logged its "<role> ready: api ..." line (``encoder/server.py``, ``lm/server.py``)."""
+    try:
+        with open(svc.log_path, errors="replace") as f:
+            return any(" ready: api " in line for line in f)
+    except OSError:
+        return False
+
+
 @dataclass
 class Cluster:
     net: Network
@@ -186,9 +195,11 @@ class Cluster:
             svc.start(self.env())
         addr = {"enc1": self.encoder_addr(self.enc1), "enc2": self.encoder_addr(self.enc2),
                 "lm1": self.lm_addr(self.lm1), "lm2": self.lm_addr(self.lm2)}
-        # Health checks from the client host: readiness, and the bridge carries traffic.
-        wait_ready({svc: (lambda a=addr[n]: self.client.health(a)) for n, svc in engines.items()},
-                   t0 + timeout, poll_s=1.0)
+        # Health checks from the client host: readiness, and the bridge carries traffic. Each check is
+        # a process in the client host (interpreter, grpc, TLS), so none is made before the service has
+        # logged that it is ready: polling from the first second cost the starting engines a core.
+        wait_ready({svc: (lambda a=addr[n], s=svc: logged_ready(s) and self.client.health(a))
+                    for n, svc in engines.items()}, t0 + timeout, poll_s=1.0)
         gateways = [s for n, s in self.services.items() if n.startswith("gw-")]
         for svc in gateways:
             svc.start(self.env())

@@ -22,7 +22,7 @@ import pytest
 from peerauth import SecurityConfig
 from services.certs import make_certs, make_token
 from services.up import Service, split_cores, wait_ready
-from tests.multihost.cluster import ROOT, Client
+from tests.multihost.cluster import ROOT, Client, logged_ready
 from tests.multihost.conftest import REQUESTS
 
 pytestmark = [pytest.mark.multihost, pytest.mark.slow]
@@ -76,8 +76,8 @@ class PDHosts:
             svc.start(env)
         addr = {"encoder": f"{self.e.ip}:{ENC_PORT}", "prefill": f"{self.p.ip}:{LM_PORT}",
                 "decode": f"{self.d.ip}:{LM_PORT}"}
-        wait_ready({svc: (lambda a=addr[n]: self.client.health(a)) for n, svc in self.services.items()},
-                   deadline, poll_s=1.0)
+        wait_ready({svc: (lambda a=addr[n], s=svc: logged_ready(s) and self.client.health(a))
+                    for n, svc in self.services.items()}, deadline, poll_s=1.0)
         self.gateway.start(env)
         want = {"encoders": {addr["encoder"]: True}, "lms": {addr["prefill"]: True, addr["decode"]: True}}
         wait_ready({self.gateway: lambda: self._health_is(want)}, deadline, poll_s=0.5)
