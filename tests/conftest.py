@@ -5,6 +5,7 @@ import os
 import shutil
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -59,6 +60,26 @@ def tiny_model() -> str:
     from services.cli import default_model
 
     return default_model()
+
+
+@pytest.fixture(scope="session")
+def reference_run(tiny_model):
+    """Plain vLLM's answers to every request of ``tests/references.py``: one ``tools.reference``
+    subprocess, started the first time a test asks (the e2e session deployment asks first, so it runs
+    beside the deployments starting); a future of the token lists, in the table's order."""
+    from tests.references import REFERENCE_REQUESTS
+    from tools.reference import run_subprocess
+
+    with ThreadPoolExecutor(1) as pool:
+        yield pool.submit(run_subprocess, tiny_model, list(REFERENCE_REQUESTS.values()))
+
+
+@pytest.fixture(scope="session")
+def reference(reference_run) -> dict[str, list[int]]:
+    """``tests/references.py``'s names -> plain vLLM's greedy tokens (waits for the run)."""
+    from tests.references import REFERENCE_REQUESTS
+
+    return dict(zip(REFERENCE_REQUESTS, reference_run.result()))
 
 
 def pytest_sessionfinish(session, exitstatus):

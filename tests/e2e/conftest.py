@@ -1,5 +1,5 @@
 """One epd-serve deployment (encoder + LM + gateway as subprocesses) per test
-session, and plain-vLLM reference tokens computed once, in a subprocess.
+session (plain vLLM's reference tokens: ``tests/conftest.py``'s ``reference``).
 
 The session's deployment runs with mutual TLS and the auth token on every
 internal link (gateway -> encoder, gateway -> LM, LM -> encoder Transfer, the
@@ -10,31 +10,13 @@ perturbation hook (tests/e2e/perturb), switched off except inside test_perturbat
 from __future__ import annotations
 
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from services.up import Deployment
 from tests.conftest import MULTIPROCESS_ENGINES
-from tests.e2e.helpers import image_chat, perturb_chat, start_perturbable, text_chat
-from tools.reference import run_subprocess
-
-# Every request whose tokens a test compares with plain vLLM.
-REFERENCE_REQUESTS = {
-    "image0": image_chat(0),
-    "image1": image_chat(1, text="Describe it."),
-    "image2": image_chat(2, size=(200, 150)),
-    "fresh": image_chat(1000),  # used by one test only: its encode must be a cache miss
-    "fresh_shm": image_chat(1001, size=(200, 150)),  # likewise, for the transport test
-    "reuse": image_chat(1002),  # likewise, for the reuse test
-    "victim": image_chat(1003),  # likewise, for the trust-boundary test: never sent before its attack
-    "colocated": image_chat(1004),  # likewise, for the colocated gateway: its LM must encode it itself
-    **{f"perturb{i}": perturb_chat(9100 + i) for i in range(3)},  # the perturbation check's, never sent otherwise
-    "text": text_chat("Tell me a story about a cat."),
-    # The multi-instance tests (2 encoders, 2 LMs): larger images, so encodes are in flight long enough to kill.
-    **{f"multi{i}": image_chat(600 + i, max_tokens=16, size=(224, 224)) for i in range(8)},
-}
-
+from tests.e2e.helpers import start_perturbable
+from tests.references import REFERENCE_REQUESTS  # noqa: F401 - the e2e tests import it from here
 
 _stopping: list[threading.Thread] = []
 
@@ -96,15 +78,7 @@ def _background_starts(request, tiny_model, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def _reference_run(tiny_model):
-    """Plain vLLM's answers to REFERENCE_REQUESTS, computed in a subprocess from the session's start,
-    beside the deployment starting."""
-    with ThreadPoolExecutor(1) as pool:
-        yield pool.submit(run_subprocess, tiny_model, list(REFERENCE_REQUESTS.values()))
-
-
-@pytest.fixture(scope="session")
-def deployment(tiny_model, _reference_run):
+def deployment(tiny_model, reference_run):
     # vLLM's front-end flags for tool calls, as tests/e2e/test_openai_parity.py gives `vllm serve`.
     # vLLM's default engine processes (the worker in its own process), as production runs them: most
     # other deployments run one-process engines to save time (tests/conftest.py)
@@ -113,11 +87,6 @@ def deployment(tiny_model, _reference_run):
     start_perturbable(dep)  # the perturbation hook, off until test_perturbation turns it on
     yield dep
     dep.stop()
-
-
-@pytest.fixture(scope="session")
-def reference(_reference_run) -> dict[str, list[int]]:
-    return dict(zip(REFERENCE_REQUESTS, _reference_run.result()))
 
 
 @pytest.fixture

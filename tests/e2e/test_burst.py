@@ -1,8 +1,8 @@
 """A burst of image chats, distinct and repeated images, 16 at a time, with pools sized for about four
 items on each side: every request completes with plain vLLM's tokens, nothing is dropped, and at the end
-every pool reports 0 reserved bytes and 0 pending reservations. The default run sends 64 requests (four
-times the concurrency, every pool oversubscribed from the first wave on); the slow tier sends the 200 of
-the reliability goal (docs/design.md)."""
+every pool reports 0 reserved bytes and 0 pending reservations. The default run sends 32 requests (two
+waves of the concurrency, every pool oversubscribed four times from the first wave on); the slow tier
+sends the 200 of the reliability goal (docs/design.md)."""
 
 from __future__ import annotations
 
@@ -13,43 +13,35 @@ import pytest
 
 from services.up import Deployment
 from tests.e2e.conftest import stop_in_background
-from tests.e2e.helpers import image_chat, metric, post, producer_stats, settled
-from tools.reference import run_subprocess
+from tests.e2e.helpers import metric, post, producer_stats, settled
+from tests.references import BURST, BURST_DISTINCT, REFERENCE_REQUESTS
 
 pytestmark = pytest.mark.e2e
 
 ITEM_MIB = 16 * 128 * 2 / (1 << 20)  # one tiny-model image: 16 rows x 128 bf16
 POOL_MIB = str(4.5 * ITEM_MIB)       # about four items (plus the shm probe slot)
-DISTINCT = 12
 
 
-
-@pytest.mark.parametrize("n", [64, pytest.param(200, marks=pytest.mark.slow)])
-def test_a_burst_with_pools_for_4_items_completes_exactly_and_drains(tiny_model, n):
-    bodies = [image_chat(3000 + i % DISTINCT, text=f"Question {i % 5}?", max_tokens=6) for i in range(n)]
-    unique = {}
-    for b in bodies:
-        unique.setdefault(b["messages"][0]["content"][0]["image_url"]["url"] + b["messages"][0]["content"][1]["text"], b)
-    keys = list(unique)
-    with ThreadPoolExecutor(1) as ref_pool:  # plain vLLM's answers, computed while the deployment starts
-        ref = ref_pool.submit(run_subprocess, tiny_model, [unique[k] for k in keys])
-        dep = Deployment(model=tiny_model, quiet=True, encoder_args=["--outbound-pool-mib", POOL_MIB],
-                         lm_args=["--staging-mib", POOL_MIB])
-        dep.start()
-        try:
-            reference = dict(zip(keys, ref.result()))
-        except BaseException:
-            dep.stop()
-            raise
+@pytest.mark.parametrize("n", [32, pytest.param(200, marks=pytest.mark.slow)])
+def test_a_burst_with_pools_for_4_items_completes_exactly_and_drains(tiny_model, reference_run, n):
+    names = [f"burst{i % BURST_DISTINCT}" for i in range(n)]
+    bodies = [BURST[name] for name in names]
+    dep = Deployment(model=tiny_model, quiet=True, encoder_args=["--outbound-pool-mib", POOL_MIB],
+                     lm_args=["--staging-mib", POOL_MIB])
+    dep.start()
+    try:  # plain vLLM's answers (the session's run, tests/references.py), computed while it started
+        reference = dict(zip(REFERENCE_REQUESTS, reference_run.result()))
+    except BaseException:
+        dep.stop()
+        raise
 
     try:
         with ThreadPoolExecutor(16) as pool:
             results = list(pool.map(lambda b: post(dep.url + "/v1/chat/completions", b, 120), bodies))
         failures = [(s, r) for s, r in results if s != 200]
         assert not failures, failures[:3]
-        for body, (_, resp) in zip(bodies, results):
-            key = body["messages"][0]["content"][0]["image_url"]["url"] + body["messages"][0]["content"][1]["text"]
-            assert resp["choices"][0]["token_ids"] == reference[key]
+        for name, (_, resp) in zip(names, results):
+            assert resp["choices"][0]["token_ids"] == reference[name], name
 
         deadline = time.monotonic() + 60
         while (stats := producer_stats(dep))["items_held"] and time.monotonic() < deadline:

@@ -7,30 +7,16 @@ namespaces cannot be made (not root, or a sandbox that forbids them)."""
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
 import signal
-import subprocess
-import sys
-import threading
 
 import pytest
 
-from services.common.spawn import child_env
-from tests.e2e.helpers import image_chat
 from tests.multihost.cluster import Cluster
 from tests.multihost.hosts import Network, Unavailable, check_available, sweep_stale
+from tests.references import MULTIHOST, REFERENCE_REQUESTS
 
-# Every request whose tokens a scenario compares with plain vLLM. Each scenario uses images no
-# other one sends (a seen image may be reused from an LM's encoder cache, with no transfer).
-REQUESTS = {
-    "three": image_chat(700, max_tokens=8),
-    "pod": image_chat(701, max_tokens=8),
-    **{f"dns{i}": image_chat(710 + i, max_tokens=8) for i in range(16)},
-    **{f"fault{i}": image_chat(750 + i, max_tokens=8) for i in range(24)},
-    "pd": image_chat(790, max_tokens=8),
-}
+REQUESTS = MULTIHOST  # the scenarios' requests (tests/references.py)
 
 # Test files in the order their scenarios must run: the shared deployment is hurt last.
 ORDER = ["test_three_hosts", "test_pod", "test_headless_names", "test_faults", "test_pd_hosts"]
@@ -71,50 +57,19 @@ def network():
 
 
 class _Reference:
-    """Reference tokens computed in the background: a plain vLLM subprocess (``tools.reference``,
-    in its own session) whose output a thread collects; ``close()`` kills it if it still runs."""
+    """The session's plain-vLLM tokens (``tests/conftest.py``'s ``reference_run``), waited for only when
+    a scenario asks: the run goes on while the cluster starts."""
 
-    def __init__(self, model: str) -> None:
-        self._names = list(REQUESTS)
-        self._result: dict | BaseException | None = None
-        self._proc = subprocess.Popen([sys.executable, "-m", "tools.reference", "--model", model],
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True, start_new_session=True, env=child_env())
-        self._thread = threading.Thread(target=self._run, name="mh-reference", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            out, err = self._proc.communicate(json.dumps([REQUESTS[n] for n in self._names]))
-            if self._proc.returncode != 0:
-                raise RuntimeError(f"reference run failed ({self._proc.returncode}):\n{err[-3000:]}")
-            self._result = dict(zip(self._names, json.loads(out.strip().splitlines()[-1])))
-        except BaseException as e:  # noqa: BLE001 - raised in the test that asks
-            self._result = e
+    def __init__(self, run) -> None:
+        self._run = run
 
     def __getitem__(self, name: str) -> list[int]:
-        self._thread.join(600)
-        if isinstance(self._result, BaseException):
-            raise self._result
-        assert self._result is not None, "the reference run did not finish"
-        return self._result[name]
-
-    def close(self) -> None:
-        if self._proc.poll() is None:
-            try:
-                os.killpg(self._proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self._thread.join(30)
+        return dict(zip(REFERENCE_REQUESTS, self._run.result(timeout=600)))[name]
 
 
 @pytest.fixture(scope="package")
-def mh_reference(tiny_model, network):
-    ref = _Reference(tiny_model)
-    try:
-        yield ref
-    finally:
-        ref.close()
+def mh_reference(reference_run):
+    return _Reference(reference_run)
 
 
 @pytest.fixture(scope="package")
