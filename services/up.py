@@ -23,8 +23,6 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from ectransfer.shm import cleanup_orphans
@@ -32,6 +30,7 @@ from peerauth import SecurityConfig, is_loopback
 from services.certs import make_certs, make_token
 from services.common.engine import EngineConfig, configure_process_env, is_encoder_decoder
 from services.common.spawn import child_env
+from services.probe import grpc_serving
 
 KV_HOST = "127.0.0.1"
 """Where ``epd up``'s prefill and decode LMs bind NIXL's side channel: they all run on this host."""
@@ -153,18 +152,6 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         os.killpg(proc.pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
-
-
-def grpc_serving(address: str, timeout: float = 1.0, security: SecurityConfig | None = None,
-                 service: str = "") -> bool:
-    """grpc.health.v1 says ``service`` ("" = the process) at ``address`` is SERVING."""
-    try:
-        with (security or SecurityConfig()).channel(address) as ch:
-            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service),
-                                                        timeout=timeout)
-            return resp.status == health_pb2.HealthCheckResponse.SERVING
-    except grpc.RpcError:
-        return False
 
 
 def http_ok(url: str, timeout: float = 1.0) -> bool:
