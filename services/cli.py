@@ -52,8 +52,8 @@ def use_checkout_tools() -> None:
     if spec is not None and spec.origin and pathlib.Path(spec.origin).resolve() == CHECKOUT / "tools" / "__init__.py":
         return
     if not (CHECKOUT / "tools" / "__init__.py").is_file():
-        raise ValueError("the built-in tiny models are built by the source checkout's tools/, which an installed "
-                         "epd-serve does not have: pass --model (a model directory or name)")
+        raise ValueError("tiny models are built by the source checkout's tools/, which an installed epd-serve "
+                         "does not have: pass --model (a model directory or name), or run from a checkout")
     # First, so that no other distribution's top-level `tools` is taken for the checkout's.
     sys.path.insert(0, str(CHECKOUT))
 
