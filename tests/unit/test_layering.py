@@ -155,3 +155,16 @@ def test_epd_health_loads_neither_torch_nor_vllm():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "1 []", out.stdout
+
+
+def test_the_distribution_installs_the_runtime_packages_and_not_tools():
+    """docs/architecture.md, "Installed packages": a wheel carries the services, the transfer library,
+    deployment security and the stubs; ``tools/`` stays the checkout's."""
+    import tomllib
+    from setuptools import find_packages
+
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        include = tomllib.load(f)["tool"]["setuptools"]["packages"]["find"]["include"]
+    tops = {p.split(".")[0] for p in find_packages(str(ROOT), include=include)}
+    assert tops >= {"services", "ectransfer", "peerauth"} and tops <= {"services", "ectransfer", "peerauth", "epd"}
+    assert "tools" not in tops and "tests" not in tops
