@@ -48,14 +48,14 @@ def use_checkout_tools() -> None:
     packages"): from the checkout's root (``python -m``, pytest) it is on ``sys.path`` already; ``epd``
     of an editable install finds it beside this package. Raises ValueError where there is no checkout
     (an installed wheel)."""
-    spec = importlib.util.find_spec("tools")
-    if spec is not None and spec.origin and pathlib.Path(spec.origin).resolve() == CHECKOUT / "tools" / "__init__.py":
-        return
-    if not (CHECKOUT / "tools" / "__init__.py").is_file():
+    tools = CHECKOUT / "tools"
+    if not (tools / "tiny_model.py").is_file():  # site-packages of a wheel: no checkout, maybe another `tools`
         raise ValueError("tiny models are built by the source checkout's tools/, which an installed epd-serve "
                          "does not have: pass --model (a model directory or name), or run from a checkout")
-    # First, so that no other distribution's top-level `tools` is taken for the checkout's.
-    sys.path.insert(0, str(CHECKOUT))
+    spec = importlib.util.find_spec("tools")
+    if spec is None or not spec.origin or pathlib.Path(spec.origin).resolve() != tools / "__init__.py":
+        # First, so that no other distribution's top-level `tools` is taken for the checkout's.
+        sys.path.insert(0, str(CHECKOUT))
 
 
 def default_model(variant: str = "tiny", family: str = "idefics3") -> str:
