@@ -58,7 +58,8 @@ from machine import machine_info, pct
 
 from epd.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from epd.lm.v1 import lm_pb2, lm_pb2_grpc
-from services.up import Service, free_port, grpc_serving, http_ok, wait_ready
+from services.probe import http_ok
+from services.up import Service, free_port, grpc_serving, wait_ready
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PATHS = ("direct", "direct-stream", "rest", "rest-stream", "grpc")

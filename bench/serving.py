@@ -71,7 +71,8 @@ from machine import machine_info, pct
 
 from ectransfer.shm import cleanup_orphans
 from services.common.engine import SERVICE_ENV, EngineConfig
-from services.up import Service, free_port, grpc_serving, http_ok, wait_ready
+from services.probe import http_ok
+from services.up import Service, free_port, grpc_serving, wait_ready
 from tools.media import data_url, make_image
 
 WORDS = ("the river light stone cloud north window garden silver market evening paper quiet "

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
+import importlib.util
 import json
 import logging
 import os
@@ -31,15 +32,53 @@ from services.encoder.config import EncoderServiceConfig
 from services.gateway.config import GatewayConfig
 from services.gateway.tenants import Tenants
 from services.lm.config import LMServiceConfig
-from tools.tiny_families import FAMILIES
-from tools.tiny_model import build_tiny_model
 
 DEFAULT_MODEL_DIR = pathlib.Path(os.environ.get("EPD_CACHE_DIR", pathlib.Path.home() / ".cache" / "epd-serve"))
 
 
+CHECKOUT = pathlib.Path(__file__).resolve().parents[1]
+"""The source checkout this ``services`` package runs from (an editable install, or ``python -m`` from
+its root); an installed wheel has none around it."""
+
+
+def use_checkout_tools() -> None:
+    """Makes the checkout's ``tools`` package importable, for the commands that are tooling themselves
+    (``epd tiny-model``, the built-in tiny model, ``make demo``), which import it inside their functions,
+    never at a module's top. ``tools/`` is not an installed package (docs/architecture.md, "Installed
+    packages"): from the checkout's root (``python -m``, pytest) it is on ``sys.path`` already; ``epd``
+    of an editable install finds it beside this package. Raises ValueError where there is no checkout
+    (an installed wheel)."""
+    tools = CHECKOUT / "tools"
+    if not (tools / "tiny_model.py").is_file():  # site-packages of a wheel: no checkout, maybe another `tools`
+        raise ValueError("tiny models are built by the source checkout's tools/, which an installed epd-serve "
+                         "does not have: pass --model (a model directory or name), or run from a checkout")
+    spec = importlib.util.find_spec("tools")
+    if spec is None or not spec.origin or pathlib.Path(spec.origin).resolve() != tools / "__init__.py":
+        # First, so that no other distribution's top-level `tools` is taken for the checkout's.
+        sys.path.insert(0, str(CHECKOUT))
+
+
 def default_model(variant: str = "tiny", family: str = "idefics3") -> str:
-    """The built-in tiny model of ``family`` (Idefics3 unless asked), built offline on first use."""
+    """The built-in tiny model of ``family`` (Idefics3 unless asked), built offline on first use (by the
+    checkout's ``tools.tiny_model``; ValueError without a checkout: ``use_checkout_tools``)."""
+    use_checkout_tools()
+    from tools.tiny_model import build_tiny_model
+
     return str(build_tiny_model(DEFAULT_MODEL_DIR / f"{variant}-{family}", variant=variant, family=family))
+
+
+def tiny_model(ns: argparse.Namespace) -> int:
+    """``epd tiny-model``: builds the model and prints its folder. An unknown family, or a variant the
+    family does not have, is refused before anything is written (exit 2)."""
+    try:
+        use_checkout_tools()
+        from tools.tiny_model import build_tiny_model
+
+        print(build_tiny_model(ns.path, variant=ns.variant, seed=ns.seed, family=ns.family))
+    except ValueError as e:
+        print(f"epd: error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _logging(level: str) -> None:
@@ -61,7 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("tiny-model", help="build an offline tiny model (docs/models.md)")
     t.add_argument("path")
-    t.add_argument("--family", default="idefics3", choices=["idefics3", *FAMILIES])
+    # Not choices=: the families are tools/'s (the checkout's), which only this command may import.
+    t.add_argument("--family", default="idefics3", metavar="FAMILY",
+                   help="idefics3 (default) or another tiny family (docs/models.md)")
     t.add_argument("--variant", default="tiny", choices=["tiny", "tiny-alt", "bench", "bench-light"],
                    help="Idefics3 size; the other families have only 'tiny'")
     t.add_argument("--seed", type=int, default=0)
@@ -154,8 +195,7 @@ def _main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     _logging(ns.log_level)
     if ns.cmd == "tiny-model":
-        print(build_tiny_model(ns.path, variant=ns.variant, seed=ns.seed, family=ns.family))
-        return 0
+        return tiny_model(ns)
     if ns.cmd in ("encoder", "lm", "gateway"):
         try:  # configurations are refused here, before anything starts (exit 2)
             security = from_args(SecurityConfig, ns)
@@ -179,15 +219,15 @@ def _main(argv: list[str] | None = None) -> int:
             return 2
         return 0
     if ns.cmd == "health":
-        # services.up reaches torch (ectransfer.shm's orphan cleanup): a gateway must not load it.
-        from services.up import grpc_serving
+        from services.probe import grpc_serving  # grpc only: it runs beside a gateway (no torch, no vLLM)
 
         return 0 if grpc_serving(ns.address, ns.timeout, from_args(SecurityConfig, ns), ns.service) else 1
     if ns.cmd == "certs":
         print(json.dumps(make_certs(ns.dir, [h for h in ns.hosts.split(",") if h]), indent=2))
         return 0
     if ns.cmd == "up":
-        from services.up import gateway_key_args, run_up  # as for health
+        # services.up reaches torch (ectransfer.shm's orphan cleanup): only `epd up` loads it.
+        from services.up import gateway_key_args, run_up
 
         try:
             return run_up(model=ns.model or default_model(), host=ns.host, port=ns.port, engine_args=ns.vllm_args,

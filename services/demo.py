@@ -10,14 +10,16 @@ import time
 
 from openai import OpenAI
 
-from services.cli import default_model
+from services.cli import default_model, use_checkout_tools
 from services.up import Deployment
-from tools.media import data_url, make_image
-from tools.reference import run_subprocess
 
 
 def main() -> int:
     model = default_model()
+    use_checkout_tools()  # the demo's image and its plain-vLLM reference are the checkout's tooling
+    from tools.media import data_url, make_image
+    from tools.reference import run_subprocess
+
     image = data_url(make_image(seed=7, size=(160, 120)))
     requests = [
         {"messages": [{"role": "user", "content": [

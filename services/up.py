@@ -12,185 +12,22 @@ from __future__ import annotations
 import functools
 import json
 import os
-import random
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
-from collections.abc import Callable
 from dataclasses import dataclass, field
-
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from prometheus_client.parser import text_string_to_metric_families
 
 from ectransfer.shm import cleanup_orphans
 from peerauth import SecurityConfig, is_loopback
 from services.certs import make_certs, make_token
+from services.child import Service, free_port, wait_ready
 from services.common.engine import EngineConfig, configure_process_env, is_encoder_decoder
 from services.common.spawn import child_env
+from services.probe import gateway_admitted, grpc_serving
 
 KV_HOST = "127.0.0.1"
 """Where ``epd up``'s prefill and decode LMs bind NIXL's side channel: they all run on this host."""
-
-_rng = random.Random()  # its own generator: a test that seeds ``random`` must not make ports repeat
-_handed_out: set[int] = set()
-
-
-def _ephemeral_low() -> int:
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768  # Linux's default
-
-
-def _port_range() -> tuple[int, int]:
-    """``[first, last)`` that :func:`free_port` draws from: ``$EPD_PORT_RANGE``
-    (``FIRST-LAST``, inclusive) when set, else the 12000 ports just below the
-    kernel's ephemeral range. Two programs that pick ports on one host at the
-    same time (``make test``'s two tiers) get disjoint ranges, so neither can
-    take a port the other checked and has not bound yet."""
-    spec = os.environ.get("EPD_PORT_RANGE", "").strip()
-    if spec:
-        try:
-            first, last = (int(x) for x in spec.split("-"))
-        except ValueError:
-            raise ValueError(f"EPD_PORT_RANGE={spec!r}: expected FIRST-LAST, e.g. 20000-25999") from None
-        if not 1024 <= first <= last <= 65535:
-            raise ValueError(f"EPD_PORT_RANGE={spec!r}: expected 1024 <= FIRST <= LAST <= 65535")
-        return first, last + 1
-    low = _ephemeral_low()
-    return max(1024, low - 12000), low
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that is free now, for a service started next to bind.
-
-    Chosen below the kernel's ephemeral range (or in ``$EPD_PORT_RANGE``):
-    between this check and the service's bind, any outgoing connection (vLLM's
-    ZMQ sockets, gRPC clients) or port-0 bind on the host may take an
-    ephemeral port, never this one. Ports are random and never handed out
-    twice by one process.
-    """
-    first, end = _port_range()
-    for _ in range(100):
-        port = _rng.randrange(first, end)
-        if port in _handed_out:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-        _handed_out.add(port)
-        return port
-    with socket.socket() as s:  # that range is full: an ephemeral port, free now at least
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-@dataclass(eq=False)
-class Service:
-    name: str
-    args: list[str]
-    log_path: str
-    proc: subprocess.Popen | None = None
-    address: str = ""
-    """host:port of its API (set by Deployment)."""
-    metrics_port: int = 0
-    command: list[str] = field(default_factory=list)
-    """The whole command line; empty: ``python -m services.cli`` with ``args``."""
-
-    @property
-    def argv(self) -> list[str]:
-        return self.command or [sys.executable, "-m", "services.cli", *self.args]
-
-    def start(self, env: dict[str, str] | None = None) -> Service:
-        """``env``: the child's whole environment (None: a copy of this process's)."""
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
-                                         env=child_env() if env is None else env, start_new_session=True)
-        return self
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def log_tail(self, n: int = 30) -> str:
-        try:
-            with open(self.log_path, errors="replace") as f:
-                return "".join(f.readlines()[-n:])
-        except OSError:
-            return ""
-
-    def stop(self, grace: float = 15.0) -> None:
-        self.terminate()
-        self.finish(time.monotonic() + grace)
-
-    def terminate(self) -> None:
-        """Asks the service to stop (SIGTERM): it stops its own engine in order."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-
-    def finish(self, deadline: float) -> None:
-        """Waits for a ``terminate``d service until ``deadline`` (monotonic); then SIGKILL for what is
-        left of its session (stragglers: engine processes)."""
-        if self.proc is None:
-            return
-        try:
-            self.proc.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-        _signal_group(self.proc, signal.SIGKILL)
-        self.proc.wait()
-
-
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def grpc_serving(address: str, timeout: float = 1.0, security: SecurityConfig | None = None,
-                 service: str = "") -> bool:
-    """grpc.health.v1 says ``service`` ("" = the process) at ``address`` is SERVING."""
-    try:
-        with (security or SecurityConfig()).channel(address) as ch:
-            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service),
-                                                        timeout=timeout)
-            return resp.status == health_pb2.HealthCheckResponse.SERVING
-    except grpc.RpcError:
-        return False
-
-
-def http_ok(url: str, timeout: float = 1.0) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status == 200
-    except OSError:
-        return False
-
-
-def gateway_admitted(url: str, encoders: list[str], lms: list[str], timeout: float = 2.0) -> bool:
-    """True once the gateway at ``url`` (its HTTP root) is ready and has admitted every one of these
-    encoder and LM addresses (its ``epd_gateway_instance_healthy`` gauge). The gateway is ready (/health
-    200) with one LM admitted; the others join at a later health round (their first check can time out
-    on a loaded host), and a request sent before goes around them (an image is encoded on the LM)."""
-    try:
-        with urllib.request.urlopen(url + "/metrics", timeout=timeout) as r:
-            text = r.read().decode()
-    except OSError:
-        return False
-    admitted = set()
-    for family in text_string_to_metric_families(text):
-        if family.name == "epd_gateway_instance_healthy":
-            admitted |= {(s.labels.get("role"), s.labels.get("instance")) for s in family.samples if s.value == 1}
-    want = {("encoder", a) for a in encoders} | {("lm", a) for a in lms}
-    return want <= admitted and http_ok(url + "/health", timeout)
 
 
 def split_cores(within: str = "") -> tuple[str, str]:
@@ -213,31 +50,6 @@ def pd_cores(enc_cores: str, lm_cores: str) -> tuple[str, str]:
     if "," in lm_cores:
         return split_cores(lm_cores)
     return enc_cores or lm_cores, lm_cores
-
-
-def wait_ready(checks: dict[Service, Callable[[], bool]], deadline: float, poll_s: float = 0.5,
-               on_ready: Callable[[Service], None] | None = None,
-               on_wait: Callable[[list[Service]], None] | None = None) -> None:
-    """Polls each started service's readiness check until all pass. Raises
-    RuntimeError (with its last log lines) as soon as one exits, TimeoutError
-    at ``deadline`` (``time.monotonic()``). The caller owns the processes and
-    stops them on either error."""
-    pending = dict(checks)
-    while pending:
-        for svc in list(pending):
-            if not svc.alive():
-                raise RuntimeError(f"{svc.name} exited during start-up; last log lines:\n{svc.log_tail()}")
-            if pending[svc]():
-                del pending[svc]
-                if on_ready is not None:
-                    on_ready(svc)
-        if pending:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{', '.join(s.name for s in pending)} not ready in time; last log lines:\n"
-                                   + "\n".join(s.log_tail() for s in pending))
-            if on_wait is not None:
-                on_wait(list(pending))
-            time.sleep(poll_s)
 
 
 def check_security(host: str, security: str, insecure: bool) -> str:

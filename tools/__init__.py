@@ -6,6 +6,8 @@
 - ``reference``: the plain-vLLM oracle the demo and the exactness tests compare against.
 - ``media``: deterministic images, audio and video for the demo, the tests and the benchmarks.
 
-The services import nothing from here except where a command is tooling itself (``epd tiny-model``,
-``epd demo``); the transfer library never does.
+Not an installed package: the checkout's tooling (docs/architecture.md, "Installed packages"). The
+services import nothing from here except inside a command that is tooling itself (``epd tiny-model``,
+the built-in tiny model, ``make demo``: ``services.cli.use_checkout_tools``); the transfer library
+never does.
 """

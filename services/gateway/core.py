@@ -27,6 +27,7 @@ import grpc
 
 from epd.lm.v1 import lm_pb2
 from services.common.errors import MediaError
+from services.common.routes import API, Api
 from services.gateway import metrics
 from services.gateway.admission import AdmissionRefused
 from services.gateway.background import BackgroundWork
@@ -35,9 +36,7 @@ from services.gateway.fetch import MediaFetcher
 from services.gateway.intake import BodyRefused
 from services.gateway.orchestrator import Media, Orchestrator, Timings
 from services.gateway.request import (
-    API,
     RESPONSE_ID_RE,
-    Api,
     ApiError,
     OpenAICall,
     engine_request_id,

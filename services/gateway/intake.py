@@ -58,8 +58,8 @@ import grpc
 from aiohttp import web
 from prometheus_client import Counter, Gauge
 
+from services.common.budget import ByteBudget
 from services.common.errors import EPDError
-from services.common.media import ByteBudget
 from services.gateway.auth import CURRENT_TENANT
 from services.gateway.config import BODY_COPIES, GatewayConfig
 from services.gateway.tenants import ANONYMOUS, Tenant

@@ -19,6 +19,7 @@ import uuid
 import grpc
 from aiohttp import web
 
+from services.common.routes import API, APIS
 from services.gateway import metrics
 from services.gateway.auth import TENANT_KEY
 from services.gateway.config import GatewayConfig
@@ -35,7 +36,7 @@ from services.gateway.core import (
 from services.gateway.fetch import MediaFetcher
 from services.gateway.intake import CURRENT_LEASE, SLOW_READERS, BodyRefused, Intake
 from services.gateway.orchestrator import Orchestrator
-from services.gateway.request import API, APIS, SCALE_OUT_DISABLED, SCALE_OUT_PATHS, ApiError, OpenAICall
+from services.gateway.request import SCALE_OUT_DISABLED, SCALE_OUT_PATHS, ApiError, OpenAICall
 from services.gateway.tenants import ANONYMOUS
 
 logger = logging.getLogger(__name__)

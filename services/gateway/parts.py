@@ -30,10 +30,10 @@ use a client's verbatim as the item's cache key), and parts that carry pre-compu
 (``PRECOMPUTED``: embeddings, prompt embeddings, PIL objects), which epd-serve does not serve.
 
 This module imports nothing from vLLM (the gateway stays free of torch). Its tables are checked
-against vLLM's own in tests/unit/test_parts_vllm.py, which with test_responses_parts_vllm.py and
-test_anthropic_parts_vllm.py generates bodies of each API and checks that the items vLLM's conversion
-and parser extract are exactly the ones found here, and that a body vLLM refuses is refused here or
-still refused by vLLM as the gateway sends it on.
+against vLLM's own in tests/unit/test_parts_vllm.py, which with tests/unit/test_responses_parts_vllm.py
+and tests/unit/test_anthropic_parts_vllm.py generates bodies of each API and checks that the items
+vLLM's conversion and parser extract are exactly the ones found here, and that a body vLLM refuses is
+refused here or still refused by vLLM as the gateway sends it on.
 The LM checks every item vLLM parsed again (``services.lm.media``): this reader decides what the
 gateway loads, hashes and limits; the LM's check is the authority on what reaches its engine.
 """

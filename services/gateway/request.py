@@ -20,6 +20,7 @@ from typing import Any
 from epd.lm.v1 import lm_pb2
 from services.common.errors import MediaError
 from services.common.media import content_id, sniff_audio_format, sniff_video_format
+from services.common.routes import API
 from services.gateway.config import GatewayConfig
 from services.gateway.fetch import MediaFetcher, load_images
 from services.gateway.intake import charge_fetched
@@ -108,52 +109,6 @@ LIMIT_FLAG = {"image": "max_images", "audio": "max_audios", "video": "max_videos
 ITEMS = {"image": "images", "audio": "audio clips", "video": "videos"}
 MEDIA_REF = "epd-media:"  # gRPC API: an image_url/audio_url that names OpenAIRequest.media[N]
 
-
-@dataclass(frozen=True)
-class Api:
-    """One endpoint of ``vllm serve`` the gateway answers. Chat and completions go to the LM's serving
-    classes by name; every other one to the LM's copy of vLLM's own app (``services.lm.vllm_app``) by
-    method and path. ``media``: where its media are (``messages``: chat parts; ``input``: the
-    Responses API's input items; ``anthropic``: Messages image blocks; empty: none). ``encode``: its
-    items go through encoders (tokenize and count_tokens only lay prompts out: the LM's processor
-    expands the placeholders, no vision run). ``done``: its stream ends with ``data: [DONE]``.
-    ``upload``: its body is a ``multipart/form-data`` upload (the audio routes of an encoder-decoder
-    model), which the gateway forwards as it came, under the intake's size bound: vLLM's app on the LM
-    is its one reader (no second parser here to disagree with it), under the LM's decode limits."""
-
-    name: str
-    method: str
-    path: str
-    prefix: str
-    media: str = ""
-    encode: bool = True
-    done: bool = False
-    anthropic: bool = False
-    upload: bool = False
-    generates: bool = False
-    """It generates text from a prompt: it goes E -> P -> D where the deployment has prefill and decode LMs
-    (the others, tokenize or a stored response's GET, are answered by one LM)."""
-
-    @property
-    def lm_api(self) -> str:
-        return self.name if self.name in ("chat", "completions") else "http"
-
-
-APIS: tuple[Api, ...] = (
-    Api("chat", "POST", "/v1/chat/completions", "chatcmpl", "messages", done=True, generates=True),
-    Api("completions", "POST", "/v1/completions", "cmpl", done=True, generates=True),
-    Api("responses", "POST", "/v1/responses", "resp", "input", generates=True),
-    Api("responses_get", "GET", "/v1/responses/{response_id}", "resp"),
-    Api("responses_cancel", "POST", "/v1/responses/{response_id}/cancel", "resp"),
-    Api("messages", "POST", "/v1/messages", "msg", "anthropic", anthropic=True, generates=True),
-    Api("count_tokens", "POST", "/v1/messages/count_tokens", "msg", "anthropic", encode=False, anthropic=True),
-    Api("tokenize", "POST", "/tokenize", "tok", "messages", encode=False),
-    Api("detokenize", "POST", "/detokenize", "tok"),
-    Api("version", "GET", "/version", "req"),
-    Api("transcriptions", "POST", "/v1/audio/transcriptions", "trsc", encode=False, upload=True),
-    Api("translations", "POST", "/v1/audio/translations", "trsl", encode=False, upload=True),
-)
-API = {a.name: a for a in APIS}
 
 SCALE_OUT_PATHS: tuple[str, ...] = (
     "/v1/chat/completions/render", "/v1/completions/render", "/v1/messages/render", "/v1/responses/render",

@@ -42,11 +42,11 @@ import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from services.common.budget import DecodeLease
 from services.common.errors import BadInput, MediaError
 from services.common.media import (
     BYTES_PER_PIXEL,
     MAX_SAMPLED_FRAMES,
-    DecodeLease,
     MediaDecoder,
     VideoHeader,
     check_audio,

@@ -11,7 +11,8 @@ are produced. The caller (``LMServicer.Generate``) owns the call: closing the ge
 returns cancels vLLM's handler, which aborts the engine request as a client hanging up on
 `vllm serve` does.
 
-Only ``ROUTES`` are answered: the part of the gateway's public surface that vLLM's app serves.
+Only ``ROUTES`` are answered: the part of the gateway's public surface that vLLM's app serves, read from
+the one route table the gateway reads too (``services.common.routes``).
 Everything else vLLM's app has (LoRA loading, sleep and wake, elastic scaling, the scale-out render and
 token routes, metrics) is refused here (``BadInput``) before vLLM's app sees it, whatever the gateway
 sends.
@@ -29,28 +30,19 @@ from vllm.entrypoints.launchers.api_server.app_state import init_app_state
 from vllm.entrypoints.launchers.app import build_app
 
 from services.common.errors import BadInput
+from services.common.routes import lm_app_routes
 
-ROUTES: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
-    (method, re.compile(pattern)) for method, pattern in (
-        ("POST", r"/v1/responses"),
-        ("GET", r"/v1/responses/[A-Za-z0-9_.-]{1,200}"),
-        ("POST", r"/v1/responses/[A-Za-z0-9_.-]{1,200}/cancel"),
-        ("POST", r"/v1/messages"),
-        ("POST", r"/v1/messages/count_tokens"),
-        ("POST", r"/tokenize"),
-        ("POST", r"/detokenize"),
-        ("GET", r"/version"),
-        ("POST", r"/v1/audio/(transcriptions|translations)"),
-    ))
-"""The routes of vLLM's app the LM serves (method, full-match path): each one runs its handler over
-the LM's engine. Nothing is listed for vLLM to refuse (the scale-out routes' 403 is the gateway's own
-answer, ``services.gateway.request.SCALE_OUT_PATHS``): a route here is one more way into the engine."""
+ROUTES: tuple[tuple[str, re.Pattern[str]], ...] = tuple((method, pattern) for method, pattern, _ in lm_app_routes())
+"""The routes of vLLM's app the LM serves (method, full-match path): the endpoints of the one route table
+(``services.common.routes``) that the gateway forwards to vLLM's app; each one runs its handler over the
+LM's engine. Nothing is listed for vLLM to refuse (the scale-out routes' 403 is the gateway's own answer,
+``services.gateway.request.SCALE_OUT_PATHS``): a route here is one more way into the engine."""
 
 MAX_RESPONSE_BYTES = 64 << 20
 """A non-streaming answer larger than this is refused (it would be one gRPC message)."""
 
 
-MULTIPART = re.compile(r"/v1/audio/(transcriptions|translations)")
+UPLOADS: tuple[re.Pattern[str], ...] = tuple(pattern for _, pattern, upload in lm_app_routes() if upload)
 """The routes whose body is an upload (``multipart/form-data``); every other route's is JSON."""
 
 
@@ -64,7 +56,7 @@ def body_type(path: str, content_type: str) -> str:
     sent it) goes with them: vLLM's app parses the upload, and answers one it cannot read as `vllm
     serve` does. Raises BadInput for a JSON route given another type, or a header that is not one line
     of printable ASCII."""
-    if MULTIPART.fullmatch(path):
+    if any(p.fullmatch(path) for p in UPLOADS):
         if not content_type or len(content_type) > 256 or not content_type.isascii() or \
                 not content_type.isprintable():
             raise BadInput(f"{path}: the upload's Content-Type must be one line of printable ASCII")

@@ -15,7 +15,8 @@ import psutil
 import pytest
 
 from services.cli import DEFAULT_MODEL_DIR
-from services.up import Service, free_port, grpc_serving, http_ok, split_cores, wait_ready
+from services.probe import http_ok
+from services.up import Service, free_port, grpc_serving, split_cores, wait_ready
 from tests.conftest import MULTIPROCESS_ENGINES
 from tests.e2e.conftest import REFERENCE_REQUESTS
 from tests.e2e.helpers import post, wait_admitted

@@ -18,7 +18,8 @@ import grpc
 import pytest
 
 from epd.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from services.up import Service, free_port, http_ok, wait_ready
+from services.probe import http_ok
+from services.up import Service, free_port, wait_ready
 from tests.e2e.conftest import REFERENCE_REQUESTS
 from tests.e2e.helpers import post
 from tests.integration.media_server import MediaServer

@@ -16,7 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from services.up import Service, free_port, http_ok, wait_ready
+from services.probe import http_ok
+from services.up import Service, free_port, wait_ready
 from tests.e2e.conftest import REFERENCE_REQUESTS
 from tests.e2e.helpers import image_chat, post, wait_admitted
 

@@ -15,7 +15,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from services.up import Service, free_port, http_ok, wait_ready
+from services.probe import http_ok
+from services.up import Service, free_port, wait_ready
 from tests.e2e.helpers import encodes_done, image_chat, metric, settled, wait_admitted
 
 pytestmark = pytest.mark.e2e

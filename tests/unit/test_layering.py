@@ -109,3 +109,62 @@ def test_every_product_spawn_passes_an_explicit_environment():
                         and node.func.attr in SPAWNERS and not any(k.arg == "env" for k in node.keywords)):
                     offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert not offenders, f"spawned without env= (use services.common.spawn.child_env): {offenders}"
+
+
+def top_level_imports(path: pathlib.Path) -> set[str]:
+    """The modules ``path`` imports when it is imported: its top-level statements, class bodies and
+    ``if``/``try`` blocks included, function bodies not (they run when called)."""
+    out: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            return
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            out.add(node.module)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    return out
+
+
+def test_no_product_module_imports_tools_when_it_is_imported():
+    """``tools/`` is the checkout's tooling, not an installed package: the commands that are tooling
+    (``epd tiny-model``, ``make demo``) import it inside the function that needs it, so importing any
+    product module never reaches it."""
+    offenders = {str(p.relative_to(ROOT)): sorted(m for m in top_level_imports(p) if m.split(".")[0] == "tools")
+                 for folder in ("services", "ectransfer", "peerauth") for p in sorted((ROOT / folder).rglob("*.py"))}
+    offenders = {k: v for k, v in offenders.items() if v}
+    assert not offenders, f"imports tools/ at import time: {offenders}"
+
+
+def test_the_import_walk_sees_top_level_imports_and_not_function_bodies(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text("import a\ntry:\n    from b import c\nexcept ImportError:\n    pass\n"
+                      "class K:\n    import d\n\ndef f():\n    import tools\n")
+    assert top_level_imports(source) == {"a", "b", "d"}
+
+
+def test_epd_health_loads_neither_torch_nor_vllm():
+    """``epd health`` is a Kubernetes exec probe beside every service, the gateway included: asking a
+    port where nothing listens (not serving: exit 1) loads neither torch nor vLLM (nor transformers)."""
+    code = ("import sys, services.cli; rc = services.cli.main(['health', '127.0.0.1:1', '--timeout', '2']); "
+            "print(rc, sorted(m for m in ('torch', 'vllm', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "1 []", out.stdout
+
+
+def test_the_distribution_installs_the_runtime_packages_and_not_tools():
+    """docs/architecture.md, "Installed packages": a wheel carries the services, the transfer library,
+    deployment security and the stubs; ``tools/`` stays the checkout's."""
+    import tomllib
+    from setuptools import find_packages
+
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        include = tomllib.load(f)["tool"]["setuptools"]["packages"]["find"]["include"]
+    tops = {p.split(".")[0] for p in find_packages(str(ROOT), include=include)}
+    assert tops >= {"services", "ectransfer", "peerauth"} and tops <= {"services", "ectransfer", "peerauth", "epd"}
+    assert "tools" not in tops and "tests" not in tops

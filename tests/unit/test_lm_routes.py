@@ -6,7 +6,8 @@ import asyncio
 
 import pytest
 
-from services.gateway.request import APIS, SCALE_OUT_PATHS
+from services.common.routes import APIS, PATH_PARAM
+from services.gateway.request import SCALE_OUT_PATHS
 
 pytestmark = pytest.mark.unit
 
@@ -32,6 +33,7 @@ def test_an_upload_keeps_its_content_type_and_every_other_body_is_json():
 
 
 def test_the_allow_list_names_exactly_the_routes_the_lm_serves():
+    assert PATH_PARAM == r"[A-Za-z0-9_.-]{1,200}"
     assert [(m, p.pattern) for m, p in vllm_app.ROUTES] == [
         ("POST", r"/v1/responses"),
         ("GET", r"/v1/responses/[A-Za-z0-9_.-]{1,200}"),
@@ -41,7 +43,8 @@ def test_the_allow_list_names_exactly_the_routes_the_lm_serves():
         ("POST", r"/tokenize"),
         ("POST", r"/detokenize"),
         ("GET", r"/version"),
-        ("POST", r"/v1/audio/(transcriptions|translations)"),
+        ("POST", r"/v1/audio/transcriptions"),
+        ("POST", r"/v1/audio/translations"),
     ]
 
 

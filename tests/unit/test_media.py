@@ -9,10 +9,10 @@ import grpc
 import pytest
 from helpers import image_bytes
 
+from services.common.budget import ByteBudget
 from services.common.errors import BadInput, NoCapacity
 from services.common.media import (
     BYTES_PER_PIXEL,
-    ByteBudget,
     MediaConfig,
     MediaDecoder,
     check_namespace,

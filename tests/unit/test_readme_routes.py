@@ -40,7 +40,8 @@ def test_every_route_vllm_serve_registers_is_in_the_readme(tiny_model):
 
 def test_every_route_the_gateway_serves_is_vllms_or_its_own(tiny_model):
     pytest.importorskip("vllm")
-    from services.gateway.request import APIS, SCALE_OUT_PATHS
+    from services.common.routes import APIS
+    from services.gateway.request import SCALE_OUT_PATHS
 
     routes = _vllm_routes(tiny_model)
     for api in APIS:

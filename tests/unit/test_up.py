@@ -11,10 +11,11 @@ import pytest
 
 from peerauth import is_loopback
 from services import up
+from services.child import _ephemeral_low
 from services.cli import build_parser
 from services.common.config import from_args
 from services.lm.config import LMServiceConfig
-from services.up import Deployment, Service, _ephemeral_low, free_port, gateway_admitted, gateway_key_args, up_lms
+from services.up import Deployment, Service, free_port, gateway_admitted, gateway_key_args, up_lms
 
 
 def test_free_ports_are_distinct_bindable_and_outside_the_ephemeral_range():

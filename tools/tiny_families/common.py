@@ -13,7 +13,7 @@ import json
 import pathlib
 import random
 
-# Shared with the Idefics3 builder (tools/tiny_model.py), so prompts tokenize alike.
+# Shared with the Idefics3 builder (tools/tiny_families/idefics3.py), so prompts tokenize alike.
 CORPUS_SEED = 1234
 VOCAB_SIZE = 2048
 
