@@ -56,17 +56,9 @@ def get(url: str) -> dict:
 
 
 def health(address: str, service: str = "") -> dict:
-    # Not services.up.grpc_serving: importing services.up imports torch (seconds of CPU per probe
-    # while the engines start on the same cores); this needs only grpc.
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from services.probe import grpc_serving  # grpc only: no torch (a probe per poll while engines start)
 
-    try:
-        with _security().channel(address) as ch:
-            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=2.0)
-            return {"serving": resp.status == health_pb2.HealthCheckResponse.SERVING}
-    except grpc.RpcError:
-        return {"serving": False}
+    return {"serving": grpc_serving(address, timeout=2.0, security=_security(), service=service)}
 
 
 def stats(encoder_addr: str) -> dict:
