@@ -4,7 +4,8 @@ Handlers raise these; ``ErrorInterceptor`` turns them into statuses (bad input:
 INVALID_ARGUMENT, no capacity: RESOURCE_EXHAUSTED, peer gone: UNAVAILABLE,
 incompatible peer: FAILED_PRECONDITION, anything else: INTERNAL with the
 traceback logged). An error caused by a peer names it in the ``epd-fault``
-trailer (``encoder``), which the gateway's retry logic reads.
+trailer (``epd.lm.v1.Fault``: written here, read by ``services.gateway.failures``
+alone), which the gateway's retry logic reads.
 """
 
 from __future__ import annotations
@@ -15,16 +16,35 @@ import traceback
 
 import grpc
 
+from epd.lm.v1 import lm_pb2
+
 logger = logging.getLogger(__name__)
 
 FAULT_KEY = "epd-fault"
 FAULT_ENDPOINT_KEY = "epd-fault-endpoint"  # one per failing encoder transfer endpoint
 
 
+def fault_trailer(fault: int) -> tuple[str, str]:
+    """The ``epd-fault`` trailer of a fault (``lm_pb2.FAULT_*``): ``FAULT_ENCODER`` -> "encoder"."""
+    return FAULT_KEY, lm_pb2.Fault.Name(fault).removeprefix("FAULT_").lower()
+
+
+def read_fault(trailers) -> int:
+    """The fault a failed call's trailers name (``lm_pb2.FAULT_*``); ``FAULT_UNSPECIFIED`` when none, or
+    one this version does not know."""
+    for key, value in trailers:
+        if key == FAULT_KEY and isinstance(value, str) and value.isalpha():
+            try:
+                return lm_pb2.Fault.Value("FAULT_" + value.upper())
+            except ValueError:
+                return lm_pb2.FAULT_UNSPECIFIED
+    return lm_pb2.FAULT_UNSPECIFIED
+
+
 class EPDError(Exception):
     code = grpc.StatusCode.INTERNAL
-    fault = ""
-    """Which peer caused the error, sent as the ``epd-fault`` trailer when set,
+    fault: int = lm_pb2.FAULT_UNSPECIFIED
+    """Which peer caused the error (``lm_pb2.FAULT_*``), sent as the ``epd-fault`` trailer when set,
     so the gateway knows which instance to replace on a retry."""
     endpoints: tuple[str, ...] = ()
     """The faulty peers' endpoints, one ``epd-fault-endpoint`` trailer each."""
@@ -59,7 +79,7 @@ class EncoderUnavailable(PeerUnavailable):
     out, freed): the gateway re-encodes the item on another encoder.
     ``endpoints`` name the encoders' transfer endpoints, when known."""
 
-    fault = "encoder"
+    fault = lm_pb2.FAULT_ENCODER
 
     def __init__(self, message: str, endpoints: list[str] | tuple[str, ...] = ()) -> None:
         super().__init__(message)
@@ -71,7 +91,7 @@ class PrefillKVUnavailable(PeerUnavailable):
     handshake or read failed: the prefill LM is gone, unreachable, or let the blocks go when its lease
     ran out). Nothing was generated: the gateway runs the request again without that prefill LM."""
 
-    fault = "prefill"
+    fault = lm_pb2.FAULT_PREFILL
 
 
 class Incompatible(EPDError):
@@ -85,7 +105,7 @@ class RoleMismatch(EPDError):
     the LM again (its GetInfo names the new role) and retry the request elsewhere; nothing ran."""
 
     code = grpc.StatusCode.FAILED_PRECONDITION
-    fault = "role"
+    fault = lm_pb2.FAULT_ROLE
 
 
 class Forbidden(EPDError):
@@ -101,7 +121,7 @@ class Deadline(EPDError):
 def _status(e: BaseException, method: str, request=None) -> tuple:
     """The (code, details, trailers) a handler's exception ends its call with."""
     if isinstance(e, EPDError):
-        trailers = [(FAULT_KEY, e.fault)] if e.fault else []
+        trailers = [fault_trailer(e.fault)] if e.fault else []
         trailers += [(FAULT_ENDPOINT_KEY, ep) for ep in e.endpoints]
         return e.code, str(e), tuple(trailers)
     # The caller gets the request's id (or an error id), never the exception: its text can name

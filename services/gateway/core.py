@@ -34,7 +34,7 @@ from services.gateway.background import BackgroundWork
 from services.gateway.config import GatewayConfig
 from services.gateway.fetch import MediaFetcher
 from services.gateway.intake import BodyRefused
-from services.gateway.orchestrator import Media, Orchestrator, Timings
+from services.gateway.orchestrator import Orchestrator
 from services.gateway.request import (
     RESPONSE_ID_RE,
     ApiError,
@@ -44,6 +44,7 @@ from services.gateway.request import (
     parse_openai,
 )
 from services.gateway.tenants import ANONYMOUS, Tenant
+from services.gateway.values import Media, Timings
 
 logger = logging.getLogger(__name__)
 
@@ -174,8 +175,7 @@ class Admitted:
         first = True
         async with contextlib.aclosing(self._orch.generate(
                 self.req, media if self.api.encode else [], self.timings, ticket=self.ticket, lm=self.pinned,
-                disaggregate=self.api.generates and call.one_engine_call(),
-                prepare=lambda r: setattr(r.openai, "body", call.lm_body(r, media)))) as answer:
+                disaggregate=self.api.generates and call.one_engine_call(), body=call.for_lm())) as answer:
             async for resp in answer:
                 if first and self.api.name == "responses" and resp.http_status == 200 and self._homes is not None:
                     rid = response_id(resp)

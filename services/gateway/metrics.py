@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Histogram
 
-from services.gateway.orchestrator import Timings
+from services.gateway.values import Timings
 
 REQUESTS = Counter("epd_gateway_requests_total", "Requests by API route and HTTP-style status", ["route", "status"])
 _BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)

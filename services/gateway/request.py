@@ -1,15 +1,12 @@
 """What a request to the gateway is, for every API it serves: the endpoints (``APIS``: each one's
 route, where its media are, whether its items go through encoders), the body as the gateway reads it
 (``parse_openai``: the API's media reader, vLLM's rule, ``services.gateway.parts``), its media loaded
-and hashed (``load_media``), and the body each LM attempt gets (``OpenAICall.lm_body``). No I/O but
+and hashed (``load_media``), and what each LM attempt's body is made from (``OpenAICall.for_lm``, ``lm_body``). No I/O but
 ``load_media``'s fetches; no transport (REST: ``openai_api``; gRPC: ``servicer``; both through
 ``core``)."""
 
 from __future__ import annotations
 
-import base64
-import copy
-import hashlib
 import json
 import logging
 import re
@@ -19,13 +16,14 @@ from typing import Any
 
 from epd.lm.v1 import lm_pb2
 from services.common.errors import MediaError
-from services.common.media import content_id, sniff_audio_format, sniff_video_format
+from services.common.media import content_id
 from services.common.routes import API
 from services.gateway.config import GatewayConfig
 from services.gateway.fetch import MediaFetcher, load_images
 from services.gateway.intake import charge_fetched
-from services.gateway.orchestrator import Media
-from services.gateway.parts import LM_PART, MediaPart, PartError, anthropic_media_parts, media_parts
+from services.gateway.lm_body import LMBody
+from services.gateway.parts import MediaPart, PartError, anthropic_media_parts, media_parts
+from services.gateway.values import Media
 
 logger = logging.getLogger(__name__)
 
@@ -61,26 +59,6 @@ def mint_response_id() -> str:
     return f"resp_{uuid.uuid4().hex}"
 
 
-CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")
-CACHE_SALT_MAX = 128
-"""vLLM's rule for a ``cache_salt`` (``vllm/entrypoints/generate/base/protocol.py``; checked against it by
-tests/unit/test_tenant_salt_vllm.py)."""
-
-
-def tenant_salt(tenant: str, client_salt: Any) -> Any:
-    """The ``cache_salt`` a tenant's request reaches vLLM with: its prefix-cache entries are then its own, so
-    no tenant can tell from a first token's time whether another sent the same prompt (vLLM hashes the salt
-    into a prompt's first block). ``tenant:`` and, for a client's own salt, its digest: a tenant name holds
-    no ``:``, so no client salt can make another tenant's. A client salt vLLM would refuse is passed on as
-    it came, so the client gets vLLM's own 400."""
-    if client_salt is None:
-        return f"{tenant}:"
-    if not isinstance(client_salt, str) or not client_salt or len(client_salt) > CACHE_SALT_MAX \
-            or any(c in CACHE_SALT_FORBIDDEN for c in client_salt):
-        return client_salt
-    return f"{tenant}:{hashlib.sha256(client_salt.encode()).hexdigest()[:40]}"
-
-
 def tenant_namespace(tenant: str) -> str:
     """The embedding namespace of a tenant's media (``services.common.media.content_id``): ``tenant:``, as
     its prefix-cache salt, so its items' identifiers, and every embedding cache keyed by them, are its
@@ -103,8 +81,6 @@ def media_api_error(e: MediaError) -> ApiError:
     return ApiError(e.status, str(e), param=f"{e.modality}_url")
 
 
-MIME = {"WAV": "audio/wav", "FLAC": "audio/flac", "OGG": "audio/ogg", "MP3": "audio/mpeg",
-        "MP4": "video/mp4", "WEBM": "video/webm", "AVI": "video/x-msvideo"}
 LIMIT_FLAG = {"image": "max_images", "audio": "max_audios", "video": "max_videos"}
 ITEMS = {"image": "images", "audio": "audio clips", "video": "videos"}
 MEDIA_REF = "epd-media:"  # gRPC API: an image_url/audio_url that names OpenAIRequest.media[N]
@@ -124,7 +100,7 @@ SCALE_OUT_DISABLED = "Scale-out endpoints are disabled. Restart vllm serve with 
 @dataclass
 class OpenAICall:
     """One OpenAI request on its way through the gateway: the client's body (never changed; each LM
-    attempt gets a copy from ``lm_body``), where its image parts are, and the images' sources."""
+    attempt's body is rendered from ``for_lm``), where its image parts are, and the images' sources."""
 
     api: str  # a name in APIS
     body: dict[str, Any]
@@ -161,73 +137,18 @@ class OpenAICall:
         split, and the LM refuses a second engine call in a hand-off anyway."""
         return not (self.body.get("use_beam_search") or self.body.get("background"))
 
+    def for_lm(self) -> LMBody:
+        """What each LM attempt's body is made from (``LMBody.render``), as this request stands now: the
+        client's body (never changed), where its media parts are, and the ids and salt the LM gets."""
+        return LMBody(self.api, self.body, self.parts, self.upload, self.request_id, self.id_given,
+                      self.response_id, self.salt_tenant)
+
     def drop_payload(self) -> None:
         """Frees the request's body and media sources once it is answered, whatever still refers to
         this object (a retry closure, a task in a reference cycle)."""
         self.body = {}
         self.upload = b""
         self.sources.clear()
-
-    def lm_body(self, req: lm_pb2.GenerateRequest, media: list[Media]) -> bytes:
-        """The body for one LM attempt: each item an encoder laid out becomes a uuid-only part (the
-        LM never sees its bytes); any other item a data: URL of the bytes the gateway read (the LM
-        never downloads), with its content hash as uuid when an encoder has its embedding. Audio goes
-        as vLLM's ``audio_url`` part (an ``input_audio`` part too). An upload goes as it came."""
-        if API[self.api].upload:
-            return self.upload
-        body = copy.deepcopy(self.body) if self.parts else dict(self.body)
-        spec = API[self.api]
-        if self.request_id and spec.lm_api != "http" and (self.id_given or not body.get("request_id")):
-            body["request_id"] = self.request_id
-        if self.response_id:
-            body["request_id"] = self.response_id
-        if self.salt_tenant and spec.generates:
-            body["cache_salt"] = tenant_salt(self.salt_tenant, body.get("cache_salt"))
-        items = list(req.items) if spec.encode else [None] * len(media)
-        # The LM lays a prompt out from the encoders' layouts only when every item has one; else its
-        # processor lays the whole prompt out and needs every item's bytes.
-        laid_out = spec.encode and all(item.source.placeholder_token_ids for item in req.items)
-        for p, item, m in zip(self.parts, items, media):
-            data_url = None if laid_out else _data_url(m)
-            ident = item.identifier if item is not None and (laid_out or item.HasField("source")) else None
-            if spec.media == "anthropic":
-                # vLLM's converter drops any uuid: the LM knows an encoder's image by its content hash.
-                block = body["messages"][p.message]["content"][p.part]
-                if p.inner >= 0:
-                    block = block["content"][p.inner]
-                block["source"] = {"type": "base64", "media_type": "image/png",
-                                   "data": base64.b64encode(m.data).decode()}
-                continue
-            if spec.media == "input":
-                # The bytes go too, even for an item an encoder laid out (the LM knows it by its hash
-                # and does not decode it): vLLM stores a response's input as given, and a follow-up
-                # (previous_response_id) renders it again, with no encoder named for it then. The part
-                # keeps its kind: vLLM's request model takes a chat part only where it took the client's.
-                if p.kind == "input_image":
-                    part: dict[str, Any] = {"type": "input_image", "image_url": _data_url(m)}
-                    given = body[p.container][p.message][p.key][p.part]
-                    if isinstance(given, dict) and "detail" in given:
-                        part["detail"] = given["detail"]  # vLLM requires it of a tool output's image
-                else:
-                    kind = p.kind if p.kind != "input_audio" else "audio_url"
-                    part = {"type": kind, kind: {"url": _data_url(m)}}
-            else:
-                kind = LM_PART[m.modality]
-                part = {"type": kind, kind: None if data_url is None else {"url": data_url}}
-            if ident is not None:
-                part["uuid"] = ident  # else the LM encodes it itself and hashes it as vLLM does
-            body[p.container][p.message][p.key][p.part] = part
-        return json.dumps(body, ensure_ascii=False).encode()
-
-
-def _data_url(m: Media) -> str:
-    if m.modality == "image":
-        mime = "image/png"  # the LM's image decoder sniffs the format
-    else:
-        sniffed = sniff_audio_format(m.data) if m.modality == "audio" else sniff_video_format(m.data)
-        mime = MIME.get(sniffed or "", f"{m.modality}/octet-stream")
-    return f"data:{mime};base64," + base64.b64encode(m.data).decode()
-
 
 MAX_CONTENT_TYPE = 256
 

@@ -25,8 +25,10 @@ from services.common.grpc_server import GrpcServer
 from services.gateway import routing
 from services.gateway.config import GatewayConfig
 from services.gateway.instances import InstancePool
-from services.gateway.orchestrator import Media, Orchestrator, Timings
+from services.gateway.lm_body import LMBody
+from services.gateway.orchestrator import Orchestrator
 from services.gateway.request import MEDIA_REF, parse_openai
+from services.gateway.values import Media, Timings
 from tests.integration.gateway_fakes import FakeEncoder, FakeLM, World, serve_fake, wait_until
 from tools.media import data_url
 
@@ -107,7 +109,7 @@ def run_cluster(body: Callable[[Cluster], Awaitable[None]], **cluster_kw) -> Non
 def request(rid: str, identifiers: list[str], stream: bool = False) -> tuple[lm_pb2.GenerateRequest, list[Media]]:
     """A chat request with one image (bytes ``b"x"``) per identifier, as the gateway's APIs hand it to the
     orchestrator: the client's OpenAI body in ``openai.body`` (images as gRPC ``epd-media:N`` parts; each
-    LM attempt gets its own body from ``prepare``) and one item per image."""
+    LM attempt gets its own body from ``lm_body``) and one item per image."""
     content = [{"type": "image_url", "image_url": {"url": f"{MEDIA_REF}{n}"}} for n in range(len(identifiers))]
     body = {"messages": [{"role": "user", "content": [*content, {"type": "text", "text": "describe"}]}],
             "max_tokens": 3, "stream": stream}
@@ -118,15 +120,13 @@ def request(rid: str, identifiers: list[str], stream: bool = False) -> tuple[lm_
     return req, [Media(data=b"x", identifier=i) for i in identifiers]
 
 
-def prepare(orch: Orchestrator, req: lm_pb2.GenerateRequest,
-            media: list[Media]) -> Callable[[lm_pb2.GenerateRequest], None]:
-    """What the gateway's APIs pass as ``generate(prepare=...)``: each LM attempt's body from the client's."""
-    call = parse_openai(req.openai.api, req.openai.body, orch.cfg, [m.data for m in media])
-    return lambda r: setattr(r.openai, "body", call.lm_body(r, media))
+def lm_body(orch: Orchestrator, req: lm_pb2.GenerateRequest, media: list[Media]) -> LMBody:
+    """What the gateway's APIs pass as ``generate(body=...)``: each LM attempt's body from the client's."""
+    return parse_openai(req.openai.api, req.openai.body, orch.cfg, [m.data for m in media]).for_lm()
 
 
 def generate(orch: Orchestrator, req, media, timings: Timings):
-    return orch.generate(req, media, timings, prepare=prepare(orch, req, media))
+    return orch.generate(req, media, timings, body=lm_body(orch, req, media))
 
 
 async def collect(orch: Orchestrator, req, media, timings: Timings | None = None) -> list[lm_pb2.GenerateResponse]:
@@ -883,14 +883,14 @@ def test_a_request_pinned_to_an_lm_goes_there_and_nowhere_else():
             for n in range(3):
                 req, media = request(f"r-pin-{n}", [])
                 out = [r async for r in orch.generate(req, media, Timings(), lm=target,
-                                                      prepare=prepare(orch, req, media))]
+                                                      body=lm_body(orch, req, media))]
                 assert tokens(out) == [1, 2, 3]
             assert [len(lm.requests) for lm in c.lms][c.lm_addresses.index(target)] == 3
         await c.stop_server(c.lm_addresses[0])
         req, media = request("r-pin-gone", [])
         with pytest.raises(grpc.aio.AioRpcError) as e:
             _ = [r async for r in orch.generate(req, media, Timings(), lm=c.lm_addresses[0],
-                                                prepare=prepare(orch, req, media))]
+                                                body=lm_body(orch, req, media))]
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
         assert len(c.lms[1].requests) == 3  # not sent elsewhere
 

@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from epd.lm.v1 import lm_pb2
-from services.gateway.orchestrator import Timings
+from services.gateway.values import Timings
 from tests.integration.gateway_fakes import FakeLM
 from tests.integration.test_gateway_failover import TEST_LIMIT_S, Cluster, collect, generate, request, tokens
 
@@ -78,7 +78,7 @@ def test_a_refusal_by_the_prefill_lm_cancels_the_encodes_no_lm_will_read():
         req, media = request("r7", ["img-e"])
         out = await collect(orch, req, media)
         assert out[0].http_status == 400 and not calls(c, "lm-D")
-        assert not orch._draining  # cancelled, not left to end on its own (as for an answered request)
+        assert not orch.encodes.draining()  # cancelled, not left to end on its own (as for an answered request)
         for _ in range(200):  # the cancellation crosses the encoder's gRPC call
             if c.encoders[0].cancelled:
                 break

@@ -449,7 +449,7 @@ def test_auto_placement_encodes_on_the_lm_only_when_an_lm_is_idle_and_every_enco
     def check(orch):
         set_pool(orch.lms, lms)
         set_pool(orch.encoders, encoders)
-        assert orch._placement({k: set(v) for k, v in excluded.items()}) == expected
+        assert orch.fleet.placement({k: set(v) for k, v in excluded.items()}) == expected
         assert orch.encodes_remotely(1) and not orch.encodes_remotely(0)
 
     with_orchestrator(check, placement="auto", placement_busy_encodes=1)
@@ -459,9 +459,9 @@ def test_by_default_an_encoder_is_busy_with_one_encode_queued_behind_the_running
     def check(orch):
         set_pool(orch.lms, [0, 0])
         set_pool(orch.encoders, [1, 1])  # one encode each: running, nothing queued
-        assert orch._placement(dict(NONE_OUT)) == ("encoder", "auto")
+        assert orch.fleet.placement(dict(NONE_OUT)) == ("encoder", "auto")
         set_pool(orch.encoders, [2, 3])
-        assert orch._placement(dict(NONE_OUT)) == ("local", "lm idle, encoders busy")
+        assert orch.fleet.placement(dict(NONE_OUT)) == ("local", "lm idle, encoders busy")
 
     with_orchestrator(check, placement="auto")
 
@@ -472,7 +472,7 @@ def test_configured_placement_is_kept_whatever_the_load(placement):
         for lms, encoders in [([0, 0], [1, 1]), ([3, 3], [0, 0]), ([0, 0], [None, None])]:
             set_pool(orch.lms, lms)
             set_pool(orch.encoders, encoders)
-            assert orch._placement({"encoder": set(), "lm": set()}) == (placement, "configured")
+            assert orch.fleet.placement({"encoder": set(), "lm": set()}) == (placement, "configured")
         assert orch.encodes_remotely(2) is (placement == "encoder")
         assert not orch.encodes_remotely(0)
 
@@ -483,7 +483,7 @@ def test_without_encoders_images_are_encoded_on_the_lm_and_hold_no_encoder_slot(
     def check(orch):
         set_pool(orch.lms, [0, 0])
         assert orch.encoders is None
-        assert orch._placement({"encoder": set(), "lm": set()}) == ("local", "no encoders")
+        assert orch.fleet.placement({"encoder": set(), "lm": set()}) == ("local", "no encoders")
         assert not orch.encodes_remotely(3)
         assert orch.admission.capacity() == (2 * 5, math.inf)  # encoder slots off without encoders
 

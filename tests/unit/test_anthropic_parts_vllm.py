@@ -20,9 +20,9 @@ from hypothesis import strategies as st
 from epd.lm.v1 import lm_pb2
 from services.gateway.config import GatewayConfig
 from services.gateway.fetch import load_images
-from services.gateway.orchestrator import Media
 from services.gateway.parts import PartError, anthropic_media_parts
 from services.gateway.request import parse_openai
+from services.gateway.values import Media
 
 pytestmark = pytest.mark.unit
 
@@ -69,13 +69,13 @@ def _vllm_images(body: dict) -> list[str] | None:
 
 
 def _sent_on(body: dict, n: int) -> dict:
-    """The body the gateway sends the LM (``OpenAICall.lm_body``) for ``n`` images of made-up bytes."""
+    """The body the gateway sends the LM (``OpenAICall.for_lm().render``) for ``n`` images of made-up bytes."""
     call = parse_openai("messages", json.dumps(body).encode(), CFG)
     req = lm_pb2.GenerateRequest(request_id="r")
     media = [Media(bytes([k]) * 8, f"{k:064x}", "image") for k in range(n)]
     for m in media:
         req.items.add(modality="image", identifier=m.identifier)
-    return json.loads(call.lm_body(req, media))
+    return json.loads(call.for_lm().render(req, media))
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))

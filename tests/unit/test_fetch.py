@@ -221,9 +221,9 @@ class _FakeOrch:
     def encodes_remotely(self, n_media: int) -> bool:
         return False
 
-    async def generate(self, req, media, timings, prepare=None, ticket=None, lm=None, disaggregate=True):
-        if prepare is not None:
-            prepare(req)
+    async def generate(self, req, media, timings, body=None, ticket=None, lm=None, disaggregate=True):
+        if body is not None:
+            req.openai.body = body.render(req, media)
         # What reached the LM, as it was then (the servicer drops the payload once answered).
         self.calls.append((type(req).FromString(req.SerializeToString()), list(media)))
         yield lm_pb2.GenerateResponse(request_id=req.request_id, http_status=200, openai=b'{"object": "chat.completion"}')

@@ -138,7 +138,7 @@ def test_a_decode_request_the_engine_failed_blames_the_prefill_lm_and_any_other_
     ctx.kv_phase, ctx.kv_params = DECODE, {"remote_engine_id": "engine-p"}
     with pytest.raises(PrefillKVUnavailable, match="engine engine-p") as e:
         asyncio.run(_drain(ctx))
-    assert e.value.fault == "prefill" and ctx.failure is e.value
+    assert e.value.fault == lm_pb2.FAULT_PREFILL and ctx.failure is e.value
     whole = RequestContext()
     whole.sources = {"item": SimpleNamespace(endpoint="enc:1")}
     with pytest.raises(EncoderUnavailable):

@@ -16,7 +16,6 @@ from epd.transfer.v1 import transfer_pb2
 from services.common.errors import MediaError
 from services.gateway.config import GatewayConfig
 from services.gateway.core import from_grpc
-from services.gateway.orchestrator import Media
 from services.gateway.request import (
     ApiError,
     OpenAICall,
@@ -26,6 +25,7 @@ from services.gateway.request import (
     media_api_error,
     parse_openai,
 )
+from services.gateway.values import Media
 from tools.media import make_audio
 
 pytestmark = pytest.mark.unit
@@ -75,7 +75,7 @@ def test_text_only_messages_have_no_images_and_the_body_is_kept_as_sent():
     call, req, media = parse_and_load(body)
     assert (call.api, call.body, call.stream, call.parts, call.sources) == ("chat", body, False, [], [])
     assert media == [] and len(req.items) == 0
-    assert json.loads(call.lm_body(req, media)) == body
+    assert json.loads(call.for_lm().render(req, media)) == body
 
 
 @pytest.mark.parametrize("body, stream", [({"stream": True}, True), ({"stream": False}, False), ({}, False),
@@ -304,7 +304,7 @@ def test_lm_body_puts_uuid_only_parts_data_urls_and_leaves_the_rest_as_sent():
     call, req, media = parse_and_load(body, media=[jpg])
     _laid_out(req, 0)  # an encoder laid them out: the LM splices the layouts, never sees the bytes
     _laid_out(req, 1)
-    out = json.loads(call.lm_body(req, media))
+    out = json.loads(call.for_lm().render(req, media))
     content = out["messages"][1]["content"]
     assert content[0] == {"type": "text", "text": "compare"}
     assert content[1] == {"type": "image_url", "image_url": None, "uuid": hashlib.sha256(PNG).hexdigest()}
@@ -324,7 +324,7 @@ def test_an_item_without_a_layout_sends_every_item_as_bytes():
     _laid_out(req, 0)
     req.items[1].source.CopyFrom(transfer_pb2.ItemSource(transfer_endpoint="e:1", encoder_id="enc", num_embeds=4))
     # items[2]: no source, the LM encodes it itself
-    content = json.loads(call.lm_body(req, media))["messages"][0]["content"]
+    content = json.loads(call.for_lm().render(req, media))["messages"][0]["content"]
     assert content[1] == {"type": "image_url", "image_url": {"url": data_url(PNG)},
                           "uuid": hashlib.sha256(PNG).hexdigest()}
     assert content[2] == {"type": "image_url", "image_url": {"url": "data:image/png;base64,"
@@ -337,16 +337,16 @@ def test_an_item_without_a_layout_sends_every_item_as_bytes():
 def test_lm_body_is_made_afresh_for_each_attempt():
     """A retry may lay items out differently (another encoder): each call reads the items as they are now."""
     call, req, media = parse_and_load(chat(image(data_url(PNG))))
-    first = json.loads(call.lm_body(req, media))["messages"][0]["content"][0]
+    first = json.loads(call.for_lm().render(req, media))["messages"][0]["content"][0]
     _laid_out(req, 0)
-    second = json.loads(call.lm_body(req, media))["messages"][0]["content"][0]
+    second = json.loads(call.for_lm().render(req, media))["messages"][0]["content"][0]
     assert first == image(data_url(PNG)) and second["image_url"] is None
     assert call.body == chat(image(data_url(PNG)))
 
 
 def test_lm_body_keeps_non_ascii_text():
     call, req, media = parse_and_load(chat("was ist das? 猫 🐈", image(data_url(PNG))))
-    out = call.lm_body(req, media)
+    out = call.for_lm().render(req, media)
     assert "猫 🐈".encode() in out and json.loads(out)["messages"][0]["content"][0]["text"] == "was ist das? 猫 🐈"
 
 
@@ -455,11 +455,11 @@ def test_audio_limits_count_duration_and_bytes():
 def test_lm_body_sends_audio_as_audio_url_parts():
     call, req, media = parse_and_load(chat(input_audio(WAV), "which?"))
     _laid_out(req, 0)
-    content = json.loads(call.lm_body(req, media))["messages"][0]["content"]
+    content = json.loads(call.for_lm().render(req, media))["messages"][0]["content"]
     assert content[0] == {"type": "audio_url", "audio_url": None, "uuid": hashlib.sha256(WAV).hexdigest()}
     # Not laid out: the LM decodes the bytes the gateway read, sent with the format's own media type.
     call, req, media = parse_and_load(chat(audio(data_url(WAV, "audio/x-wav")), "which?"))
-    content = json.loads(call.lm_body(req, media))["messages"][0]["content"]
+    content = json.loads(call.for_lm().render(req, media))["messages"][0]["content"]
     assert content[0] == {"type": "audio_url", "audio_url": {"url": data_url(WAV, "audio/wav")}}
 
 
@@ -470,7 +470,7 @@ def test_video_parts_are_items_with_video_rules():
     call, req, media = parse_and_load(chat({"type": "video_url", "video_url": {"url": data_url(mp4, "video/mp4")}},
                                            image(data_url(PNG))))
     assert call.modalities == ["video", "image"] and [i.modality for i in req.items] == ["video", "image"]
-    content = json.loads(call.lm_body(req, media))["messages"][0]["content"]
+    content = json.loads(call.for_lm().render(req, media))["messages"][0]["content"]
     assert content[0] == {"type": "video_url", "video_url": {"url": data_url(mp4, "video/mp4")}}
     e = api_error(chat({"type": "video_url", "video_url": {"url": data_url(mp4, "image/png")}}))
     assert e.status == 400 and e.param == "video_url" and "expected video/*" in e.message

@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 
 from epd.lm.v1 import lm_pb2
 from services.gateway.config import GatewayConfig
-from services.gateway.orchestrator import Media
 from services.gateway.parts import KEY_ORDER, MEDIA, MODALITY, PART_TYPES, PRECOMPUTED, TEXT
 from services.gateway.request import ApiError, parse_openai
+from services.gateway.values import Media
 
 pytestmark = pytest.mark.unit
 
@@ -141,7 +141,7 @@ def _untyped_object_url(body: dict) -> bool:
 
 
 def _lm_body(call, n_sources: int) -> tuple[dict, list[str]]:
-    """The body the gateway sends the LM (``OpenAICall.lm_body``), every item laid out by an encoder
+    """The body the gateway sends the LM (``OpenAICall.for_lm().render``), every item laid out by an encoder
     (uuid-only parts), with made-up identifiers; and those identifiers."""
     req = lm_pb2.GenerateRequest(request_id="r")
     media = []
@@ -151,7 +151,7 @@ def _lm_body(call, n_sources: int) -> tuple[dict, list[str]]:
         item.source.transfer_endpoint = "enc:1"
         item.source.placeholder_token_ids.append(1)
         media.append(Media(b"x", ident, modality))
-    return json.loads(call.lm_body(req, media)), [m.identifier for m in media]
+    return json.loads(call.for_lm().render(req, media)), [m.identifier for m in media]
 
 
 @settings(max_examples=600, deadline=None, suppress_health_check=list(HealthCheck))

@@ -86,7 +86,7 @@ def test_the_gateway_finds_the_responses_media_vllm_reads(case):
 
 
 def test_a_tool_output_image_is_rewritten_in_place_like_any_other():
-    from services.gateway.orchestrator import Media
+    from services.gateway.values import Media
 
     body = {"input": CASES["tool output image beside an input image"]}
     call = parse_openai("responses", json.dumps(body).encode(), CFG)
@@ -98,7 +98,7 @@ def test_a_tool_output_image_is_rewritten_in_place_like_any_other():
         item.source.transfer_endpoint = "enc:1"
         item.source.placeholder_token_ids.append(1)
         media.append(Media(b"png", f"sha-{n}", p.modality))
-    sent = json.loads(call.lm_body(req, media))
+    sent = json.loads(call.for_lm().render(req, media))
     assert sent["input"][2]["output"][1]["uuid"] == "sha-1" and sent["input"][0]["content"][0]["uuid"] == "sha-0"
     assert sent["input"][2]["output"][0] == {"type": "input_text", "text": "here"}
     assert [kind for kind, _ in vllm_items(sent)] == ["image", "image"]  # vLLM takes the rewritten body

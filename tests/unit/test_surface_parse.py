@@ -54,7 +54,7 @@ def test_responses_input_images_carry_their_id_and_their_bytes():
     assert [(p.container, p.message, p.part) for p in call.parts] == [("input", 0, 0)] and call.stream
     assert [i.identifier for i in req.items] == [IDENT]
     _laid_out(req)
-    sent = json.loads(call.lm_body(req, media))
+    sent = json.loads(call.for_lm().render(req, media))
     # The bytes go with the id: vLLM stores the input as given and renders it again for a follow-up.
     assert sent["input"][0]["content"][0] == {"type": "input_image", "image_url": data_url(PNG), "uuid": IDENT}
     assert sent["request_id"] == call.response_id  # the id the gateway minted names the stored response
@@ -81,7 +81,7 @@ def test_anthropic_images_keep_their_bytes_for_the_lm_to_recognise_by_hash():
     assert [(p.message, p.part, p.inner) for p in call.parts] == [(0, 1, 1), (0, 0, -1)]  # as vLLM orders them
     assert [i.identifier for i in req.items] == [IDENT, IDENT]
     _laid_out(req)
-    sent = json.loads(call.lm_body(req, media))
+    sent = json.loads(call.for_lm().render(req, media))
     blocks = sent["messages"][0]["content"]
     for source in (blocks[0]["source"], blocks[1]["content"][1]["source"]):
         assert source == {"type": "base64", "media_type": "image/png", "data": B64}
@@ -99,7 +99,7 @@ def test_token_counting_apis_send_the_bytes_and_no_items():
     call, req, media = _load("tokenize", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": data_url(PNG)}}]}]})
     assert len(req.items) == 0 and len(media) == 1
-    sent = json.loads(call.lm_body(req, media))
+    sent = json.loads(call.for_lm().render(req, media))
     part = sent["messages"][0]["content"][0]
     assert "uuid" not in part and base64.b64decode(part["image_url"]["url"].split(",", 1)[1]) == PNG
     call, req, media = _load("count_tokens", {"messages": [{"role": "user", "content": [
@@ -154,7 +154,7 @@ def test_a_responses_request_gets_an_id_the_gateway_minted_and_may_not_choose_on
 
     call = parse_openai("responses", b'{"input": "hi"}', CFG)
     assert RESPONSE_ID_RE.fullmatch(call.response_id)
-    body = json.loads(call.lm_body(lm_pb2.GenerateRequest(), []))
+    body = json.loads(call.for_lm().render(lm_pb2.GenerateRequest(), []))
     assert body["request_id"] == call.response_id  # vLLM names and stores the response by it
     with pytest.raises(ApiError) as e:
         parse_openai("responses", b'{"input": "hi", "request_id": "resp_victim"}', CFG)
@@ -263,7 +263,7 @@ def test_an_upload_travels_to_the_lm_as_the_client_sent_it(api):
     raw = b"--b\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nm\r\n--b--\r\n"
     call = parse_openai(api, raw, CFG, content_type="multipart/form-data; boundary=b")
     assert API[api].upload and not API[api].encode and call.parts == []
-    assert call.lm_body(lm_pb2.GenerateRequest(), []) == raw
+    assert call.for_lm().render(lm_pb2.GenerateRequest(), []) == raw
     assert call.content_type == "multipart/form-data; boundary=b"
     with pytest.raises(ApiError) as e:
         parse_openai(api, raw, CFG, content_type="multipart/form-data; boundary=b\r\nX-Evil: 1")

@@ -10,7 +10,8 @@ import pytest
 
 from epd.lm.v1 import lm_pb2
 from services.gateway.config import GatewayConfig
-from services.gateway.request import CACHE_SALT_FORBIDDEN, CACHE_SALT_MAX, parse_openai, tenant_salt
+from services.gateway.lm_body import CACHE_SALT_FORBIDDEN, CACHE_SALT_MAX, tenant_salt
+from services.gateway.request import parse_openai
 
 pytestmark = pytest.mark.unit
 
@@ -53,9 +54,9 @@ def test_no_client_salt_of_one_tenant_gives_another_tenants_salt():
 def test_a_keyed_generating_request_carries_its_tenants_salt_and_an_anonymous_one_none():
     cfg = GatewayConfig(lms="lm:1")
     call = parse_openai("chat", json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode(), cfg)
-    assert "cache_salt" not in json.loads(call.lm_body(lm_pb2.GenerateRequest(), []))
+    assert "cache_salt" not in json.loads(call.for_lm().render(lm_pb2.GenerateRequest(), []))
     call.salt_tenant = "acme"
-    assert json.loads(call.lm_body(lm_pb2.GenerateRequest(), []))["cache_salt"] == "acme:"
+    assert json.loads(call.for_lm().render(lm_pb2.GenerateRequest(), []))["cache_salt"] == "acme:"
     tok = parse_openai("tokenize", b'{"prompt": "hi"}', cfg)
     tok.salt_tenant = "acme"
-    assert "cache_salt" not in json.loads(tok.lm_body(lm_pb2.GenerateRequest(), []))  # generating APIs only
+    assert "cache_salt" not in json.loads(tok.for_lm().render(lm_pb2.GenerateRequest(), []))  # generating APIs only

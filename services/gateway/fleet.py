@@ -1,0 +1,183 @@
+"""The gateway's fleet: its encoders and LMs (one ``InstancePool`` per role, with their health loops),
+what it takes to admit one (``GetInfo``: the served model, the LM's role, the encoder's protocol), what
+/health says of them, and which of them one attempt of a request uses (``pick_lms``, ``placement``;
+the scoring itself is ``routing``'s, pure).
+
+Owner: the ``Orchestrator`` makes one ``Fleet`` and closes it; the pools' channels are the fleet's."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
+from epd.lm.v1 import lm_pb2, lm_pb2_grpc
+from peerauth import SecurityConfig
+from services.common.protocol import encoder_protocol_problem
+from services.gateway.config import GatewayConfig
+from services.gateway.failures import GONE, REFUSED, Failure, call_failed
+from services.gateway.instances import Instance, InstancePool
+from services.gateway.routing import LeastOutstanding, pick_decode
+
+logger = logging.getLogger(__name__)
+
+LM_ROLES = ("", "both", "prefill", "decode")
+"""``LMInfo.role`` values this gateway knows ("": an LM older than roles, which is "both")."""
+
+
+class Fleet:
+    """The encoder pool (None without ``--encoders``) and the LM pool, and the served model."""
+
+    def __init__(self, cfg: GatewayConfig, security: SecurityConfig | None = None) -> None:
+        self.cfg = cfg
+        pool = dict(health_interval_s=cfg.health_interval_s, dns_refresh_s=cfg.dns_refresh_s,
+                    security=security or SecurityConfig())
+        self.encoders = (InstancePool("encoder", cfg.encoder_list, encoder_pb2_grpc.EncoderServiceStub,
+                                      verify=self._verify_encoder, **pool)
+                         if cfg.encoder_list else None)
+        self.lms = InstancePool("lm", cfg.lm_list, lm_pb2_grpc.LMServiceStub, verify=self._verify_lm, **pool)
+        self.model: str | None = cfg.model_name or None
+        """The served model name: ``--model-name``, else learned from the first LM admitted; None until then."""
+        self._lm_policy = LeastOutstanding()
+
+    def pools(self) -> list[InstancePool]:
+        return [p for p in (self.encoders, self.lms) if p is not None]
+
+    # -- admission of instances ---------------------------------------------------------------------
+
+    async def _verify_lm(self, inst: Instance) -> str | None:
+        """The LM pool's admission check (``InstancePool.verify``), for an LM that passed its health
+        check: asks its model. The first LM admitted sets ``self.model`` when ``--model-name`` is not
+        set; every LM must then serve that model. With ``--model-name`` set, an LM agrees when its model
+        is that name or a path ending in it. Returns why ``inst`` may not be admitted, or None."""
+        try:
+            info = await inst.stub.GetInfo(lm_pb2.GetInfoRequest(), timeout=max(1.0, self.cfg.health_interval_s))
+        except grpc.aio.AioRpcError as e:
+            return call_failed("GetInfo", e)
+        model = info.model
+        if info.role not in LM_ROLES:
+            return f"has role {info.role!r}, which this gateway does not know (an LM of a newer epd-serve?)"
+        inst.lm_role = info.role or "both"
+        if self.cfg.model_name:
+            if self.cfg.model_name in (model, model.rstrip("/").rsplit("/", 1)[-1]):
+                return None
+            return f"serves model {model!r}, not {self.cfg.model_name!r} (--model-name)"
+        if self.model is None:
+            self.model = model
+            logger.info("serving model %s (learned from lm %s)", model, inst.address)
+        elif model != self.model:
+            return f"serves model {model!r}, not {self.model!r} (the model of the first LM admitted)"
+        return None
+
+    async def _verify_encoder(self, inst: Instance) -> str | None:
+        """The encoder pool's admission check (``InstancePool.verify``), for an encoder that passed its
+        health check: its ``GetInfo`` must answer, with the item layout this gateway reads (an encoder of
+        another epd-serve version would send metadata this gateway misreads). Health checks take no token,
+        so this is what keeps an encoder that would refuse every Encode (another token, another CA) out.
+        Returns why ``inst`` may not be admitted, or None."""
+        try:
+            info = await inst.stub.GetInfo(encoder_pb2.GetInfoRequest(), timeout=max(1.0, self.cfg.health_interval_s))
+        except grpc.aio.AioRpcError as e:
+            return call_failed("GetInfo", e)
+        return encoder_protocol_problem(info.protocol)
+
+    def recheck(self, f: Failure) -> None:
+        """An instance that failed a call is health-checked at once (in the
+        background: this request already excludes it), so a dead one is
+        ejected for every request, not just excluded for this one. One that
+        refused the gateway (its credentials, or a phase its role no longer
+        takes) is ejected first, so the check verifies it again (``GetInfo``):
+        refused if it still rejects the credentials, else re-admitted at once
+        (with the role it now has)."""
+        pool = self.encoders if f.role == "encoder" else self.lms
+        code = f.error.code()
+        if pool is None or not (f.reverify or code in GONE | REFUSED):
+            return
+        if f.reverify or code in REFUSED:
+            for inst in f.blame:
+                pool.eject(inst, f"a call was refused: {code.name}" + (
+                    f" (a hand-off its role no longer takes; it was {inst.lm_role})" if f.reverify else ""))
+        pool.recheck(f.blame)
+
+    # -- what /health and admission read -------------------------------------------------------------
+
+    def generating_lms(self) -> int:
+        """Healthy LMs that hold a request while it generates, for admission: "both" and decode LMs. A
+        prefill LM holds a request for its prompt only; with no other LM healthy, prefill LMs serve whole
+        requests and count."""
+        healthy = self.lms.healthy(set())
+        return sum(i.lm_role != "prefill" for i in healthy) or len(healthy)
+
+    def healthy_encoders(self) -> int:
+        return len(self.encoders.healthy(set())) if self.encoders is not None else 0
+
+    def lm_wait_reason(self) -> str | None:
+        """Why no request can be served yet: no LM was ever admitted (the message names every LM and
+        what it waits for). None once one was, even while every LM is ejected (those are still tried)."""
+        insts = list(self.lms.instances.values())
+        if any(i.healthy for i in insts) or self.lms.ejected():
+            return None
+        waiting = "; ".join(f"{i.address}: {i.reason}" for i in insts) or "no LM address resolved"
+        return f"no LM is ready yet ({waiting})"
+
+    def health(self) -> dict[str, dict[str, bool]]:
+        pools = {"lms": self.lms, "encoders": self.encoders}
+        return {k: {a: i.healthy for a, i in p.instances.items()} for k, p in pools.items() if p is not None}
+
+    def not_admitted(self) -> dict[str, dict[str, str]]:
+        """Why each instance that is not admitted is out ("health check failed: UNAVAILABLE", "serves
+        model ..."), per pool as in ``health()``."""
+        pools = {"lms": self.lms, "encoders": self.encoders}
+        return {k: {a: f"{i.state.value}: {i.reason}" for a, i in p.instances.items() if not i.healthy}
+                for k, p in pools.items() if p is not None}
+
+    def encodes_remotely(self, n_media: int) -> bool:
+        """Whether a request with ``n_media`` images may encode on an encoder (for admission)."""
+        return bool(n_media) and self.encoders is not None and self.cfg.placement != "local"
+
+    # -- which instances one attempt uses ------------------------------------------------------------
+
+    def pinned_lm(self, address: str, excluded: set[str]) -> Instance | None:
+        """The LM at ``address`` (it holds state the request refers to), healthy or ejected; None if it is
+        not admitted or excluded. Never one that was not admitted yet: its model is unknown."""
+        return next((i for i in self.lms.healthy(excluded) + self.lms.ejected(excluded) if i.address == address),
+                    None)
+
+    def pick_lms(self, excluded: set[str], disaggregate: bool = True) -> tuple[Instance | None, Instance | None]:
+        """The LM(s) for one attempt: ``(lm, None)``, or ``(prefill, decode)`` for E -> P -> D. LMs of
+        role "both" and prefill/decode pairs are one pool: a pair is used when a healthy prefill and a
+        healthy decode LM exist and its decode LM is no busier than the least busy "both" LM; the decode LM
+        is one on the prefill LM's host where it can be (``routing.pick_decode``). With only one half of a
+        pair left, that LM serves whole requests itself (a prefill or decode engine can)."""
+        healthy = self.lms.healthy(excluded)
+        if not healthy:  # all ejected (a health blip on a busy host): try the ejected ones rather than fail
+            healthy = self.lms.ejected(excluded)
+        by_role: dict[str, list[Instance]] = {"both": [], "prefill": [], "decode": []}
+        for inst in healthy:
+            by_role[inst.lm_role].append(inst)
+        if disaggregate and by_role["prefill"] and by_role["decode"]:
+            both = self._lm_policy.pick(by_role["both"])
+            if both is None or min(d.outstanding for d in by_role["decode"]) <= both.outstanding:
+                p = self._lm_policy.pick(by_role["prefill"])
+                return p, pick_decode(p, by_role["decode"], self._lm_policy)
+            return both, None
+        return self._lm_policy.pick(healthy), None
+
+    def placement(self, excluded: dict[str, set[str]]) -> tuple[str, str]:
+        """Where this attempt's images are encoded ("encoder" or "local": the LM encodes them
+        itself), and why (a short, fixed reason: the metric's label). ``--placement auto``
+        encodes on the LM only when that stalls no one: an LM has no request in flight (no decode
+        stream to pause) while every healthy encoder is busy (the encode would queue)."""
+        if self.encoders is None:
+            return "local", "no encoders"
+        if self.cfg.placement != "auto":
+            return self.cfg.placement, "configured"
+        encoders = self.encoders.healthy(excluded["encoder"])
+        if not encoders:
+            return "encoder", "no healthy encoder"  # encoding.plan decides: local fallback or 503
+        lms = self.lms.healthy(excluded["lm"])
+        if lms and min(i.outstanding for i in lms) == 0 \
+                and min(i.outstanding for i in encoders) >= max(1, self.cfg.placement_busy_encodes):
+            return "local", "lm idle, encoders busy"
+        return "encoder", "auto"

@@ -1,0 +1,118 @@
+"""The body each LM attempt of a request gets (``LMBody.render``), from what the request model read
+(``request.OpenAICall.for_lm``) and what the attempt's encoders said of each item (``req.items``'
+sources): the client's body with each media part rewritten for the LM, the request's id and the
+tenant's ``cache_salt``. A value the orchestration renders once per attempt (the items of an attempt can
+differ: a re-encode, a failover to the LM's own encoder); it does no I/O and calls nothing back.
+
+The ``LMBody`` shares the request's body dict and parts (never changed here: a part rewrite works on a
+copy); the request owns them and frees them when it is answered."""
+
+from __future__ import annotations
+
+import base64
+import copy
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from epd.lm.v1 import lm_pb2
+from services.common.media import sniff_audio_format, sniff_video_format
+from services.common.routes import API
+from services.gateway.parts import LM_PART, MediaPart
+from services.gateway.values import Media
+
+MIME = {"WAV": "audio/wav", "FLAC": "audio/flac", "OGG": "audio/ogg", "MP3": "audio/mpeg",
+        "MP4": "video/mp4", "WEBM": "video/webm", "AVI": "video/x-msvideo"}
+CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")
+CACHE_SALT_MAX = 128
+"""vLLM's rule for a ``cache_salt`` (``vllm/entrypoints/generate/base/protocol.py``; checked against it by
+tests/unit/test_tenant_salt_vllm.py)."""
+
+
+def tenant_salt(tenant: str, client_salt: Any) -> Any:
+    """The ``cache_salt`` a tenant's request reaches vLLM with: its prefix-cache entries are then its own, so
+    no tenant can tell from a first token's time whether another sent the same prompt (vLLM hashes the salt
+    into a prompt's first block). ``tenant:`` and, for a client's own salt, its digest: a tenant name holds
+    no ``:``, so no client salt can make another tenant's. A client salt vLLM would refuse is passed on as
+    it came, so the client gets vLLM's own 400."""
+    if client_salt is None:
+        return f"{tenant}:"
+    if not isinstance(client_salt, str) or not client_salt or len(client_salt) > CACHE_SALT_MAX \
+            or any(c in CACHE_SALT_FORBIDDEN for c in client_salt):
+        return client_salt
+    return f"{tenant}:{hashlib.sha256(client_salt.encode()).hexdigest()[:40]}"
+
+
+@dataclass
+class LMBody:
+    """What an LM attempt's body is made from (``request.OpenAICall``'s fields of the same names)."""
+
+    api: str
+    body: dict[str, Any]
+    parts: list[MediaPart] = field(default_factory=list)
+    upload: bytes = b""
+    request_id: str = ""
+    id_given: bool = False
+    response_id: str = ""
+    salt_tenant: str = ""
+
+    def render(self, req: lm_pb2.GenerateRequest, media: list[Media]) -> bytes:
+        """The body for one LM attempt: each item an encoder laid out becomes a uuid-only part (the
+        LM never sees its bytes); any other item a data: URL of the bytes the gateway read (the LM
+        never downloads), with its content hash as uuid when an encoder has its embedding. Audio goes
+        as vLLM's ``audio_url`` part (an ``input_audio`` part too). An upload goes as it came."""
+        if API[self.api].upload:
+            return self.upload
+        body = copy.deepcopy(self.body) if self.parts else dict(self.body)
+        spec = API[self.api]
+        if self.request_id and spec.lm_api != "http" and (self.id_given or not body.get("request_id")):
+            body["request_id"] = self.request_id
+        if self.response_id:
+            body["request_id"] = self.response_id
+        if self.salt_tenant and spec.generates:
+            body["cache_salt"] = tenant_salt(self.salt_tenant, body.get("cache_salt"))
+        items = list(req.items) if spec.encode else [None] * len(media)
+        # The LM lays a prompt out from the encoders' layouts only when every item has one; else its
+        # processor lays the whole prompt out and needs every item's bytes.
+        laid_out = spec.encode and all(item.source.placeholder_token_ids for item in req.items)
+        for p, item, m in zip(self.parts, items, media):
+            data_url = None if laid_out else _data_url(m)
+            ident = item.identifier if item is not None and (laid_out or item.HasField("source")) else None
+            if spec.media == "anthropic":
+                # vLLM's converter drops any uuid: the LM knows an encoder's image by its content hash.
+                block = body["messages"][p.message]["content"][p.part]
+                if p.inner >= 0:
+                    block = block["content"][p.inner]
+                block["source"] = {"type": "base64", "media_type": "image/png",
+                                   "data": base64.b64encode(m.data).decode()}
+                continue
+            if spec.media == "input":
+                # The bytes go too, even for an item an encoder laid out (the LM knows it by its hash
+                # and does not decode it): vLLM stores a response's input as given, and a follow-up
+                # (previous_response_id) renders it again, with no encoder named for it then. The part
+                # keeps its kind: vLLM's request model takes a chat part only where it took the client's.
+                if p.kind == "input_image":
+                    part: dict[str, Any] = {"type": "input_image", "image_url": _data_url(m)}
+                    given = body[p.container][p.message][p.key][p.part]
+                    if isinstance(given, dict) and "detail" in given:
+                        part["detail"] = given["detail"]  # vLLM requires it of a tool output's image
+                else:
+                    kind = p.kind if p.kind != "input_audio" else "audio_url"
+                    part = {"type": kind, kind: {"url": _data_url(m)}}
+            else:
+                kind = LM_PART[m.modality]
+                part = {"type": kind, kind: None if data_url is None else {"url": data_url}}
+            if ident is not None:
+                part["uuid"] = ident  # else the LM encodes it itself and hashes it as vLLM does
+            body[p.container][p.message][p.key][p.part] = part
+        return json.dumps(body, ensure_ascii=False).encode()
+
+
+def _data_url(m: Media) -> str:
+    if m.modality == "image":
+        mime = "image/png"  # the LM's image decoder sniffs the format
+    else:
+        sniffed = sniff_audio_format(m.data) if m.modality == "audio" else sniff_video_format(m.data)
+        mime = MIME.get(sniffed or "", f"{m.modality}/octet-stream")
+    return f"data:{mime};base64," + base64.b64encode(m.data).decode()
