@@ -9,7 +9,7 @@ runs it (encode -> LM, failover: ``orchestrator``) and yields the LM's messages;
 relay them. ``Admitted.close`` releases what the request holds; its owner (the transport's handler)
 calls it once, in a ``finally``.
 
-The error mapping between HTTP statuses and gRPC codes is here, once, both ways (``STATUS``).
+The error mapping between HTTP statuses and gRPC codes is ``errors``', once, both ways (``STATUS``).
 """
 
 from __future__ import annotations
@@ -23,8 +23,6 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-import grpc
-
 from epd.lm.v1 import lm_pb2
 from services.common.errors import MediaError
 from services.common.routes import API, Api
@@ -32,65 +30,18 @@ from services.gateway import metrics
 from services.gateway.admission import AdmissionRefused
 from services.gateway.background import BackgroundWork
 from services.gateway.config import GatewayConfig
+from services.gateway.errors import ApiError
 from services.gateway.fetch import MediaFetcher
-from services.gateway.intake import BodyRefused
 from services.gateway.orchestrator import Orchestrator
-from services.gateway.request import (
-    RESPONSE_ID_RE,
-    ApiError,
-    OpenAICall,
-    engine_request_id,
-    load_media,
-    parse_openai,
-)
+from services.gateway.request import RESPONSE_ID_RE, OpenAICall, engine_request_id, load_media, parse_openai
 from services.gateway.tenants import ANONYMOUS, Tenant
 from services.gateway.values import Media, Timings
 
 logger = logging.getLogger(__name__)
 
-_C = grpc.StatusCode
-STATUS: tuple[tuple[grpc.StatusCode, int, str, str], ...] = (
-    # (gRPC code, HTTP status, OpenAI error type, direction: "both", "to_http" or "to_grpc")
-    (_C.INVALID_ARGUMENT, 400, "invalid_request_error", "both"),
-    (_C.OUT_OF_RANGE, 400, "invalid_request_error", "to_http"),
-    (_C.INVALID_ARGUMENT, 422, "invalid_request_error", "to_grpc"),
-    (_C.NOT_FOUND, 404, "not_found_error", "both"),
-    (_C.RESOURCE_EXHAUSTED, 429, "rate_limit_error", "both"),
-    (_C.RESOURCE_EXHAUSTED, 413, "invalid_request_error", "to_grpc"),
-    # The gateway's own credentials or an LM's allow-list, instances that do not agree: a
-    # deployment fault, not the client's (502); a 401/403 from an LM's answer keeps its meaning.
-    (_C.FAILED_PRECONDITION, 502, "server_error", "to_http"),
-    (_C.UNAUTHENTICATED, 502, "server_error", "to_http"),
-    (_C.PERMISSION_DENIED, 502, "server_error", "to_http"),
-    (_C.UNAUTHENTICATED, 401, "authentication_error", "to_grpc"),
-    (_C.PERMISSION_DENIED, 403, "permission_error", "to_grpc"),
-    (_C.UNAVAILABLE, 503, "server_error", "both"),
-    (_C.DEADLINE_EXCEEDED, 504, "server_error", "both"),
-    (_C.CANCELLED, 499, "server_error", "both"),
-    (_C.UNIMPLEMENTED, 501, "server_error", "both"),
-)
-"""HTTP <-> gRPC. A code with no row is HTTP 500 (server_error); a status with no row is INTERNAL."""
-
-TO_HTTP: dict[grpc.StatusCode, tuple[int, str]] = {}
-TO_GRPC: dict[int, grpc.StatusCode] = {}
-for _code, _status, _type, _way in STATUS:
-    if _way in ("both", "to_http"):
-        TO_HTTP.setdefault(_code, (_status, _type))
-    if _way in ("both", "to_grpc"):
-        TO_GRPC.setdefault(_status, _code)
-
-
 REQUEST_ID_HEADER = "X-Request-Id"
 REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
 """A client's request id (REST's header, the gRPC API's field or metadata)."""
-
-
-def http_status(code: grpc.StatusCode) -> tuple[int, str]:
-    return TO_HTTP.get(code, (500, "server_error"))
-
-
-def grpc_code(status: int) -> grpc.StatusCode:
-    return TO_GRPC.get(status, grpc.StatusCode.INTERNAL)
 
 
 class ResponseHomes:
@@ -258,7 +209,7 @@ class RequestCore:
                 raise ApiError(e.status, e.message, "rate_limit_error" if e.status == 429 else "server_error",
                                retry_after=str(e.retry_after_s)) from None
             try:
-                loaded = await load_media(call, req, self.cfg, self.fetcher)
+                loaded = await load_media(call, req, self.cfg, self.fetcher, lease)
             except MediaError as e:
                 raise ApiError(e.status, str(e), param=f"{e.modality}_url") from None
         except BaseException:  # refused, the client went away during a fetch, or a bug: the places go back
@@ -272,37 +223,6 @@ class RequestCore:
         return Admitted(spec, call, req, loaded, Timings(start=arrival or time.perf_counter()), ticket, lease,
                         tenant=tenant, pinned=self.homes.get(named), background=background, _orch=self.orch,
                         _homes=self.homes, _work=self.background, _place=place)
-
-
-_DEPLOYMENT_FAULTS = {
-    grpc.StatusCode.INTERNAL: "internal error",
-    grpc.StatusCode.UNAVAILABLE: "no instance could serve the request",
-    grpc.StatusCode.DEADLINE_EXCEEDED: "the request timed out in the deployment",
-    grpc.StatusCode.FAILED_PRECONDITION: "the deployment's instances do not agree",
-    grpc.StatusCode.UNAUTHENTICATED: "the deployment's instances refused each other's credentials",
-    grpc.StatusCode.PERMISSION_DENIED: "the deployment's instances refused each other's credentials",
-}
-"""Codes whose details describe the deployment (instance addresses, what failed where), not the request:
-without ``--epd-facts`` a caller gets this summary and the request id; the gateway's log has the details."""
-
-
-def from_grpc(e: grpc.aio.AioRpcError, rid: str = "", facts: bool = True) -> ApiError:
-    """A gRPC status from the deployment as the HTTP error a client gets (``STATUS``). ``facts``
-    off (``--epd-facts``): a deployment fault's details are replaced by a summary naming the request
-    (``rid``)."""
-    status, type_ = http_status(e.code())
-    summary = _DEPLOYMENT_FAULTS.get(e.code())
-    if summary is not None and not facts:
-        return ApiError(status, f"{summary} (request {rid or 'unknown'}; the gateway's log has the details)", type_)
-    return ApiError(status, e.details() or e.code().name, type_)
-
-
-def error_body(e: ApiError, anthropic: bool = False) -> dict[str, Any]:
-    """An error as vLLM's server writes it: OpenAI's shape, or Anthropic's for the Messages API
-    (vLLM's ``translate_error_response``: the type and message only)."""
-    if anthropic:
-        return {"type": "error", "error": {"type": e.type, "message": e.message}}
-    return {"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.status}}
 
 
 def epd_facts(timings: Timings, last: lm_pb2.GenerateResponse | None) -> dict[str, Any]:
@@ -331,10 +251,3 @@ def finished(route: str, status: int, rid: str, timings: Timings, media: int, er
                        name, status, timings.total_ms, timings.lm or "-", timings.retries, error)
 
 
-def body_refused(e: BodyRefused) -> ApiError:
-    """The intake's refusal (body too large, too slow, no room to read it now) as the core's."""
-    if e.status == 503:
-        return ApiError(503, e.message, "server_error", retry_after="1")
-    if e.status == 429:  # a tenant over its share of the body budget
-        return ApiError(429, e.message, "rate_limit_error", retry_after="1")
-    return ApiError(e.status, e.message)

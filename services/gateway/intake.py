@@ -11,7 +11,7 @@ how long one may take, on both public ports. Anyone who can reach the gateway ge
 - The budget, ``--body-memory-mib``, is charged for bytes a client delivered, never for a length it
   declared: a body being read holds what has arrived (once per byte, chunk by chunk); once it is all
   there it holds ``BODY_COPIES`` times its size (the text, what is parsed from it, the media decoded
-  from that), plus twice the bytes of any media it fetched (``charge_fetched``), until its answer
+  from that), plus twice the bytes of any media it fetched (``BodyLease.charge_fetched``), until its answer
   ends; a non-streaming answer's bytes are added while they wait to be sent (``BodyLease.hold``).
   So what all requests hold is bounded, read, parsed, waiting for admission or in flight, and a
   client that declares 64 MiB and drips holds only what it dripped (and the minimum rate below
@@ -42,7 +42,7 @@ the gRPC API (never the REST one) at a time, and one connection or one tenant on
 
 Owner: ``server.serve`` makes one ``Intake``; the REST routes and ``GrpcIntake`` use it on the
 gateway's event loop. A ``BodyLease`` is released by whoever took it when the request ends
-(idempotent); ``CURRENT_LEASE`` lets the media loader charge fetched bytes to the request's lease.
+(idempotent); ``charge_fetched`` charges the media a request fetched to its lease.
 """
 
 from __future__ import annotations
@@ -192,6 +192,11 @@ class BodyLease:
         self._open = True
         self.nbytes = 0
 
+    async def charge_fetched(self, nbytes: int) -> None:
+        """Charges media the request fetched (http(s) URLs: held as long as the request, and its body's
+        share does not cover them). Raises BodyRefused (503)."""
+        await self.grow(FETCHED_COPIES * nbytes)
+
     async def grow(self, nbytes: int) -> None:
         if nbytes <= 0:
             return
@@ -241,15 +246,10 @@ class BodyLease:
             self._shares.count(self._shares.leases, self.tenant, -1)
 
 
-CURRENT_LEASE: contextvars.ContextVar[BodyLease | None] = contextvars.ContextVar("epd_body_lease", default=None)
-"""The lease of the request the current task serves (set by the REST route and ``GrpcIntake``)."""
-
-
-async def charge_fetched(nbytes: int) -> None:
-    """Charges media a request fetched (http(s) URLs) to its lease. Raises BodyRefused (503)."""
-    lease = CURRENT_LEASE.get()
-    if lease is not None:
-        await lease.grow(FETCHED_COPIES * nbytes)
+GRPC_LEASE: contextvars.ContextVar[BodyLease | None] = contextvars.ContextVar("epd_grpc_lease", default=None)
+"""A native gRPC call's lease, from ``GrpcIntake`` to the servicer's handler: grpc gives an interceptor no
+other way to hand its handler a value (the tenant crosses the same way: ``auth.CURRENT_TENANT``). The
+handler reads it once and passes it on explicitly (``RequestCore.admit(lease=...)``); nothing else reads it."""
 
 
 class Intake:
@@ -451,7 +451,7 @@ class GrpcIntake(grpc.aio.ServerInterceptor):
                 if request is None:
                     raise BodyRefused(408, "no request message", "timeout")
                 await lease.resize(BODY_COPIES * message_nbytes(request))
-                CURRENT_LEASE.set(lease)
+                GRPC_LEASE.set(lease)
                 answer = inner(request, context)
                 try:
                     async for response in answer:

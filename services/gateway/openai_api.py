@@ -23,20 +23,12 @@ from services.common.routes import API, APIS
 from services.gateway import metrics
 from services.gateway.auth import TENANT_KEY
 from services.gateway.config import GatewayConfig
-from services.gateway.core import (
-    REQUEST_ID_HEADER,
-    REQUEST_ID_RE,
-    RequestCore,
-    body_refused,
-    epd_facts,
-    error_body,
-    finished,
-    from_grpc,
-)
+from services.gateway.core import REQUEST_ID_HEADER, REQUEST_ID_RE, RequestCore, epd_facts, finished
+from services.gateway.errors import ApiError, body_refused, error_body, from_grpc
 from services.gateway.fetch import MediaFetcher
-from services.gateway.intake import CURRENT_LEASE, SLOW_READERS, BodyRefused, Intake
+from services.gateway.intake import SLOW_READERS, BodyRefused, Intake
 from services.gateway.orchestrator import Orchestrator
-from services.gateway.request import SCALE_OUT_DISABLED, SCALE_OUT_PATHS, ApiError, OpenAICall
+from services.gateway.request import SCALE_OUT_DISABLED, SCALE_OUT_PATHS, OpenAICall
 from services.gateway.tenants import ANONYMOUS
 
 logger = logging.getLogger(__name__)
@@ -128,7 +120,6 @@ class OpenAIRoutes:
         lease = None
         try:
             raw, lease = await self.intake.read(request)
-            CURRENT_LEASE.set(lease)
             admitted = await self.core.admit(api, raw, client_id=rid, id_given=bool(given), path=request.path,
                                              lease=lease, arrival=request.get(ARRIVAL_KEY),
                                              content_type=request.headers.get("Content-Type", ""),

@@ -19,24 +19,14 @@ from services.common.errors import MediaError
 from services.common.media import content_id
 from services.common.routes import API
 from services.gateway.config import GatewayConfig
+from services.gateway.errors import ApiError
 from services.gateway.fetch import MediaFetcher, load_images
-from services.gateway.intake import charge_fetched
+from services.gateway.intake import BodyLease
 from services.gateway.lm_body import LMBody
 from services.gateway.parts import MediaPart, PartError, anthropic_media_parts, media_parts
 from services.gateway.values import Media
 
 logger = logging.getLogger(__name__)
-
-
-class ApiError(Exception):
-    """A request answered with an error before (or instead of) an LM's answer: an HTTP status, the
-    message, the OpenAI error type and param, and ``retry_after`` (the header's seconds) where coming
-    back later helps. The gRPC API answers it with ``core.grpc_code(status)``."""
-
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 retry_after: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.retry_after = status, message, type_, param, retry_after
 
 
 def loads_strict(raw: bytes) -> Any:
@@ -74,11 +64,6 @@ def engine_request_id(client_id: str, prefix: str) -> str:
     suffix (clients may send the same id twice; an engine needs unique ones, and the client's id still
     finds the request in every service's logs), or ``<prefix>-<uuid>`` without one."""
     return f"{client_id}-{uuid.uuid4().hex[:12]}" if client_id else f"{prefix}-{uuid.uuid4().hex}"
-
-
-def media_api_error(e: MediaError) -> ApiError:
-    """A refused media item as the REST API answers it: 400 or 413, param image_url (audio_url)."""
-    return ApiError(e.status, str(e), param=f"{e.modality}_url")
 
 
 LIMIT_FLAG = {"image": "max_images", "audio": "max_audios", "video": "max_videos"}
@@ -242,18 +227,20 @@ def parse_openai(api: str, raw: bytes, cfg: GatewayConfig, media: list[bytes] | 
 
 
 async def load_media(call: OpenAICall, req: lm_pb2.GenerateRequest, cfg: GatewayConfig,
-                     fetcher: MediaFetcher | None) -> list[Media]:
+                     fetcher: MediaFetcher | None, lease: BodyLease | None = None) -> list[Media]:
     """Loads every media item of ``call`` (data: decoded, http(s) fetched concurrently, every header
     checked), adds one item per image or audio clip to ``req`` in order and returns them as Media.
-    Raises MediaError."""
+    ``lease``: the request's share of the body budget, charged for what it fetched. Raises MediaError
+    (BodyRefused when the fetched bytes do not fit)."""
     try:
         datas = await load_images(call.sources, cfg, fetcher, call.modalities)
     except MediaError as e:
         logger.info("request %s: media refused (%d): %s", req.request_id, e.status, e)
         raise
     # Fetched media are held as long as the request; its body's share of the budget does not cover them.
-    await charge_fetched(sum(len(d) for d, src in zip(datas, call.sources)
-                             if isinstance(src, str) and not src.startswith("data:")))
+    if lease is not None:
+        await lease.charge_fetched(sum(len(d) for d, src in zip(datas, call.sources)
+                                       if isinstance(src, str) and not src.startswith("data:")))
     media = []
     req.namespace = call.namespace  # the encoders and the LM compute and check identifiers in it
     for data, modality in zip(datas, call.modalities):

@@ -3,7 +3,7 @@
 A request is the REST body (``services.gateway.request.parse_openai``), with raw media allowed as
 ``epd-media:N``; the answer is what REST sends: vLLM's JSON, one event's data per message when
 streaming. An error the REST API would answer with an HTTP status ends the call with that status's
-gRPC code (``core.grpc_code``: the one table) and the message.
+gRPC code (``errors.grpc_code``: the one table) and the message.
 """
 
 from __future__ import annotations
@@ -18,19 +18,12 @@ from epd.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from services.common.errors import BadInput, EPDError
 from services.gateway.auth import CURRENT_TENANT
 from services.gateway.config import GatewayConfig
-from services.gateway.core import (
-    REQUEST_ID_HEADER,
-    REQUEST_ID_RE,
-    Admitted,
-    RequestCore,
-    epd_facts,
-    finished,
-    from_grpc,
-    grpc_code,
-)
+from services.gateway.core import REQUEST_ID_HEADER, REQUEST_ID_RE, Admitted, RequestCore, epd_facts, finished
+from services.gateway.errors import ApiError, from_grpc, grpc_code
 from services.gateway.fetch import MediaFetcher
+from services.gateway.intake import GRPC_LEASE
 from services.gateway.orchestrator import Orchestrator
-from services.gateway.request import API, ApiError
+from services.gateway.request import API
 
 _RESPONSE_ID = re.compile(r"[A-Za-z0-9_.-]{1,200}")
 
@@ -111,7 +104,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         request.ClearField("body")  # parsed below: the text goes (the media stay, shared with the call's sources)
         try:
             admitted = await self.core.admit(api, body, client_id=rid or uuid.uuid4().hex, id_given=bool(rid),
-                                             path=path, media=list(request.media), tenant=CURRENT_TENANT.get())
+                                             path=path, media=list(request.media), tenant=CURRENT_TENANT.get(),
+                                             lease=GRPC_LEASE.get())
         except ApiError as e:  # 429: RESOURCE_EXHAUSTED, 503: UNAVAILABLE (retry later), 400s: INVALID_ARGUMENT
             raise _Status(grpc_code(e.status), e.message) from None
         try:

@@ -115,7 +115,7 @@ def test_native_grpc_stored_responses_count_tokens_and_detokenize_as_rest(deploy
     """The session's LM stores responses (VLLM_ENABLE_RESPONSES_API_STORE=1): GetResponse gives what
     GET /v1/responses/{id} gives, CancelResponse ends as the REST cancel does (same status, as its
     gRPC code), an unknown or malformed id is refused; CountTokens and Detokenize answer as REST."""
-    from services.gateway.core import grpc_code
+    from services.gateway.errors import grpc_code
 
     with grpc.insecure_channel(deployment.gateway_grpc) as ch:
         stub = gateway_pb2_grpc.GatewayServiceStub(ch)

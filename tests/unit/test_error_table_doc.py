@@ -6,7 +6,7 @@ import re
 import grpc
 import pytest
 
-from services.gateway.core import grpc_code, http_status
+from services.gateway.errors import grpc_code, http_status
 
 pytestmark = pytest.mark.unit
 
@@ -38,7 +38,7 @@ def test_the_grpc_to_http_table_is_the_cores():
 
 def test_the_http_to_grpc_sentence_is_the_cores():
     text = _doc()
-    sentence = " ".join(text[text.index("HTTP to gRPC"):text.index("against `core.STATUS`")].split())
+    sentence = " ".join(text[text.index("HTTP to gRPC"):text.index("against `errors.STATUS`")].split())
     pairs = [(status, name) for statuses, name in re.findall(r"((?:\d{3}(?: and |, )?)+) `([A-Z_]+)`", sentence)
              for status in re.findall(r"\d{3}", statuses)]
     assert len(pairs) == 11, pairs

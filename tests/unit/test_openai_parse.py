@@ -15,16 +15,8 @@ from epd.lm.v1 import lm_pb2
 from epd.transfer.v1 import transfer_pb2
 from services.common.errors import MediaError
 from services.gateway.config import GatewayConfig
-from services.gateway.core import from_grpc
-from services.gateway.request import (
-    ApiError,
-    OpenAICall,
-    engine_request_id,
-    load_media,
-    loads_strict,
-    media_api_error,
-    parse_openai,
-)
+from services.gateway.errors import ApiError, from_grpc, media_api_error
+from services.gateway.request import OpenAICall, engine_request_id, load_media, loads_strict, parse_openai
 from services.gateway.values import Media
 from tools.media import make_audio
 
@@ -489,7 +481,7 @@ def test_the_grpc_apis_raw_media_may_be_audio():
 @pytest.mark.parametrize("code", [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL,
                                   grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.PERMISSION_DENIED])
 def test_a_deployment_faults_details_reach_a_caller_only_with_epd_facts(code):
-    from services.gateway.core import from_grpc
+    from services.gateway.errors import from_grpc
 
     e = grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), "encoder 10.1.2.3:50051: boom")
     hidden = from_grpc(e, "req-7", facts=False)
@@ -499,7 +491,7 @@ def test_a_deployment_faults_details_reach_a_caller_only_with_epd_facts(code):
 
 
 def test_a_requests_own_error_reaches_the_caller_unchanged_without_epd_facts():
-    from services.gateway.core import from_grpc
+    from services.gateway.errors import from_grpc
 
     e = grpc.aio.AioRpcError(grpc.StatusCode.INVALID_ARGUMENT, grpc.aio.Metadata(), grpc.aio.Metadata(),
                              "image 0: its uuid is not the content hash of its bytes")

@@ -21,8 +21,9 @@ from hypothesis import strategies as st
 
 from epd.lm.v1 import lm_pb2
 from services.gateway.config import GatewayConfig
+from services.gateway.errors import ApiError
 from services.gateway.parts import KEY_ORDER, MEDIA, MODALITY, PART_TYPES, PRECOMPUTED, TEXT
-from services.gateway.request import ApiError, parse_openai
+from services.gateway.request import parse_openai
 from services.gateway.values import Media
 
 pytestmark = pytest.mark.unit

@@ -18,7 +18,8 @@ from test_parts_vllm import DELIBERATE, GRPC_MEDIA, _lm_body, _Recorder, chat_ut
 
 from epd.lm.v1 import lm_pb2
 from services.gateway.config import GatewayConfig
-from services.gateway.request import ApiError, parse_openai
+from services.gateway.errors import ApiError
+from services.gateway.request import parse_openai
 
 pytestmark = pytest.mark.unit
 

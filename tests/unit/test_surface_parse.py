@@ -15,9 +15,9 @@ from epd.lm.v1 import lm_pb2
 from epd.transfer.v1 import transfer_pb2
 from services.common.routes import API, APIS
 from services.gateway.config import GatewayConfig
-from services.gateway.core import error_body
+from services.gateway.errors import ApiError, error_body
 from services.gateway.parts import anthropic_media_parts
-from services.gateway.request import ApiError, load_media, parse_openai
+from services.gateway.request import load_media, parse_openai
 
 pytestmark = pytest.mark.unit
 
