@@ -64,17 +64,17 @@ class EncodeCall(Protocol):
 
 
 def lm_failure(e: grpc.aio.AioRpcError, lm: Instance, req, groups: Sequence[EncodeCall],
-               prefill: Instance | None = None) -> Failure:
+               prefill: Instance | None = None, handoff_call: bool = False) -> Failure:
     """An LM call's error as the attempt's failure, by the LM's blame: an encoder it could not get an
     item from (re-encoded elsewhere), the prefill LM it could not load the KV from, a hand-off its role
-    no longer takes (re-verified), else the LM itself."""
+    no longer takes (``handoff_call``: a PREFILL or DECODE call; re-verified), else the LM itself."""
     trailers = list(e.trailing_metadata() or ())
     fault = read_fault(trailers)
     if fault == lm_pb2.FAULT_ENCODER:
         return Failure(e, "encoder", blame(groups, req, trailers))
     if fault == lm_pb2.FAULT_PREFILL and prefill is not None:
         return Failure(e, "lm", [prefill])
-    if fault == lm_pb2.FAULT_ROLE and req.HasField("kv") and e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+    if fault == lm_pb2.FAULT_ROLE and handoff_call and e.code() == grpc.StatusCode.FAILED_PRECONDITION:
         return Failure(e, "lm", [lm], reverify=True)  # restarted with another role
     return Failure(e, "lm", [lm])
 

@@ -58,6 +58,7 @@ async def call_lm(lm: Instance, req: lm_pb2.GenerateRequest, groups: Sequence[En
                 raise stopped from None
             raise
         except grpc.aio.AioRpcError as e:
-            raise lm_failure(e, lm, req, groups, prefill) from None
+            # A PREFILL call (not final) or a DECODE call (its prefill LM named) is a hand-off call.
+            raise lm_failure(e, lm, req, groups, prefill, handoff_call=not final or prefill is not None) from None
         finally:
             call.cancel()

@@ -168,3 +168,54 @@ def test_the_distribution_installs_the_runtime_packages_and_not_tools():
     tops = {p.split(".")[0] for p in find_packages(str(ROOT), include=include)}
     assert tops >= {"services", "ectransfer", "peerauth"} and tops <= {"services", "ectransfer", "peerauth", "epd"}
     assert "tools" not in tops and "tests" not in tops
+
+
+GATEWAY = ROOT / "services" / "gateway"
+REQUEST_MODEL = ("request.py", "parts.py", "fetch.py", "values.py", "lm_body.py")
+ORCHESTRATION = ("orchestrator", "fleet", "encoding", "lm_call", "handoff", "failures")
+
+
+def _code_names(path: pathlib.Path) -> set[str]:
+    """Every identifier, attribute name, keyword name and string constant of ``path``'s code (docstrings
+    and comments left out): what a rule about "who touches X" reads."""
+    tree = ast.parse(path.read_text())
+    docstrings = {id(n.body[0].value) for n in ast.walk(tree)
+                  if isinstance(n, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+                  and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            out.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            out.add(node.attr)
+        elif isinstance(node, ast.keyword) and node.arg:
+            out.add(node.arg)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            out.add(node.value)
+        elif isinstance(node, ast.alias):
+            out.add(node.asname or node.name.rsplit(".", 1)[-1])
+    return out
+
+
+def test_the_gateways_request_model_imports_nothing_of_the_orchestration():
+    """docs/architecture.md, "The gateway by noun": parsing and the LM body sit below the orchestration,
+    which calls them, never the other way round."""
+    offenders = {}
+    for name in REQUEST_MODEL:
+        bad = {m for m in imported_modules(GATEWAY / name)
+               if m.startswith("services.gateway.") and m.rsplit(".", 1)[-1] in ORCHESTRATION}
+        if bad:
+            offenders[name] = sorted(bad)
+    assert not offenders, offenders
+
+
+def test_only_the_gateways_handoff_module_touches_a_requests_kv_handoff():
+    offenders = sorted(p.name for p in GATEWAY.glob("*.py") if p.name != "handoff.py"
+                       and _code_names(p) & {"kv", "KVHandoff", "kv_transfer_params"})
+    assert not offenders, f"the E -> P -> D hand-off is services/gateway/handoff.py's: {offenders}"
+
+
+def test_only_the_gateways_failures_module_reads_the_peers_blame():
+    offenders = sorted(p.name for p in GATEWAY.glob("*.py") if p.name != "failures.py"
+                       and _code_names(p) & {"read_fault", "FAULT_KEY", "FAULT_ENDPOINT_KEY", "epd-fault"})
+    assert not offenders, f"the epd-fault trailers are read in services/gateway/failures.py alone: {offenders}"
