@@ -20,7 +20,8 @@ from services.gateway.auth import middleware as authenticate
 from services.gateway.config import GatewayConfig
 from services.gateway.core import RequestCore
 from services.gateway.fetch import MediaFetcher
-from services.gateway.intake import GrpcIntake, Intake
+from services.gateway.grpc_intake import GrpcIntake
+from services.gateway.intake import Intake
 from services.gateway.openai_api import OpenAIRoutes, request_context
 from services.gateway.orchestrator import Orchestrator
 from services.gateway.servicer import GatewayServicer

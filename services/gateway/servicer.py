@@ -21,7 +21,7 @@ from services.gateway.config import GatewayConfig
 from services.gateway.core import REQUEST_ID_HEADER, REQUEST_ID_RE, Admitted, RequestCore, epd_facts, finished
 from services.gateway.errors import ApiError, from_grpc, grpc_code
 from services.gateway.fetch import MediaFetcher
-from services.gateway.intake import GRPC_LEASE
+from services.gateway.grpc_intake import GRPC_LEASE
 from services.gateway.orchestrator import Orchestrator
 from services.gateway.request import API
 

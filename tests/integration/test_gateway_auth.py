@@ -22,7 +22,8 @@ from services.common.grpc_server import GrpcServer
 from services.gateway.auth import CURRENT_TENANT, UNAUTHORIZED_BODY, GrpcAuth
 from services.gateway.config import GatewayConfig
 from services.gateway.core import RequestCore
-from services.gateway.intake import GrpcIntake, Intake
+from services.gateway.grpc_intake import GrpcIntake
+from services.gateway.intake import Intake
 from services.gateway.tenants import ANONYMOUS, DEFAULT, Tenants
 from tests.integration.gateway_fakes import FakeLM, World, serve_fake, wait_until
 from tests.integration.gateway_harness import Gateway, chat, metric

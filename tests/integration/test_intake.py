@@ -17,7 +17,8 @@ from epd.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from services.common.grpc_server import GrpcServer
 from services.gateway import intake as intake_module
 from services.gateway.config import BODY_COPIES, GatewayConfig
-from services.gateway.intake import GRPC_READERS, BodyRefused, GrpcIntake, Intake
+from services.gateway.grpc_intake import GrpcIntake
+from services.gateway.intake import GRPC_READERS, BodyRefused, Intake
 from tests.integration.gateway_fakes import wait_until
 
 pytestmark = pytest.mark.integration
