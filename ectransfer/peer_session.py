@@ -97,7 +97,7 @@ class PeerSession:
         self.transport: ConsumerTransport | None = None  # chosen in the handshake
         self.mapped: set[str] = set()  # the transport's memory (segment or pool id) read in place
         self.proven: transfer_pb2.TransportOffer | None = None  # the offer whose probe this consumer passed
-        self.mode: asyncio.Future = asyncio.get_running_loop().create_future()  # "stream" (the gRPC stream) or "lane"
+        self.mode: asyncio.Future = asyncio.get_running_loop().create_future()  # "grpc" (the gRPC stream) or "lane"
         self.writer: asyncio.StreamWriter | None = None  # the control lane, once it carries the items
         self.channel = client.security.aio_channel(endpoint, options=TRANSFER_GRPC_OPTIONS)
         self.task = asyncio.create_task(self._run())
@@ -139,7 +139,7 @@ class PeerSession:
             self.client.chosen(self.endpoint, choice.name)
             reader = await self._open_lane(choice) if self.client.lane else None
             if reader is None:
-                self.mode.set_result("stream")
+                self.mode.set_result("grpc")
                 while (msg := await call.read()) is not grpc.aio.EOF:
                     self._on_message(msg)
             else:
@@ -162,7 +162,7 @@ class PeerSession:
             error = f"encoder at {self.endpoint}: {e!r}"
         finally:
             if not self.mode.done():
-                self.mode.set_result("stream")
+                self.mode.set_result("grpc")
             if self.writer is not None:
                 self.writer.close()
             self.client.peer_closed(self, error)
