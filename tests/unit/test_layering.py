@@ -109,3 +109,24 @@ def test_every_product_spawn_passes_an_explicit_environment():
                         and node.func.attr in SPAWNERS and not any(k.arg == "env" for k in node.keywords)):
                     offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert not offenders, f"spawned without env= (use services.common.spawn.child_env): {offenders}"
+
+
+def test_no_product_module_switches_on_a_transport_name():
+    """Callers ask a transport object (``ectransfer.base``); only a transport's own module and the
+    registry compare its name or a descriptor's payload name."""
+    names = {"shm", "cuda_ipc", "grpc", "chunks"}
+    allowed = {"ectransfer/shm.py", "ectransfer/cuda_ipc.py", "ectransfer/grpc_stream.py", "ectransfer/factory.py"}
+    offenders = []
+    for path in sorted([*(ROOT / "ectransfer").rglob("*.py"), *(ROOT / "services").rglob("*.py")]):
+        rel = str(path.relative_to(ROOT))
+        if rel in allowed:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Compare):
+                continue
+            for part in [node.left, *node.comparators]:
+                consts = part.elts if isinstance(part, (ast.Tuple, ast.List, ast.Set)) else [part]
+                hit = {c.value for c in consts if isinstance(c, ast.Constant) and c.value in names}
+                if hit:
+                    offenders.append(f"{rel}:{node.lineno} compares {sorted(hit)}")
+    assert not offenders, "ask the transport (ectransfer.base), not its name: " + "; ".join(offenders)
