@@ -2,7 +2,7 @@
 
 Drives the real Transfer protocol (grpc.aio on loopback, the same-host control
 lane, the shared-memory pool, the client that lands bytes in consumer staging)
-through ``ectransfer.loopback``, with the producer in its own process (as an
+through ``tests.support.loopback``, with the producer in its own process (as an
 encoder is), and times each item from the consumer's Reserve to the last byte
 landing in the consumer's staging (the state change on its transfer thread).
 The copy into staging is the one copy an in-place read makes into vLLM's
@@ -50,10 +50,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch
 from machine import machine_info, pct
 
-from ectransfer.loopback import Consumer, Producer
 from ectransfer.protocol import TransferState
 from peerauth import SecurityConfig
 from services.common.spawn import child_env
+from tests.support.loopback import Consumer, Producer
 
 # (rows, width) bf16 embeddings: 64 KiB ... 256 MiB
 SHAPES_QUICK = [(32, 1024), (512, 1024), (1024, 2048), (2048, 4096), (4096, 8192)]

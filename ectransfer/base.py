@@ -1,10 +1,27 @@
 """The transport interface. Every transport implements both halves.
 
+Everything a caller needs to know about a transport is asked of the transport
+(its class attributes and methods below): no caller outside the transport's
+own module and ``factory`` tests a transport's name or a descriptor's payload
+name. A new transport is one module, its row in ``factory`` and its proto
+message.
+
 Handshake (both halves): the producer ``offer()``s each transport, the consumer
 ``probe(offer)``s it and returns a proof (raising ProtocolError when it cannot
 use it, e.g. it cannot map the producer's shared memory), and the producer
 ``verify(proof)``s the consumer's choice. ``ectransfer.selection.choose`` picks
 the consumer's best transport that proves usable.
+
+Both halves: ``name`` (the registry's name, as in ``--transports``), ``kind``
+(the proto enum) and ``in_place`` (the consumer reads the producer's memory).
+
+Producer half, while the encoder's connector is built (its scheduler half):
+    ``pool_priority``          of the transports offered, the one with the
+                               highest priority makes the outbound pool
+                               (``make_pool``; CUDA IPC: a device allocation);
+                               the others are offered only if they
+                               ``describes(pool)`` (``factory.make_producers``).
+    ``build(pool, chunk_nbytes)``  the transport serving that pool.
 
 Producer half (encoder engine process, on the transfer server's threads):
     ``describe(data, desc)``   fill ``desc``'s payload oneof for one item whose
@@ -22,6 +39,25 @@ Consumer half (LM engine process, on the transfer client's thread):
                                byte has landed. Transports whose bytes are
                                readable at once (shm) are complete on creation.
     ``close()``                drop cached mappings (pools mapped once per peer).
+    ``check_source(desc, proven)``  an ItemHeader's payload is this transport's
+                               and, in place, lies in the memory the producer
+                               proved in the handshake (``proven``, its offer).
+    ``where(desc)``            (memory, offset) of an in-place item: the
+                               producer's segment or pool it lies in.
+    ``forget(memory)``         unmap that memory (its producer went away).
+    ``shared_mappings``        the mappings are process-wide (CUDA IPC), so the
+                               transfer client leaves ``forget`` to the
+                               connector, after vLLM's worker read them.
+    ``for_service()``          the transport as the LM *service* process
+                               checks an encoder with; a ``provisional`` one
+                               only says it could work here (the handshake
+                               stops before Select; the engine proves it).
+
+Consumer worker half (vLLM's worker, in place only):
+    ``load(desc, device)``     a copy of the item on ``device`` (flat uint8)
+                               that the caller owns, finished when it returns;
+                               the producer keeps the memory until the
+                               scheduler half acks after the load.
 
 Failures are raised as ``ProtocolError`` inside the transfer threads and turned
 into a FAILED item state there; nothing raises across vLLM's engine step.
@@ -37,6 +73,7 @@ from typing import ClassVar
 
 import torch
 
+from ectransfer.pool import Pool
 from ectransfer.protocol import ProtocolError
 from epd.transfer.v1 import transfer_pb2
 
@@ -76,10 +113,35 @@ def proof_matches(proof: bytes, nonce: bytes, challenge: bytes) -> bool:
 
 
 class ProducerTransport(ABC):
+    name: ClassVar[str]
     kind: ClassVar[int]
     in_place: ClassVar[bool] = False
     """The consumer reads the producer's memory itself (shm, CUDA IPC): the
     server holds the slot from the header until the consumer's Ack/Cancel."""
+    pool_priority: ClassVar[int] = 0
+    """Of the transports a producer offers, the one with the highest priority
+    makes the outbound pool (``make_pool``)."""
+
+    @classmethod
+    def make_pool(cls, capacity: int, role: str) -> Pool:
+        """A new outbound pool of ``capacity`` bytes, owned (and closed) by the
+        caller. Default: a shared-memory segment, which vLLM's worker (maybe
+        another process) writes into and any transport can serve from."""
+        from ectransfer.shm import ShmPool
+
+        return ShmPool(capacity, role=role)
+
+    @classmethod
+    def describes(cls, pool: Pool) -> bool:
+        """Whether this transport can serve items of ``pool`` (shm cannot
+        describe device memory); one that cannot is not offered."""
+        return True
+
+    @classmethod
+    def build(cls, pool: Pool, chunk_nbytes: int) -> ProducerTransport:
+        """The transport serving ``pool`` (which the caller keeps owning);
+        ``chunk_nbytes`` is for transports that send the bytes in chunks."""
+        return cls(pool=pool)
 
     def offer(self) -> transfer_pb2.TransportOffer:
         return transfer_pb2.TransportOffer(transport=self.kind)
@@ -100,9 +162,50 @@ class ProducerTransport(ABC):
 
 
 class ConsumerTransport(ABC):
+    name: ClassVar[str]
     kind: ClassVar[int]
+    payload: ClassVar[str]
+    """The ``TensorDescriptor.payload`` field this transport reads."""
     in_place: ClassVar[bool] = False
     """``locate`` can hand out where the item lies instead of copying it."""
+    shared_mappings: ClassVar[bool] = False
+    """The memory it maps is mapped once per process and shared with vLLM's
+    worker when that runs in the same process: the transfer client does not
+    ``forget`` it; the connector does, after the worker's loads."""
+    provisional: ClassVar[bool] = False
+    """A stand-in (``for_service``) that can say whether the transport could
+    work here but cannot prove it: a handshake with it stops before Select."""
+
+    @classmethod
+    def for_service(cls) -> ConsumerTransport:
+        """The transport as the LM service process (outside the engine) checks
+        an encoder with: by default the transport itself."""
+        return cls()
+
+    def check_source(self, desc: transfer_pb2.TensorDescriptor,
+                     proven: transfer_pb2.TransportOffer | None) -> None:
+        """An ItemHeader's descriptor on a stream that chose this transport:
+        its payload must be this transport's; in-place transports also check
+        that it lies in the memory the producer proved (``proven``: the chosen
+        offer). Raises ProtocolError."""
+        got = desc.WhichOneof("payload")
+        if got != self.payload:
+            raise ProtocolError(f"a {got} item on a stream that chose {self.name}")
+
+    def where(self, desc: transfer_pb2.TensorDescriptor) -> tuple[str, int]:
+        """(memory, offset) of an in-place item: the producer's segment or pool
+        it lies in (what ``forget`` takes), and where in it."""
+        raise ProtocolError("this transport cannot be read in place")
+
+    def load(self, desc: transfer_pb2.TensorDescriptor, device: torch.device | str) -> torch.Tensor:
+        """vLLM's worker: a flat uint8 copy of the in-place item on ``device``,
+        owned by the caller and complete when this returns (the scheduler half
+        acks after, which lets the producer free it). Raises ProtocolError."""
+        raise ProtocolError("this transport cannot be read in place")
+
+    def forget(self, memory: str) -> None:
+        """Unmaps ``memory`` (a ``where`` name) of a producer that went away."""
+        return None
 
     def locate(self, desc: transfer_pb2.TensorDescriptor) -> None:
         """In-place transports: validate ``desc`` (the range lies inside memory

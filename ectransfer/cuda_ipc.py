@@ -37,6 +37,7 @@ import uuid
 import torch
 
 from ectransfer.base import ConsumerTransport, Landed, ProducerTransport, Receiver, proof_matches, seal_proof
+from ectransfer.factory import cuda_ipc_usable
 from ectransfer.pool import ALIGNMENT, Pool
 from ectransfer.pool import check_range as _check_range
 from ectransfer.protocol import ProtocolError
@@ -88,9 +89,22 @@ class CudaPool(Pool):
 
 
 class CudaIpcProducer(ProducerTransport):
+    name = "cuda_ipc"
     kind = transfer_pb2.CUDA_IPC
     in_place = True
+    pool_priority = 2
+    """Offered at all, it puts the outbound pool on the GPU (gRPC chunks still
+    serve remote LMs, one device-to-host copy per item; shm cannot describe
+    device memory, so it is not offered)."""
     NONCE_NBYTES = 16
+
+    @classmethod
+    def make_pool(cls, capacity: int, role: str) -> CudaPool:
+        return CudaPool(capacity)
+
+    @classmethod
+    def describes(cls, pool: Pool) -> bool:
+        return isinstance(pool, CudaPool)
 
     def __init__(self, pool: CudaPool) -> None:
         self.pool = pool
@@ -296,8 +310,15 @@ MAX_PROBE_NBYTES = 4096  # a probe reads a nonce back, not data
 
 
 class CudaIpcConsumer(ConsumerTransport):
+    name = "cuda_ipc"
     kind = transfer_pb2.CUDA_IPC
+    payload = "cuda_ipc"
     in_place = True
+    shared_mappings = True  # one mapping per pool per process (see _MAPPED)
+
+    @classmethod
+    def for_service(cls) -> ConsumerTransport:
+        return OfferedCudaIpc()  # no CUDA context in the LM service process
 
     def __init__(self, device: int | None = None) -> None:
         self.device = device
@@ -331,6 +352,27 @@ class CudaIpcConsumer(ConsumerTransport):
         copy_out(desc.cuda_ipc, desc.nbytes, dest)
         return Landed()
 
+    def check_source(self, desc: transfer_pb2.TensorDescriptor,
+                     proven: transfer_pb2.TransportOffer | None) -> None:
+        super().check_source(desc, proven)
+        if proven is None or not proven.HasField("cuda_probe"):
+            raise ProtocolError("a cuda_ipc item on a stream whose handshake proved no such memory")
+        ref, probe = desc.cuda_ipc, proven.cuda_probe
+        if (ref.pool_id, ref.handle, ref.pool_nbytes) != (probe.pool_id, probe.handle, probe.pool_nbytes):
+            raise ProtocolError(f"item in CUDA pool {ref.pool_id}, but the encoder proved pool {probe.pool_id}")
+
+    def where(self, desc: transfer_pb2.TensorDescriptor) -> tuple[str, int]:
+        return desc.cuda_ipc.pool_id, desc.cuda_ipc.offset
+
+    def load(self, desc: transfer_pb2.TensorDescriptor, device: torch.device | str) -> torch.Tensor:
+        if desc.WhichOneof("payload") != "cuda_ipc":
+            raise ProtocolError(f"expected a CUDA IPC payload, got {desc.WhichOneof('payload')}")
+        # One device-to-device copy out of the encoder's CUDA pool, finished
+        # before the scheduler half acks (it frees the range).
+        raw = torch.empty(desc.nbytes, dtype=torch.uint8, device=device)
+        copy_out(desc.cuda_ipc, desc.nbytes, raw)
+        return raw
+
     def forget(self, pool_id: str) -> None:
         self._pools.discard(pool_id)
         forget(pool_id)
@@ -338,3 +380,23 @@ class CudaIpcConsumer(ConsumerTransport):
     def close(self) -> None:
         for pool_id in list(self._pools):
             self.forget(pool_id)
+
+
+class OfferedCudaIpc(ConsumerTransport):
+    """CUDA IPC as the LM *service* process sees it: usable when offered and
+    this host has CUDA and cupy. It never opens the handle (no CUDA context in
+    the service process), so the handshake stops before Select; the engine's
+    connector proves it for real."""
+
+    name = "cuda_ipc"
+    kind = transfer_pb2.CUDA_IPC
+    payload = "cuda_ipc"
+    provisional = True
+
+    def probe(self, offer: transfer_pb2.TransportOffer) -> bytes:
+        if not cuda_ipc_usable():
+            raise ProtocolError("no CUDA device or no cupy in this process")
+        return b""
+
+    def receiver(self, desc, dest):
+        raise ProtocolError("the LM service never receives items itself")

@@ -1,9 +1,13 @@
 """Transport registry. Registration is central and lazy so that only the chosen
-backend is imported (importing ``ectransfer`` never imports CUDA libraries)."""
+backend is imported (importing ``ectransfer`` never imports CUDA libraries).
+
+The only module besides the transports' own that knows transports by name:
+callers hold transport objects and ask them (``ectransfer.base``)."""
 
 from __future__ import annotations
 
 import importlib
+import logging
 
 from epd.transfer.v1 import transfer_pb2
 
@@ -15,6 +19,8 @@ _REGISTRY: dict[str, tuple[str, str, str, int]] = {
 }
 NAMES = tuple(_REGISTRY)
 AUTO = "auto"
+
+logger = logging.getLogger(__name__)
 
 
 def cuda_ipc_usable() -> bool:
@@ -78,3 +84,33 @@ def make_producer(name: str, **kwargs):
 
 def make_consumer(name: str, **kwargs):
     return _load(name, 2)(**kwargs)
+
+
+def make_service_consumer(name: str):
+    """The consumer transport as the LM service process checks encoders with
+    (``ConsumerTransport.for_service``)."""
+    return _load(name, 2).for_service()
+
+
+def make_producers(names: list[str], pool_bytes: int, chunk_nbytes: int, role: str = "outbound"):
+    """The outbound pool and the producer transports that serve it, for the
+    resolved ``names`` (best first). The transport with the highest
+    ``pool_priority`` makes the pool (CUDA IPC: on the GPU; else a shared-memory
+    segment); transports that cannot describe it are not offered (a warning
+    says so). Returns (pool, {kind: transport}, names offered); the caller owns
+    the pool and closes it after the transports."""
+    from ectransfer.base import ProducerTransport
+
+    classes = {name: _load(name, 1) for name in names}
+    lead = max(classes.values(), key=lambda c: c.pool_priority, default=ProducerTransport)
+    pool = lead.make_pool(pool_bytes, role)
+    offered = [name for name in names if classes[name].describes(pool)]
+    if len(offered) < len(names):
+        logger.warning("transports %s: %s not offered: they cannot describe the outbound pool %s makes (%s); "
+                       "LMs that would use them fall back", names, ",".join(n for n in names if n not in offered),
+                       lead.name, type(pool).__name__)
+    transports = {}
+    for name in offered:
+        t = classes[name].build(pool, chunk_nbytes)
+        transports[t.kind] = t
+    return pool, transports, offered

@@ -15,6 +15,7 @@ import torch
 
 from ectransfer import chunkwire
 from ectransfer.base import ConsumerTransport, ProducerTransport, Receiver
+from ectransfer.pool import Pool
 from ectransfer.protocol import ProtocolError
 from epd.transfer.v1 import transfer_pb2
 
@@ -22,7 +23,12 @@ DEFAULT_CHUNK_NBYTES = 4 << 20
 
 
 class GrpcChunkProducer(ProducerTransport):
+    name = "grpc"
     kind = transfer_pb2.GRPC_CHUNKS
+
+    @classmethod
+    def build(cls, pool: Pool, chunk_nbytes: int) -> GrpcChunkProducer:
+        return cls(chunk_nbytes=chunk_nbytes)  # reads whatever slot it is handed, in any pool
 
     def __init__(self, chunk_nbytes: int = DEFAULT_CHUNK_NBYTES) -> None:
         if chunk_nbytes <= 0:
@@ -72,7 +78,9 @@ class ChunkReceiver(Receiver):
 
 
 class GrpcChunkConsumer(ConsumerTransport):
+    name = "grpc"
     kind = transfer_pb2.GRPC_CHUNKS
+    payload = "chunks"
 
     def receiver(self, desc: transfer_pb2.TensorDescriptor, dest: torch.Tensor) -> Receiver:
         if desc.WhichOneof("payload") != "chunks":

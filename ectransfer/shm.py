@@ -262,9 +262,15 @@ class ShmProducer(ProducerTransport):
     Holds one small slot of the pool with a random nonce: a consumer proves it
     maps the very same memory by reading the nonce back (capability, not hostname)."""
 
+    name = "shm"
     kind = transfer_pb2.SHM
     in_place = True
+    pool_priority = 1
     NONCE_NBYTES = 16
+
+    @classmethod
+    def describes(cls, pool: Pool) -> bool:
+        return isinstance(pool, ShmPool)  # a segment and an offset: not device memory
 
     def __init__(self, pool: ShmPool) -> None:
         self.pool = pool
@@ -289,7 +295,9 @@ class ShmProducer(ProducerTransport):
 class ShmConsumer(ConsumerTransport):
     """Copies an item out of the producer's segment into ``dest`` at once."""
 
+    name = "shm"
     kind = transfer_pb2.SHM
+    payload = "shm"
     in_place = True
 
     def __init__(self) -> None:
@@ -327,6 +335,23 @@ class ShmConsumer(ConsumerTransport):
         if desc.nbytes:
             dest.copy_(seg.buffer[desc.shm.offset : desc.shm.offset + desc.nbytes])
         return Landed()
+
+    def check_source(self, desc: transfer_pb2.TensorDescriptor,
+                     proven: transfer_pb2.TransportOffer | None) -> None:
+        super().check_source(desc, proven)
+        if proven is None or not proven.HasField("shm_probe"):
+            raise ProtocolError("a shm item on a stream whose handshake proved no such memory")
+        if desc.shm.segment != proven.shm_probe.segment:
+            raise ProtocolError(f"item in segment {desc.shm.segment!r}, "
+                                f"but the encoder proved {proven.shm_probe.segment!r}")
+
+    def where(self, desc: transfer_pb2.TensorDescriptor) -> tuple[str, int]:
+        return desc.shm.segment, desc.shm.offset
+
+    def load(self, desc: transfer_pb2.TensorDescriptor, device: torch.device | str) -> torch.Tensor:
+        seg = self.locate(desc)
+        # One memcpy (or H2D copy) out of the producer's segment, which it holds until the ack.
+        return seg.buffer[desc.shm.offset : desc.shm.offset + desc.nbytes].to(device, copy=True)
 
     def forget(self, segment: str) -> None:
         """Unmaps a segment of a producer that went away."""

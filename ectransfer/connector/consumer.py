@@ -21,17 +21,15 @@ the scheduler half, which then acks them.
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import time
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-from ectransfer import cuda_ipc, factory, tensors
-from ectransfer.client import Fetch, TransferClient
+from ectransfer import factory, tensors
+from ectransfer.base import ConsumerTransport
+from ectransfer.client import TransferClient
 from ectransfer.connector.cache_manager import manager_for
 from ectransfer.connector.common import compat_for, worker_device
 from ectransfer.connector.config import ConnectorConfig
@@ -44,6 +42,7 @@ from ectransfer.connector.metadata import (
     LoadSpec,
     TransferReport,
 )
+from ectransfer.peer_session import Fetch
 from ectransfer.pool import Slot
 from ectransfer.protocol import ItemTransfer, TransferState
 from ectransfer.shm import Mappings, ShmPool
@@ -88,10 +87,12 @@ class ConsumerScheduler:
         engine_id = vllm_config.ec_transfer_config.engine_id
         # Shared memory because vLLM's worker may be another process (it is on CPU).
         self.staging = ShmPool(cfg.staging_bytes, role="staging")
+        transports = [factory.make_consumer(n) for n in factory.resolve(cfg.transports, "consumer")]
+        self._transports = {t.name: t for t in transports}
         self.client = TransferClient(
             compat_for(vllm_config, cfg.model_name),
             consumer_id=engine_id,
-            transports=[factory.make_consumer(n) for n in factory.resolve(cfg.transports, "consumer")],
+            transports=transports,
             timeout_s=cfg.transfer_timeout_s,
             hold_s=cfg.in_place_hold_s,
             security=SecurityConfig.from_dict(cfg.security),
@@ -283,12 +284,9 @@ class ConsumerScheduler:
                             item.slot.nbytes)
         else:  # in place: the worker copies from the encoder's memory, we ack after
             self._free_staging(item)
-            if src.WhichOneof("payload") == "shm":
-                spec = LoadSpec(item.transfer.identifier, fetch.shape, dtype, src.shm.segment, src.shm.offset,
-                                src.nbytes)
-            else:
-                spec = LoadSpec(item.transfer.identifier, fetch.shape, dtype, "", src.cuda_ipc.offset, src.nbytes,
-                                cuda_ref=src.cuda_ipc.SerializeToString())
+            memory, offset = fetch.transport.where(src)
+            spec = LoadSpec(item.transfer.identifier, fetch.shape, dtype, memory, offset, src.nbytes,
+                            transport=fetch.transport.name, source=src.SerializeToString())
         self._to_load.append(spec)
         self._stats[request.request_id].transferred_items += 1
         # Settled for this request: once injected, vLLM's cache holds it, and a later
@@ -300,12 +298,12 @@ class ConsumerScheduler:
     def build_meta(self, scheduler_output) -> EPDConnectorMetadata:
         for req_id, inputs in scheduler_output.scheduled_encoder_inputs.items():
             self._stats[req_id].local_encoder_runs += len(inputs)
-        # CUDA mappings are process-wide: this process's copy (the client's probe,
-        # maybe a worker here) is closed a step after the worker was told.
-        if self._unmap_next and "ectransfer.cuda_ipc" in sys.modules:
-            for kind, name in self._unmap_next:
-                if kind == "cuda_ipc":
-                    sys.modules["ectransfer.cuda_ipc"].forget(name)
+        # Process-wide mappings (CUDA IPC: the client's probe, maybe a worker
+        # here): this process's copy is closed a step after the worker was told.
+        for name, memory in self._unmap_next:
+            transport = self._transports.get(name)
+            if transport is not None and transport.shared_mappings:
+                transport.forget(memory)
         self._wait_if_idle(scheduler_output)
         meta = EPDConnectorMetadata(loads=self._to_load, unmap=self.client.take_unmapped())
         self._unmap_next = meta.unmap
@@ -396,10 +394,18 @@ class ConsumerScheduler:
 
 class ConsumerWorker:
     def __init__(self, vllm_config, cfg: ConnectorConfig) -> None:
-        # The scheduler half's staging and the encoders' outbound segments, each
-        # mapped once; an encoder's is unmapped when its stream closes.
+        # The scheduler half's staging, mapped once; the encoders' memory is
+        # read in place by one transport object per name (``_reader``), which
+        # maps each encoder's once and unmaps it when its stream closes.
         self.mappings = Mappings()
+        self._readers: dict[str, ConsumerTransport] = {}
         self._loaded: list[str] = []
+
+    def _reader(self, name: str) -> ConsumerTransport:
+        reader = self._readers.get(name)
+        if reader is None:
+            reader = self._readers[name] = factory.make_consumer(name)
+        return reader
 
     def load(self, encoder_cache, meta: EPDConnectorMetadata) -> None:
         device = worker_device()
@@ -408,29 +414,25 @@ class ConsumerWorker:
                 self._loaded.append(spec.identifier)
                 continue
             dtype = tensors.dtype_from_name(spec.dtype)
-            if spec.cuda_ref:
-                # One device-to-device copy out of the encoder's CUDA pool,
-                # finished before the scheduler half acks (it frees the range).
-
-                raw = torch.empty(spec.nbytes, dtype=torch.uint8, device=device)
-                cuda_ipc.copy_out(transfer_pb2.CudaIpcRef.FromString(spec.cuda_ref), spec.nbytes, raw)
+            if spec.transport:
+                # Out of the encoder's memory, finished before the scheduler half acks (it frees the range).
+                raw = self._reader(spec.transport).load(transfer_pb2.TensorDescriptor.FromString(spec.source), device)
                 encoder_cache[spec.identifier] = tensors.from_bytes(raw, spec.shape, dtype)
             else:
                 raw = self.mappings.get(spec.segment).buffer[spec.offset : spec.offset + spec.nbytes]
                 # A copy (one memcpy / H2D): the slot is freed once the scheduler hears back.
                 encoder_cache[spec.identifier] = tensors.from_bytes(raw, spec.shape, dtype).to(device, copy=True)
             self._loaded.append(spec.identifier)
-        for kind, name in meta.unmap:
-            if kind == "shm":
-                self.mappings.drop(name)
-            elif "ectransfer.cuda_ipc" in sys.modules:
-                sys.modules["ectransfer.cuda_ipc"].forget(name)
+        for name, memory in meta.unmap:
+            self._reader(name).forget(memory)
 
     def start(self) -> ConsumerWorker:
         return self  # nothing to start: mappings open on first use
 
     def shutdown(self) -> None:
         self.mappings.close()
+        for reader in self._readers.values():
+            reader.close()
 
     def build_worker_meta(self) -> EPDWorkerMetadata | None:
         if not self._loaded:

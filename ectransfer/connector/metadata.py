@@ -36,13 +36,14 @@ from ectransfer import tensors
 
 @dataclass
 class LoadSpec:
-    """Consumer: copy ``nbytes`` at ``offset`` of shared-memory ``segment`` into
-    vLLM's encoder cache. The segment is the encoder's outbound pool when the
-    item is read in place (shm transport; the encoder holds it until the
-    scheduler half acks after the load), else the scheduler half's inbound
-    staging (gRPC chunks). With ``cuda_ref`` (a serialized
-    ``epd.transfer.v1.CudaIpcRef``) the source is the encoder's CUDA pool
-    instead: one device-to-device copy."""
+    """Consumer: copy ``nbytes`` at ``offset`` of ``segment`` into vLLM's
+    encoder cache. Without ``transport`` the segment is the scheduler half's
+    inbound staging (where gRPC chunks, or a demoted item, landed). With it the
+    item is read in place: ``segment`` is the encoder's memory that transport
+    names (``ConsumerTransport.where``: a shared-memory segment, a CUDA pool
+    id), ``source`` the item's serialized ``epd.transfer.v1.TensorDescriptor``,
+    and the worker copies it with that transport's ``load``; the encoder holds
+    it until the scheduler half acks after the load."""
 
     identifier: str
     shape: tuple[int, ...]
@@ -50,7 +51,9 @@ class LoadSpec:
     segment: str
     offset: int
     nbytes: int
-    cuda_ref: bytes = b""
+    transport: str = ""
+    """The in-place transport's name (``ConsumerTransport.name``); "" for staging."""
+    source: bytes = b""
 
 
 @dataclass
@@ -82,8 +85,9 @@ class EPDConnectorMetadata(ECConnectorMetadata):
     notify_key: bytes = b""
     """Producer: the key every report starts with (the socket drops datagrams without it)."""
     unmap: list[tuple[str, str]] = field(default_factory=list)
-    """Consumer: ("shm", segment) / ("cuda_ipc", pool id) of encoders whose
-    stream closed: unmap after this step's loads."""
+    """Consumer: (transport name, memory) of encoders whose stream closed
+    (``TransferClient.take_unmapped``): the worker unmaps them with that
+    transport's ``forget`` after this step's loads."""
 
 
 @dataclass

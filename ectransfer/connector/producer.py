@@ -78,7 +78,7 @@ from ectransfer.cuda_ipc import CudaPool
 from ectransfer.outbound import CopyState, OutboundStore, move
 from ectransfer.pool import PoolFullError, Slot
 from ectransfer.server import TransferServerThread, TransferServicer
-from ectransfer.shm import Mappings, ShmPool, new_name
+from ectransfer.shm import Mappings, new_name
 from epd.transfer.v1 import transfer_pb2
 from peerauth import SecurityConfig
 
@@ -107,28 +107,14 @@ class ProducerScheduler:
         self.dtype = mc.dtype
         self.widths = dict(vllm_config.ec_transfer_config.mm_encoder_output_widths)
         self.default_width = mc.get_hidden_size()
-        names = factory.resolve(cfg.transports, "producer")
-        self.cuda_pool = None
-        if "cuda_ipc" in names:
-            # The outbound pool is one device allocation on this engine's GPU,
-            # exported once; the worker writes encoder outputs into it (same
-            # process under vLLM's single-process executor, else through the
-            # handle). gRPC chunks still serve remote LMs (one D2H per item);
-            # shm cannot describe GPU memory, so it is not offered.
-
-            if "shm" in names:
-                logger.warning("transports %s: shm is not offered when the outbound pool is on the GPU "
-                               "(cuda_ipc); same-host LMs without CUDA IPC fall back to grpc", names)
-                names.remove("shm")
-            self.pool = self.cuda_pool = CudaPool(cfg.outbound_pool_bytes)
-        else:
-            self.pool = ShmPool(cfg.outbound_pool_bytes, role="outbound")
+        # The transport with the highest pool priority makes the outbound pool
+        # (CUDA IPC: one device allocation on this engine's GPU, exported once,
+        # which the worker writes into in this process or through the handle;
+        # else shared memory); those that cannot describe it are not offered.
+        self.pool, transports, names = factory.make_producers(
+            factory.resolve(cfg.transports, "producer"), cfg.outbound_pool_bytes, cfg.chunk_nbytes)
+        self.cuda_pool = self.pool if isinstance(self.pool, CudaPool) else None
         self.store = OutboundStore(self.pool, ttl_s=cfg.lease_s, max_settled_claims=cfg.max_settled_claims)
-        transports = {}
-        for name in names:
-            kwargs = {"chunk_nbytes": cfg.chunk_nbytes} if name == "grpc" else {"pool": self.pool}
-            t = factory.make_producer(name, **kwargs)
-            transports[t.kind] = t
         servicer = TransferServicer(self.store, compat_for(vllm_config, cfg.model_name),
                                     vllm_config.ec_transfer_config.engine_id, transports,
                                     item_wait_s=cfg.item_wait_s, stats_fn=lambda: self.stats_snapshot(),

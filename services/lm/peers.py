@@ -16,8 +16,7 @@ import grpc
 from prometheus_client import Gauge
 
 from ectransfer.base import ConsumerTransport
-from ectransfer.client import negotiate
-from ectransfer.factory import cuda_ipc_usable
+from ectransfer.peer_session import negotiate
 from ectransfer.protocol import CompatError, ProtocolError
 from epd.transfer.v1 import transfer_pb2, transfer_pb2_grpc
 from peerauth import SecurityConfig
@@ -26,23 +25,6 @@ from services.common.errors import BadInput, EncoderUnavailable, Forbidden, Inco
 PEER_TRANSPORT = Gauge("epd_lm_peer_transport", "Transport chosen per encoder (1 = in use)", ["peer", "transport"])
 
 logger = logging.getLogger(__name__)
-
-
-class OfferedCudaIpc(ConsumerTransport):
-    """CUDA IPC as the LM *service* process sees it: usable when offered and
-    this host has CUDA and cupy. It never opens the handle (no CUDA context in
-    the service process), so the handshake stops before Select; the engine's
-    connector proves it for real."""
-
-    kind = transfer_pb2.CUDA_IPC
-
-    def probe(self, offer: transfer_pb2.TransportOffer) -> bytes:
-        if not cuda_ipc_usable():
-            raise ProtocolError("no CUDA device or no cupy in this process")
-        return b""
-
-    def receiver(self, desc, dest):
-        raise ProtocolError("the LM service never receives items itself")
 
 
 def _host(host: str) -> str:
@@ -160,7 +142,7 @@ class PeerChecker:
             call = transfer_pb2_grpc.TransferServiceStub(ch).Transfer(requests(), timeout=self.timeout_s)
             try:
                 choice = await negotiate(call, out.put_nowait, self.compat, self.transports,
-                                         select=lambda c: not isinstance(c.transport, OfferedCudaIpc), channel=ch)
+                                         select=lambda c: not c.transport.provisional, channel=ch)
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
                     raise Incompatible(e.details()) from None

@@ -34,7 +34,7 @@ from services.common.media import MediaDecoder
 from services.lm import media_connector
 from services.lm.config import LMServiceConfig
 from services.lm.frontend import build_frontend
-from services.lm.peers import EncoderAllowList, OfferedCudaIpc, PeerChecker
+from services.lm.peers import EncoderAllowList, PeerChecker
 from services.lm.response_store import StoredResponses
 from services.lm.servicer import LMServicer
 from services.lm.side_channel import SideChannelWatch
@@ -127,7 +127,7 @@ async def serve(cfg: LMServiceConfig, engine_cfg: EngineConfig, stop: asyncio.Ev
         # opens a CUDA IPC handle itself (that would put a CUDA context in it):
         # the engine's connector negotiates for real and reports per request.
         names = factory.resolve(cfg.transport_list(), "consumer")
-        transports = [factory.make_consumer(t) if t != "cuda_ipc" else OfferedCudaIpc() for t in names]
+        transports = [factory.make_service_consumer(t) for t in names]
         consumer_id = engine.vllm_config.ec_transfer_config.engine_id if consumer else ""
         peers = PeerChecker(compat, consumer_id, transports,
                             cfg.handshake_timeout_s, security=security,

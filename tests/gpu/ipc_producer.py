@@ -48,7 +48,7 @@ def main() -> None:
                               "sha256": hashlib.sha256(data.numpy().tobytes()).hexdigest()}), flush=True)
         torch.cuda.synchronize()
     else:
-        from ectransfer.loopback import Producer
+        from tests.support.loopback import Producer
 
         producer = Producer(pool_bytes=256 << 20, transports=("cuda_ipc",))
         for ident, t in random_tensors(int(sys.argv[2])):

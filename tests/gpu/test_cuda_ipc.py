@@ -55,9 +55,9 @@ def test_cuda_ipc_through_the_transfer_protocol_is_chosen_and_exact():
     import torch
 
     from ectransfer import cuda_ipc, tensors
-    from ectransfer.loopback import Consumer
     from ectransfer.protocol import TransferState
     from tests.gpu.ipc_producer import random_tensors
+    from tests.support.loopback import Consumer
 
     proc, lines = _start("--serve", 20)
     consumer = Consumer(transports=("cuda_ipc",), staging_bytes=256 << 20, device="cuda")
@@ -84,9 +84,9 @@ def test_cuda_ipc_into_host_staging_is_exact():
     import torch
 
     from ectransfer import tensors
-    from ectransfer.loopback import Consumer
     from ectransfer.protocol import TransferState
     from tests.gpu.ipc_producer import random_tensors
+    from tests.support.loopback import Consumer
 
     proc, lines = _start("--serve", 10)
     consumer = Consumer(transports=("cuda_ipc",), staging_bytes=64 << 20, device="cpu")
@@ -110,9 +110,9 @@ def test_in_place_read_from_another_process_is_one_device_copy_and_exact():
     import torch
 
     from ectransfer import cuda_ipc, tensors
-    from ectransfer.loopback import Consumer
     from ectransfer.protocol import ItemTransfer, TransferState
     from tests.gpu.ipc_producer import random_tensors
+    from tests.support.loopback import Consumer
 
     proc, lines = _start("--serve", 10)
     consumer = Consumer(transports=("cuda_ipc",), staging_bytes=256 << 20, device="cuda")
@@ -169,7 +169,7 @@ def test_connector_halves_with_cuda_ipc_save_serve_and_load_exactly():
         assert steps_until(lambda: sched.ensure_cache_available(req, 0))
         sched.update_state_after_alloc(req, 0)
         load = sched.build_meta(SimpleNamespace(scheduled_encoder_inputs={}, total_num_scheduled_tokens=0))
-        assert load.loads[0].cuda_ref
+        assert load.loads[0].transport == "cuda_ipc" and load.loads[0].source  # read in place
         cache: dict = {}
         worker.load(cache, load)
         sched.update_connector_output(SimpleNamespace(ec_connector_worker_meta=worker.build_worker_meta()))

@@ -17,10 +17,10 @@ import sys
 import grpc
 
 from ectransfer import chunkwire, factory, lane
-from ectransfer.loopback import compat
 from ectransfer.protocol import TRANSFER_GRPC_OPTIONS, call_status
 from ectransfer.selection import choose
 from epd.transfer.v1 import transfer_pb2
+from tests.support.loopback import compat
 
 
 class RawStream:

@@ -10,9 +10,9 @@ import asyncio
 import sys
 
 from ectransfer import factory
-from ectransfer.loopback import compat
 from services.common.errors import EPDError
 from services.lm.peers import PeerChecker
+from tests.support.loopback import compat
 
 
 async def main(endpoint: str, transports: str) -> int:

@@ -1,6 +1,6 @@
 """A Transfer producer that lies, for tests of what the consumer accepts.
 
-``RogueProducer`` is the real server (``ectransfer.loopback.Producer``: shm
+``RogueProducer`` is the real server (``tests.support.loopback.Producer``: shm
 outbound pool, OutboundStore, TransferService on a loopback port) whose
 transports rewrite what they tell consumers: ``header`` edits each
 ItemHeader's descriptor after the honest ``describe`` (shape, dtype, segment,
@@ -19,9 +19,9 @@ from collections.abc import Callable
 import torch
 
 from ectransfer.base import ProducerTransport
-from ectransfer.loopback import Producer
 from ectransfer.shm import SHM_DIR, ShmSegment
 from epd.transfer.v1 import transfer_pb2
+from tests.support.loopback import Producer
 
 
 class Lying(ProducerTransport):

@@ -14,8 +14,8 @@ import torch
 from ectransfer.connector.config import ConnectorConfig
 from ectransfer.connector.consumer import ConsumerScheduler, ConsumerWorker
 from ectransfer.connector.producer import ProducerScheduler, ProducerWorker
-from ectransfer.loopback import Producer
 from tests.integration.connector_fakes import claim_of, embedding, request, schedule, steps_until, vllm_config
+from tests.support.loopback import Producer
 
 pytestmark = pytest.mark.integration
 

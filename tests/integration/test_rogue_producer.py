@@ -14,12 +14,12 @@ import pytest
 
 from ectransfer.connector.consumer import ConsumerScheduler
 from ectransfer.connector.metadata import EPDWorkerMetadata
-from ectransfer.loopback import Consumer, Producer
 from ectransfer.protocol import TransferState
 from ectransfer.shm import ShmSegment
 from epd.transfer.v1 import transfer_pb2
 from tests.integration.connector_fakes import claim_of, embedding, request, schedule, steps_until
 from tests.integration.rogue_producer import RogueProducer, fifo_at, release_fifo, secret_segment
+from tests.support.loopback import Consumer, Producer
 
 pytestmark = pytest.mark.integration
 

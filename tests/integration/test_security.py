@@ -11,7 +11,6 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ectransfer.loopback import Consumer, Producer
 from ectransfer.protocol import TransferState
 from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
 from epd.transfer.v1 import transfer_pb2, transfer_pb2_grpc
@@ -19,6 +18,7 @@ from peerauth import SecurityConfig
 from services.certs import make_certs, make_token
 from services.common.grpc_server import GrpcServer
 from services.common.protocol import ENCODER_PROTOCOL
+from tests.support.loopback import Consumer, Producer
 
 pytestmark = pytest.mark.integration
 

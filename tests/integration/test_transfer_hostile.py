@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from ectransfer.limits import TransferLimits
-from ectransfer.loopback import Consumer, Producer
 from ectransfer.protocol import TransferState
 from epd.transfer.v1 import transfer_pb2
 from tests.integration.connector_fakes import steps_until
 from tests.integration.hostile_peer import RawStream, lane_select
+from tests.support.loopback import Consumer, Producer
 
 pytestmark = pytest.mark.integration
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from ectransfer import tensors
-from ectransfer.loopback import Consumer, Producer, compat
 from ectransfer.protocol import TransferState
 from epd.transfer.v1 import transfer_pb2
 from tests.integration.connector_fakes import steps_until
+from tests.support.loopback import Consumer, Producer, compat
 
 pytestmark = pytest.mark.integration
 
@@ -286,7 +286,7 @@ def test_lane_items_of_an_in_place_transport_move_to_the_control_lane_and_stay_e
 
 
 def test_lane_not_offered_or_not_used_keeps_items_on_the_grpc_stream():
-    from ectransfer.loopback import Producer as P
+    from tests.support.loopback import Producer as P
 
     p = P(lane=False)
     consumers = [Consumer(transports=("shm",)), Consumer(transports=("grpc",))]

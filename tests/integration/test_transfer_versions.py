@@ -10,9 +10,9 @@ import grpc
 import pytest
 
 from ectransfer import chunkwire
-from ectransfer.loopback import Consumer, Producer
 from ectransfer.protocol import TransferState, make_compat
 from epd.transfer.v1 import transfer_pb2
+from tests.support.loopback import Consumer, Producer
 
 pytestmark = pytest.mark.integration
 
@@ -87,7 +87,7 @@ def test_a_new_consumer_is_told_the_producer_is_older():
 def test_grpc_hiding_the_older_producers_answer_behind_internal_still_names_the_version():
     """grpc.aio may report INTERNAL "Internal error from Core" instead of the server's UNIMPLEMENTED
     when the Hello write loses a race with it (grpc/grpc#36066); the consumer asks again, unary."""
-    from ectransfer.client import negotiate
+    from ectransfer.peer_session import negotiate
     from ectransfer.protocol import CompatError
 
     class _HiddenAnswer:

@@ -219,3 +219,24 @@ def test_only_the_gateways_failures_module_reads_the_peers_blame():
     offenders = sorted(p.name for p in GATEWAY.glob("*.py") if p.name != "failures.py"
                        and _code_names(p) & {"read_fault", "FAULT_KEY", "FAULT_ENDPOINT_KEY", "epd-fault"})
     assert not offenders, f"the epd-fault trailers are read in services/gateway/failures.py alone: {offenders}"
+
+
+def test_no_product_module_switches_on_a_transport_name():
+    """Callers ask a transport object (``ectransfer.base``); only a transport's own module and the
+    registry compare its name or a descriptor's payload name."""
+    names = {"shm", "cuda_ipc", "grpc", "chunks"}
+    allowed = {"ectransfer/shm.py", "ectransfer/cuda_ipc.py", "ectransfer/grpc_stream.py", "ectransfer/factory.py"}
+    offenders = []
+    for path in sorted([*(ROOT / "ectransfer").rglob("*.py"), *(ROOT / "services").rglob("*.py")]):
+        rel = str(path.relative_to(ROOT))
+        if rel in allowed:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Compare):
+                continue
+            for part in [node.left, *node.comparators]:
+                consts = part.elts if isinstance(part, (ast.Tuple, ast.List, ast.Set)) else [part]
+                hit = {c.value for c in consts if isinstance(c, ast.Constant) and c.value in names}
+                if hit:
+                    offenders.append(f"{rel}:{node.lineno} compares {sorted(hit)}")
+    assert not offenders, "ask the transport (ectransfer.base), not its name: " + "; ".join(offenders)

@@ -3,7 +3,8 @@
 ``Producer`` is the encoder side (shared-memory outbound pool, OutboundStore,
 TransferService on a loopback port); ``Consumer`` is the LM side (a staging
 pool and a TransferClient). The integration tests, the namespace probe and
-``bench/transfer.py`` drive the real protocol through them. Buffers: the
+``bench/transfer.py`` drive the real protocol through them (a test harness:
+it lives with the tests, not in the product package). Buffers: the
 producer's items belong to its store until acked; ``Consumer.get`` frees its
 staging slot before returning (it hands back a copy)."""
 
@@ -13,12 +14,10 @@ import torch
 
 from ectransfer import factory, tensors
 from ectransfer.client import TransferClient
-from ectransfer.cuda_ipc import CudaPool
 from ectransfer.outbound import OutboundStore
 from ectransfer.pool import Pool
 from ectransfer.protocol import ItemTransfer, TransferState, make_compat
 from ectransfer.server import TransferServerThread, TransferServicer
-from ectransfer.shm import ShmPool
 
 
 def compat(width: int = 128, model: str = "test-model"):
@@ -30,15 +29,9 @@ class Producer:
                  transports=("shm", "grpc"), chunk_nbytes: int = 1 << 20, compat_info=None,
                  host: str = "127.0.0.1", lane: bool = True, security=None, limits=None,
                  max_settled_claims: int = 16384) -> None:
-        if "cuda_ipc" in transports:
-            self.pool = CudaPool(pool_bytes)  # chunks are then not offered: they read host memory
-        else:
-            self.pool = ShmPool(pool_bytes, role="test")
+        # As the encoder's connector does: CUDA IPC puts the pool on the GPU, else it is shared memory.
+        self.pool, ts, _ = factory.make_producers(list(transports), pool_bytes, chunk_nbytes, role="test")
         self.store = OutboundStore(self.pool, ttl_s=ttl_s, max_settled_claims=max_settled_claims)
-        ts = {}
-        for name in transports:
-            t = factory.make_producer(name, **({"chunk_nbytes": chunk_nbytes} if name == "grpc" else {"pool": self.pool}))
-            ts[t.kind] = t
         self.servicer = TransferServicer(self.store, compat_info or compat(), "producer-1", ts, item_wait_s=item_wait_s,
                                          lane=lane, limits=limits)
         self.server = TransferServerThread(self.servicer, host, 0, sweep_s=0.05, security=security)
