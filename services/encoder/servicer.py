@@ -145,84 +145,18 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
 
         rid = request.request_id or uuid.uuid4().hex
         try:
-            if not request.items:
-                raise BadInput("Encode needs at least one item")
-            readers = request.readers or 1
-            if not 1 <= readers <= MAX_READERS:
-                raise BadInput(f"readers must be 1 to {MAX_READERS}, got {readers}")
-            modality = request.items[0].modality or "image"
-            for i, item in enumerate(request.items):
-                if (item.modality or "image") not in self.placeholders:
-                    raise BadInput(f"item {i}: modality {item.modality!r} is not encoded here (this model: "
-                                   f"{', '.join(self.placeholders)})")
-                if (item.modality or "image") != modality:
-                    raise BadInput("the items of one Encode call must share a modality (send one call per "
-                                   "modality)")
-            # The identifier is vLLM's mm_hash on both engines: it names what the bytes are, so it is
-            # always computed here, never taken from the caller (who could name another image's embedding).
-            # It is computed in the request's namespace (its tenant's, from the gateway), so the engine's
-            # processor and encoder caches and the outbound store keep each tenant's items apart.
-            namespace = check_namespace(request.namespace)
-            idents = [content_id(item.data, namespace) for item in request.items]
-            for i, (item, ident) in enumerate(zip(request.items, idents)):
-                if item.identifier and item.identifier != ident:
-                    raise BadInput(f"item {i}: identifier {item.identifier[:16]!r}... is not the content hash of "
-                                   f"its bytes in the request's namespace")
-            datas = [item.data for item in request.items]
-            if modality == "image":
-                media, lease = await self.decoder.decode(datas, self.limits[modality], rid)
-            else:
-                loader = self._loader(modality)
-                media, lease = await self.decoder.decode_media(modality, datas, self.limits[modality], loader, rid,
-                                                               self._sampled.get(modality))
-            ITEMS.inc(len(media))
-            prompt = {
-                "prompt": self._prompt(modality, len(media)),
-                "multi_modal_data": {modality: media},
-                "multi_modal_uuids": {modality: idents},
-            }
+            modality, idents = self._checked(request)
             # This call's claim on the copies its items get in the outbound pool (ectransfer.outbound):
             # the LM names it to read, ack or cancel them; an aborted encode drops it.
             # One claim per LM that reads the items (EncodeRequest.readers: the prefill and the decode
             # LM of an E -> P -> D request), each settled by its own reader.
-            claim, *more = (secrets.token_hex(16) for _ in range(readers))
-            params = SamplingParams(max_tokens=1,
-                                    extra_args={"ec_transfer_params": ProducerParams(claim, tuple(more)).to_dict()})
-            try:
-                engine_req = await self.engine.input_processor.process_inputs_async(
-                    rid, prompt, params, supported_tasks=await self.engine.get_supported_tasks())
-            except (ValueError, VLLMClientError) as e:  # VLLMValidationError is no ValueError in vLLM 0.32
-                raise BadInput(f"input rejected by the encoder's processor: {e}") from None
-            finally:
-                del media, prompt  # the processor's tensors replace the decoded media
-                lease.release()
+            claim, *more = (secrets.token_hex(16) for _ in range(request.readers or 1))
+            engine_req, params = await self._engine_request(request, rid, modality, idents, claim, tuple(more))
             features = engine_req.mm_features or []
             layouts = await self._layouts(modality, len(idents), engine_req.prompt_token_ids, features)
             for index, feat in enumerate(features):
-                source = transfer_pb2.ItemSource(
-                    num_embeds=feat.mm_position.get_num_embeds(),
-                    embed_width=self.embed_widths.get(feat.modality, self.embed_widths[""]),
-                    dtype=self.dtype, transfer_endpoint=self.info.transfer_endpoint,
-                    encoder_id=self.info.encoder_id, claim=claim, extra_claims=more,
-                    mm_kwargs=self._metadata_kwargs(feat))
-                if layouts is not None:
-                    lay = layouts[index]
-                    source.placeholder_token_ids.extend(lay.placeholder)
-                    source.prompt_token_ids.extend(lay.tokens)
-                    source.is_embed = lay.is_embed
-                md = encoder_pb2.ItemMetadata(identifier=feat.identifier, index=index, modality=feat.modality,
-                                              source=source)
-                yield encoder_pb2.EncodeEvent(metadata=md)
-            final = None
-            async with asyncio.timeout(self.timeout_s):
-                async for out in self.engine.generate(engine_req, params, rid):
-                    final = out
-            if final is None or not final.finished:
-                raise EPDError(f"request {rid}: the encoder engine returned no result")
-            if final.outputs and final.outputs[0].finish_reason not in (None, "stop", "length"):
-                raise EPDError(f"request {rid}: encoding failed ({final.outputs[0].finish_reason})")
-            runs = ProducerFinished.from_dict(final.ec_transfer_params).encoder_runs
-            ENCODER_RUNS.inc(runs)
+                yield encoder_pb2.EncodeEvent(metadata=self._item_metadata(index, feat, layouts, claim, more))
+            runs = await self._encode(engine_req, params, rid)
             encode_ms = (time.perf_counter() - t0) * 1e3
             # Counted and logged before the last events go out: a caller that has
             # every ItemEncoded may close the stream before this generator resumes.
@@ -242,6 +176,94 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         finally:
             if status != "ok":  # an ok one was counted before its last events
                 record(status)
+
+    def _checked(self, request) -> tuple[str, list[str]]:
+        """The call's modality and its items' identifiers, or BadInput. The identifier is vLLM's mm_hash on
+        both engines: it names what the bytes are, so it is always computed here, never taken from the
+        caller (who could name another image's embedding). It is computed in the request's namespace (its
+        tenant's, from the gateway), so the engine's processor and encoder caches and the outbound store
+        keep each tenant's items apart."""
+        if not request.items:
+            raise BadInput("Encode needs at least one item")
+        readers = request.readers or 1
+        if not 1 <= readers <= MAX_READERS:
+            raise BadInput(f"readers must be 1 to {MAX_READERS}, got {readers}")
+        modality = request.items[0].modality or "image"
+        for i, item in enumerate(request.items):
+            if (item.modality or "image") not in self.placeholders:
+                raise BadInput(f"item {i}: modality {item.modality!r} is not encoded here (this model: "
+                               f"{', '.join(self.placeholders)})")
+            if (item.modality or "image") != modality:
+                raise BadInput("the items of one Encode call must share a modality (send one call per "
+                               "modality)")
+        namespace = check_namespace(request.namespace)
+        idents = [content_id(item.data, namespace) for item in request.items]
+        for i, (item, ident) in enumerate(zip(request.items, idents)):
+            if item.identifier and item.identifier != ident:
+                raise BadInput(f"item {i}: identifier {item.identifier[:16]!r}... is not the content hash of "
+                               f"its bytes in the request's namespace")
+        return modality, idents
+
+    async def _engine_request(self, request, rid: str, modality: str, idents: list[str], claim: str,
+                              more: tuple[str, ...]):
+        """The items decoded (under the decoder's budget lease, given back once the processor's tensors
+        replace them) and processed by vLLM's processor into the engine's request, and its sampling
+        params (the claims). Raises BadInput for what the processor refuses."""
+        datas = [item.data for item in request.items]
+        if modality == "image":
+            media, lease = await self.decoder.decode(datas, self.limits[modality], rid)
+        else:
+            loader = self._loader(modality)
+            media, lease = await self.decoder.decode_media(modality, datas, self.limits[modality], loader, rid,
+                                                           self._sampled.get(modality))
+        ITEMS.inc(len(media))
+        prompt = {
+            "prompt": self._prompt(modality, len(media)),
+            "multi_modal_data": {modality: media},
+            "multi_modal_uuids": {modality: idents},
+        }
+        params = SamplingParams(max_tokens=1,
+                                extra_args={"ec_transfer_params": ProducerParams(claim, more).to_dict()})
+        try:
+            engine_req = await self.engine.input_processor.process_inputs_async(
+                rid, prompt, params, supported_tasks=await self.engine.get_supported_tasks())
+        except (ValueError, VLLMClientError) as e:  # VLLMValidationError is no ValueError in vLLM 0.32
+            raise BadInput(f"input rejected by the encoder's processor: {e}") from None
+        finally:
+            del media, prompt  # the processor's tensors replace the decoded media
+            lease.release()
+        return engine_req, params
+
+    def _item_metadata(self, index: int, feat, layouts, claim: str, more: list[str]) -> encoder_pb2.ItemMetadata:
+        """One item's metadata: its ``ItemSource`` (where and what its embedding is, and its prompt layout)."""
+        source = transfer_pb2.ItemSource(
+            num_embeds=feat.mm_position.get_num_embeds(),
+            embed_width=self.embed_widths.get(feat.modality, self.embed_widths[""]),
+            dtype=self.dtype, transfer_endpoint=self.info.transfer_endpoint,
+            encoder_id=self.info.encoder_id, claim=claim, extra_claims=more,
+            mm_kwargs=self._metadata_kwargs(feat))
+        if layouts is not None:
+            lay = layouts[index]
+            source.placeholder_token_ids.extend(lay.placeholder)
+            source.prompt_token_ids.extend(lay.tokens)
+            source.is_embed = lay.is_embed
+        return encoder_pb2.ItemMetadata(identifier=feat.identifier, index=index, modality=feat.modality,
+                                        source=source)
+
+    async def _encode(self, engine_req, params, rid: str) -> int:
+        """Runs the engine's request to its end (within ``timeout_s``: TimeoutError); returns its vision
+        encoder runs (0: every item was in the encoder cache)."""
+        final = None
+        async with asyncio.timeout(self.timeout_s):
+            async for out in self.engine.generate(engine_req, params, rid):
+                final = out
+        if final is None or not final.finished:
+            raise EPDError(f"request {rid}: the encoder engine returned no result")
+        if final.outputs and final.outputs[0].finish_reason not in (None, "stop", "length"):
+            raise EPDError(f"request {rid}: encoding failed ({final.outputs[0].finish_reason})")
+        runs = ProducerFinished.from_dict(final.ec_transfer_params).encoder_runs
+        ENCODER_RUNS.inc(runs)
+        return runs
 
 
 def dtype_enum(name: str) -> int:
