@@ -57,7 +57,7 @@ class BadInput(EPDError):
 class MediaError(BadInput):
     """Refused media: an image URL that may not or could not be fetched, or image bytes that are too
     large, not an image, or a decompression bomb. Raised by the gateway's ``services.gateway.fetch`` and
-    ``services.common.media.check_image``; the REST API answers ``status`` (400, or 413 for too large)
+    ``services.common.media_checks.check_image``; the REST API answers ``status`` (400, or 413 for too large)
     and the gRPC boundary INVALID_ARGUMENT. The message says what was refused and why."""
 
     def __init__(self, message: str, status: int = 400, modality: str = "image") -> None:

@@ -29,9 +29,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import hashlib
-import io
 import logging
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -41,167 +39,22 @@ from PIL import Image
 from services.common.budget import ByteBudget, DecodeLease
 from services.common.errors import BadInput, MediaError, NoCapacity
 from services.common.interruptible import DecodeThreads
+from services.common.media_checks import (
+    BYTES_PER_PIXEL,
+    MAX_AUDIO_SECONDS,
+    MAX_IMAGE_PIXELS,
+    MAX_SAMPLED_FRAMES,
+    MAX_VIDEO_FPS,
+    MAX_VIDEO_FRAMES,
+    MAX_VIDEO_SECONDS,
+    VideoHeader,
+    check_audio,
+    check_image,
+    check_video,
+    decode_image,
+)
 
 logger = logging.getLogger(__name__)
-
-MAX_IMAGE_PIXELS = 64_000_000  # decompression-bomb guard (PIL raises beyond 2x)
-BYTES_PER_PIXEL = 4
-"""Decoded bytes charged to the budget per pixel: the RGB result (3) plus a
-share of the decoder's own frame (RGBA/palette sources are converted after
-decoding). An estimate, on the high side."""
-IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
-"""Formats the gateway accepts (what OpenAI accepts, plus BMP; JPEG's plugin also opens MPO, the JPEG
-variant some cameras write). Only these PIL plugins are tried, so exotic parsers (EPS runs Ghostscript)
-are never reached. Every name must be a key of PIL's ``Image.OPEN``: Pillow tries them in order and
-raises KeyError at one it does not know ("MPO" is none since Pillow 13), refusing every later format."""
-
-
-AUDIO_FORMATS = ("WAV", "FLAC", "OGG", "MP3")
-"""Audio formats accepted (OpenAI's ``input_audio`` takes wav and mp3); all are read by soundfile
-(libsndfile), the decoder vLLM's ``AudioMediaIO`` falls back to when torchcodec is absent."""
-MAX_AUDIO_SECONDS = 600.0  # vLLM's own default limit (VLLM_MAX_AUDIO_DECODE_DURATION_S)
-
-
-def sniff_audio_format(data: bytes) -> str | None:
-    """The ``AUDIO_FORMATS`` name ``data``'s signature (its first bytes) names, or None."""
-    if data[:4] in (b"RIFF", b"RF64") and data[8:12] == b"WAVE":
-        return "WAV"
-    if data.startswith(b"fLaC"):
-        return "FLAC"
-    if data.startswith(b"OggS"):
-        return "OGG"
-    if data.startswith(b"ID3") or (len(data) >= 2 and data[0] == 0xFF and data[1] & 0xE0 == 0xE0):
-        return "MP3"  # an ID3 tag, or an MPEG audio frame sync
-    return None
-
-
-def sniffed_format(data: bytes, modality: str) -> str:
-    """The format ``data``'s first bytes name (``AUDIO_FORMATS`` / ``VIDEO_FORMATS``), or MediaError
-    for an empty item or an unknown signature (a declared media type proves nothing)."""
-    if not data:
-        raise MediaError(f"{modality} is empty")
-    sniff, formats = (sniff_audio_format, AUDIO_FORMATS) if modality == "audio" else (sniff_video_format,
-                                                                                     VIDEO_FORMATS)
-    sniffed = sniff(data)
-    if sniffed is None:
-        raise MediaError(f"{modality} is not a recognised {modality} file (first bytes: {data[:12].hex(' ')}); "
-                         f"accepted: {', '.join(formats)}")
-    return sniffed
-
-
-def check_audio(data: bytes, max_seconds: float) -> tuple[str, float, int]:
-    """Reads the clip's header only and returns (format, seconds, decoded bytes), or raises MediaError:
-    empty, not one of ``AUDIO_FORMATS`` (sniffed, then parsed as that format), no frames, or longer
-    than ``max_seconds``. The decoded bytes are float32 PCM for every frame and channel (what vLLM's
-    decoder allocates). The gateway calls this for every clip before any service sees it."""
-    sniffed = sniffed_format(data, "audio")
-    try:
-        import soundfile
-
-        info = soundfile.info(io.BytesIO(data))
-    except ImportError:
-        raise MediaError("audio cannot be read here: the soundfile package is not installed") from None
-    except Exception as e:  # noqa: BLE001 - libsndfile raises several types for bad data
-        raise MediaError(f"audio starts like {sniffed} but its header cannot be read ({e}); refused") from None
-    if info.frames <= 0 or info.samplerate <= 0 or info.channels <= 0:
-        raise MediaError(f"audio ({sniffed}) holds no samples")
-    seconds = info.frames / info.samplerate
-    if seconds > max_seconds:
-        raise MediaError(f"audio is {seconds:.1f} s long, more than the {max_seconds:g} s allowed "
-                         "(--max-audio-seconds); refused")
-    return sniffed, seconds, info.frames * info.channels * 4
-
-
-VIDEO_FORMATS = ("MP4", "WEBM", "AVI")
-"""Video containers accepted (MP4 includes QuickTime MOV; WEBM includes Matroska), decoded by
-vLLM's ``VideoMediaIO`` with its default ``opencv`` backend, as ``vllm serve`` decodes a
-``video_url``."""
-MAX_VIDEO_SECONDS = 600.0
-MAX_VIDEO_FPS = 120.0
-"""Highest frame rate accepted: a loader reads (grabs) every frame up to the last one it samples."""
-MAX_VIDEO_FRAMES = 36_000
-"""Most frames a video may hold (600 s at 60 fps): what a loader may have to read through."""
-MAX_SAMPLED_FRAMES = 768
-"""The most frames any of vLLM 0.32's video loaders samples from one clip (Qwen-VL's fps-driven
-loaders cap at 768): the budget's charge when the loader's own sampling cannot be computed."""
-
-
-@dataclass(frozen=True)
-class VideoHeader:
-    """What a video's container header says (``check_video``); nothing decoded."""
-
-    format: str
-    frames: int
-    fps: float
-    width: int
-    height: int
-
-    @property
-    def seconds(self) -> float:
-        return self.frames / self.fps
-
-    def decoded_bytes(self, sampled: int) -> int:
-        """RGB bytes of ``sampled`` frames."""
-        return sampled * self.width * self.height * 3
-
-
-def sniff_video_format(data: bytes) -> str | None:
-    """The ``VIDEO_FORMATS`` name ``data``'s signature names, or None."""
-    if data[4:8] == b"ftyp":
-        return "MP4"
-    if data.startswith(b"\x1a\x45\xdf\xa3"):
-        return "WEBM"
-    if data[:4] == b"RIFF" and data[8:12] == b"AVI ":
-        return "AVI"
-    return None
-
-
-def check_video(data: bytes, max_seconds: float, max_frame_pixels: int, *, max_fps: float = MAX_VIDEO_FPS,
-                max_frames: int = MAX_VIDEO_FRAMES) -> VideoHeader:
-    """Reads the video's container header (OpenCV opens it from memory, as vLLM's opencv backend
-    does; no frame is decoded) and returns it, or raises MediaError: empty, not one of
-    ``VIDEO_FORMATS``, unreadable, no frames, frames over ``max_frame_pixels``, longer than
-    ``max_seconds``, faster than ``max_fps`` or more than ``max_frames`` frames (a loader reads
-    through every frame up to the last it samples). Blocking (it parses the container): services
-    call it off their event loop."""
-    sniffed = sniffed_format(data, "video")
-    try:
-        import cv2
-        import cv2.videoio_registry as vr
-    except ImportError:
-        raise MediaError("video cannot be read here: OpenCV (cv2) is not installed") from None
-    api = next((b for b in vr.getStreamBufferedBackends() if vr.hasBackend(b)), None)
-    try:
-        buf = io.BytesIO(data)  # referenced until the capture is released (OpenCV reads it, holding no reference)
-        cap = cv2.VideoCapture(buf, api, []) if api is not None else None
-        if cap is None or not cap.isOpened():
-            raise MediaError(f"video starts like {sniffed} but cannot be opened; refused")
-        try:
-            w, h = int(cap.get(cv2.CAP_PROP_FRAME_WIDTH)), int(cap.get(cv2.CAP_PROP_FRAME_HEIGHT))
-            frames, fps = int(cap.get(cv2.CAP_PROP_FRAME_COUNT)), cap.get(cv2.CAP_PROP_FPS)
-        finally:
-            cap.release()
-    except MediaError:
-        raise
-    except Exception as e:  # noqa: BLE001 - OpenCV raises cv2.error and others for bad data
-        raise MediaError(f"video starts like {sniffed} but its header cannot be read ({e}); refused") from None
-    if frames <= 0 or w <= 0 or h <= 0 or fps <= 0:
-        raise MediaError(f"video ({sniffed}) holds no readable frames")
-    if w * h > max_frame_pixels:
-        raise MediaError(f"video frames are {w}x{h}, more than {max_frame_pixels} pixels (--max-image-pixels); "
-                         "refused")
-    header = VideoHeader(sniffed, frames, fps, w, h)
-    if header.seconds > max_seconds:
-        raise MediaError(f"video is {header.seconds:.1f} s long, more than the {max_seconds:g} s allowed "
-                         "(--max-video-seconds); refused")
-    if fps > max_fps:
-        raise MediaError(f"video runs at {fps:g} frames per second, more than the {max_fps:g} allowed "
-                         "(--max-video-fps); refused")
-    if frames > max_frames:
-        raise MediaError(f"video holds {frames} frames, more than the {max_frames} allowed (--max-video-frames); "
-                         "refused")
-    return header
-
 
 MAX_NAMESPACE_LEN = 128
 """The longest embedding namespace a service takes (UTF-8 bytes): a tenant's is its name (at most 64) and ``:``."""
@@ -243,55 +96,6 @@ def check_namespace(namespace: str) -> str:
     if len(namespace.encode()) > MAX_NAMESPACE_LEN:
         raise BadInput(f"an embedding namespace is at most {MAX_NAMESPACE_LEN} bytes, got {len(namespace.encode())}")
     return namespace
-
-
-def decode_image(data: bytes, *, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Image:
-    """Decodes an image fully (not lazily) to RGB, or raises BadInput. Only
-    ``IMAGE_FORMATS`` are tried, and the header's size is checked against
-    ``max_pixels`` before any pixel is decoded. Blocking and CPU-bound: services
-    call it through ``MediaDecoder``, off their event loop."""
-    if not data:
-        raise BadInput("image is empty")
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # max_pixels decides
-            with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as img:
-                if img.width * img.height > max_pixels:
-                    raise BadInput(f"image is {img.width}x{img.height}, more than {max_pixels} pixels")
-                img.load()
-                return img.convert("RGB")
-    except BadInput:
-        raise
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
-        raise BadInput(f"image refused as a decompression bomb: {e}") from None
-    except Image.UnidentifiedImageError:
-        raise BadInput(f"image could not be decoded: not a recognised image file "
-                       f"(accepted: {', '.join(IMAGE_FORMATS)})") from None
-    except Exception as e:  # noqa: BLE001 - PIL raises many types for bad data
-        raise BadInput(f"image could not be decoded: {e}") from None
-
-
-def check_image(data: bytes, max_pixels: int) -> tuple[str, int, int]:
-    """Reads the image header only (PIL opens lazily; nothing is decoded) and returns (format, width,
-    height), or raises MediaError for an unknown format or more than ``max_pixels`` pixels (the
-    decompression-bomb guard: a few KB of PNG can claim gigapixels). The gateway calls this for every
-    image, data: URL or fetched, before any service sees it."""
-    if not data:
-        raise MediaError("image is empty")
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # our own limit decides
-            with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as img:
-                fmt, (w, h) = img.format, img.size
-    except Image.DecompressionBombError as e:
-        raise MediaError(f"image refused as a decompression bomb ({e}; the limit here is {max_pixels} pixels, "
-                         "--max-image-pixels)") from None
-    except Exception:  # noqa: BLE001 - PIL raises many types for data it cannot identify
-        raise MediaError(f"image is not a recognised image file (accepted: {', '.join(IMAGE_FORMATS)})") from None
-    if w * h > max_pixels:
-        raise MediaError(f"image is {w}x{h} = {w * h} pixels, more than the {max_pixels} allowed "
-                         "(--max-image-pixels; decompression-bomb guard); refused")
-    return fmt, w, h
 
 
 @dataclass

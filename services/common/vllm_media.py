@@ -16,7 +16,7 @@ from vllm.multimodal.video_decoders import resolve_video_backend_kwargs
 from vllm.multimodal.video_decoders.base import VideoSourceMetadata, VideoTargetMetadata
 from vllm.transformers_utils.processor import get_video_processor_cls_name
 
-from services.common.media import MAX_SAMPLED_FRAMES, VideoHeader
+from services.common.media_checks import MAX_SAMPLED_FRAMES, VideoHeader
 
 logger = logging.getLogger(__name__)
 

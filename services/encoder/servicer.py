@@ -32,7 +32,8 @@ from epd.transfer.v1 import transfer_pb2
 from services.common.engine import tokenize_async
 from services.common.errors import BadInput, Deadline, EPDError
 from services.common.layout import ItemLayout, item_layouts, placeholder_ranges
-from services.common.media import MediaDecoder, VideoHeader, check_namespace, content_id
+from services.common.media import MediaDecoder, check_namespace, content_id
+from services.common.media_checks import VideoHeader
 from services.common.vllm_media import frames_sampled_by, video_io_for
 
 logger = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass, field
 
-from services.common.media import MAX_AUDIO_SECONDS, MAX_IMAGE_PIXELS
+from services.common.media_checks import MAX_AUDIO_SECONDS, MAX_IMAGE_PIXELS
 
 DISPATCH_MODES = ("overlap", "sequential")
 BODY_COPIES = 8

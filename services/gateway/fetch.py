@@ -18,7 +18,7 @@ and ``AUDIO_FORMATS`` / ``VIDEO_FORMATS``):
 - a 2xx status, an ``image/*`` Content-Type, and at most ``--max-image-bytes``: a larger
   Content-Length is refused before reading, a body is read in chunks and abandoned once over;
 - whatever the source (data: URL, fetched, raw gRPC bytes), an image must be one of
-  ``services.common.media.IMAGE_FORMATS`` (the one list, shared with ``check_image``), sniffed from
+  ``services.common.media_checks.IMAGE_FORMATS`` (the one list, shared with ``check_image``), sniffed from
   its first bytes (``sniff_image_format``; a declared media type proves nothing, and a data: URL's is
   not read, as vLLM does not read it), and its header must
   parse as that format within ``--max-image-pixels``; an audio clip one of ``AUDIO_FORMATS`` whose
@@ -52,7 +52,7 @@ from aiohttp.abc import AbstractResolver
 from yarl import URL
 
 from services.common.errors import MediaError
-from services.common.media import IMAGE_FORMATS, check_audio, check_image, sniffed_format
+from services.common.media_checks import IMAGE_FORMATS, check_audio, check_image, sniffed_format
 from services.gateway.config import GatewayConfig
 
 if TYPE_CHECKING:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from epd.lm.v1 import lm_pb2
-from services.common.media import sniff_audio_format, sniff_video_format
+from services.common.media_checks import sniff_audio_format, sniff_video_format
 from services.common.routes import API
 from services.gateway.parts import LM_PART, MediaPart
 from services.gateway.values import Media

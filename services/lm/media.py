@@ -44,15 +44,14 @@ from typing import TYPE_CHECKING, Any
 
 from services.common.budget import DecodeLease
 from services.common.errors import BadInput, MediaError
-from services.common.media import (
+from services.common.media import MediaDecoder, content_id
+from services.common.media_checks import (
     BYTES_PER_PIXEL,
     MAX_SAMPLED_FRAMES,
-    MediaDecoder,
     VideoHeader,
     check_audio,
     check_image,
     check_video,
-    content_id,
 )
 
 if TYPE_CHECKING:

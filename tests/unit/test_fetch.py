@@ -13,7 +13,7 @@ from helpers import data_url, image_bytes
 from epd.gateway.v1 import gateway_pb2
 from epd.lm.v1 import lm_pb2
 from services.common.errors import BadInput, EPDError, MediaError
-from services.common.media import IMAGE_FORMATS, check_image
+from services.common.media_checks import IMAGE_FORMATS, check_image
 from services.gateway.config import GatewayConfig
 from services.gateway.fetch import (
     GuardResolver,

@@ -11,14 +11,8 @@ from helpers import image_bytes
 
 from services.common.budget import ByteBudget
 from services.common.errors import BadInput, NoCapacity
-from services.common.media import (
-    BYTES_PER_PIXEL,
-    MediaConfig,
-    MediaDecoder,
-    check_namespace,
-    content_id,
-    decode_image,
-)
+from services.common.media import MediaConfig, MediaDecoder, check_namespace, content_id
+from services.common.media_checks import BYTES_PER_PIXEL, decode_image
 from tools.media import bomb_png
 
 pytestmark = pytest.mark.unit
@@ -254,7 +248,7 @@ def test_media_limits_are_validated():
 
 
 def test_audio_is_checked_from_its_header_and_charged_as_float32_samples():
-    from services.common.media import check_audio
+    from services.common.media_checks import check_audio
     from tools.media import make_audio
 
     wav, flac = make_audio(0, 0.5), make_audio(1, 0.25, fmt="FLAC")
@@ -295,7 +289,7 @@ def test_audio_decodes_with_vllms_decoder_and_gives_its_budget_back():
 
 
 def test_video_is_checked_from_its_container_header():
-    from services.common.media import VideoHeader, check_video
+    from services.common.media_checks import VideoHeader, check_video
     from tools.media import make_video
 
     mp4 = make_video(0, frames=8, size=(64, 48), fps=4)
@@ -321,7 +315,7 @@ def test_the_encoder_charges_the_frames_vllms_video_loader_samples():
     from vllm.multimodal.media.image import ImageMediaIO
     from vllm.multimodal.media.video import VideoMediaIO
 
-    from services.common.media import VideoHeader
+    from services.common.media_checks import VideoHeader
     from services.common.vllm_media import frames_sampled_by
 
     long_hd, short = VideoHeader("MP4", 12000, 30.0, 1920, 1080), VideoHeader("MP4", 8, 4.0, 64, 48)
