@@ -209,22 +209,12 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
                         yield msg
                     status = "ok"
                     return
-                answer = await self._answer(request, ctx)
-                if isinstance(answer, tuple):
-                    code, payload = answer
-                    yield lm_pb2.GenerateResponse(request_id=rid, openai=payload, http_status=code)
-                else:
-                    # aclosing: if the client goes away while we sit at a yield, grpc closes this
-                    # handler (GeneratorExit); closing vLLM's generator right then aborts the
-                    # engine request and frees its reservations.
-                    async with contextlib.aclosing(answer) as events:
-                        first = True
-                        async for event in events:
-                            if ctx.failure is not None:  # vLLM made an error event of it
-                                raise ctx.failure
-                            yield lm_pb2.GenerateResponse(request_id=rid, openai=event.encode(),
-                                                          http_status=200 if first else 0)
-                            first = False
+                # aclosing: if the client goes away while we sit at a yield, grpc closes this
+                # handler (GeneratorExit); closing vLLM's generator right then aborts the
+                # engine request and frees its reservations.
+                async with contextlib.aclosing(self._openai(request, ctx)) as messages:
+                    async for msg in messages:
+                        yield msg
             except GenerationError as e:  # the engine failed the request: vLLM's server answers 500
                 if ctx.failure is not None:
                     raise ctx.failure from None
@@ -246,6 +236,24 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
             REQUESTS.labels(status).inc()
             if kv.phase:
                 KV_HANDOFFS.labels(kv.name, _kv_outcome(status, ctx)).inc()
+
+    async def _openai(self, request: lm_pb2.GenerateRequest, ctx: RequestContext):
+        """A chat or completions request's answer (``_answer``) as messages: one with the status and
+        the whole body, or one per SSE event (the first with the status)."""
+        rid = request.request_id
+        answer = await self._answer(request, ctx)
+        if isinstance(answer, tuple):
+            code, payload = answer
+            yield lm_pb2.GenerateResponse(request_id=rid, openai=payload, http_status=code)
+            return
+        async with contextlib.aclosing(answer) as events:  # closed with this generator (see Generate)
+            first = True
+            async for event in events:
+                if ctx.failure is not None:  # vLLM made an error event of it
+                    raise ctx.failure
+                yield lm_pb2.GenerateResponse(request_id=rid, openai=event.encode(),
+                                              http_status=200 if first else 0)
+                first = False
 
     async def _http(self, request: lm_pb2.GenerateRequest, ctx: RequestContext):
         """A route of vLLM's own app (``services.lm.vllm_app``): the first message has the status,
