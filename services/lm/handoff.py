@@ -47,6 +47,12 @@ REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False, "remote_e
 keep the prompt's blocks for a decode engine, and say where they are in the output's kv_transfer_params."""
 
 
+PREFILL_ONLY = {"store": False, "background": False}
+"""What a Responses request's prefill call sets: its one-token answer is discarded, so nothing of it is
+stored (the decode LM stores the answer), and it runs within the call (the gateway splits no background
+request; this makes sure)."""
+
+
 @dataclass(frozen=True)
 class Handoff:
     """A call's hand-off, read once from its ``KVHandoff``. ``phase``: 0 for none (the LM prefills and

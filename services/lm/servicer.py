@@ -89,20 +89,14 @@ def openai_body(request: lm_pb2.GenerateRequest) -> dict:
     return _parsed(request)[0]
 
 
-PREFILL_ONLY = {"store": False, "background": False}
-"""What a Responses request's prefill call sets: its one-token answer is discarded, so nothing of it is
-stored (the decode LM stores the answer), and it runs within the call (the gateway splits no background
-request; this makes sure)."""
-
-
 def vllm_body(request: lm_pb2.GenerateRequest, prefill_responses: bool = False) -> tuple[dict, bytes]:
     """A JSON body for vLLM's app: the parsed body (``_parsed``) and its bytes, the kv params dropped
-    (and ``PREFILL_ONLY`` set for a Responses request's prefill call); re-encoded only when it changed."""
+    (and ``handoff.PREFILL_ONLY`` set for a Responses request's prefill call); re-encoded only when it changed."""
     body, stripped = _parsed(request)
     raw = request.openai.body
     if not raw or not (stripped or prefill_responses):
         return body, raw
-    return body, json.dumps({**body, **PREFILL_ONLY} if prefill_responses else body, ensure_ascii=False).encode()
+    return body, json.dumps({**body, **handoff.PREFILL_ONLY} if prefill_responses else body, ensure_ascii=False).encode()
 
 
 class LMServicer(lm_pb2_grpc.LMServiceServicer):
