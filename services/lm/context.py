@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from services.common.errors import EPDError
 from services.common.layout import ItemLayout
+from services.lm.handoff import Handoff
 
 if TYPE_CHECKING:  # ectransfer.connector imports vLLM, which this module's importers must not pay for
     from ectransfer.connector.metadata import ItemSource
@@ -49,13 +50,12 @@ class RequestContext:
     obtained (``EncoderUnavailable``) or, on a decode LM, the prompt's KV could not be loaded
     (``PrefillKVUnavailable``). The servicer turns it into the status with the ``epd-fault`` trailer
     (the gateway retries without that peer) instead of passing vLLM's error chunk on."""
-    kv_phase: int = 0
-    """``lm_pb2.KVHandoff.Phase`` of an E -> P -> D request on this LM (0: none; it prefills and decodes)."""
-    kv_params: dict | None = None
-    """DECODE: the prefill LM's kv_transfer_params, from the gateway (never from the request body)."""
+    kv: Handoff = field(default_factory=Handoff)
+    """The call's E -> P -> D hand-off (``services.lm.handoff``; phase 0: none, it prefills and decodes);
+    DECODE: with the prefill LM's params, from the gateway (never from the request body)."""
     kv_report: dict | None = None
-    """PREFILL: vLLM's kv_transfer_params for the decode LM (``RequestOutput.kv_transfer_params``), taken
-    off the outputs before vLLM's serving code sees them: the gateway's, never part of an answer."""
+    """PREFILL: vLLM's kv params for the decode LM (``handoff.take_report``), taken off the outputs
+    before vLLM's serving code sees them: the gateway's, never part of an answer."""
     submitted: bool = False
     """The request reached the engine (``ConsumerEngine.generate``)."""
     engine_calls: int = 0

@@ -62,9 +62,9 @@ from vllm.sampling_params import RequestOutputKind
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 from ectransfer.connector.metadata import ConsumerFinished, ECTransferParams
-from epd.lm.v1 import lm_pb2
 from services.common.errors import BadInput, EncoderUnavailable, PrefillKVUnavailable
 from services.common.layout import ItemLayout, splice_modalities
+from services.lm import handoff
 from services.lm.config import FrontendConfig
 from services.lm.context import CURRENT, RequestContext
 from services.lm.media import EncodedElsewhere, check_items
@@ -215,19 +215,17 @@ class ConsumerEngine:
         # Only the gateway's items name encoders: a client's own ec_transfer_params (a request field
         # vLLM forwards, or vllm_xargs) would make the LM dial what the caller chose.
         extra.pop("ec_transfer_params", None)
-        # Likewise kv_transfer_params (a request field of every vLLM API, or vllm_xargs): they name the
-        # prefill engine a decode LM dials. Only the gateway's KVHandoff sets them.
-        extra.pop("kv_transfer_params", None)
-        if ctx is not None and ctx.kv_phase:
-            if ctx.engine_calls:
-                # Beam search (one call per beam per step) or a Responses loop: the prefill LM would keep
-                # blocks for every call and the decode LM would load one call's KV into another.
-                ctx.failure = BadInput(
-                    "this request makes more than one engine call (beam search, or a Responses request that "
-                    "loops): it cannot be split between a prefill and a decode LM; the gateway sends such a "
-                    "request to one LM whole")
-                raise ctx.failure
-            _hand_off(ctx, sampling_params, extra)
+        if ctx is not None and ctx.kv.phase and ctx.engine_calls:
+            # Beam search (one call per beam per step) or a Responses loop: the prefill LM would keep
+            # blocks for every call and the decode LM would load one call's KV into another.
+            ctx.failure = BadInput(
+                "this request makes more than one engine call (beam search, or a Responses request that "
+                "loops): it cannot be split between a prefill and a decode LM; the gateway sends such a "
+                "request to one LM whole")
+            raise ctx.failure
+        # Likewise the kv params (they name the prefill engine a decode LM dials): only the gateway's
+        # KVHandoff sets them.
+        handoff.set_sampling(ctx.kv if ctx is not None else handoff.Handoff(), sampling_params, extra)
         if ctx is not None and ctx.sources:
             if self._engine.model_config.is_encoder_decoder:  # issue 25's guard, last stop before vLLM
                 raise BadInput("this LM takes no encoder outputs: it serves an encoder-decoder model and "
@@ -244,39 +242,19 @@ class ConsumerEngine:
         return _recorded(gen, ctx, request_id, delta=sampling_params.output_kind == RequestOutputKind.DELTA)
 
 
-PREFILL, DECODE, RELEASE = lm_pb2.KVHandoff.PREFILL, lm_pb2.KVHandoff.DECODE, lm_pb2.KVHandoff.RELEASE
-
-REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-                 "remote_block_ids": None, "remote_host": None, "remote_port": None}
-"""What a prefill request asks vLLM's NixlConnector for (as vLLM's own disaggregation proxies send it):
-keep the prompt's blocks for a decode engine, and say where they are in the output's kv_transfer_params."""
-
-
-def _hand_off(ctx: RequestContext, sampling_params, extra: dict) -> None:
-    """An E -> P -> D request's sampling on this LM. PREFILL: one sequence, one token (the prompt's KV
-    is what this call is for; its tokens are discarded); DECODE: the KV comes from the prefill LM."""
-    if ctx.kv_phase == PREFILL:
-        extra["kv_transfer_params"] = dict(REMOTE_DECODE)
-        sampling_params.n = 1
-        sampling_params.max_tokens = 1
-        sampling_params.min_tokens = 0
-    elif ctx.kv_phase == DECODE:
-        extra["kv_transfer_params"] = dict(ctx.kv_params or {})
-
-
 async def _recorded(gen, ctx: RequestContext, request_id: str, delta: bool):
     try:
         async for out in gen:
             ctx.final = out
             failed = [c for c in out.outputs if c.finish_reason == "error"]
             info = ConsumerFinished.from_dict(out.ec_transfer_params) if failed else None
-            if failed and ctx.kv_phase == DECODE and not (info.error or info.failed_endpoints):
+            if failed and ctx.kv.phase == handoff.DECODE and not (info.error or info.failed_endpoints):
                 # vLLM fails a request whose KV it could not load (kv_load_failure_policy "fail"). An item
                 # this engine needed and could not read fails it the same way, and vLLM drops the
                 # connector's report then, so the two look alike here unless the report names the item;
                 # a decode LM needs an item only when the prompt's last token falls inside it, so the KV
                 # is blamed (the retry, without that prefill LM, re-encodes every item anyway).
-                remote = (ctx.kv_params or {}).get("remote_engine_id", "?")
+                remote = (ctx.kv.params or {}).get("remote_engine_id", "?")
                 ctx.failure = PrefillKVUnavailable(
                     f"request {request_id}: the prompt's KV could not be loaded from the prefill LM "
                     f"(engine {remote}): its NIXL handshake or read failed (the service's log has vLLM's reason)")
@@ -292,9 +270,8 @@ async def _recorded(gen, ctx: RequestContext, request_id: str, delta: bool):
             if out.ec_transfer_params is not None:
                 ctx.ec_report = out.ec_transfer_params
                 out.ec_transfer_params = None  # vLLM would copy it into answers (Responses, Messages)
-            if out.kv_transfer_params is not None:
-                ctx.kv_report = out.kv_transfer_params
-                out.kv_transfer_params = None  # for the gateway (a decode LM dials it), never in an answer
+            if (report := handoff.take_report(out)) is not None:
+                ctx.kv_report = report
             if any(c.token_ids for c in out.outputs):
                 ctx.last_token_at = time.perf_counter()
                 ctx.first_token_at = ctx.first_token_at or ctx.last_token_at

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from services.common.budget import DecodeLease
 from services.common.errors import BadInput, MediaError
@@ -53,9 +53,6 @@ from services.common.media_checks import (
     check_image,
     check_video,
 )
-
-if TYPE_CHECKING:
-    from services.lm.context import RequestContext
 
 MODALITIES = ("image", "audio", "video")
 """What the LM takes from the gateway (as uuid-only items or data: URLs)."""
@@ -71,6 +68,18 @@ class EncodedElsewhere:
 
     def __init__(self, modality: str, identifier: str) -> None:
         self.modality, self.identifier = modality, identifier
+
+
+class RequestItems(Protocol):
+    """What the checks here read of a call's ``RequestContext`` (``services.lm.context``, which holds a
+    ``RequestMedia``: this module does not import it, so the two make no import circle)."""
+
+    sources: dict[str, Any]
+    """Per item identifier, the encoder an item comes from."""
+    layouts: dict[str, Any]
+    """Per item identifier, its prompt layout from the encoder's metadata."""
+    media: RequestMedia | None
+    """The media this LM decodes itself for the call."""
 
 
 class RequestMedia:
@@ -90,7 +99,7 @@ class RequestMedia:
         entry = self.loaded.get(id(obj))
         return entry[1] if entry is not None and entry[0] is obj else None
 
-    def encoded_elsewhere(self, modality: str, data: bytes, ctx: RequestContext) -> EncodedElsewhere | None:
+    def encoded_elsewhere(self, modality: str, data: bytes, ctx: RequestItems) -> EncodedElsewhere | None:
         """An ``EncodedElsewhere`` for ``data`` when an encoder of this request laid it out (its
         content hash has a source and a layout), recorded like a decoded item; else None."""
         ident = content_id(data, self.namespace)
@@ -154,7 +163,7 @@ def _load(modality: str, loader: Callable[[bytes], Any], data: bytes) -> Any:
         raise BadInput(f"{modality} could not be decoded: {e}") from None
 
 
-def check_items(prompt: dict, ctx: RequestContext) -> None:
+def check_items(prompt: dict, ctx: RequestItems) -> None:
     """Refuses (BadInput) a parsed prompt (vLLM's ``render_messages`` output: ``multi_modal_data``
     and ``multi_modal_uuids`` per modality) with any item the gateway did not send this way: see
     the module docstring. ``prompt_embeds`` never come here (vLLM refuses them: not enabled).
@@ -185,7 +194,7 @@ def check_items(prompt: dict, ctx: RequestContext) -> None:
         prompt["multi_modal_uuids"] = {**uuids, **named}
 
 
-def _check_item(modality: str, i: int, value: Any, ident: Any, ctx: RequestContext) -> None:
+def _check_item(modality: str, i: int, value: Any, ident: Any, ctx: RequestItems) -> None:
     what = f"{modality} {i}"
     if value is None:
         if ident is None or ident not in ctx.sources:

@@ -11,15 +11,13 @@ import os
 import signal
 
 from prometheus_client import start_http_server
-from vllm.config import KVTransferConfig
-from vllm.platforms import current_platform
 
 from ectransfer import factory
 from ectransfer.connector.common import compat_for
 from ectransfer.connector.config import ConnectorConfig, ConnectorTuning, ec_transfer_config
 from ectransfer.shm import cleanup_orphans
 from epd.lm.v1 import lm_pb2, lm_pb2_grpc
-from peerauth import SecurityConfig, is_loopback
+from peerauth import SecurityConfig
 from services.common.engine import (
     ENCODER_DECODER_GAP,
     EngineConfig,
@@ -34,6 +32,7 @@ from services.common.media import MediaDecoder
 from services.lm import media_connector
 from services.lm.config import LMServiceConfig
 from services.lm.frontend import build_frontend
+from services.lm.handoff import kv_transfer_config
 from services.lm.peers import EncoderAllowList, PeerChecker
 from services.lm.response_store import StoredResponses
 from services.lm.servicer import LMServicer
@@ -49,26 +48,6 @@ def _ec_config(cfg: LMServiceConfig, engine_cfg: EngineConfig, security: Securit
         **(tuning or ConnectorTuning()).extra(), staging_bytes=int(cfg.staging_mib * (1 << 20)),
         transports=cfg.transport_list(), transfer_timeout_s=cfg.transfer_timeout_s, model_name=engine_cfg.model,
         security=security.to_dict()))
-
-
-def kv_transfer_config(cfg: LMServiceConfig) -> KVTransferConfig | None:
-    """A prefill or decode LM's KV connector: vLLM's NixlConnector (UCX: TCP or shared memory between CPU
-    hosts, NVLink/RDMA between GPUs), the KV staged in host memory on a CPU platform. Its side channel (the
-    NIXL handshake, unauthenticated) binds ``--kv-host``:``--kv-port`` (loopback unless
-    ``--insecure-kv-side-channel``: ``LMServiceConfig``): vLLM reads both from the environment in the
-    engine's worker, which this process starts next."""
-    if not cfg.disaggregated:
-        return None
-    if not is_loopback(cfg.kv_host):
-        logger.warning("NIXL's side channel listens on %s:%d, unauthenticated (--insecure-kv-side-channel): "
-                       "anyone who reaches it can read this engine's KV blocks; keep all but the deployment's "
-                       "LMs off that port", cfg.kv_host, cfg.kv_port)
-    os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = cfg.kv_host
-    os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(cfg.kv_port)
-    return KVTransferConfig(kv_connector="NixlConnector",
-                            kv_role="kv_producer" if cfg.role == "prefill" else "kv_consumer",
-                            kv_buffer_device="cpu" if current_platform.is_cpu() else "cuda",
-                            kv_connector_extra_config={"kv_lease_duration": cfg.kv_lease_s})
 
 
 def ec_consumer(engine_cfg: EngineConfig) -> bool:

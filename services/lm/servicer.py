@@ -31,11 +31,13 @@ from vllm.exceptions import GenerationError, VLLMClientError
 from ectransfer import tensors
 from ectransfer.connector.metadata import ConsumerFinished, ItemSource, TransferReport
 from epd.lm.v1 import lm_pb2, lm_pb2_grpc
-from services.common.errors import BadInput, EPDError, PrefillKVUnavailable, RoleMismatch
+from services.common.errors import BadInput, EPDError, PrefillKVUnavailable
 from services.common.layout import ItemLayout
 from services.common.media import MediaDecoder, check_namespace
+from services.lm import handoff
 from services.lm.context import CURRENT, RequestContext
-from services.lm.frontend import DECODE, PREFILL, RELEASE, Frontend, validation_error
+from services.lm.frontend import Frontend, validation_error
+from services.lm.handoff import DECODE, PREFILL, RELEASE, Handoff
 from services.lm.media import RequestMedia
 from services.lm.peers import PeerChecker
 from services.lm.response_store import StoredResponses
@@ -64,51 +66,37 @@ def _dumps(model) -> bytes:
     return json.dumps(model.model_dump(), ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
 
 
-KV_TRANSFER_PARAMS = "kv_transfer_params"
-"""The request field every vLLM API reads (chat, completions, Responses, Messages) that names the prefill
-engine a decode engine dials: dropped from every body (``openai_body``); the gateway's ``KVHandoff`` is the
-one source (``services.lm.frontend.ConsumerEngine``)."""
-
-
-def openai_body(request: lm_pb2.GenerateRequest) -> dict:
-    """The OpenAI body a GenerateRequest carries, as a dict, without ``kv_transfer_params``; BadInput for an
-    unknown ``api`` or a body that is not a JSON object (everything inside it is vLLM's to validate)."""
+def _parsed(request: lm_pb2.GenerateRequest) -> tuple[dict, bool]:
+    """The OpenAI body a GenerateRequest carries, parsed once as vLLM parses it (``json.loads``, so an
+    escaped key is the same key), the kv params dropped (``handoff.strip``), and whether they were there;
+    BadInput for an unknown ``api`` or a body that is not a JSON object (everything inside it is vLLM's
+    to validate)."""
     if request.openai.api not in _APIS:
         raise BadInput(f"openai.api must be one of {', '.join(_APIS)}; got {request.openai.api!r}")
     if request.openai.api == "http" and not request.openai.body:
-        return {}  # a GET
+        return {}, False  # a GET
     try:
         body = json.loads(request.openai.body)
     except (ValueError, UnicodeDecodeError) as e:
         raise BadInput(f"openai.body is not JSON: {e}") from None
     if not isinstance(body, dict):
         raise BadInput("openai.body must be a JSON object")
-    body.pop(KV_TRANSFER_PARAMS, None)
-    return body
+    return body, handoff.strip(body)
 
 
-PREFILL_ONLY = {"store": False, "background": False}
-"""What a Responses request's prefill call sets: its one-token answer is discarded, so nothing of it is
-stored (the decode LM stores the answer), and it runs within the call (the gateway splits no background
-request; this makes sure)."""
+def openai_body(request: lm_pb2.GenerateRequest) -> dict:
+    """The OpenAI body a GenerateRequest carries, as a dict, without the kv params (``_parsed``)."""
+    return _parsed(request)[0]
 
 
-def _without_kv_params(raw: bytes, prefill_responses: bool = False) -> bytes:
-    """A JSON body for vLLM's app, ``kv_transfer_params`` dropped (and ``PREFILL_ONLY`` set for a Responses
-    request's prefill call): parsed as vLLM parses it (``json.loads``, so an escaped key is the same key),
-    re-encoded only when it changed."""
-    if not raw:
-        return raw
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        return raw  # vLLM's app answers it as `vllm serve` does
-    if not isinstance(body, dict) or (KV_TRANSFER_PARAMS not in body and not prefill_responses):
-        return raw
-    body.pop(KV_TRANSFER_PARAMS, None)
-    if prefill_responses:
-        body.update(PREFILL_ONLY)
-    return json.dumps(body, ensure_ascii=False).encode()
+def vllm_body(request: lm_pb2.GenerateRequest, prefill_responses: bool = False) -> tuple[dict, bytes]:
+    """A JSON body for vLLM's app: the parsed body (``_parsed``) and its bytes, the kv params dropped
+    (and ``handoff.PREFILL_ONLY`` set for a Responses request's prefill call); re-encoded only when it changed."""
+    body, stripped = _parsed(request)
+    raw = request.openai.body
+    if not raw or not (stripped or prefill_responses):
+        return body, raw
+    return body, json.dumps({**body, **handoff.PREFILL_ONLY} if prefill_responses else body, ensure_ascii=False).encode()
 
 
 class LMServicer(lm_pb2_grpc.LMServiceServicer):
@@ -127,10 +115,10 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
     async def GetInfo(self, request, context):
         return self.info
 
-    def _context(self, request: lm_pb2.GenerateRequest) -> RequestContext:
+    def _context(self, request: lm_pb2.GenerateRequest, kv: Handoff) -> RequestContext:
         ctx = RequestContext(media=RequestMedia(self.decoder, request.request_id, check_namespace(request.namespace)))
-        if request.HasField("kv"):
-            ctx.kv_phase, ctx.kv_params = self._handoff(request.kv)
+        kv.check(self.info.role)  # the gateway's E -> P -> D phase: one this LM's role takes
+        ctx.kv = kv
         for item in request.items:
             if not item.identifier or not item.HasField("source"):
                 continue
@@ -156,25 +144,6 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
                                    f"{src.num_embeds} embedding rows")
                 ctx.layouts[item.identifier] = lay
         return ctx
-
-    def _handoff(self, kv: lm_pb2.KVHandoff) -> tuple[int, dict | None]:
-        """The gateway's E -> P -> D phase for this LM: one its role takes, with the prefill LM's params
-        (a JSON object) for DECODE."""
-        want = {PREFILL: "prefill", DECODE: "decode", RELEASE: "decode"}.get(kv.phase)
-        if want is None:
-            raise BadInput(f"kv.phase must be PREFILL, DECODE or RELEASE, got {kv.phase}")
-        if self.info.role != want:
-            raise RoleMismatch(f"this LM's role is {self.info.role or 'both'}: it takes no "
-                               f"{lm_pb2.KVHandoff.Phase.Name(kv.phase)} call")
-        if kv.phase == lm_pb2.KVHandoff.PREFILL:
-            return kv.phase, None
-        try:
-            params = json.loads(kv.params)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise BadInput(f"kv.params is not JSON: {e}") from None
-        if not isinstance(params, dict) or not params.get("do_remote_prefill"):
-            raise BadInput("kv.params must be a prefill LM's kv_transfer_params (do_remote_prefill)")
-        return kv.phase, params
 
     async def _answer(self, request: lm_pb2.GenerateRequest, ctx: RequestContext):
         """vLLM's answer to the request: (status, body) once, or an async generator of SSE events."""
@@ -206,18 +175,18 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
 
     async def Generate(self, request, context):
         rid = request.request_id
+        kv = Handoff.of(request)
         try:
-            ctx = self._context(request)
+            ctx = self._context(request, kv)
         except EPDError:
             # Refused before anything ran (a bad item, a phase this LM's role does not take): a DECODE
             # call's prefill LM still pins the prompt's blocks for it.
             REQUESTS.labels("error").inc()
-            params = _decode_params(request)
-            if params is not None:
-                await _release_prefill(self.engine, rid, params)
+            if kv.params is not None:
+                await handoff.release(self.engine, rid, kv.params)
             raise
-        if ctx.kv_phase == RELEASE:  # the gateway's DECODE call will not come: let the prefill LM's blocks go
-            await _release_prefill(self.engine, rid, ctx.kv_params)
+        if kv.phase == RELEASE:  # the gateway's DECODE call will not come: let the prefill LM's blocks go
+            await handoff.release(self.engine, rid, kv.params)
             KV_HANDOFFS.labels("release", "ok").inc()
             yield lm_pb2.GenerateResponse(request_id=rid)
             return
@@ -234,22 +203,12 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
                         yield msg
                     status = "ok"
                     return
-                answer = await self._answer(request, ctx)
-                if isinstance(answer, tuple):
-                    code, payload = answer
-                    yield lm_pb2.GenerateResponse(request_id=rid, openai=payload, http_status=code)
-                else:
-                    # aclosing: if the client goes away while we sit at a yield, grpc closes this
-                    # handler (GeneratorExit); closing vLLM's generator right then aborts the
-                    # engine request and frees its reservations.
-                    async with contextlib.aclosing(answer) as events:
-                        first = True
-                        async for event in events:
-                            if ctx.failure is not None:  # vLLM made an error event of it
-                                raise ctx.failure
-                            yield lm_pb2.GenerateResponse(request_id=rid, openai=event.encode(),
-                                                          http_status=200 if first else 0)
-                            first = False
+                # aclosing: if the client goes away while we sit at a yield, grpc closes this
+                # handler (GeneratorExit); closing vLLM's generator right then aborts the
+                # engine request and frees its reservations.
+                async with contextlib.aclosing(self._openai(request, ctx)) as messages:
+                    async for msg in messages:
+                        yield msg
             except GenerationError as e:  # the engine failed the request: vLLM's server answers 500
                 if ctx.failure is not None:
                     raise ctx.failure from None
@@ -262,15 +221,33 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
         finally:
             if ctx.media is not None:
                 ctx.media.release()  # normally done once the prompt was processed
-            if ctx.kv_phase == DECODE and (not ctx.submitted or (status == "error" and ctx.final is None)):
+            if kv.phase == DECODE and (not ctx.submitted or (status == "error" and ctx.final is None)):
                 # Refused before the engine (vLLM's validation, a bad item), or failed before its first
                 # output (vLLM's input processing runs on the generator's first step): the prefill LM may
                 # still pin the prompt's blocks for us; vLLM's own hook tells it to let them go (a prefill
                 # LM that already let them go logs the notice and ignores it).
-                await _release_prefill(self.engine, rid, ctx.kv_params)
+                await handoff.release(self.engine, rid, kv.params)
             REQUESTS.labels(status).inc()
-            if ctx.kv_phase:
-                KV_HANDOFFS.labels(_PHASES[ctx.kv_phase], _kv_outcome(status, ctx)).inc()
+            if kv.phase:
+                KV_HANDOFFS.labels(kv.name, _kv_outcome(status, ctx)).inc()
+
+    async def _openai(self, request: lm_pb2.GenerateRequest, ctx: RequestContext):
+        """A chat or completions request's answer (``_answer``) as messages: one with the status and
+        the whole body, or one per SSE event (the first with the status)."""
+        rid = request.request_id
+        answer = await self._answer(request, ctx)
+        if isinstance(answer, tuple):
+            code, payload = answer
+            yield lm_pb2.GenerateResponse(request_id=rid, openai=payload, http_status=code)
+            return
+        async with contextlib.aclosing(answer) as events:  # closed with this generator (see Generate)
+            first = True
+            async for event in events:
+                if ctx.failure is not None:  # vLLM made an error event of it
+                    raise ctx.failure
+                yield lm_pb2.GenerateResponse(request_id=rid, openai=event.encode(),
+                                              http_status=200 if first else 0)
+                first = False
 
     async def _http(self, request: lm_pb2.GenerateRequest, ctx: RequestContext):
         """A route of vLLM's own app (``services.lm.vllm_app``): the first message has the status,
@@ -284,10 +261,9 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
         response_id = ""
         if not content_type.lower().startswith("multipart/"):  # an upload is vLLM's to parse (body_type)
             # A JSON object (or nothing, for a GET): everything inside is vLLM's to read, but for
-            # kv_transfer_params (only the gateway's KVHandoff names a prefill engine).
-            body = openai_body(request)
-            raw = _without_kv_params(raw, prefill_responses=ctx.kv_phase == PREFILL
-                                     and path.rstrip("/") == "/v1/responses")
+            # the kv params (only the gateway's KVHandoff names a prefill engine).
+            body, raw = vllm_body(request, prefill_responses=ctx.kv.phase == PREFILL
+                                  and path.rstrip("/") == "/v1/responses")
             if responses and method == "POST" and isinstance(body.get("request_id"), str):
                 response_id = body["request_id"]  # vLLM's id for the response it may store
         try:
@@ -351,13 +327,10 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
                                    lm_queue_ms=_queue_ms(final, ec.transfer_ms)),
             local_encoder_runs=ec.local_encoder_runs,
             transferred_items=ec.transferred_items,
-            kv_transfer_params=json.dumps(ctx.kv_report).encode() if ctx.kv_report and ctx.kv_phase else b"",
+            **handoff.response_fields(ctx.kv, ctx.kv_report),
             transports=[ec.transports.get(s.endpoint) or self.peers.transport.get(s.endpoint, "")
                         for s in ctx.sources.values()] if ec.transferred_items else [],
         )
-
-
-_PHASES = {PREFILL: "prefill", DECODE: "decode", RELEASE: "release"}
 
 
 def _kv_outcome(status: str, ctx: RequestContext) -> str:
@@ -367,24 +340,6 @@ def _kv_outcome(status: str, ctx: RequestContext) -> str:
     if status == "ok":
         return "ok" if ctx.submitted else "refused"
     return status  # cancelled, error
-
-
-def _decode_params(request: lm_pb2.GenerateRequest) -> dict | None:
-    """A DECODE (or RELEASE) call's prefill params, read as ``_handoff`` reads them, or None."""
-    if not request.HasField("kv") or request.kv.phase not in (DECODE, RELEASE):
-        return None
-    try:
-        params = json.loads(request.kv.params)
-    except (ValueError, UnicodeDecodeError):
-        return None
-    return params if isinstance(params, dict) and params.get("do_remote_prefill") else None
-
-
-async def _release_prefill(engine, rid: str, params: dict | None) -> None:
-    try:
-        await engine.notify_kv_transfer_request_rejected(rid, params or {})
-    except Exception:  # the blocks' lease frees them anyway
-        logger.warning("request %s: could not tell the prefill LM to release its blocks", rid, exc_info=True)
 
 
 def _queue_ms(output, transfer_ms: float) -> float:

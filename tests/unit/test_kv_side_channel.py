@@ -1,5 +1,5 @@
 """NIXL's side channel on prefill and decode LMs: where it may listen (``LMServiceConfig``'s bind rule,
-``services.lm.server.kv_transfer_config``), and the watch that turns a dead listener into NOT_SERVING
+``services.lm.handoff.kv_transfer_config``), and the watch that turns a dead listener into NOT_SERVING
 (``services.lm.side_channel``, with its probe scripted or against a plain socket)."""
 
 from __future__ import annotations
@@ -44,13 +44,14 @@ def test_any_loopback_address_needs_no_opt_in(kv_host):
 
 
 def test_vllm_is_told_the_loopback_side_channel_when_the_api_listens_on_every_interface(monkeypatch):
-    server = pytest.importorskip("services.lm.server")
+    pytest.importorskip("vllm")
+    from services.lm import handoff
     monkeypatch.delenv("VLLM_NIXL_SIDE_CHANNEL_HOST", raising=False)
     monkeypatch.delenv("VLLM_NIXL_SIDE_CHANNEL_PORT", raising=False)
-    kv = server.kv_transfer_config(LMServiceConfig(host="0.0.0.0", role="prefill", kv_port=5611))
+    kv = handoff.kv_transfer_config(LMServiceConfig(host="0.0.0.0", role="prefill", kv_port=5611))
     assert kv is not None and kv.kv_role == "kv_producer"
     assert (os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"], os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"]) == ("127.0.0.1", "5611")
-    assert server.kv_transfer_config(LMServiceConfig(host="0.0.0.0")) is None  # role both: no connector
+    assert handoff.kv_transfer_config(LMServiceConfig(host="0.0.0.0")) is None  # role both: no connector
 
 
 def _scripted(answers: list[str | None]):

@@ -240,3 +240,44 @@ def test_no_product_module_switches_on_a_transport_name():
                 if hit:
                     offenders.append(f"{rel}:{node.lineno} compares {sorted(hit)}")
     assert not offenders, "ask the transport (ectransfer.base), not its name: " + "; ".join(offenders)
+
+
+def _code_names(path: pathlib.Path) -> list[tuple[int, str]]:
+    """The strings ``path``'s code holds (string constants, f-string parts, attribute, keyword, variable
+    and argument names), with their line; docstrings (a string standing alone as a statement) left out."""
+    tree = ast.parse(path.read_text())
+    docstrings = {id(node.value) for node in ast.walk(tree)
+                  if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)}
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            out.append((node.lineno, node.value))
+        elif isinstance(node, ast.Attribute):
+            out.append((node.lineno, node.attr))
+        elif isinstance(node, ast.keyword) and node.arg:
+            out.append((node.lineno, node.arg))
+        elif isinstance(node, ast.Name):
+            out.append((node.lineno, node.id))
+        elif isinstance(node, ast.arg):
+            out.append((node.lineno, node.arg))
+    return out
+
+
+def test_only_the_lms_handoff_module_touches_kv_transfer_params():
+    """vLLM's ``kv_transfer_params`` (the request field that names a prefill engine, the output's
+    params for a decode engine) have one owner on the LM: ``services/lm/handoff.py`` reads, strips, sets
+    and reports them; no other module of the LM or of the transfer library names them in code."""
+    owner = ROOT / "services" / "lm" / "handoff.py"
+    assert any("kv_transfer_params" in s for _, s in _code_names(owner))
+    offenders = [f"{path.relative_to(ROOT)}:{line}"
+                 for folder in (ROOT / "services" / "lm", ROOT / "ectransfer")
+                 for path in sorted(folder.rglob("*.py")) if path != owner
+                 for line, s in _code_names(path) if "kv_transfer_params" in s]
+    assert not offenders, f"kv_transfer_params outside services/lm/handoff.py: {offenders}"
+
+
+def test_the_lms_request_context_and_media_make_no_import_circle():
+    """``services.lm.context`` holds a ``RequestMedia``; ``services.lm.media`` reads the context through
+    its own ``RequestItems`` protocol and imports no context (not even for type checking)."""
+    lm = ROOT / "services" / "lm"
+    assert "services.lm.context" not in imported_modules(lm / "media.py")

@@ -17,28 +17,35 @@ from ectransfer.connector.consumer import _embeds_from
 from epd.lm.v1 import lm_pb2
 from services.common.errors import BadInput, EncoderUnavailable, PrefillKVUnavailable, RoleMismatch, _status
 from services.lm.context import CURRENT, RequestContext
-from services.lm.frontend import DECODE, REMOTE_DECODE, ConsumerEngine, _recorded
-from services.lm.servicer import LMServicer, _kv_outcome, _without_kv_params, openai_body
+from services.lm.frontend import ConsumerEngine, _recorded
+from services.lm.handoff import DECODE, REMOTE_DECODE, Handoff
+from services.lm.servicer import _kv_outcome, openai_body, vllm_body
 
 pytestmark = pytest.mark.unit
 
 BOGUS = {"do_remote_prefill": True, "remote_host": "10.255.255.1", "remote_port": 9}
 
 
-def _request(body: dict, api: str = "chat") -> lm_pb2.GenerateRequest:
+def _request(body: dict | bytes, api: str = "chat") -> lm_pb2.GenerateRequest:
     req = lm_pb2.GenerateRequest(request_id="r")
     req.openai.api = api
-    req.openai.body = json.dumps(body).encode()
+    req.openai.body = body if isinstance(body, bytes) else json.dumps(body).encode()
     return req
+
+
+def _vllm_raw(raw: bytes, prefill_responses: bool = False) -> bytes:
+    return vllm_body(_request(raw, "http"), prefill_responses)[1]
 
 
 def test_a_bodys_kv_transfer_params_are_dropped_whatever_the_spelling():
     assert "kv_transfer_params" not in openai_body(_request({"messages": [], "kv_transfer_params": BOGUS}))
     escaped = b'{"model": "m", "kv\\u005ftransfer_params": {"do_remote_prefill": true}}'  # one key to json
-    assert json.loads(_without_kv_params(escaped)) == {"model": "m"}
+    assert json.loads(_vllm_raw(escaped)) == {"model": "m"}
     plain = b'{"model":"m","input":"hi"}'
-    assert _without_kv_params(plain) is plain  # left as the client wrote it when there is nothing to drop
-    assert _without_kv_params(b"not json") == b"not json"  # vLLM's app answers that one
+    assert _vllm_raw(plain) == plain  # left as the client wrote it when there is nothing to drop
+    with pytest.raises(BadInput, match="not JSON"):
+        _vllm_raw(b"not json")
+    assert _vllm_raw(b"") == b""  # a GET
 
 
 def _engine_call(ctx: RequestContext | None, params: SamplingParams):
@@ -66,14 +73,14 @@ def test_vllm_xargs_cannot_name_a_prefill_engine_and_the_handoff_sets_the_sampli
     sent = _engine_call(RequestContext(media=None), SamplingParams(extra_args={"kv_transfer_params": BOGUS, "x": 1}))
     assert sent.extra_args == {"x": 1}
     # PREFILL: one sequence, one token, and the blocks kept for a decode engine.
-    ctx = RequestContext(media=None, kv_phase=lm_pb2.KVHandoff.PREFILL)
+    ctx = RequestContext(media=None, kv=Handoff(lm_pb2.KVHandoff.PREFILL))
     sent = _engine_call(ctx, SamplingParams(n=2, max_tokens=50, min_tokens=5, seed=3,
                                             extra_args={"kv_transfer_params": BOGUS}))
     assert (sent.n, sent.max_tokens, sent.min_tokens) == (1, 1, 0)
     assert sent.extra_args["kv_transfer_params"] == REMOTE_DECODE
     # DECODE: the gateway's params, not the caller's.
     handed = {"do_remote_prefill": True, "remote_engine_id": "p", "remote_block_ids": [1]}
-    ctx = RequestContext(media=None, kv_phase=lm_pb2.KVHandoff.DECODE, kv_params=handed)
+    ctx = RequestContext(media=None, kv=Handoff(lm_pb2.KVHandoff.DECODE, handed))
     sent = _engine_call(ctx, SamplingParams(n=2, max_tokens=8, extra_args={"kv_transfer_params": BOGUS}))
     assert sent.extra_args["kv_transfer_params"] == handed and (sent.n, sent.max_tokens) == (2, 8)
 
@@ -92,20 +99,29 @@ def test_vllm_xargs_cannot_name_a_prefill_engine_and_the_handoff_sets_the_sampli
     ("decode", 7, b"", BadInput, "PREFILL, DECODE or RELEASE"),
 ])
 def test_a_handoff_the_role_does_not_take_is_refused(role, phase, params, kind, error):
-    servicer = object.__new__(LMServicer)
-    servicer.info = lm_pb2.LMInfo(role=role)
     with pytest.raises(kind, match=error) as got:
-        servicer._handoff(lm_pb2.KVHandoff(phase=phase, params=params))
+        _handoff(role, phase, params)
     assert _status(got.value, "Generate")[2] == ((("epd-fault", "role"),) if kind is RoleMismatch else ())
 
 
+def _handoff(role: str, phase, params: bytes = b"") -> Handoff:
+    """The call's hand-off as the servicer reads it (once) and checks it against the LM's role."""
+    kv = Handoff.of(lm_pb2.GenerateRequest(kv=lm_pb2.KVHandoff(phase=phase, params=params)))
+    kv.check(role)
+    return kv
+
+
 def test_the_handoffs_a_role_takes():
-    servicer = object.__new__(LMServicer)
-    servicer.info = lm_pb2.LMInfo(role="prefill")
-    assert servicer._handoff(lm_pb2.KVHandoff(phase=lm_pb2.KVHandoff.PREFILL)) == (lm_pb2.KVHandoff.PREFILL, None)
-    servicer.info = lm_pb2.LMInfo(role="decode")
-    got = servicer._handoff(lm_pb2.KVHandoff(phase=lm_pb2.KVHandoff.DECODE, params=b'{"do_remote_prefill": true}'))
-    assert got == (lm_pb2.KVHandoff.DECODE, {"do_remote_prefill": True})
+    got = _handoff("prefill", lm_pb2.KVHandoff.PREFILL)
+    assert (got.phase, got.params) == (lm_pb2.KVHandoff.PREFILL, None)
+    got = _handoff("decode", lm_pb2.KVHandoff.DECODE, b'{"do_remote_prefill": true}')
+    assert (got.phase, got.params) == (lm_pb2.KVHandoff.DECODE, {"do_remote_prefill": True})
+    assert Handoff.of(lm_pb2.GenerateRequest()) == Handoff()  # no hand-off: this LM prefills and decodes
+    with pytest.raises(BadInput, match="PREFILL, DECODE or RELEASE"):  # a KVHandoff without a phase
+        Handoff.of(lm_pb2.GenerateRequest(kv=lm_pb2.KVHandoff())).check("decode")
+    # A refused DECODE call still has the prefill LM's params read, for the release.
+    assert Handoff.of(lm_pb2.GenerateRequest(kv=lm_pb2.KVHandoff(
+        phase=lm_pb2.KVHandoff.DECODE, params=b'{"do_remote_prefill": true}'))).params == {"do_remote_prefill": True}
 
 
 def test_an_item_is_needed_while_an_embedding_row_is_left_to_compute():
@@ -134,8 +150,7 @@ async def _drain(ctx: RequestContext):
 def test_a_decode_request_the_engine_failed_blames_the_prefill_lm_and_any_other_the_encoder():
     """vLLM fails a request whose KV it could not load (kv_load_failure_policy "fail") as it fails one
     whose embedding could not be read: on a decode LM the KV is blamed (``epd-fault: prefill``)."""
-    ctx = RequestContext()
-    ctx.kv_phase, ctx.kv_params = DECODE, {"remote_engine_id": "engine-p"}
+    ctx = RequestContext(kv=Handoff(DECODE, {"remote_engine_id": "engine-p"}))
     with pytest.raises(PrefillKVUnavailable, match="engine engine-p") as e:
         asyncio.run(_drain(ctx))
     assert e.value.fault == lm_pb2.FAULT_PREFILL and ctx.failure is e.value
@@ -153,16 +168,16 @@ def test_a_decode_request_the_engine_failed_blames_the_prefill_lm_and_any_other_
     ("cancelled", True, None, "cancelled"),
 ])
 def test_each_handoff_call_is_counted_by_its_outcome(status, submitted, failure, outcome):
-    ctx = RequestContext(kv_phase=DECODE)
+    ctx = RequestContext(kv=Handoff(DECODE))
     ctx.submitted, ctx.failure = submitted, failure
     assert _kv_outcome(status, ctx) == outcome
 
 
 def test_responses_prefill_call_stores_nothing_and_runs_in_the_call():
     body = b'{"input": "hi", "store": true, "background": true, "kv_transfer_params": {"x": 1}}'
-    assert json.loads(_without_kv_params(body, prefill_responses=True)) == {
+    assert json.loads(_vllm_raw(body, prefill_responses=True)) == {
         "input": "hi", "store": False, "background": False}
-    assert json.loads(_without_kv_params(b'{"input": "hi"}', prefill_responses=True)) == {
+    assert json.loads(_vllm_raw(b'{"input": "hi"}', prefill_responses=True)) == {
         "input": "hi", "store": False, "background": False}
 
 
@@ -170,7 +185,7 @@ def test_a_handoff_takes_one_engine_call_and_a_second_is_refused():
     """Beam search calls the engine once per beam per step: on a prefill LM every call would keep blocks,
     on a decode LM each would load the one call's KV. The gateway splits no such request; the LM refuses
     the second call of a hand-off all the same."""
-    ctx = RequestContext(media=None, kv_phase=lm_pb2.KVHandoff.PREFILL)
+    ctx = RequestContext(media=None, kv=Handoff(lm_pb2.KVHandoff.PREFILL))
     _engine_call(ctx, SamplingParams(max_tokens=4))
     with pytest.raises(BadInput, match="more than one engine call"):
         _engine_call(ctx, SamplingParams(max_tokens=4))
