@@ -242,7 +242,7 @@ def test_no_product_module_switches_on_a_transport_name():
     assert not offenders, "ask the transport (ectransfer.base), not its name: " + "; ".join(offenders)
 
 
-def _code_names(path: pathlib.Path) -> list[tuple[int, str]]:
+def _code_names_at(path: pathlib.Path) -> list[tuple[int, str]]:
     """The strings ``path``'s code holds (string constants, f-string parts, attribute, keyword, variable
     and argument names), with their line; docstrings (a string standing alone as a statement) left out."""
     tree = ast.parse(path.read_text())
@@ -268,11 +268,11 @@ def test_only_the_lms_handoff_module_touches_kv_transfer_params():
     params for a decode engine) have one owner on the LM: ``services/lm/handoff.py`` reads, strips, sets
     and reports them; no other module of the LM or of the transfer library names them in code."""
     owner = ROOT / "services" / "lm" / "handoff.py"
-    assert any("kv_transfer_params" in s for _, s in _code_names(owner))
+    assert any("kv_transfer_params" in s for _, s in _code_names_at(owner))
     offenders = [f"{path.relative_to(ROOT)}:{line}"
                  for folder in (ROOT / "services" / "lm", ROOT / "ectransfer")
                  for path in sorted(folder.rglob("*.py")) if path != owner
-                 for line, s in _code_names(path) if "kv_transfer_params" in s]
+                 for line, s in _code_names_at(path) if "kv_transfer_params" in s]
     assert not offenders, f"kv_transfer_params outside services/lm/handoff.py: {offenders}"
 
 
