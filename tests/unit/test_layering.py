@@ -281,3 +281,46 @@ def test_the_lms_request_context_and_media_make_no_import_circle():
     its own ``RequestItems`` protocol and imports no context (not even for type checking)."""
     lm = ROOT / "services" / "lm"
     assert "services.lm.context" not in imported_modules(lm / "media.py")
+
+
+LONG_FILES = {
+    "ectransfer/connector/consumer.py": "the consumer connector's scheduler and worker halves, paired as vLLM's "
+                                        "connector API pairs them, with the item state they share",
+    "ectransfer/cuda_ipc.py": "one transport, one file: its pool, producer, consumer and the LM service's stand-in",
+    "ectransfer/outbound.py": "the outbound store: one state machine of an item's copies and claims",
+}
+"""Files over 400 lines in services/ and ectransfer/, each with the reason it stays whole."""
+
+LONG_FUNCTIONS = {
+    "services/cli.py:build_parser": "the command line: one add_argument per line, a table rather than logic",
+    "services/encoder/server.py:serve": "the service's start and stop in order, each step one call",
+    "services/gateway/server.py:serve": "the service's start and stop in order, each step one call",
+    "services/lm/server.py:serve": "the service's start and stop in order, each step one call",
+    "services/gateway/openai_api.py:_respond": "one REST answer, whole or streamed, under one answer deadline",
+    "services/lm/vllm_app.py:call": "one call of vLLM's ASGI app: its receive and send closures share the call",
+    "ectransfer/connector/consumer.py:ensure_cache_available": "the seed design's reserve stage, one decision "
+                                                                "per item in prompt order",
+}
+"""Functions over 60 lines in services/ and ectransfer/, each with the reason it stays whole."""
+
+
+def test_no_long_file_or_function_without_a_stated_reason():
+    """#32: a file over ~400 lines or a function over ~60 is split, or named above with why it is not
+    (and stays within a third more)."""
+    long_files, long_functions = {}, {}
+    for root in ("services", "ectransfer"):
+        for path in sorted((ROOT / root).rglob("*.py")):
+            rel = str(path.relative_to(ROOT))
+            src = path.read_text()
+            if src.count("\n") > 400:
+                long_files[rel] = src.count("\n")
+            for node in ast.walk(ast.parse(src)):
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                    n = node.end_lineno - node.lineno + 1
+                    if n > 60:
+                        long_functions[f"{rel}:{node.name}"] = n
+    assert set(long_files) <= set(LONG_FILES), {k: v for k, v in long_files.items() if k not in LONG_FILES}
+    assert set(long_functions) <= set(LONG_FUNCTIONS), \
+        {k: v for k, v in long_functions.items() if k not in LONG_FUNCTIONS}
+    assert all(n <= 540 for n in long_files.values()) and all(n <= 80 for n in long_functions.values()), \
+        (long_files, long_functions)
