@@ -123,13 +123,11 @@ class ProducerTransport(ABC):
     makes the outbound pool (``make_pool``)."""
 
     @classmethod
-    def make_pool(cls, capacity: int, role: str) -> Pool:
+    def make_pool(cls, capacity: int, role: str) -> Pool | None:
         """A new outbound pool of ``capacity`` bytes, owned (and closed) by the
-        caller. Default: a shared-memory segment, which vLLM's worker (maybe
-        another process) writes into and any transport can serve from."""
-        from ectransfer.shm import ShmPool
-
-        return ShmPool(capacity, role=role)
+        caller; None (the default): this transport needs no pool of its own, and
+        the factory makes its default one (``factory.make_producers``)."""
+        return None
 
     @classmethod
     def describes(cls, pool: Pool) -> bool:

@@ -104,6 +104,10 @@ def make_producers(names: list[str], pool_bytes: int, chunk_nbytes: int, role: s
     classes = {name: _load(name, 1) for name in names}
     lead = max(classes.values(), key=lambda c: c.pool_priority, default=ProducerTransport)
     pool = lead.make_pool(pool_bytes, role)
+    if pool is None:  # the default: a shared-memory segment, which vLLM's worker (maybe another process)
+        from ectransfer.shm import ShmPool  # writes into and every transport can serve from
+
+        pool = ShmPool(pool_bytes, role=role)
     offered = [name for name in names if classes[name].describes(pool)]
     if len(offered) < len(names):
         logger.warning("transports %s: %s not offered: they cannot describe the outbound pool %s makes (%s); "

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import grpc
 import torch
@@ -40,8 +40,20 @@ from ectransfer.protocol import (
 from ectransfer.selection import Choice, choose
 from epd.transfer.v1 import transfer_pb2
 
-if TYPE_CHECKING:
-    from ectransfer.client import TransferClient
+
+class SessionOwner(Protocol):
+    """What a ``PeerSession`` reads of the client that made it (``client.TransferClient``), and the two
+    things it reports back: the transport a peer chose, and that a peer's stream closed."""
+
+    compat: Any
+    consumer_id: str
+    lane: bool
+    security: Any
+    transports: list[ConsumerTransport]
+
+    def chosen(self, endpoint: str, transport: str) -> None: ...
+
+    def peer_closed(self, peer: PeerSession, error: str) -> None: ...
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +99,7 @@ class PeerSession:
     transport read in place, unmapped when the stream closes). The caller owns
     every ``Fetch.dest``; the session only writes into it."""
 
-    def __init__(self, client: TransferClient, endpoint: str) -> None:
+    def __init__(self, client: SessionOwner, endpoint: str) -> None:
         self.client = client
         self.endpoint = endpoint
         self.ctrl: asyncio.Queue = asyncio.Queue()  # handshake messages
