@@ -126,7 +126,7 @@ class Admitted:
         first = True
         async with contextlib.aclosing(self._orch.generate(
                 self.req, media if self.api.encode else [], self.timings, ticket=self.ticket, lm=self.pinned,
-                disaggregate=self.api.generates and call.one_engine_call(), body=call.for_lm())) as answer:
+                disaggregate=self.api.generates and call.one_engine_call(), body=call.for_lm(media))) as answer:
             async for resp in answer:
                 if first and self.api.name == "responses" and resp.http_status == 200 and self._homes is not None:
                     rid = response_id(resp)

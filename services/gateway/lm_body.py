@@ -56,12 +56,17 @@ class LMBody:
     id_given: bool = False
     response_id: str = ""
     salt_tenant: str = ""
+    media: list[Media] = field(default_factory=list)
+    """The request's media items, in order (the request's list: every API's, an API that encodes none
+    included, whose parts still go to the LM as data: URLs)."""
 
-    def render(self, req: lm_pb2.GenerateRequest, media: list[Media]) -> bytes:
+    def render(self, req: lm_pb2.GenerateRequest, media: list[Media] | None = None) -> bytes:
         """The body for one LM attempt: each item an encoder laid out becomes a uuid-only part (the
         LM never sees its bytes); any other item a data: URL of the bytes the gateway read (the LM
         never downloads), with its content hash as uuid when an encoder has its embedding. Audio goes
-        as vLLM's ``audio_url`` part (an ``input_audio`` part too). An upload goes as it came."""
+        as vLLM's ``audio_url`` part (an ``input_audio`` part too). An upload goes as it came.
+        ``media``: the request's items (default: ``self.media``)."""
+        media = self.media if media is None else media
         if API[self.api].upload:
             return self.upload
         body = copy.deepcopy(self.body) if self.parts else dict(self.body)

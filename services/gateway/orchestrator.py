@@ -209,7 +209,7 @@ class Orchestrator:
                                    readers=2 if decode is not None else 1, groups=groups)
             timings.lm = lm.address
             if body is not None:
-                req.openai.body = body.render(req, media)
+                req.openai.body = body.render(req)  # the request's own media: an API that encodes none has some too
             prefill = None
             if decode is not None:
                 params = await handoff.prefill(lm, req, groups, timings, deadline, handed)

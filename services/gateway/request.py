@@ -122,11 +122,12 @@ class OpenAICall:
         split, and the LM refuses a second engine call in a hand-off anyway."""
         return not (self.body.get("use_beam_search") or self.body.get("background"))
 
-    def for_lm(self) -> LMBody:
+    def for_lm(self, media: list[Media] | None = None) -> LMBody:
         """What each LM attempt's body is made from (``LMBody.render``), as this request stands now: the
-        client's body (never changed), where its media parts are, and the ids and salt the LM gets."""
+        client's body (never changed), where its media parts are, the ids and salt the LM gets, and its
+        loaded ``media`` (``load_media``'s)."""
         return LMBody(self.api, self.body, self.parts, self.upload, self.request_id, self.id_given,
-                      self.response_id, self.salt_tenant)
+                      self.response_id, self.salt_tenant, media if media is not None else [])
 
     def drop_payload(self) -> None:
         """Frees the request's body and media sources once it is answered, whatever still refers to

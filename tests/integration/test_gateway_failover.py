@@ -122,7 +122,7 @@ def request(rid: str, identifiers: list[str], stream: bool = False) -> tuple[lm_
 
 def lm_body(orch: Orchestrator, req: lm_pb2.GenerateRequest, media: list[Media]) -> LMBody:
     """What the gateway's APIs pass as ``generate(body=...)``: each LM attempt's body from the client's."""
-    return parse_openai(req.openai.api, req.openai.body, orch.cfg, [m.data for m in media]).for_lm()
+    return parse_openai(req.openai.api, req.openai.body, orch.cfg, [m.data for m in media]).for_lm(media)
 
 
 def generate(orch: Orchestrator, req, media, timings: Timings):
