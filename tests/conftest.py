@@ -82,7 +82,24 @@ def reference(reference_run) -> dict[str, list[int]]:
     return dict(zip(REFERENCE_REQUESTS, reference_run.result()))
 
 
+def modules_loaded_twice() -> dict[str, list[str]]:
+    """The suite's files that are loaded as more than one module (by two names): each copy has its own
+    module-level state, so a second copy of a module that starts servers or runs references starts them
+    again, and a second copy of this file made a second run directory (``tests/__init__.py``)."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    names: dict[str, list[str]] = {}
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        if path and os.path.abspath(path).startswith(tests + os.sep):
+            names.setdefault(os.path.abspath(path), []).append(name)
+    return {path: sorted(n) for path, n in names.items() if len(n) > 1}
+
+
 def pytest_sessionfinish(session, exitstatus):
+    twice = modules_loaded_twice()
+    if twice:
+        session.config.get_terminal_writer().line(f"\ntest files loaded under two module names: {twice}", red=True)
+        session.exitstatus = exitstatus = pytest.ExitCode.TESTS_FAILED
     if exitstatus == 0:
         shutil.rmtree(RUN_TMP, ignore_errors=True)
 

@@ -13,7 +13,7 @@ import copy
 import json
 
 import pytest
-from helpers import image_bytes
+from tests.unit.helpers import image_bytes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

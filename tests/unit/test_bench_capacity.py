@@ -9,7 +9,7 @@ import os
 import sys
 
 import pytest
-from helpers import load_bench
+from tests.unit.helpers import load_bench
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytestmark = pytest.mark.unit

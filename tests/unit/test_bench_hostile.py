@@ -9,7 +9,7 @@ import json
 import os
 
 import pytest
-from helpers import load_bench
+from tests.unit.helpers import load_bench
 
 from epd.gateway.v1 import gateway_pb2
 from services.gateway.config import GatewayConfig

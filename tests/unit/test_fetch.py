@@ -8,7 +8,7 @@ import socket
 
 import grpc
 import pytest
-from helpers import data_url, image_bytes
+from tests.unit.helpers import data_url, image_bytes
 
 from epd.gateway.v1 import gateway_pb2
 from epd.lm.v1 import lm_pb2

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from helpers import assert_bit_identical, descriptor, random_bits, rebuild, special_values
+from tests.unit.helpers import assert_bit_identical, descriptor, random_bits, rebuild, special_values
 
 from ectransfer import chunkwire, tensors
 from ectransfer.grpc_stream import GrpcChunkConsumer, GrpcChunkProducer

@@ -7,7 +7,7 @@ import time
 
 import grpc
 import pytest
-from helpers import image_bytes
+from tests.unit.helpers import image_bytes
 
 from services.common.budget import ByteBudget
 from services.common.errors import BadInput, NoCapacity

@@ -4,7 +4,7 @@ import time
 
 import pytest
 import torch
-from helpers import assert_bit_identical
+from tests.unit.helpers import assert_bit_identical
 
 from ectransfer import tensors
 from ectransfer.outbound import OutboundStore

@@ -14,7 +14,7 @@ import json
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_parts_vllm import DELIBERATE, GRPC_MEDIA, _lm_body, _Recorder, chat_utils  # that module skips without vLLM
+from tests.unit.test_parts_vllm import DELIBERATE, GRPC_MEDIA, _lm_body, _Recorder, chat_utils  # that module skips without vLLM
 
 from epd.lm.v1 import lm_pb2
 from services.gateway.config import GatewayConfig

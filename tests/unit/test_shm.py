@@ -6,7 +6,7 @@ import stat
 
 import pytest
 import torch
-from helpers import assert_bit_identical, dead_pid, descriptor, random_bits, rebuild, special_values
+from tests.unit.helpers import assert_bit_identical, dead_pid, descriptor, random_bits, rebuild, special_values
 
 from ectransfer import shm, tensors
 from ectransfer.protocol import ProtocolError

@@ -9,7 +9,7 @@ import hashlib
 import json
 
 import pytest
-from helpers import data_url, image_bytes
+from tests.unit.helpers import data_url, image_bytes
 
 from epd.lm.v1 import lm_pb2
 from epd.transfer.v1 import transfer_pb2
