@@ -13,7 +13,6 @@ import copy
 import json
 
 import pytest
-from tests.unit.helpers import image_bytes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -23,6 +22,7 @@ from services.gateway.fetch import load_images
 from services.gateway.parts import PartError, anthropic_media_parts
 from services.gateway.request import parse_openai
 from services.gateway.values import Media
+from tests.unit.helpers import image_bytes
 
 pytestmark = pytest.mark.unit
 

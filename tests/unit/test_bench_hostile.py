@@ -9,12 +9,12 @@ import json
 import os
 
 import pytest
-from tests.unit.helpers import load_bench
 
 from epd.gateway.v1 import gateway_pb2
 from services.gateway.config import GatewayConfig
 from services.gateway.fetch import check_format, decode_data_url
 from services.gateway.request import parse_openai
+from tests.unit.helpers import load_bench
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytestmark = pytest.mark.unit

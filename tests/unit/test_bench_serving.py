@@ -9,6 +9,7 @@ import os
 import sys
 
 import pytest
+
 from tests.unit.helpers import load_bench
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -8,7 +8,6 @@ import socket
 
 import grpc
 import pytest
-from tests.unit.helpers import data_url, image_bytes
 
 from epd.gateway.v1 import gateway_pb2
 from epd.lm.v1 import lm_pb2
@@ -27,6 +26,7 @@ from services.gateway.fetch import (
     sniff_image_format,
 )
 from services.gateway.servicer import GatewayServicer
+from tests.unit.helpers import data_url, image_bytes
 from tools.media import bomb_png
 
 pytestmark = pytest.mark.unit

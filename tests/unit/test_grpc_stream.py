@@ -2,12 +2,12 @@
 
 import pytest
 import torch
-from tests.unit.helpers import assert_bit_identical, descriptor, random_bits, rebuild, special_values
 
 from ectransfer import chunkwire, tensors
 from ectransfer.grpc_stream import GrpcChunkConsumer, GrpcChunkProducer
 from ectransfer.protocol import ProtocolError
 from epd.transfer.v1 import transfer_pb2
+from tests.unit.helpers import assert_bit_identical, descriptor, random_bits, rebuild, special_values
 
 pytestmark = pytest.mark.unit
 

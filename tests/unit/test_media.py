@@ -7,12 +7,12 @@ import time
 
 import grpc
 import pytest
-from tests.unit.helpers import image_bytes
 
 from services.common.budget import ByteBudget
 from services.common.errors import BadInput, NoCapacity
 from services.common.media import MediaConfig, MediaDecoder, check_namespace, content_id
 from services.common.media_checks import BYTES_PER_PIXEL, decode_image
+from tests.unit.helpers import image_bytes
 from tools.media import bomb_png
 
 pytestmark = pytest.mark.unit

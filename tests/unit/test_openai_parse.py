@@ -9,7 +9,6 @@ import json
 
 import grpc
 import pytest
-from tests.unit.helpers import data_url, image_bytes
 
 from epd.lm.v1 import lm_pb2
 from epd.transfer.v1 import transfer_pb2
@@ -18,6 +17,7 @@ from services.gateway.config import GatewayConfig
 from services.gateway.errors import ApiError, from_grpc, media_api_error
 from services.gateway.request import OpenAICall, engine_request_id, load_media, loads_strict, parse_openai
 from services.gateway.values import Media
+from tests.unit.helpers import data_url, image_bytes
 from tools.media import make_audio
 
 pytestmark = pytest.mark.unit

@@ -4,11 +4,11 @@ import time
 
 import pytest
 import torch
-from tests.unit.helpers import assert_bit_identical
 
 from ectransfer import tensors
 from ectransfer.outbound import OutboundStore
 from ectransfer.pool import Pool
+from tests.unit.helpers import assert_bit_identical
 
 pytestmark = pytest.mark.unit
 

@@ -14,12 +14,18 @@ import json
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tests.unit.test_parts_vllm import DELIBERATE, GRPC_MEDIA, _lm_body, _Recorder, chat_utils  # that module skips without vLLM
 
 from epd.lm.v1 import lm_pb2
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import ApiError
 from services.gateway.request import parse_openai
+from tests.unit.test_parts_vllm import (  # that module skips without vLLM
+    DELIBERATE,
+    GRPC_MEDIA,
+    _lm_body,
+    _Recorder,
+    chat_utils,
+)
 
 pytestmark = pytest.mark.unit
 

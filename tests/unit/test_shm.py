@@ -6,11 +6,11 @@ import stat
 
 import pytest
 import torch
-from tests.unit.helpers import assert_bit_identical, dead_pid, descriptor, random_bits, rebuild, special_values
 
 from ectransfer import shm, tensors
 from ectransfer.protocol import ProtocolError
 from epd.transfer.v1 import transfer_pb2
+from tests.unit.helpers import assert_bit_identical, dead_pid, descriptor, random_bits, rebuild, special_values
 
 pytestmark = [pytest.mark.unit, pytest.mark.skipif(not os.path.isdir(shm.SHM_DIR), reason="no /dev/shm")]
 

@@ -9,7 +9,6 @@ import hashlib
 import json
 
 import pytest
-from tests.unit.helpers import data_url, image_bytes
 
 from epd.lm.v1 import lm_pb2
 from epd.transfer.v1 import transfer_pb2
@@ -18,6 +17,7 @@ from services.gateway.config import GatewayConfig
 from services.gateway.errors import ApiError, error_body
 from services.gateway.parts import anthropic_media_parts
 from services.gateway.request import load_media, parse_openai
+from tests.unit.helpers import data_url, image_bytes
 
 pytestmark = pytest.mark.unit
 
