@@ -1,6 +1,7 @@
 """Shared pytest setup: the repository root is importable even when the project
 is not installed (``ectransfer``, ``services`` and the generated ``epd`` stubs)."""
 
+import getpass
 import os
 import shutil
 import sys
@@ -24,6 +25,15 @@ MULTIPROCESS_ENGINES = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
 # Every temporary file of this run, the tests' and the services' they start (`epd up`'s log directories,
 # vLLM's ZMQ sockets, which an engine killed mid-test never unlinks, pytest's own tmp_path), under one
 # directory: removed when the run passes, kept (and named) when it fails. Runs do not pile up in /tmp.
+# Except torch's compile cache: vLLM compiles a few sampler functions with torch.compile (the logprobs' rank
+# count, for one), and Inductor keeps what it built under the temporary directory. Under this run's directory
+# every engine process would build them again, about 17 s of CPU each on a 2-core host; in torch's own place
+# (/tmp/torchinductor_<user>) the first engine builds them and the rest of the run, and later runs, load them.
+try:
+    _USER = getpass.getuser()
+except (KeyError, OSError):
+    _USER = f"uid_{os.getuid()}"
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"torchinductor_{_USER}"))
 RUN_TMP = tempfile.mkdtemp(prefix="epd-tests-")
 os.environ["TMPDIR"] = RUN_TMP
 tempfile.tempdir = None  # tempfile reads TMPDIR again
