@@ -56,6 +56,13 @@ class GatewayConfig:
     affinity_spill: int = 4
     """Cache affinity: an image goes to the encoder its content hash maps to (rendezvous hashing) unless that
     encoder has this many more outstanding requests than the least-loaded healthy encoder."""
+    lm_routing: str = "cache"
+    """How an LM is chosen for a request with media: cache (the LM whose prefix cache holds most of its items,
+    from the LMs' Holdings and what the gateway sent them, unless it has more than --lm-spill requests beyond
+    the least busy LM) or load (least outstanding requests only)."""
+    lm_spill: int = 2
+    """--lm-routing cache: the LM that holds a request's items is skipped for the least busy one when it has
+    this many more outstanding requests (load wins over affinity past this bound: no hot spot)."""
     placement: str = "encoder"
     """Where an image request's images are encoded: encoder (the encoder service), local (the LM encodes them
     itself, as colocated vLLM does) or auto (per request: local when an LM has no request in flight and
@@ -168,6 +175,10 @@ class GatewayConfig:
             raise ValueError(f"body_memory_mib ({self.body_memory_mib:g}) must hold {BODY_COPIES} copies of the largest "
                              f"body ({self.max_body_bytes >> 20} MiB, from --max-image-bytes, --max-audio-bytes and "
                              f"--max-video-bytes): at least {-(-BODY_COPIES * self.max_body_bytes >> 20)}")
+        if self.lm_routing not in ("cache", "load"):
+            raise ValueError(f"lm_routing must be cache or load, got {self.lm_routing!r}")
+        if self.lm_spill < 0:
+            raise ValueError(f"lm_spill must be >= 0, got {self.lm_spill}")
         if self.fetch_max_redirects < 0 or self.affinity_spill < 0:
             raise ValueError("fetch_max_redirects and affinity_spill must be >= 0")
         try:

@@ -8,6 +8,7 @@ Owner: the ``Orchestrator`` makes one ``Fleet`` and closes it; the pools' channe
 from __future__ import annotations
 
 import logging
+import time
 
 import grpc
 
@@ -15,6 +16,8 @@ from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
 from epd.lm.v1 import lm_pb2, lm_pb2_grpc
 from peerauth import SecurityConfig
 from services.common.protocol import encoder_protocol_problem
+from services.fleet_memory import scoring
+from services.fleet_memory.directory import Directory
 from services.gateway.config import GatewayConfig
 from services.gateway.failures import GONE, REFUSED, Failure, call_failed
 from services.gateway.instances import Instance, InstancePool
@@ -36,7 +39,11 @@ class Fleet:
         self.encoders = (InstancePool("encoder", cfg.encoder_list, encoder_pb2_grpc.EncoderServiceStub,
                                       verify=self._verify_encoder, **pool)
                          if cfg.encoder_list else None)
-        self.lms = InstancePool("lm", cfg.lm_list, lm_pb2_grpc.LMServiceStub, verify=self._verify_lm, **pool)
+        self.memory = Directory()
+        """What each LM's prefix cache holds, by media item (``services.fleet_memory``)."""
+        self.lms = InstancePool("lm", cfg.lm_list, lm_pb2_grpc.LMServiceStub, verify=self._verify_lm,
+                                watch=self._poll_holdings if cfg.lm_routing == "cache" else None,
+                                removed=self.memory.forget, **pool)
         self.model: str | None = cfg.model_name or None
         """The served model name: ``--model-name``, else learned from the first LM admitted; None until then."""
         self._lm_policy = LeastOutstanding()
@@ -69,6 +76,27 @@ class Fleet:
         elif model != self.model:
             return f"serves model {model!r}, not {self.model!r} (the model of the first LM admitted)"
         return None
+
+    async def _poll_holdings(self, inst: Instance) -> None:
+        """After each passing health check of an admitted LM: its ``Holdings`` into the directory (only what
+        changed since the snapshot held). An LM that does not answer keeps its entry until it does, is
+        removed, or restarts (a new epoch): the entry only steers routing."""
+        epoch, generation = self.memory.known(inst.address)
+        asked = time.monotonic()
+        try:
+            reply = await inst.stub.Holdings(lm_pb2.HoldingsRequest(epoch=epoch, generation=generation),
+                                             timeout=max(1.0, self.cfg.health_interval_s))
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.UNIMPLEMENTED:  # an LM older than Holdings: routed by load
+                self.memory.forget(inst.address)
+            return
+        self.memory.update(inst.address, reply.epoch, reply.generation,
+                           list(reply.items) if reply.changed else None, asked)
+
+    def answered(self, lm: Instance, items: list[str]) -> None:
+        """``lm`` answered a request with media ``items``: it holds them until its next snapshot says."""
+        if self.cfg.lm_routing == "cache":
+            self.memory.sent(lm.address, items)
 
     async def _verify_encoder(self, inst: Instance) -> str | None:
         """The encoder pool's admission check (``InstancePool.verify``), for an encoder that passed its
@@ -144,12 +172,24 @@ class Fleet:
         return next((i for i in self.lms.healthy(excluded) + self.lms.ejected(excluded) if i.address == address),
                     None)
 
-    def pick_lms(self, excluded: set[str], disaggregate: bool = True) -> tuple[Instance | None, Instance | None]:
+    def _pick_lm(self, candidates: list[Instance], items: list[str]) -> Instance | None:
+        """One LM among ``candidates`` for a request with media ``items`` (``--lm-routing``)."""
+        if self.cfg.lm_routing != "cache" or not items:
+            return self._lm_policy.pick(candidates)
+        lm, why = scoring.pick_lm(items, candidates, self.memory, self._lm_policy, self.cfg.lm_spill)
+        scoring.count(why)
+        return lm
+
+    def pick_lms(self, excluded: set[str], disaggregate: bool = True,
+                 items: list[str] | None = None) -> tuple[Instance | None, Instance | None]:
         """The LM(s) for one attempt: ``(lm, None)``, or ``(prefill, decode)`` for E -> P -> D. LMs of
         role "both" and prefill/decode pairs are one pool: a pair is used when a healthy prefill and a
         healthy decode LM exist and its decode LM is no busier than the least busy "both" LM; the decode LM
         is one on the prefill LM's host where it can be (``routing.pick_decode``). With only one half of a
-        pair left, that LM serves whole requests itself (a prefill or decode engine can)."""
+        pair left, that LM serves whole requests itself (a prefill or decode engine can). ``items``: the
+        request's media identifiers; an LM (or prefill LM) whose prefix cache holds them is preferred within
+        ``--lm-spill`` of the least busy (``services.fleet_memory.scoring``)."""
+        items = items or []
         healthy = self.lms.healthy(excluded)
         if not healthy:  # all ejected (a health blip on a busy host): try the ejected ones rather than fail
             healthy = self.lms.ejected(excluded)
@@ -159,10 +199,10 @@ class Fleet:
         if disaggregate and by_role["prefill"] and by_role["decode"]:
             both = self._lm_policy.pick(by_role["both"])
             if both is None or min(d.outstanding for d in by_role["decode"]) <= both.outstanding:
-                p = self._lm_policy.pick(by_role["prefill"])
+                p = self._pick_lm(by_role["prefill"], items)
                 return p, pick_decode(p, by_role["decode"], self._lm_policy)
-            return both, None
-        return self._lm_policy.pick(healthy), None
+            return self._pick_lm(by_role["both"], items), None
+        return self._pick_lm(healthy, items), None
 
     def placement(self, excluded: dict[str, set[str]]) -> tuple[str, str]:
         """Where this attempt's images are encoded ("encoder" or "local": the LM encodes them

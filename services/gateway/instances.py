@@ -173,6 +173,11 @@ class InstancePool:
     it may not be admitted (None: admit it). Runs on the pool's event loop; must not raise."""
     security: SecurityConfig = field(default_factory=SecurityConfig)
     """TLS and token for the channels to these instances."""
+    watch: Callable[[Instance], Awaitable[None]] | None = None
+    """Called by ``check`` after an admitted instance passed its health check (the fleet reads an LM's
+    holdings then); runs on the pool's event loop; must not raise."""
+    removed: Callable[[str], None] | None = None
+    """Called with an instance's address when it leaves the pool (no longer in DNS)."""
     instances: dict[str, Instance] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -197,6 +202,8 @@ class InstancePool:
 
     def _remove(self, address: str) -> None:
         inst = self.instances.pop(address)
+        if self.removed is not None:
+            self.removed(address)
         logger.info("%s %s removed (no longer in DNS for %s)", self.role, address, inst.source)
         # Calls in flight keep their channel; close it once they are done. The pool
         # holds the task (the loop keeps only weak references) and close() ends it.
@@ -302,6 +309,8 @@ class InstancePool:
                     self.refuse(inst, refusal)
                     return
             self.admit(inst)
+            if self.watch is not None:
+                await self.watch(inst)
         else:
             self.eject(inst, "health check: not serving")
 

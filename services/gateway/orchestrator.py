@@ -156,7 +156,7 @@ class Orchestrator:
             timings.total_ms = timings.since_start_ms()
 
     def _pick(self, excluded: dict[str, set[str]], pinned: str | None,
-              disaggregate: bool) -> tuple[Instance, Instance | None]:
+              disaggregate: bool, items: list[str]) -> tuple[Instance, Instance | None]:
         """The attempt's LM, and its decode LM for E -> P -> D. Raises Failure when there is none."""
         if pinned is not None:
             lm = self.fleet.pinned_lm(pinned, excluded["lm"])
@@ -165,7 +165,7 @@ class Orchestrator:
                                                                      f"({pinned}) is not available"),
                               "lm", [], retryable=False)
             return lm, None
-        lm, decode = self.fleet.pick_lms(excluded["lm"], disaggregate)
+        lm, decode = self.fleet.pick_lms(excluded["lm"], disaggregate, items)
         if lm is None:
             why = self.fleet.lm_wait_reason() or "no healthy LM instance"
             raise Failure(rpc_error(grpc.StatusCode.UNAVAILABLE, why), "lm", [], retryable=False)
@@ -201,7 +201,7 @@ class Orchestrator:
         # Queued until the first attempt dispatches (planning below does no I/O).
         timings.queue_ms = timings.queue_ms or timings.since_start_ms()
         try:
-            lm, decode = self._pick(excluded, pinned, disaggregate)
+            lm, decode = self._pick(excluded, pinned, disaggregate, [m.identifier for m in media])
             if media:
                 # E -> P -> D: the decode LM may need an item too (its recompute of the prompt's last
                 # token falls inside it): a second claim on each copy, the decode LM's.
@@ -235,6 +235,9 @@ class Orchestrator:
                                        if i.lm_role == "decode"), None)
                     raise
             answered = True
+            for holder in (prefill, lm):  # their prefix caches now hold the prompt, images included
+                if holder is not None:
+                    self.fleet.answered(holder, [m.identifier for m in media])
         finally:
             if handed and decode is not None:
                 # Handed over and never answered by the decode LM (the client went away between the calls,

@@ -152,6 +152,11 @@ class LMServiceConfig(FrontendConfig, MediaConfig):
     """With VLLM_ENABLE_RESPONSES_API_STORE=1: what the ended stored Responses (each one's JSON and its input
     messages, images included) may weigh; past it the oldest are forgotten."""
 
+    holdings: bool = True
+    """Publish what this LM's prefix cache holds, by media item, to the gateway (vLLM's KV cache events on a
+    private socket, read back here and served by LMService.Holdings), so that a conversation's next turn is
+    routed to the LM that holds its images and history (services/fleet_memory). Off: vLLM publishes nothing
+    and the gateway routes this LM by load only."""
     kv_lease_s: int = 120
     """prefill: how long the prefill engine keeps a prompt's KV blocks for a decode LM that has not read them
     (NixlConnector's kv_lease_duration; vLLM's default is 30 s, which a first NIXL handshake on a busy CPU

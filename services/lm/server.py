@@ -29,6 +29,7 @@ from services.common.engine import (
 )
 from services.common.grpc_server import GrpcServer
 from services.common.media import MediaDecoder
+from services.fleet_memory import holdings
 from services.lm import media_connector
 from services.lm.config import LMServiceConfig
 from services.lm.frontend import build_frontend
@@ -66,6 +67,29 @@ def check(cfg: LMServiceConfig, security: SecurityConfig) -> EncoderAllowList:
     return EncoderAllowList.parse(cfg.allowed_encoders, trusted_callers=security.authenticated)
 
 
+def _engine(cfg: LMServiceConfig, engine_cfg: EngineConfig, security: SecurityConfig, tuning: ConnectorTuning | None,
+            consumer: bool, published: holdings.Published | None):
+    """The LM's vLLM engine: the EC consumer of a decoder-only model, or an encoder-decoder model's engine
+    that encodes its own audio; with vLLM's KV cache events on when the holdings are ``published``."""
+    events = published.engine_args() if published is not None else {}
+    if consumer:
+        # No processor cache: a prompt laid out from an encoder's metadata carries its
+        # items without data, which vLLM's engine-side processor cache would take for
+        # a cache entry it lost (MultiModalCacheMissError).
+        kv = kv_transfer_config(cfg)
+        return build_async_engine(engine_cfg, _ec_config(cfg, engine_cfg, security, tuning), ec_manager_config={
+            "encoder_cache_manager_cls": "ectransfer.connector.cache_manager.EPDEncoderCacheManager"},
+            mm_processor_cache_gb=0, **({"kv_transfer_config": kv} if kv is not None else {}), **events,
+            **cfg.engine_args())
+    elif cfg.disaggregated:  # vLLM refuses a KV connector for an encoder-decoder model
+        raise UnsupportedModel(f"{engine_cfg.model} is an encoder-decoder model: it cannot run as a {cfg.role} LM "
+                               "(vLLM 0.32 takes no KV connector for one); run it with --role both")
+    else:
+        logger.warning("%s is an encoder-decoder model: this LM encodes its audio itself and takes no "
+                       "encoder outputs (%s)", engine_cfg.model, ENCODER_DECODER_GAP)
+        return build_async_engine(engine_cfg, None, **events, **cfg.engine_args())
+
+
 async def serve(cfg: LMServiceConfig, engine_cfg: EngineConfig, stop: asyncio.Event | None = None,
                 security: SecurityConfig | None = None, tuning: ConnectorTuning | None = None) -> None:
     """``security``: TLS and token for the API port, and what the LM presents to encoders' Transfer ports;
@@ -83,23 +107,17 @@ async def serve(cfg: LMServiceConfig, engine_cfg: EngineConfig, stop: asyncio.Ev
     # /v1/audio routes): the same duration bound as the media connector's, unless the operator set one.
     os.environ.setdefault("VLLM_MAX_AUDIO_DECODE_DURATION_S", str(int(cfg.max_audio_seconds)))
     consumer = ec_consumer(engine_cfg)
-    if consumer:
-        # No processor cache: a prompt laid out from an encoder's metadata carries its
-        # items without data, which vLLM's engine-side processor cache would take for
-        # a cache entry it lost (MultiModalCacheMissError).
-        kv = kv_transfer_config(cfg)
-        engine = build_async_engine(engine_cfg, _ec_config(cfg, engine_cfg, security, tuning), ec_manager_config={
-            "encoder_cache_manager_cls": "ectransfer.connector.cache_manager.EPDEncoderCacheManager"},
-            mm_processor_cache_gb=0, **({"kv_transfer_config": kv} if kv is not None else {}), **cfg.engine_args())
-    elif cfg.disaggregated:  # vLLM refuses a KV connector for an encoder-decoder model
-        raise UnsupportedModel(f"{engine_cfg.model} is an encoder-decoder model: it cannot run as a {cfg.role} LM "
-                               "(vLLM 0.32 takes no KV connector for one); run it with --role both")
-    else:
-        logger.warning("%s is an encoder-decoder model: this LM encodes its audio itself and takes no "
-                       "encoder outputs (%s)", engine_cfg.model, ENCODER_DECODER_GAP)
-        engine = build_async_engine(engine_cfg, None, **cfg.engine_args())
+    published = holdings.Published() if cfg.holdings else None  # what the prefix cache holds (fleet_memory)
+    try:
+        engine = _engine(cfg, engine_cfg, security, tuning, consumer, published)
+    except BaseException:
+        if published is not None:
+            published.close()
+        raise
     server = watch = None
     try:
+        if published is not None:
+            published.start()
         frontend = await build_frontend(engine, cfg, engine_cfg.model)
         compat = compat_for(engine.vllm_config, engine_cfg.model)
         # The service process checks compatibility and reachability; it never
@@ -116,7 +134,8 @@ async def serve(cfg: LMServiceConfig, engine_cfg: EngineConfig, stop: asyncio.Ev
         server.add(lm_pb2_grpc.add_LMServiceServicer_to_server,
                    LMServicer(engine, info, peers, frontend, MediaDecoder(cfg),
                               StoredResponses.of_app(frontend.app, cfg.responses_store_max,
-                                                     int(cfg.responses_store_mib * (1 << 20)))),
+                                                     int(cfg.responses_store_mib * (1 << 20))),
+                              getattr(published, "holdings", None)),
                    lm_pb2.DESCRIPTOR.services_by_name["LMService"].full_name)
         port = await server.start()
         if cfg.metrics_port:
@@ -139,3 +158,5 @@ async def serve(cfg: LMServiceConfig, engine_cfg: EngineConfig, stop: asyncio.Ev
         # (vLLM stops the executor first, and the client kills stragglers):
         # remove the segments it owned, now that its pid is dead.
         cleanup_orphans()
+        if published is not None:
+            published.close()

@@ -34,6 +34,7 @@ from epd.lm.v1 import lm_pb2, lm_pb2_grpc
 from services.common.errors import BadInput, EPDError, PrefillKVUnavailable
 from services.common.layout import ItemLayout
 from services.common.media import MediaDecoder, check_namespace
+from services.fleet_memory.holdings import Holdings
 from services.lm import handoff
 from services.lm.context import CURRENT, RequestContext
 from services.lm.frontend import Frontend, validation_error
@@ -101,7 +102,7 @@ def vllm_body(request: lm_pb2.GenerateRequest, prefill_responses: bool = False) 
 
 class LMServicer(lm_pb2_grpc.LMServiceServicer):
     def __init__(self, engine, info: lm_pb2.LMInfo, peers: PeerChecker, frontend: Frontend,
-                 decoder: MediaDecoder, stored: StoredResponses | None = None) -> None:
+                 decoder: MediaDecoder, stored: StoredResponses | None = None, holdings: Holdings | None = None) -> None:
         """``decoder``: the service's media limits and decode budget, for the media this LM decodes
         itself (data: URLs from the gateway; ``services.lm.media``); ``stored``: the bound on the
         Responses vLLM stores here (``services.lm.response_store``), trimmed after each Responses call."""
@@ -111,9 +112,19 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
         self.frontend = frontend
         self.decoder = decoder
         self.stored = stored
+        self.holdings = holdings
+        """What the prefix cache holds, by media item (``services.fleet_memory.holdings``); None: not published."""
 
     async def GetInfo(self, request, context):
         return self.info
+
+    async def Holdings(self, request, context):
+        if self.holdings is None:  # --no-holdings: an epoch of its own that never holds anything
+            return lm_pb2.HoldingsReply(epoch="off", generation=0, changed=request.epoch != "off")
+        epoch, generation, items = self.holdings.snapshot()
+        if request.epoch == epoch and request.generation == generation:
+            return lm_pb2.HoldingsReply(epoch=epoch, generation=generation, changed=False)
+        return lm_pb2.HoldingsReply(epoch=epoch, generation=generation, changed=True, items=items)
 
     def _context(self, request: lm_pb2.GenerateRequest, kv: Handoff) -> RequestContext:
         ctx = RequestContext(media=RequestMedia(self.decoder, request.request_id, check_namespace(request.namespace)))

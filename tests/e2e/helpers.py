@@ -35,6 +35,24 @@ def image_chat(seed: int, text: str = "What is in this picture?", max_tokens: in
             "return_token_ids": True}
 
 
+def conversation(seed: int, turns: int, max_tokens: int = 8) -> list[dict]:
+    """The bodies of a chat's first ``turns`` turns, each re-sending the history as clients do: turn 0
+    asks about an image; each later turn adds a fixed assistant answer (the same for plain vLLM and for
+    epd-serve) and another question. The first question is long enough (about 200 tokens with the image)
+    that the first turn fills a whole KV block (128 tokens on vLLM's CPU backend): a later turn can find
+    that block, image included, in the prefix cache."""
+    messages: list[dict] = [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(make_image(seed, (224, 224)))}},
+        {"type": "text", "text": "What is in this picture? " + "Describe every shape and colour in it. " * 20}]}]
+    bodies = []
+    for t in range(turns):
+        if t:
+            messages = [*messages, {"role": "assistant", "content": f"Answer number {t}, about shapes and colours."},
+                        {"role": "user", "content": f"Tell me more, point {t}."}]
+        bodies.append({"messages": messages, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True})
+    return bodies
+
+
 def image_bytes(body: dict) -> bytes:
     """The first image of a chat body built by ``image_chat``."""
     import base64

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from epd.lm.v1 import lm_pb2, lm_pb2_grpc
 from services.common.media import content_id
 from services.gateway.routing import pick_encoder
 from services.up import Deployment, grpc_serving
@@ -70,6 +71,34 @@ def test_repeated_image_goes_to_the_same_encoder_and_lms_share_load(multi, refer
     def lm_after():
         return [metric(lm.metrics_port, "epd_lm_requests_total") for lm in multi.lms]
     assert settled(lambda: all(a > b for a, b in zip(lm_after(), lm_before)), True), (lm_before, lm_after())
+
+
+def _holdings(dep, address: str) -> list[str]:
+    with dep.client_security.channel(address) as ch:
+        return list(lm_pb2_grpc.LMServiceStub(ch).Holdings(lm_pb2.HoldingsRequest(generation=-1), timeout=10).items)
+
+
+def test_a_conversations_next_turns_land_on_the_lm_that_holds_its_image(multi, reference):
+    """Issue 33: each turn re-sends the history; turns after the first go to the LM whose prefix cache holds
+    the conversation's image (the gateway's directory: what it sent, then the LM's Holdings), and every
+    answer is plain vLLM's. The LM's Holdings come from vLLM's own KV cache events and name the image."""
+    held = metric(multi.gateway_metrics, "epd_gateway_lm_routing_total", decision="held")
+    hits = {lm.address: metric(lm.metrics_port, "vllm:prefix_cache_hits_total") for lm in multi.lms}
+    homes: dict[int, str] = {}
+    for c in range(2):
+        for t in range(3):
+            name = f"conv{c}_{t}"
+            status, body = post(multi.url + "/v1/chat/completions", REFERENCE_REQUESTS[name])
+            assert status == 200, body
+            assert body["choices"][0]["token_ids"] == reference[name], name
+            assert body["epd"]["lm"] == homes.setdefault(c, body["epd"]["lm"]), (name, homes, body["epd"])
+    assert metric(multi.gateway_metrics, "epd_gateway_lm_routing_total", decision="held") - held == 4
+    for home in set(homes.values()):  # the later turns found their prefix there (vLLM's own count, in tokens)
+        assert metric(next(lm for lm in multi.lms if lm.address == home).metrics_port,
+                      "vllm:prefix_cache_hits_total") > hits[home], home
+    for c, home in homes.items():
+        ident = content_id(image_bytes(REFERENCE_REQUESTS[f"conv{c}_0"]))
+        assert settled(lambda i=ident, h=home: i in _holdings(multi, h), True), (c, home)  # events arrive in the background
 
 
 def test_kill_one_encoder_mid_run_every_request_succeeds_and_its_images_go_to_the_other(multi, reference):

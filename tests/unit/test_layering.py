@@ -276,6 +276,19 @@ def test_only_the_lms_handoff_module_touches_kv_transfer_params():
     assert not offenders, f"kv_transfer_params outside services/lm/handoff.py: {offenders}"
 
 
+def test_only_the_fleets_memory_reads_vllms_kv_events():
+    """What an LM's cache holds has one home (issue 33): ``services/fleet_memory/holdings.py`` configures
+    vLLM's KV cache events and reads them; no other product module names them."""
+    owner = ROOT / "services" / "fleet_memory" / "holdings.py"
+    names = {"kv_events", "KVEventsConfig", "KVEventBatch", "BlockStored", "BlockRemoved", "AllBlocksCleared"}
+    assert names & {s for _, s in _code_names_at(owner)}
+    offenders = [f"{path.relative_to(ROOT)}:{line}"
+                 for folder in (ROOT / "services", ROOT / "ectransfer")
+                 for path in sorted(folder.rglob("*.py")) if path != owner
+                 for line, s in _code_names_at(path) if s in names or "kv_events" in s and s != "kv_events_config"]
+    assert not offenders, f"vLLM's KV events outside services/fleet_memory/holdings.py: {offenders}"
+
+
 def test_the_lms_request_context_and_media_make_no_import_circle():
     """``services.lm.context`` holds a ``RequestMedia``; ``services.lm.media`` reads the context through
     its own ``RequestItems`` protocol and imports no context (not even for type checking)."""

@@ -1,0 +1,131 @@
+"""Issue 33: the fleet's memory, alone (services/fleet_memory): an LM's holdings from vLLM's KV cache
+events, the gateway's directory and its consistency rule, and the LM scoring (load wins past a bound)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from services.fleet_memory.directory import Directory
+from services.fleet_memory.holdings import EventListener, Holdings
+from services.fleet_memory.scoring import pick_lm
+from services.gateway.routing import LeastOutstanding
+
+pytestmark = pytest.mark.unit
+
+vllm_events = pytest.importorskip("vllm.distributed.kv_events")
+
+
+def stored(blocks, keys):
+    return vllm_events.BlockStored(block_hashes=blocks, parent_block_hash=None, token_ids=[1] * (4 * len(blocks)),
+                                   block_size=4, lora_id=None, medium="GPU", lora_name=None, extra_keys=keys)
+
+
+def removed(blocks):
+    return vllm_events.BlockRemoved(block_hashes=blocks, medium="GPU")
+
+
+def test_an_item_is_held_while_any_of_its_blocks_is_cached():
+    h = Holdings()
+    # Block 1: text only; blocks 2-3: image A's tokens (offsets); block 4: A's end and B's start; a salt.
+    h.apply(stored([1, 2, 3, 4], [None, (("A", 0),), (("A", 4),), (("A", 8), ("B", 0), "salt")]))
+    assert set(h.snapshot()[2]) == {"A", "B"}
+    h.apply(removed([2, 3]))
+    assert "A" in h and "B" in h  # block 4 still holds part of both
+    h.apply(removed([4, 99]))  # a block it never saw is no error
+    assert h.snapshot()[2] == []
+    h.apply(stored([5], [(("C", 0),)]))
+    h.apply(vllm_events.AllBlocksCleared())
+    assert h.snapshot()[2] == []
+
+
+def test_holdings_are_bounded_and_every_change_moves_the_generation():
+    h = Holdings(max_items=3, max_blocks=4)
+    epoch, g0, _ = h.snapshot()
+    for i in range(6):
+        h.apply(stored([i], [((f"item{i}", 0),)]))
+    epoch1, g1, items = h.snapshot()
+    assert epoch1 == epoch and g1 > g0
+    assert len(items) <= 3 and items[-1] == "item5"  # the most recent kept
+    h.apply(stored([1], [(("again", 0),)]))  # an evicted block's hash stored again is a new block
+    assert "again" in h
+
+
+def test_a_gap_in_the_publishers_sequence_starts_a_new_epoch():
+    h = Holdings()
+    listener = EventListener("ipc:///nonexistent", h)
+    listener.handle(7, [stored([1], [(("A", 0),)])])
+    epoch = h.snapshot()[0]
+    listener.handle(8, [stored([2], [(("B", 0),)])])
+    assert h.snapshot()[0] == epoch and set(h.snapshot()[2]) == {"A", "B"}
+    listener.handle(11, [stored([3], [(("C", 0),)])])  # 9 and 10 lost: what they said is unknown
+    new_epoch, generation, items = h.snapshot()
+    assert new_epoch != epoch and items == ["C"]
+
+
+def test_the_directory_takes_the_lms_snapshot_as_the_truth():
+    d = Directory()
+    d.update("lm1", "e1", 3, ["A", "B"], asked_at=10.0)
+    assert d.held("lm1", ["A", "X"]) == 1 and d.known("lm1") == ("e1", 3)
+    d.sent("lm1", ["C"], now=11.0)  # answered after the ask: held until a later snapshot says
+    assert d.held("lm1", ["C"]) == 1
+    d.update("lm1", "e1", 3, None, asked_at=10.5)  # an answer to an ask made before C was sent
+    assert d.held("lm1", ["C"]) == 1
+    d.update("lm1", "e1", 4, ["A"], asked_at=12.0)  # B evicted, C never stored (or evicted since)
+    assert d.held("lm1", ["A", "B", "C"]) == 1
+    d.update("lm1", "e2", 0, [], asked_at=13.0)  # restarted: a new epoch, nothing held
+    assert d.held("lm1", ["A"]) == 0
+    d.forget("lm1")
+    assert d.known("lm1") == ("", -1) and d.held("lm1", ["A"]) == 0
+
+
+def test_the_directory_is_bounded():
+    d = Directory(max_items=2, max_lms=2)
+    d.update("lm1", "e", 1, ["A", "B", "C"])
+    assert d.held("lm1", ["A", "B", "C"]) == 2  # the most recent two
+    d.sent("lm2", ["X", "Y", "Z"])
+    assert d.held("lm2", ["X", "Y", "Z"]) == 2
+    d.update("lm3", "e", 1, ["A"])
+    assert d.addresses() == ["lm1", "lm2"]
+
+
+@dataclass
+class LM:
+    address: str
+    outstanding: int = 0
+
+
+def test_the_lm_that_holds_the_items_wins_until_load_does():
+    d, policy = Directory(), LeastOutstanding()
+    a, b, c = LM("a"), LM("b"), LM("c")
+    d.update("b", "e", 1, ["img1", "img2"])
+    d.update("c", "e", 1, ["img1"])
+    assert pick_lm(["img1", "img2"], [a, b, c], d, policy, spill=2) == (b, "held")
+    assert pick_lm(["img1"], [a, b, c], d, policy, spill=2)[0] in (b, c)  # a tie between holders
+    b.outstanding = 3  # 3 beyond the least busy: more than the spill
+    assert pick_lm(["img1", "img2"], [a, b, c], d, policy, spill=2) == (a, "spill")
+    b.outstanding = 2
+    assert pick_lm(["img1", "img2"], [a, b, c], d, policy, spill=2) == (b, "held")
+    assert pick_lm(["other"], [a, b, c], d, policy, spill=2) in ((a, "load"), (c, "load"))  # the idle ones
+    assert pick_lm([], [a], d, policy, spill=2) == (a, "load")
+    assert pick_lm(["img1"], [], d, policy, spill=2) == (None, "load")
+
+
+def test_the_lm_answers_holdings_only_when_they_changed():
+    import asyncio
+    from types import SimpleNamespace
+
+    from epd.lm.v1 import lm_pb2
+    from services.lm.servicer import LMServicer
+
+    h = Holdings()
+    h.apply(stored([1], [(("A", 0),)]))
+    me = SimpleNamespace(holdings=h)
+    first = asyncio.run(LMServicer.Holdings(me, lm_pb2.HoldingsRequest(generation=-1), None))
+    assert first.changed and list(first.items) == ["A"]
+    again = asyncio.run(LMServicer.Holdings(me, lm_pb2.HoldingsRequest(epoch=first.epoch, generation=first.generation),
+                                            None))
+    assert not again.changed and not again.items
+    off = asyncio.run(LMServicer.Holdings(SimpleNamespace(holdings=None), lm_pb2.HoldingsRequest(), None))
+    assert off.epoch == "off" and off.changed and not off.items
