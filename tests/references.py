@@ -24,7 +24,7 @@ E2E = {
     # The multi-instance tests (2 encoders, 2 LMs): larger images, so encodes are in flight long enough to kill.
     **{f"multi{i}": image_chat(600 + i, max_tokens=16, size=(224, 224)) for i in range(8)},
     # The multi-instance conversations (issue 33): turn t of conversation c, its history re-sent.
-    **{f"conv{c}_{t}": body for c in range(2) for t, body in enumerate(conversation(620 + c, 3))},
+    **{f"conv{c}_{t}": body for c in range(3) for t, body in enumerate(conversation(620 + c, 3))},
 }
 
 # tests/e2e/test_burst.py: request i of a burst is BURST[f"burst{i % BURST_DISTINCT}"]. 12 images and 5

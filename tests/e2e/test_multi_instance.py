@@ -144,6 +144,23 @@ def test_kill_one_encoder_mid_run_every_request_succeeds_and_its_images_go_to_th
     assert status == 200 and body["epd"]["encoders"] == [multi.encoders[1].address], body
 
 
+def test_the_lm_that_held_a_conversation_killed_costs_its_next_turn_one_miss_and_an_exact_answer(multi, reference):
+    """Issue 33: the directory still names a dead LM until the pool drops it; the next turn is routed there
+    or to the other LM, and either way answered exactly by the other one (a retry, or a miss: the prompt
+    computed from scratch, the image transferred again)."""
+    status, body = post(multi.url + "/v1/chat/completions", REFERENCE_REQUESTS["conv2_0"])
+    assert status == 200 and body["choices"][0]["token_ids"] == reference["conv2_0"], body
+    home = next(lm for lm in multi.lms if lm.address == body["epd"]["lm"])
+    status, body = post(multi.url + "/v1/chat/completions", REFERENCE_REQUESTS["conv2_1"])
+    assert status == 200 and body["epd"]["lm"] == home.address and \
+        body["choices"][0]["token_ids"] == reference["conv2_1"], body
+    os.killpg(home.proc.pid, signal.SIGKILL)  # service and engine, no cleanup
+    home.proc.wait()
+    status, body = post(multi.url + "/v1/chat/completions", REFERENCE_REQUESTS["conv2_2"])
+    assert status == 200, body
+    assert body["epd"]["lm"] != home.address and body["choices"][0]["token_ids"] == reference["conv2_2"], body
+
+
 @pytest.mark.slow  # a vLLM start of its own; in the default run test_engine_death restarts a killed encoder
 # (exact tokens after), and tests/integration/test_gateway_failover.py re-admits an instance that comes back
 # (an LM there; encoders and LMs share InstancePool)
