@@ -10,7 +10,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.epd-installed-$(EXTRA)
 PYTEST_ARGS ?=
 
-.PHONY: install protos model demo up test test-fast test-all test-unit bench-transfer bench-transfer-cuda bench-transfer-hosts bench-serving bench-capacity bench-gateway bench-hostile clean
+.PHONY: bench-fleet install protos model demo up test test-fast test-all test-unit bench-transfer bench-transfer-cuda bench-transfer-hosts bench-serving bench-capacity bench-gateway bench-hostile clean
 
 install: $(STAMP) protos
 
@@ -79,6 +79,10 @@ bench-capacity: model  # vllm bench serve against colocated, colocated-dp2, epd,
 		--json bench/results/capacity-cpu-mixed.json --plot bench/results/capacity-cpu-mixed.png
 	$(PY) bench/capacity.py --systems epd,epd-pd,vllm-epd --rates 0.25,0.5,1 --num-prompts 20 --workload long-short --image-every 5 \
 		--json bench/results/capacity-cpu-long-short.json --plot bench/results/capacity-cpu-long-short.png
+
+bench-fleet: install  # multi-turn image conversations, routed by load vs by what each LM holds (#33)
+	$(PY) -m pip install -q "matplotlib>=3.8"
+	$(PY) bench/fleet.py --json bench/results/fleet-cpu.json --plot bench/results/fleet-cpu.png
 
 bench-serving: install
 	$(PY) -m pip install -q "matplotlib>=3.8"
