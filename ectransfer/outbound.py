@@ -37,6 +37,14 @@ settles its claim and frees nothing else.
 The claim ``""`` is anonymous (peers and tests that name none): it is never
 recorded as settled, so a later copy for ``""`` is always kept.
 
+**The host tier** (``keep_bytes`` > 0: the encoder's ``--host-tier-mib``;
+bookkeeping in ``ectransfer.host_tier``). A settled, unread copy is kept (KEPT,
+no lease, no claim) instead of freed; the next encode of its identifier claims
+it back (a tier hit: no slot, no vision run). Kept copies go least recently used
+first past ``keep_bytes``, and whenever a reservation needs the room
+(``try_alloc``: never backpressure). ``generation`` moves with every change of
+the identifiers held or kept, which ``identifiers`` lists for announcements.
+
 ``put`` on a full pool blocks up to ``put_timeout_s``, then drops the item with
 a log line; a consumer asking for it then gets ``TIMED_OUT``. ``mark_failed``
 answers waiters of an item that will never arrive.
@@ -47,6 +55,9 @@ lives in ``ectransfer.connector.producer``)::
     RESERVED --adopt--> HELD <--claim / Reserve--> UNCLAIMED --last reader ends--> FREED
         |                 |                            |
         +--dropped--> FREED <--lease, nobody reading---+
+
+    HELD / UNCLAIMED --settled, nobody reading, tier on--> KEPT --claim--> HELD
+                                                           KEPT --evicted (LRU, by bytes)--> FREED
 
 Every transition is made under the store's lock, on the thread that calls the
 method (the engine's scheduler thread: ``adopt``, ``claim``, ``drop_claim``;
@@ -68,6 +79,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ectransfer import tensors
+from ectransfer.host_tier import HostTier
 from ectransfer.pool import Pool, PoolFullError, Slot
 
 logger = logging.getLogger(__name__)
@@ -80,13 +92,15 @@ class CopyState(enum.Enum):
     RESERVED = "reserved"  # a slot is allocated, the encoder's worker writes it (producer.py)
     HELD = "held"  # in the store with at least one claim: served to Reserves, freed by acks/cancels/lease
     UNCLAIMED = "unclaimed"  # in the store, every claim settled, but someone still reads it (or may: a lost reader)
+    KEPT = "kept"  # in the host tier: every claim settled, nobody reads it; the next claim takes it, or eviction
     FREED = "freed"  # the slot is back in the pool
 
 
 TRANSITIONS: dict[CopyState, frozenset[CopyState]] = {
     CopyState.RESERVED: frozenset({CopyState.HELD, CopyState.UNCLAIMED, CopyState.FREED}),
-    CopyState.HELD: frozenset({CopyState.UNCLAIMED, CopyState.FREED}),
-    CopyState.UNCLAIMED: frozenset({CopyState.HELD, CopyState.FREED}),
+    CopyState.HELD: frozenset({CopyState.UNCLAIMED, CopyState.KEPT, CopyState.FREED}),
+    CopyState.UNCLAIMED: frozenset({CopyState.HELD, CopyState.KEPT, CopyState.FREED}),
+    CopyState.KEPT: frozenset({CopyState.HELD, CopyState.UNCLAIMED, CopyState.FREED}),
     CopyState.FREED: frozenset(),
 }
 
@@ -133,6 +147,10 @@ class OutboundItem:
     settled_by: str = "cancel"
     """How its last claim went ("ack" or "cancel"): what its freeing counts as when a reader ends later."""
 
+    @property
+    def nbytes(self) -> int:
+        return self.slot.nbytes
+
 
 @dataclass
 class OutboundStats:
@@ -142,6 +160,8 @@ class OutboundStats:
     acks: int = 0
     cancels: int = 0
     expired: int = 0
+    tier_hits: int = 0
+    tier_evictions: int = 0
 
     def aggregate(self, other: OutboundStats) -> OutboundStats:
         return OutboundStats(**{k: getattr(self, k) + getattr(other, k) for k in self.__dataclass_fields__})
@@ -152,10 +172,13 @@ _FREE_COUNTERS = {"ack": "acks", "cancel": "cancels", "expired": "expired"}
 
 class OutboundStore:
     def __init__(self, pool: Pool, *, ttl_s: float = 60.0, put_timeout_s: float = 30.0,
-                 max_settled_claims: int = 16384) -> None:
+                 max_settled_claims: int = 16384, keep_bytes: int = 0) -> None:
         if max_settled_claims <= 0:
             raise ValueError(f"max_settled_claims must be > 0, got {max_settled_claims}")
         self.pool = pool
+        self._tier: HostTier[OutboundItem] = HostTier(keep_bytes)
+        self.generation = 0
+        """Bumped whenever the set of identifiers held (claimed or kept) changes."""
         self.ttl_s = ttl_s
         self.put_timeout_s = put_timeout_s
         self.stats = OutboundStats()
@@ -189,7 +212,7 @@ class OutboundStore:
         try:
             data = tensors.as_bytes(tensor.detach(), keep_device=self.pool.buffer.device == tensor.device)
             try:
-                slot = self.pool.alloc(data.numel(), timeout=self.put_timeout_s)
+                slot = self.try_alloc(data.numel()) or self.pool.alloc(data.numel(), timeout=self.put_timeout_s)
             except PoolFullError as e:
                 logger.error("dropping encoder output %s: %s", identifier, e)
                 self.stats.items_dropped += 1
@@ -207,8 +230,9 @@ class OutboundStore:
               claims: Iterable[str] = (ANONYMOUS,)) -> OutboundItem | None:
         """Takes ownership of a filled slot (the producer connector's second
         allocation stage) for ``claims`` and the consumers already waiting. A
-        copy nobody claims any more is freed at once (counted as a cancel); one
-        adopted while another is held is merged into it. Returns the held copy."""
+        copy nobody claims any more is freed at once (counted as a cancel), or kept in the tier when it
+        is on; one adopted while another is held is merged into it. Returns the held (or kept) copy,
+        None if it was freed."""
         free = None
         with self._lock:
             self.stats.items_put += 1
@@ -217,18 +241,26 @@ class OutboundStore:
             wanted = {c for c in claims if not self._is_settled(c, identifier)}
             wanted.update(c for c, _ in waiters)
             item = self._items.get(identifier)
+            evicted: list[OutboundItem] = []
             if item is not None:  # one copy per identifier: the new slot goes
                 self._claim_locked(item, wanted)
                 free = slot
-            elif not wanted:  # every claim was settled (or dropped) before it landed, and nobody waits
+            elif not wanted and not self._tier.fits(slot.nbytes):
+                # every claim was settled (or dropped) before it landed, and nobody waits
                 self.stats.cancels += 1
                 free, item = slot, None
             else:
                 item = OutboundItem(identifier, slot, tuple(shape), dtype, copy=self._next_copy, claims=wanted)
                 self._next_copy += 1
                 self._items[identifier] = item
+                self.generation += 1
+                if not wanted:  # settled before it landed: straight into the tier
+                    self.stats.cancels += 1
+                    evicted = self._keep_locked(item)
         if free is not None:
             self.pool.free(free)
+        for victim in evicted:
+            self.pool.free(victim.slot)
         for _, cb in waiters:
             cb(item)
         return item
@@ -243,8 +275,48 @@ class OutboundStore:
             item = self._items.get(identifier)
             if item is None:
                 return False
+            if item.state is CopyState.KEPT:
+                self.stats.tier_hits += 1
             self._claim_locked(item, (claim,))
             return True
+
+    def try_alloc(self, nbytes: int) -> Slot | None:
+        """A slot of ``nbytes`` from the pool, evicting kept copies (least recently used first) until it
+        fits; None if it does not fit with the tier empty. Raises PoolFullError when ``nbytes`` is larger
+        than the whole pool."""
+        while True:
+            slot = self.pool.try_alloc(nbytes)
+            if slot is not None:
+                return slot
+            with self._lock:
+                victim = self._pop_kept_locked()
+            if victim is None:
+                return None
+            self.pool.free(victim.slot)
+
+    def clear_tier(self) -> int:
+        """Evicts every kept copy; returns how many."""
+        n = 0
+        while True:
+            with self._lock:
+                victim = self._pop_kept_locked()
+            if victim is None:
+                return n
+            self.pool.free(victim.slot)
+            n += 1
+
+    def kept(self) -> tuple[int, int]:
+        """(copies, bytes) in the host tier."""
+        with self._lock:
+            return len(self._tier), self._tier.nbytes
+
+    def identifiers(self, limit: int = 4096) -> tuple[int, list[str]]:
+        """(generation, up to ``limit`` identifiers held or kept, most recently used last): what the
+        encoder announces it holds."""
+        with self._lock:
+            kept = self._tier.identifiers()[-limit:]
+            held = [i for i, item in self._items.items() if item.state is not CopyState.KEPT]
+            return self.generation, (kept + held)[-limit:]
 
     def drop_claim(self, identifier: str, claim: str) -> bool:
         """The encode request with ``claim`` was aborted: its claim goes (and
@@ -292,6 +364,9 @@ class OutboundStore:
             if item is not None:
                 item.readers += 1
                 self._claim_locked(item, (claim,))
+                if item.state is CopyState.KEPT:  # a settled claim reads it: out of the tier while read
+                    self._tier.remove(item)
+                    move(item, CopyState.UNCLAIMED)
             return item
 
     def end_send(self, item: OutboundItem, lost: bool = False) -> None:
@@ -304,9 +379,9 @@ class OutboundStore:
                 now = time.monotonic()
                 item.created = now
                 item.pinned_until = now + self.ttl_s
-            free = self._maybe_free_locked(item, item.settled_by)
-        if free:
-            self.pool.free(item.slot)
+            slots = self._maybe_free_locked(item, item.settled_by)
+        for slot in slots:
+            self.pool.free(slot)
 
     def ack(self, identifier: str, claim: str = ANONYMOUS, copy: int = 0) -> bool:
         """The consumer with ``claim`` has the bytes of copy ``copy`` (0: not
@@ -345,11 +420,11 @@ class OutboundStore:
         return self.pool.view(item.slot)
 
     def expire(self, now: float | None = None) -> list[str]:
-        """Frees copies whose lease ran out and that nobody reads."""
+        """Frees copies whose lease ran out and that nobody reads (kept copies have no lease)."""
         now = time.monotonic() if now is None else now
         with self._lock:
-            stale = [i for i in self._items.values()
-                     if i.readers == 0 and now - i.created > self.ttl_s and now >= i.pinned_until]
+            stale = [i for i in self._items.values() if i.state is not CopyState.KEPT
+                     and i.readers == 0 and now - i.created > self.ttl_s and now >= i.pinned_until]
             for item in stale:
                 self._free_locked(item, "expired" if item.claims else None)
         for item in stale:
@@ -364,10 +439,12 @@ class OutboundStore:
             return len(self._settled)
 
     def snapshot(self) -> dict[str, int]:
+        """``items``: copies held for a claim or a reader (not the kept ones: ``tier_items``)."""
         with self._lock:
-            n = len(self._items)
+            n = len(self._items) - len(self._tier)
             claims = sum(len(i.claims) for i in self._items.values())
-        return {"items": n, "claims": claims, **self.pool.stats(), **self.stats.__dict__}
+            tier = {"tier_items": len(self._tier), "tier_bytes": self._tier.nbytes}
+        return {"items": n, "claims": claims, **tier, **self.pool.stats(), **self.stats.__dict__}
 
     # -- under the lock ---------------------------------------------------------------------
 
@@ -378,7 +455,10 @@ class OutboundStore:
         for c in claims:
             if not self._is_settled(c, item.identifier):
                 item.claims.add(c)
-        if item.claims and item.state is CopyState.UNCLAIMED:
+        if item.claims and item.state in (CopyState.UNCLAIMED, CopyState.KEPT):
+            if item.state is CopyState.KEPT:
+                self._tier.remove(item)
+                item.created = time.monotonic()  # a new lease for the new claims
             move(item, CopyState.HELD)
 
     def _settle(self, identifier: str, claim: str, reason: str) -> bool:
@@ -392,26 +472,52 @@ class OutboundStore:
                 return False
             item.claims.discard(claim)
             item.settled_by = reason
-            free = self._maybe_free_locked(item, reason)
-        if free:
-            self.pool.free(item.slot)
-        return free
+            slots = self._maybe_free_locked(item, reason)
+            released = item.state in (CopyState.FREED, CopyState.KEPT)
+        for slot in slots:
+            self.pool.free(slot)
+        return released
 
-    def _maybe_free_locked(self, item: OutboundItem, reason: str) -> bool:
-        """Takes ``item`` out if nothing holds it any more; the caller frees its
-        slot (outside the lock) when this returns True."""
-        if item.state is CopyState.FREED or item.claims:
-            return False
+    def _maybe_free_locked(self, item: OutboundItem, reason: str) -> list[Slot]:
+        """Takes ``item`` out (freed, or kept in the tier) if nothing holds it any more; returns the
+        slots the caller frees outside the lock (the item's own, or kept copies evicted for it)."""
+        if item.state in (CopyState.FREED, CopyState.KEPT) or item.claims:
+            return []
         if item.readers or time.monotonic() < item.pinned_until:
             if item.state is CopyState.HELD:
                 move(item, CopyState.UNCLAIMED)
-            return False
+            return []
+        if self._tier.fits(item.slot.nbytes):
+            counter = _FREE_COUNTERS[reason]
+            setattr(self.stats, counter, getattr(self.stats, counter) + 1)
+            return [v.slot for v in self._keep_locked(item)]
         self._free_locked(item, reason)
-        return True
+        return [item.slot]
+
+    def _keep_locked(self, item: OutboundItem) -> list[OutboundItem]:
+        """Moves a settled, unread copy into the tier; returns the copies evicted for it (their slots are
+        the caller's to free)."""
+        move(item, CopyState.KEPT)
+        evicted = self._tier.add(item)
+        for victim in evicted:
+            self._evicted_locked(victim)
+        return evicted
+
+    def _pop_kept_locked(self) -> OutboundItem | None:
+        """Evicts the least recently kept copy (the caller frees its slot); None if the tier is empty."""
+        victim = self._tier.pop_oldest()
+        if victim is not None:
+            self._evicted_locked(victim)
+        return victim
+
+    def _evicted_locked(self, victim: OutboundItem) -> None:
+        self.stats.tier_evictions += 1
+        self._free_locked(victim, None)
 
     def _free_locked(self, item: OutboundItem, reason: str | None) -> None:
         if self._items.get(item.identifier) is item:
             del self._items[item.identifier]
+            self.generation += 1
         move(item, CopyState.FREED)
         if reason is not None:
             counter = _FREE_COUNTERS[reason]

@@ -12,6 +12,14 @@ item for its request (``allocate``), the reservation becomes that allocation,
 net zero. ``depreallocate`` returns a reservation whose fetch failed or was
 cancelled. A preallocated item is never in ``freeable``, so it is never evicted.
 
+On an encoder (the producer), an item its outbound store holds (the host tier,
+or a copy another request claimed) is an external load too: the connector's
+``has_cache_item`` says yes, vLLM skips the vision run and allocates room for
+an output nobody writes into this engine's worker. ``mark_external`` records
+such an entry; it is dropped whole the moment its last request lets go of it
+(never left freeable, where a later request would find an output the worker
+does not have).
+
 The scheduler and the connector's scheduler half share one process; the
 connector finds this manager through ``manager_for(engine_id)``. Called only on
 vLLM's scheduler thread: no locks.
@@ -22,6 +30,9 @@ from __future__ import annotations
 from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
 
 _MANAGERS: dict[str, EPDEncoderCacheManager] = {}
+
+EC_MANAGER_CONFIG = {"encoder_cache_manager_cls": "ectransfer.connector.cache_manager.EPDEncoderCacheManager"}
+"""vLLM's ``ec_manager_config`` that plugs this manager in (both services pass it)."""
 
 
 def manager_for(engine_id: str) -> EPDEncoderCacheManager | None:
@@ -39,10 +50,21 @@ class EPDEncoderCacheManager(EncoderCacheManager):
     def __init__(self, cache_size: int) -> None:
         super().__init__(cache_size)
         self.preallocated: dict[str, int] = {}  # mm_hash -> embeddings reserved
+        self.external: set[str] = set()  # producer: allocated for items the connector holds, never written
 
     def reset(self) -> None:
         super().reset()
         self.preallocated.clear()
+        self.external.clear()
+
+    def mark_external(self, mm_hash: str) -> None:
+        """Producer: vLLM just allocated ``mm_hash`` as an external load (the connector holds its output; the
+        worker never gets it)."""
+        if mm_hash in self.cached:
+            self.external.add(mm_hash)
+
+    def is_external(self, mm_hash: str) -> bool:
+        return mm_hash in self.external
 
     def is_cached(self, mm_hash: str) -> bool:
         return mm_hash in self.cached
@@ -88,3 +110,14 @@ class EPDEncoderCacheManager(EncoderCacheManager):
     def allocate(self, request, input_id: int) -> None:
         self.finalize_allocation(request.mm_features[input_id].identifier)
         super().allocate(request, input_id)
+
+    def free_encoder_input(self, request, input_id: int) -> None:
+        super().free_encoder_input(request, input_id)
+        mm_hash = request.mm_features[input_id].identifier
+        if mm_hash in self.external and mm_hash in self.freeable:  # nobody uses it: drop it, never reuse it
+            self.external.discard(mm_hash)
+            n = self.freeable.pop(mm_hash)
+            del self.cached[mm_hash]
+            self.num_embeds_by_hash.pop(mm_hash, None)
+            self.num_free_slots += n
+            self.freed.append(mm_hash)

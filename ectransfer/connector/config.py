@@ -91,6 +91,10 @@ class ConnectorConfig(ConnectorTuning):
     encoder service passes the port it reserved, so it knows the endpoint up front)."""
     outbound_pool_bytes: int = 256 << 20
     """Producer: bytes of encoder outputs held until acked (backpressure beyond)."""
+    host_tier_bytes: int = 0
+    """Producer: bytes of the outbound pool that keep encoder outputs after their last consumer is done
+    (the host tier, ``ectransfer.outbound``): a repeated item is served from there without a vision
+    run; evicted least recently used first, and whenever a reservation needs the room. 0: off."""
     staging_bytes: int = 256 << 20
     """Consumer: bytes of inbound staging (transfers wait when it is full)."""
     transports: list[str] = field(default_factory=lambda: ["auto"])
@@ -114,6 +118,9 @@ class ConnectorConfig(ConnectorTuning):
         for name in ("outbound_pool_bytes", "staging_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not 0 <= self.host_tier_bytes <= self.outbound_pool_bytes:
+            raise ValueError(f"host_tier_bytes must be 0 to outbound_pool_bytes ({self.outbound_pool_bytes}), "
+                             f"got {self.host_tier_bytes}")
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorConfig:

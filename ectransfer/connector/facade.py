@@ -9,7 +9,6 @@ from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorBase, ECCo
 from ectransfer.connector.config import ConnectorConfig
 from ectransfer.connector.consumer import ConsumerScheduler, ConsumerWorker
 from ectransfer.connector.halves import (
-    ConsumerSchedulerHalf,
     ConsumerWorkerHalf,
     ProducerWorkerHalf,
     SchedulerHalf,
@@ -67,16 +66,13 @@ class EPDConnector(ECConnectorBase):
         return self._scheduler
 
     def has_cache_item(self, identifier: str) -> bool:
-        half = self._sched
-        return isinstance(half, ConsumerSchedulerHalf) and half.has_cache_item(identifier)
+        return self._sched.has_cache_item(identifier)
 
     def ensure_cache_available(self, request, num_computed_tokens: int) -> bool:
         return self._sched.ensure_cache_available(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request, index: int) -> None:
-        half = self._sched
-        if isinstance(half, ConsumerSchedulerHalf):
-            half.update_state_after_alloc(request, index)
+        self._sched.update_state_after_alloc(request, index)
 
     def build_connector_meta(self, scheduler_output) -> EPDConnectorMetadata:
         return self._sched.build_meta(scheduler_output)

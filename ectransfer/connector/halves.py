@@ -30,6 +30,14 @@ class SchedulerHalf(Protocol):
     def ensure_cache_available(self, request, num_computed_tokens: int) -> bool:
         """Stage 1 of the two-stage allocation: True once ``request`` may be scheduled."""
 
+    def has_cache_item(self, identifier: str) -> bool:
+        """Consumer: the item landed and vLLM may load it instead of encoding. Producer: the outbound
+        store holds it (the host tier), so vLLM may skip the vision run."""
+
+    def update_state_after_alloc(self, request, index: int) -> None:
+        """vLLM allocated the item's encoder-cache room. Consumer: queue its load; producer: note room
+        that is never written (an item the store holds)."""
+
     def build_meta(self, scheduler_output) -> EPDConnectorMetadata:
         """This step's instructions for the worker half."""
 
@@ -46,15 +54,6 @@ class SchedulerHalf(Protocol):
         """Pool and reservation numbers (``ectransfer.connector.stats.FIELDS``)."""
 
     def shutdown(self) -> None: ...
-
-
-@runtime_checkable
-class ConsumerSchedulerHalf(SchedulerHalf, Protocol):
-    def has_cache_item(self, identifier: str) -> bool:
-        """The item landed and vLLM may load it instead of encoding."""
-
-    def update_state_after_alloc(self, request, index: int) -> None:
-        """vLLM allocated the item's encoder-cache room: queue its load."""
 
 
 @runtime_checkable

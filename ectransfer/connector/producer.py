@@ -65,6 +65,7 @@ from vllm.distributed import get_tensor_model_parallel_rank
 from vllm.v1.request import RequestStatus
 
 from ectransfer import cuda_ipc, factory, tensors
+from ectransfer.connector.cache_manager import manager_for
 from ectransfer.connector.common import compat_for
 from ectransfer.connector.config import ConnectorConfig
 from ectransfer.connector.metadata import (
@@ -114,7 +115,10 @@ class ProducerScheduler:
         self.pool, transports, names = factory.make_producers(
             factory.resolve(cfg.transports, "producer"), cfg.outbound_pool_bytes, cfg.chunk_nbytes)
         self.cuda_pool = self.pool if isinstance(self.pool, CudaPool) else None
-        self.store = OutboundStore(self.pool, ttl_s=cfg.lease_s, max_settled_claims=cfg.max_settled_claims)
+        self.store = OutboundStore(self.pool, ttl_s=cfg.lease_s, max_settled_claims=cfg.max_settled_claims,
+                                   keep_bytes=cfg.host_tier_bytes)
+        self.engine_id = vllm_config.ec_transfer_config.engine_id
+        self._external: set[str] = set()  # items has_cache_item said yes to, this step
         servicer = TransferServicer(self.store, compat_for(vllm_config, cfg.model_name),
                                     vllm_config.ec_transfer_config.engine_id, transports,
                                     item_wait_s=cfg.item_wait_s, stats_fn=lambda: self.stats_snapshot(),
@@ -159,7 +163,30 @@ class ProducerScheduler:
         with self._lock:
             return self._reserve(request)
 
+    def has_cache_item(self, identifier: str) -> bool:
+        """vLLM asks (after ``ensure_cache_available`` claimed the request's copies) whether it may skip the
+        vision run: yes when the store holds a copy (the host tier, or another request's) and none is being
+        written for it. Only with our encoder cache manager, which drops the room vLLM allocates for it
+        (``cache_manager``); without it, always no (the vision runs, as before)."""
+        if manager_for(self.engine_id) is None:
+            return False
+        with self._lock:
+            held = identifier not in self._reserved and self.store.contains(identifier)
+            if held:
+                self._external.add(identifier)
+        return held
+
+    def update_state_after_alloc(self, request, index: int) -> None:
+        ident = request.mm_features[index].identifier
+        with self._lock:
+            external = ident in self._external
+            self._external.discard(ident)
+        manager = manager_for(self.engine_id)
+        if external and manager is not None:
+            manager.mark_external(ident)
+
     def _reserve(self, request) -> bool:
+        manager = manager_for(self.engine_id)
         missing = {}
         claims = _claims_of(request)
         for feat in request.mm_features:
@@ -174,10 +201,15 @@ class ProducerScheduler:
                 missing[ident] = self._shape(feat)
             elif request.request_id not in self._seen:
                 self._reuse_hits += 1
+        if manager is not None and any(manager.is_external(i) for i in missing):
+            # vLLM holds room for an output it never had (served from the store, which has since let it
+            # go): it would skip the vision run for this request too. Wait the step or two until that
+            # request lets go of it.
+            return False
         slots: dict[str, Slot] = {}
         for ident, shape in missing.items():
             try:
-                slot = self.pool.try_alloc(tensors.nbytes_of(shape, self.dtype))
+                slot = self.store.try_alloc(tensors.nbytes_of(shape, self.dtype))
             except PoolFullError as e:
                 logger.error("request %s: %s", request.request_id, e)
                 self._unavailable.add(request.request_id)
@@ -261,6 +293,10 @@ class ProducerScheduler:
             "reserved_bytes": sum(r.slot.nbytes for r in reserved),
             "pending_reservations": len(reserved),
             "items_held": store["items"],
+            "tier_items": store["tier_items"],
+            "tier_bytes": store["tier_bytes"],
+            "tier_hits": store["tier_hits"],
+            "tier_evictions": store["tier_evictions"],
             "acks": store["acks"],
             "cancels": store["cancels"],
             "expired": store["expired"],

@@ -28,6 +28,10 @@ class EncoderServiceConfig(MediaConfig):
     """Prometheus /metrics HTTP port (0: disabled)."""
     outbound_pool_mib: float = ConnectorConfig.outbound_pool_bytes / (1 << 20)
     """Outbound pool size: encoder outputs held until an LM acks them."""
+    host_tier_mib: float = -1.0
+    """Of the outbound pool, how much keeps encoder outputs after their LMs have them (the host tier): a
+    repeated image is then served without a vision run. Least recently used first out, and whenever a
+    new output needs the room (never backpressure). 0: off; -1: a quarter of the pool (64 of 256 MiB)."""
     transports: str = factory.AUTO
     """Transports offered to LMs (comma-separated; allowed: auto, cuda_ipc, shm, grpc). ``auto``:
     cuda_ipc,grpc where the engine has CUDA and cupy (the outbound pool is then on the GPU), else shm,grpc."""
@@ -40,6 +44,13 @@ class EncoderServiceConfig(MediaConfig):
         super().__post_init__()
         if self.outbound_pool_mib <= 0:
             raise ValueError(f"outbound_pool_mib must be > 0, got {self.outbound_pool_mib}")
+        if not (self.host_tier_mib == -1 or 0 <= self.host_tier_mib <= self.outbound_pool_mib):
+            raise ValueError(f"host_tier_mib must be -1 (a quarter of the pool) or 0 to outbound_pool_mib "
+                             f"({self.outbound_pool_mib}), got {self.host_tier_mib}")
+
+    def host_tier_bytes(self) -> int:
+        mib = self.outbound_pool_mib / 4 if self.host_tier_mib == -1 else self.host_tier_mib
+        return int(mib * (1 << 20))
 
     def transport_list(self) -> list[str]:
         return transport_list(self.transports)

@@ -19,6 +19,7 @@ import socket
 import grpc
 from prometheus_client import start_http_server
 
+from ectransfer.connector.cache_manager import EC_MANAGER_CONFIG
 from ectransfer.connector.common import compat_for
 from ectransfer.connector.config import ConnectorConfig, ConnectorTuning, ec_transfer_config
 from ectransfer.shm import cleanup_orphans
@@ -49,6 +50,7 @@ def _ec_config(cfg: EncoderServiceConfig, engine_cfg: EngineConfig, transfer_por
     return ec_transfer_config("ec_producer", ConnectorConfig(
         **(tuning or ConnectorTuning()).extra(), transfer_host=cfg.transfer_host, advertise_host=cfg.advertise_host,
         transfer_port=transfer_port, outbound_pool_bytes=int(cfg.outbound_pool_mib * (1 << 20)),
+        host_tier_bytes=cfg.host_tier_bytes(),
         transports=cfg.transport_list(), lease_s=cfg.lease_s, model_name=engine_cfg.model,
         security=security.to_dict()))
 
@@ -136,8 +138,10 @@ async def serve(cfg: EncoderServiceConfig, engine_cfg: EngineConfig, stop: async
         # item's processed data in Encode: vLLM's processor cache hands back none for items it
         # cached, so it is off for those families (the vision run is still shared).
         fixed = {"mm_processor_cache_gb": 0} if placeholder_metadata_fields(engine_cfg) else {}
+        # Our encoder cache manager: an item served from the outbound store (the host tier) is an
+        # "external load" vLLM allocates room for but never writes here (cache_manager.py).
         engine = build_async_engine(engine_cfg, _ec_config(cfg, engine_cfg, transfer_port, security, tuning),
-                                    **fixed)
+                                    ec_manager_config=EC_MANAGER_CONFIG, **fixed)
     finally:
         reserved.close()  # the engine's Transfer server listens on the port now (or the engine failed)
     transfer_endpoint = f"{cfg.advertise_host or cfg.transfer_host}:{transfer_port}"

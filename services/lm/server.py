@@ -13,6 +13,7 @@ import signal
 from prometheus_client import start_http_server
 
 from ectransfer import factory
+from ectransfer.connector.cache_manager import EC_MANAGER_CONFIG
 from ectransfer.connector.common import compat_for
 from ectransfer.connector.config import ConnectorConfig, ConnectorTuning, ec_transfer_config
 from ectransfer.shm import cleanup_orphans
@@ -77,9 +78,8 @@ def _engine(cfg: LMServiceConfig, engine_cfg: EngineConfig, security: SecurityCo
         # items without data, which vLLM's engine-side processor cache would take for
         # a cache entry it lost (MultiModalCacheMissError).
         kv = kv_transfer_config(cfg)
-        return build_async_engine(engine_cfg, _ec_config(cfg, engine_cfg, security, tuning), ec_manager_config={
-            "encoder_cache_manager_cls": "ectransfer.connector.cache_manager.EPDEncoderCacheManager"},
-            mm_processor_cache_gb=0, **({"kv_transfer_config": kv} if kv is not None else {}), **events,
+        return build_async_engine(engine_cfg, _ec_config(cfg, engine_cfg, security, tuning),
+            ec_manager_config=EC_MANAGER_CONFIG, mm_processor_cache_gb=0, **({"kv_transfer_config": kv} if kv is not None else {}), **events,
             **cfg.engine_args())
     elif cfg.disaggregated:  # vLLM refuses a KV connector for an encoder-decoder model
         raise UnsupportedModel(f"{engine_cfg.model} is an encoder-decoder model: it cannot run as a {cfg.role} LM "

@@ -122,11 +122,12 @@ def wait_admitted(port: int, encoders: list[str], lms: list[str], timeout: float
         time.sleep(0.1)
 
 
-def producer_stats(dep) -> dict[str, float]:
-    """Live outbound-pool numbers of a deployment's encoder (TransferService.Stats)."""
+def producer_stats(dep, address: str | None = None) -> dict[str, float]:
+    """Live outbound-pool numbers of a deployment's encoder (TransferService.Stats): the one at
+    ``address``, default its first."""
     from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
 
-    with dep.client_security.channel(dep.encoder_addr) as ch:
+    with dep.client_security.channel(address or dep.encoder_addr) as ch:
         info = encoder_pb2_grpc.EncoderServiceStub(ch).GetInfo(encoder_pb2.GetInfoRequest(), timeout=30)
     with dep.client_security.channel(info.transfer_endpoint) as ch:
         return dict(transfer_pb2_grpc.TransferServiceStub(ch).Stats(transfer_pb2.StatsRequest(), timeout=30).values)

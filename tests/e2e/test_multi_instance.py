@@ -20,7 +20,7 @@ from services.common.media import content_id
 from services.gateway.routing import pick_encoder
 from services.up import Deployment, grpc_serving
 from tests.e2e.conftest import REFERENCE_REQUESTS, stop_in_background
-from tests.e2e.helpers import image_bytes, metric, post, settled
+from tests.e2e.helpers import image_bytes, metric, post, producer_stats, settled
 
 pytestmark = [pytest.mark.e2e]
 
@@ -30,7 +30,8 @@ def multi(tiny_model):
     # Health checks every 3 s (timeout 3 s): an instance is ejected as slow after two timeouts in a row,
     # so the frozen encoder below stays admitted at least 9 s, and a check slowed by a loaded host
     # does not eject a working one.
-    dep = Deployment(model=tiny_model, quiet=True, n_encoders=2, n_lms=2,
+    # A host tier of 8 KiB per encoder (a tiny-model image's output is 4 KiB): a few images evict it.
+    dep = Deployment(model=tiny_model, quiet=True, n_encoders=2, n_lms=2, encoder_args=["--host-tier-mib", "0.008"],
                      gateway_args=["--health-interval-s", "3"])
     dep.start()  # ready once the gateway has admitted all four (routing by affinity needs both encoders)
     yield dep
@@ -78,10 +79,20 @@ def _holdings(dep, address: str) -> list[str]:
         return list(lm_pb2_grpc.LMServiceStub(ch).Holdings(lm_pb2.HoldingsRequest(generation=-1), timeout=10).items)
 
 
+def _fleet(dep, what: str) -> float:
+    """``what`` summed over the deployment's encoders: a Transfer Stats field, or their vision runs."""
+    if what == "vision_runs":
+        return sum(metric(e.metrics_port, "epd_encoder_vision_runs_total") for e in dep.encoders)
+    return sum(producer_stats(dep, e.address)[what] for e in dep.encoders)
+
+
 def test_a_conversations_next_turns_land_on_the_lm_that_holds_its_image(multi, reference):
     """Issue 33: each turn re-sends the history; turns after the first go to the LM whose prefix cache holds
     the conversation's image (the gateway's directory: what it sent, then the LM's Holdings), and every
-    answer is plain vLLM's. The LM's Holdings come from vLLM's own KV cache events and name the image."""
+    answer is plain vLLM's. The LM's Holdings come from vLLM's own KV cache events and name the image.
+    Each image is encoded once fleet-wide: the later turns' Encodes claim the copy the encoder's host
+    tier kept after the first turn's LM acked it."""
+    runs, tier_hits = _fleet(multi, "vision_runs"), _fleet(multi, "tier_hits")
     held = metric(multi.gateway_metrics, "epd_gateway_lm_routing_total", decision="held")
     hits = {lm.address: metric(lm.metrics_port, "vllm:prefix_cache_hits_total") for lm in multi.lms}
     homes: dict[int, str] = {}
@@ -99,6 +110,27 @@ def test_a_conversations_next_turns_land_on_the_lm_that_holds_its_image(multi, r
     for c, home in homes.items():
         ident = content_id(image_bytes(REFERENCE_REQUESTS[f"conv{c}_0"]))
         assert settled(lambda i=ident, h=home: i in _holdings(multi, h), True), (c, home)  # events arrive in the background
+    assert _fleet(multi, "vision_runs") - runs == 2, "each conversation's image encoded once, fleet-wide"
+    assert _fleet(multi, "tier_hits") - tier_hits == 4, "turns 2 and 3 took the kept copy"
+
+
+def test_the_host_tier_evicting_under_load_costs_a_re_encode_never_an_error(multi, reference):
+    """Issue 33: an image, then 12 other images at once (each encoder's tier holds two), then the first
+    image again: the tier evicted under load, and every answer is plain vLLM's; nothing stays held."""
+    evictions = _fleet(multi, "tier_evictions")
+    names = ["image0", *(f"burst{i}" for i in range(12)), "image0"]
+
+    def ask(name):
+        status, body = post(multi.url + "/v1/chat/completions", REFERENCE_REQUESTS[name])
+        assert status == 200, body
+        return body["choices"][0]["token_ids"] == reference[name]
+
+    assert ask(names[0])
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(ask, names[1:-1]))
+    assert ask(names[-1])
+    assert _fleet(multi, "tier_evictions") > evictions
+    assert settled(lambda: _fleet(multi, "items_held") + _fleet(multi, "pending_reservations"), 0) == 0
 
 
 def test_kill_one_encoder_mid_run_every_request_succeeds_and_its_images_go_to_the_other(multi, reference):

@@ -88,3 +88,26 @@ def test_prealloc_manager_is_found_by_engine_id():
     cfg = SimpleNamespace(ec_transfer_config=SimpleNamespace(engine_id="engine-xyz"))
     m = EPDEncoderCacheManager.create_manager(cache_size=10, vllm_config=cfg)
     assert manager_for("engine-xyz") is m
+
+
+def test_an_external_entry_on_the_producer_is_dropped_when_its_last_request_lets_go():
+    """The encoder served the item from its outbound store: vLLM allocated room nobody writes. Once
+    no request holds it, it is gone (never left freeable for a later request to take as cached)."""
+    m = EPDEncoderCacheManager(100)
+    a, b = req("a", ("x", 30)), req("b", ("x", 30))
+    assert m.can_allocate(a, 0, 10_000, 0)
+    m.allocate(a, 0)
+    m.mark_external("x")
+    assert m.check_and_update_cache(b, 0)  # a second request in the same step shares it
+    assert m.is_external("x") and m.num_free_slots == 70
+    m.free(a)
+    assert m.is_cached("x")  # b still holds it
+    m.free(b)
+    assert not m.is_cached("x") and not m.is_external("x") and "x" not in m.freeable
+    assert m.num_free_slots == 100 and m.num_freeable_slots == 100 and m.get_freed_mm_hashes() == ["x"]
+
+
+def test_mark_external_of_an_entry_vllm_did_not_allocate_is_ignored():
+    m = EPDEncoderCacheManager(100)
+    m.mark_external("x")
+    assert not m.is_external("x")

@@ -40,7 +40,8 @@ def test_every_connector_knob_is_a_flag_or_set_by_the_service(role):
     assert (cfg.item_wait_s, cfg.read_in_place, cfg.max_settled_claims, cfg.chunk_nbytes) == (7.5, False, 99, 65536)
     knobs = {f.name for f in dataclasses.fields(ConnectorConfig)}
     assert knobs == set(extra), "every connector knob travels (a half ignores the other half's)"
-    set_by_encoder = {"transfer_host", "advertise_host", "transfer_port", "outbound_pool_bytes", "lease_s"}
+    set_by_encoder = {"transfer_host", "advertise_host", "transfer_port", "outbound_pool_bytes", "host_tier_bytes",
+                      "lease_s"}
     set_by_lm = {"staging_bytes", "transfer_timeout_s"}
     set_by_both = {"transports", "model_name", "security"}
     tuned = {f.name for f in dataclasses.fields(ConnectorTuning)}

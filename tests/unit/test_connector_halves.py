@@ -27,7 +27,7 @@ def _members(proto) -> dict[str, inspect.Signature]:
 
 @pytest.mark.parametrize("cls, proto", [
     (ProducerScheduler, halves.SchedulerHalf),
-    (ConsumerScheduler, halves.ConsumerSchedulerHalf),
+    (ConsumerScheduler, halves.SchedulerHalf),
     (ProducerWorker, halves.ProducerWorkerHalf),
     (ConsumerWorker, halves.ConsumerWorkerHalf),
 ])

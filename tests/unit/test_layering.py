@@ -299,6 +299,8 @@ def test_the_lms_request_context_and_media_make_no_import_circle():
 LONG_FILES = {
     "ectransfer/connector/consumer.py": "the consumer connector's scheduler and worker halves, paired as vLLM's "
                                         "connector API pairs them, with the item state they share",
+    "ectransfer/connector/producer.py": "the producer connector's scheduler and worker halves, paired as vLLM's "
+                                        "connector API pairs them, with the reservations they share",
     "ectransfer/cuda_ipc.py": "one transport, one file: its pool, producer, consumer and the LM service's stand-in",
     "ectransfer/outbound.py": "the outbound store: one state machine of an item's copies and claims",
 }

@@ -369,3 +369,79 @@ def test_an_illegal_transition_raises_in_tests():
     assert item.state is CopyState.FREED
     with pytest.raises(IllegalTransition, match="FREED -> HELD"):
         move(item, CopyState.HELD)
+
+
+# -- the host tier (keep_bytes > 0) --------------------------------------------------------------------
+
+
+def _put(store, ident, claim="c"):
+    assert store.put(ident, torch.zeros(A // 4, dtype=torch.float32), (claim,))  # one slot of A bytes
+
+
+def test_a_settled_copy_is_kept_and_the_next_encode_claims_it_back():
+    store = make_store(keep_bytes=2 * A)
+    _put(store, "a")
+    assert store.ack("a", "c")  # released: no claim holds it any more
+    item = item_of(store, "a")
+    assert item.state.name == "KEPT" and store.kept() == (1, A) and used(store) == A
+    assert store.snapshot()["items"] == 0 and store.snapshot()["tier_items"] == 1
+    assert store.expire(now=time.monotonic() + 3600) == []  # no lease in the tier
+    assert store.claim("a", "next")  # a tier hit: no new slot
+    assert item_of(store, "a") is item and item.state.name == "HELD" and store.kept() == (0, 0)
+    assert store.stats.tier_hits == 1 and used(store) == A
+    store.cancel("a", "next")
+    assert item.state.name == "KEPT"
+
+
+def test_the_tier_evicts_its_least_recently_used_copy_past_its_bytes():
+    store = make_store(keep_bytes=2 * A)
+    for ident in "abc":
+        _put(store, ident)
+    g = store.generation
+    store.ack("a", "c")
+    store.ack("b", "c")
+    store.claim("a", "again")  # a is used again: b is now the oldest kept once a comes back
+    store.ack("a", "again")
+    store.ack("c", "c")  # three kept copies do not fit in 2 slots' bytes: b goes
+    assert not store.contains("b") and store.contains("a") and store.contains("c")
+    assert store.kept() == (2, 2 * A) and used(store) == 2 * A and store.stats.tier_evictions == 1
+    assert store.generation > g and sorted(store.identifiers()[1]) == ["a", "c"]
+
+
+def test_a_reservation_that_does_not_fit_evicts_kept_copies_first():
+    store = make_store(capacity=4 * A, keep_bytes=4 * A)
+    for ident in "abcd":
+        _put(store, ident)
+        store.ack(ident, "c")
+    assert store.kept() == (4, 4 * A) and store.pool.try_alloc(A) is None
+    slot = store.try_alloc(2 * A)  # evicts a and b, the oldest
+    assert slot is not None and not store.contains("a") and not store.contains("b") and store.contains("c")
+    store.pool.free(slot)
+    with pytest.raises(Exception, match="never fit"):
+        store.try_alloc(8 * A)
+    assert store.clear_tier() == 2 and used(store) == 0
+
+
+def test_a_copy_whose_claims_settled_before_it_landed_goes_to_the_tier():
+    store = make_store(keep_bytes=A)
+    store.cancel("a", "c")  # the LM had it in its prefix cache before the encode ended
+    slot = store.pool.alloc(A)
+    item = store.adopt("a", slot, (A // 4,), torch.float32, ("c",))
+    assert item is not None and item.state.name == "KEPT" and store.kept() == (1, A)
+
+
+def test_a_copy_larger_than_the_tier_is_freed_as_without_one():
+    store = make_store(keep_bytes=A // 2)
+    _put(store, "a")
+    assert store.ack("a", "c") and not store.contains("a") and used(store) == 0
+
+
+def test_a_kept_copy_read_under_a_settled_claim_is_not_evicted_while_read():
+    store = make_store(capacity=2 * A, keep_bytes=2 * A)
+    _put(store, "a")
+    store.ack("a", "c")
+    item = store.begin_send("a", "c")  # the same (settled) claim reads it again
+    assert item.state.name == "UNCLAIMED" and store.kept() == (0, 0)
+    assert store.try_alloc(2 * A) is None  # nothing to evict: a is being read
+    store.end_send(item)
+    assert item.state.name == "KEPT"

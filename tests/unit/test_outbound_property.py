@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from ectransfer.outbound import OutboundStore
+from ectransfer.outbound import CopyState, OutboundStore
 from ectransfer.pool import Pool
 
 pytestmark = pytest.mark.unit
@@ -42,6 +42,12 @@ class _CountingPool(Pool):
         self.allocated.append(slot)
         return slot
 
+    def try_alloc(self, nbytes):
+        slot = super().try_alloc(nbytes)
+        if slot is not None:
+            self.allocated.append(slot)
+        return slot
+
     def was_freed(self, slot) -> bool:
         return any(s is slot for s in self.freed)
 
@@ -53,10 +59,12 @@ class _CountingPool(Pool):
 
 
 class Lifecycle(RuleBasedStateMachine):
+    KEEP_BYTES = 0
+
     def __init__(self) -> None:
         super().__init__()
         self.pool = _CountingPool()
-        self.store = OutboundStore(self.pool, ttl_s=60.0)
+        self.store = OutboundStore(self.pool, ttl_s=60.0, keep_bytes=self.KEEP_BYTES)
         self.holds: dict[int, object] = {}  # consumer -> the copy (OutboundItem) it reads in place
         self.live: dict[int, object] = {}  # consumer -> the copy its unsettled claim holds
         self.settled: set[int] = set()  # consumers whose claim was acked, cancelled or aborted
@@ -154,7 +162,8 @@ class Lifecycle(RuleBasedStateMachine):
     def a_held_copy_is_claimed_read_or_pinned(self) -> None:
         item = self.store.held(ID)
         if item is not None:
-            assert item.claims or item.readers or item.pinned_until > time.monotonic() - 1, item
+            assert (item.claims or item.readers or item.pinned_until > time.monotonic() - 1
+                    or item.state is CopyState.KEPT), item
 
     def teardown(self) -> None:
         for c in list(self.holds):
@@ -162,6 +171,7 @@ class Lifecycle(RuleBasedStateMachine):
         for _ in range(2):  # lost readers keep their copy a lease; then everything goes
             self.clock += self.store.ttl_s + 1
             self.store.expire(now=self.clock)
+        self.store.clear_tier()
         leaked = [s for s in self.pool.allocated if not self.pool.was_freed(s)]
         assert not leaked, f"never freed: {leaked}"
         assert self.pool.stats()["used_bytes"] == 0
@@ -171,3 +181,29 @@ class Lifecycle(RuleBasedStateMachine):
 Lifecycle.TestCase.settings = settings(max_examples=400, stateful_step_count=40, deadline=None,
                                        suppress_health_check=[HealthCheck.too_slow])
 test_item_lifecycle_frees_every_copy_once_and_never_one_being_read = Lifecycle.TestCase
+
+
+class LifecycleWithTier(Lifecycle):
+    """The same interleavings with the host tier on (room for one copy): a settled copy is kept, the next
+    encode claims it back, and pressure on the pool evicts it; still nothing read or claimed is freed,
+    nothing twice."""
+
+    KEEP_BYTES = 1024
+
+    @rule()
+    def pool_pressure(self) -> None:
+        """A reservation that needs the whole pool: the tier gives its kept copies back first."""
+        slot = self.store.try_alloc(self.pool.capacity)
+        if slot is not None:
+            self.pool.free(slot)
+
+    @invariant()
+    def a_kept_copy_is_unclaimed_and_unread(self) -> None:
+        item = self.store.held(ID)
+        if item is not None and item.state is CopyState.KEPT:
+            assert not item.claims and not item.readers, item
+            assert self.store.kept() == (1, 1024)
+
+
+LifecycleWithTier.TestCase.settings = Lifecycle.TestCase.settings
+test_item_lifecycle_with_the_host_tier = LifecycleWithTier.TestCase
