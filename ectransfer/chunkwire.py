@@ -157,17 +157,18 @@ async def _legacy(request, context):
 
 
 def add_transfer_service(servicer, server) -> None:
-    """``add_TransferServiceServicer_to_server`` with the Transfer method's
-    response serializer swapped for ``response_serializer``, and the service's
-    old name answered with a version error (``LEGACY_TRANSFER_SERVICE``)."""
-    handlers = {
-        "Transfer": grpc.stream_stream_rpc_method_handler(
-            servicer.Transfer, request_deserializer=transfer_pb2.TransferClientMsg.FromString,
-            response_serializer=response_serializer),
-        "Stats": grpc.unary_unary_rpc_method_handler(
-            servicer.Stats, request_deserializer=transfer_pb2.StatsRequest.FromString,
-            response_serializer=transfer_pb2.StatsReply.SerializeToString),
-    }
+    """``add_TransferServiceServicer_to_server`` (every method of the proto's
+    service, read from its descriptor) with the Transfer method's response
+    serializer swapped for ``response_serializer``, and the service's old name
+    answered with a version error (``LEGACY_TRANSFER_SERVICE``)."""
+    handlers = {}
+    for m in transfer_pb2.DESCRIPTOR.services_by_name["TransferService"].methods:  # every method the proto has
+        request, reply = getattr(transfer_pb2, m.input_type.name), getattr(transfer_pb2, m.output_type.name)
+        make = (grpc.stream_stream_rpc_method_handler if m.client_streaming and m.server_streaming
+                else grpc.unary_unary_rpc_method_handler)
+        handlers[m.name] = make(getattr(servicer, m.name), request_deserializer=request.FromString,
+                                response_serializer=response_serializer if m.name == "Transfer"
+                                else reply.SerializeToString)
     legacy = {"Transfer": grpc.stream_stream_rpc_method_handler(_legacy),
               "Stats": grpc.unary_unary_rpc_method_handler(_legacy)}
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(TRANSFER_SERVICE, handlers),

@@ -75,6 +75,16 @@ class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
         self._lane_secrets: dict[bytes, int] = {}
         self._unproven_lanes = 0  # lane connections that have not shown a secret yet (loop thread only)
         self.refused_sessions = 0
+        self.epoch = f"{producer_id}-{secrets.token_hex(4)}"
+        """Names this store's lifetime in Holdings answers (a restarted producer has another)."""
+
+    async def Holdings(self, request, context):
+        """What the store holds or keeps (``OutboundStore.identifiers``); without the items when the
+        caller's snapshot is current."""
+        generation, items = self.store.identifiers()
+        if request.epoch == self.epoch and request.generation == generation:
+            return transfer_pb2.HoldingsReply(epoch=self.epoch, generation=generation, changed=False)
+        return transfer_pb2.HoldingsReply(epoch=self.epoch, generation=generation, changed=True, items=items)
 
     async def Stats(self, request, context):
         values = {k: float(v) for k, v in self.stats_fn().items() if isinstance(v, (int, float))}

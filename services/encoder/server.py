@@ -55,27 +55,29 @@ def _ec_config(cfg: EncoderServiceConfig, engine_cfg: EngineConfig, transfer_por
         security=security.to_dict()))
 
 
-async def _output_widths(cfg: EncoderServiceConfig, port: int, security: SecurityConfig) -> dict[str, int]:
-    """Per modality, the encoder output width the engine measured at start (vLLM's
-    ``mm_encoder_output_widths``; Qwen3-VL's DeepStack rows are wider than the LM's hidden
-    size), read from the engine's Transfer server: the engine process measured it, this one
-    cannot see its config. Dialled at the address it binds (loopback for a wildcard), not the
-    advertised one, which may be reachable only from outside (NAT); with TLS the certificate is
-    checked against the advertised name, as an LM checks it. Raises RuntimeError when the
-    engine's server does not answer."""
+def _own_transfer(cfg: EncoderServiceConfig, port: int, security: SecurityConfig):
+    """A channel to this encoder's own Transfer server (in its engine process, which owns the outbound
+    store) and its endpoint: dialled at the address it binds (loopback for a wildcard), not the
+    advertised one, which may be reachable only from outside (NAT); with TLS the certificate is checked
+    against the advertised name, as an LM checks it. The caller closes the channel."""
     wildcard = ("", "0.0.0.0", "::", "[::]")
     host = cfg.transfer_host if cfg.transfer_host not in wildcard else "127.0.0.1"
     endpoint = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
     name = cfg.advertise_host or cfg.transfer_host
     options = [("grpc.ssl_target_name_override", name)] if security.tls and name not in (host, *wildcard) else None
-    channel = security.aio_channel(endpoint, options)
+    return security.aio_channel(endpoint, options), endpoint
+
+
+async def _output_widths(transfer: transfer_pb2_grpc.TransferServiceStub, endpoint: str) -> dict[str, int]:
+    """Per modality, the encoder output width the engine measured at start (vLLM's
+    ``mm_encoder_output_widths``; Qwen3-VL's DeepStack rows are wider than the LM's hidden
+    size), read from the engine's Transfer server: the engine process measured it, this one
+    cannot see its config. Raises RuntimeError when the engine's server does not answer."""
     try:
-        reply = await transfer_pb2_grpc.TransferServiceStub(channel).Stats(transfer_pb2.StatsRequest(), timeout=30)
+        reply = await transfer.Stats(transfer_pb2.StatsRequest(), timeout=30)
     except grpc.aio.AioRpcError as e:
         raise RuntimeError(f"the engine's Transfer server at {endpoint} did not answer ({e.code().name}: "
                            f"{e.details()})") from None
-    finally:
-        await channel.close()
     logger.info("encoder output widths (measured by the engine): %s", dict(reply.encoder_output_widths) or "none")
     return dict(reply.encoder_output_widths)
 
@@ -145,7 +147,7 @@ async def serve(cfg: EncoderServiceConfig, engine_cfg: EngineConfig, stop: async
     finally:
         reserved.close()  # the engine's Transfer server listens on the port now (or the engine failed)
     transfer_endpoint = f"{cfg.advertise_host or cfg.transfer_host}:{transfer_port}"
-    server = None
+    server = channel = None
     decoder = MediaDecoder(cfg)
     try:
         mc = engine.model_config
@@ -155,10 +157,12 @@ async def serve(cfg: EncoderServiceConfig, engine_cfg: EngineConfig, stop: async
             compat=compat_for(engine.vllm_config, engine_cfg.model),
             protocol=ENCODER_PROTOCOL,
         )
-        widths = await _output_widths(cfg, transfer_port, security)
+        channel, own_endpoint = _own_transfer(cfg, transfer_port, security)
+        transfer = transfer_pb2_grpc.TransferServiceStub(channel)
+        widths = await _output_widths(transfer, own_endpoint)
         servicer = EncoderServicer(engine, info, placeholders(engine), {"": mc.get_hidden_size(), **widths},
                                    dtype_enum(str(mc.dtype).removeprefix("torch.")), cfg.encode_timeout_s,
-                                   decoder, layouts=layouts_context_free(engine))
+                                   decoder, layouts=layouts_context_free(engine), transfer=transfer)
         server = GrpcServer(cfg.host, cfg.port, security)
         server.add(encoder_pb2_grpc.add_EncoderServiceServicer_to_server, servicer,
                    encoder_pb2.DESCRIPTOR.services_by_name["EncoderService"].full_name)
@@ -172,6 +176,8 @@ async def serve(cfg: EncoderServiceConfig, engine_cfg: EngineConfig, stop: async
     finally:
         if server is not None:
             await server.stop()
+        if channel is not None:
+            await channel.close()
         engine.shutdown()
         decoder.close()
         # The engine process may be gone before its connector's shutdown ran

@@ -16,6 +16,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+import grpc
 import torch
 from prometheus_client import Counter, Histogram
 from vllm import SamplingParams
@@ -48,13 +49,16 @@ ENCODE_SECONDS = Histogram("epd_encoder_encode_seconds", "Encode call duration",
 class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
     def __init__(self, engine, info: encoder_pb2.EncoderInfo, placeholders: dict[str, Callable[[int], str]],
                  embed_widths: dict[str, int],
-                 dtype: int, timeout_s: float, decoder: MediaDecoder, layouts: bool = True) -> None:
+                 dtype: int, timeout_s: float, decoder: MediaDecoder, layouts: bool = True,
+                 transfer=None) -> None:
         """``placeholders``: per modality this encoder serves ("image", "audio"), the model's prompt
         placeholder for its i-th item (1-based; vLLM's ``get_placeholder_str``); ``embed_widths``:
         per modality, the width of one embedding row (key "": the default, the LM's hidden size); ``layouts``: send each item's prompt layout (False: this model's
         layouts depend on the prompt around the item, see ``vllm_glue.layouts_context_free``; LMs use
-        their processor)."""
+        their processor); ``transfer``: a ``TransferServiceStub`` on this encoder's own Transfer server
+        (its engine's outbound store), which ``Holdings`` asks."""
         self.engine = engine
+        self.transfer = transfer
         self.decoder = decoder
         mm = engine.model_config.multimodal_config
         self.limits = {m: mm.get_limit_per_prompt(m) for m in placeholders}
@@ -94,6 +98,16 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
 
     async def GetInfo(self, request, context):
         return self.info
+
+    async def Holdings(self, request, context):
+        """What this encoder's outbound store holds (host tier included), as its engine's Transfer server
+        answers it: the store lives in the engine process."""
+        if self.transfer is None:
+            raise EPDError("this encoder has no Transfer server to ask")
+        try:
+            return await self.transfer.Holdings(request, timeout=10)
+        except grpc.aio.AioRpcError as e:
+            raise EPDError(f"the engine's Transfer server did not answer Holdings ({e.code().name})") from None
 
     async def _layouts(self, modality: str, n: int, processed: list[int], features) -> list[ItemLayout] | None:
         """Each item's prompt expansion, for the LM to lay out its prompt without

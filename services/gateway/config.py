@@ -56,6 +56,11 @@ class GatewayConfig:
     affinity_spill: int = 4
     """Cache affinity: an image goes to the encoder its content hash maps to (rendezvous hashing) unless that
     encoder has this many more outstanding requests than the least-loaded healthy encoder."""
+    encoder_routing: str = "held"
+    """How an encoder is chosen for an image: held (an encoder whose outbound store or host tier holds its
+    output, from the encoders' Holdings and what the gateway sent them, unless it has more than
+    --affinity-spill requests beyond the least busy; else cache affinity) or affinity (rendezvous hashing
+    only)."""
     lm_routing: str = "cache"
     """How an LM is chosen for a request with media: cache (the LM whose prefix cache holds most of its items,
     from the LMs' Holdings and what the gateway sent them, unless it has more than --lm-spill requests beyond
@@ -175,6 +180,8 @@ class GatewayConfig:
             raise ValueError(f"body_memory_mib ({self.body_memory_mib:g}) must hold {BODY_COPIES} copies of the largest "
                              f"body ({self.max_body_bytes >> 20} MiB, from --max-image-bytes, --max-audio-bytes and "
                              f"--max-video-bytes): at least {-(-BODY_COPIES * self.max_body_bytes >> 20)}")
+        if self.encoder_routing not in ("held", "affinity"):
+            raise ValueError(f"encoder_routing must be held or affinity, got {self.encoder_routing!r}")
         if self.lm_routing not in ("cache", "load"):
             raise ValueError(f"lm_routing must be cache or load, got {self.lm_routing!r}")
         if self.lm_spill < 0:

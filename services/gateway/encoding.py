@@ -59,7 +59,8 @@ class Encodes:
         by_inst: dict[tuple[Instance, str], list[int]] = {}
         candidates = encoders.healthy(excluded)
         for i, m in enumerate(media):
-            inst = pick_encoder(m.identifier, candidates, self.cfg.affinity_spill)
+            inst = pick_encoder(m.identifier, candidates, self.cfg.affinity_spill,
+                                self.fleet.encoder_holds(m.identifier))
             if inst is None:
                 if not self.cfg.local_encode_fallback:
                     out = "; ".join(f"{i.address}: " + ("failed this request" if i.healthy
@@ -101,6 +102,7 @@ class Encodes:
                                       timeout=max(0.001, enc_deadline - time.monotonic()))
             try:
                 await self._events(g, call, req, timings, len(items))
+                self.fleet.encoded(g.inst, [m.identifier for m in items if m.identifier])
             except Exception as e:  # noqa: BLE001 - every failure of the stream blames this encoder
                 failure = Failure(self._as_rpc_error(e, g, req), "encoder", [g.inst])
                 if not g.metadata.done():

@@ -14,6 +14,7 @@ import grpc
 
 from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
 from epd.lm.v1 import lm_pb2, lm_pb2_grpc
+from epd.transfer.v1 import transfer_pb2
 from peerauth import SecurityConfig
 from services.common.protocol import encoder_protocol_problem
 from services.fleet_memory import scoring
@@ -36,13 +37,17 @@ class Fleet:
         self.cfg = cfg
         pool = dict(health_interval_s=cfg.health_interval_s, dns_refresh_s=cfg.dns_refresh_s,
                     security=security or SecurityConfig())
+        self.encoder_memory = Directory()
+        """What each encoder's outbound store and host tier hold, by item (``services.fleet_memory``)."""
         self.encoders = (InstancePool("encoder", cfg.encoder_list, encoder_pb2_grpc.EncoderServiceStub,
-                                      verify=self._verify_encoder, **pool)
+                                      verify=self._verify_encoder, removed=self.encoder_memory.forget,
+                                      watch=self._poller(self.encoder_memory) if cfg.encoder_routing == "held"
+                                      else None, **pool)
                          if cfg.encoder_list else None)
         self.memory = Directory()
         """What each LM's prefix cache holds, by media item (``services.fleet_memory``)."""
         self.lms = InstancePool("lm", cfg.lm_list, lm_pb2_grpc.LMServiceStub, verify=self._verify_lm,
-                                watch=self._poll_holdings if cfg.lm_routing == "cache" else None,
+                                watch=self._poller(self.memory) if cfg.lm_routing == "cache" else None,
                                 removed=self.memory.forget, **pool)
         self.model: str | None = cfg.model_name or None
         """The served model name: ``--model-name``, else learned from the first LM admitted; None until then."""
@@ -77,26 +82,40 @@ class Fleet:
             return f"serves model {model!r}, not {self.model!r} (the model of the first LM admitted)"
         return None
 
-    async def _poll_holdings(self, inst: Instance) -> None:
-        """After each passing health check of an admitted LM: its ``Holdings`` into the directory (only what
-        changed since the snapshot held). An LM that does not answer keeps its entry until it does, is
-        removed, or restarts (a new epoch): the entry only steers routing."""
-        epoch, generation = self.memory.known(inst.address)
-        asked = time.monotonic()
-        try:
-            reply = await inst.stub.Holdings(lm_pb2.HoldingsRequest(epoch=epoch, generation=generation),
-                                             timeout=max(1.0, self.cfg.health_interval_s))
-        except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.UNIMPLEMENTED:  # an LM older than Holdings: routed by load
-                self.memory.forget(inst.address)
-            return
-        self.memory.update(inst.address, reply.epoch, reply.generation,
-                           list(reply.items) if reply.changed else None, asked)
+    def _poller(self, directory: Directory):
+        async def poll(inst: Instance) -> None:
+            """After each passing health check of an admitted instance: its ``Holdings`` into ``directory``
+            (only what changed since the snapshot held). One that does not answer keeps its entry until it
+            does, is removed, or restarts (a new epoch): the entry only steers routing."""
+            epoch, generation = directory.known(inst.address)
+            asked = time.monotonic()
+            try:
+                reply = await inst.stub.Holdings(transfer_pb2.HoldingsRequest(epoch=epoch, generation=generation),
+                                                 timeout=max(1.0, self.cfg.health_interval_s))
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.UNIMPLEMENTED:  # older than Holdings: routed as before
+                    directory.forget(inst.address)
+                return
+            directory.update(inst.address, reply.epoch, reply.generation,
+                             list(reply.items) if reply.changed else None, asked)
+        return poll
 
     def answered(self, lm: Instance, items: list[str]) -> None:
         """``lm`` answered a request with media ``items``: it holds them until its next snapshot says."""
         if self.cfg.lm_routing == "cache":
             self.memory.sent(lm.address, items)
+
+    def encoded(self, encoder: Instance, items: list[str]) -> None:
+        """``encoder`` encoded ``items``: its store holds them until its next snapshot says."""
+        if self.cfg.encoder_routing == "held":
+            self.encoder_memory.sent(encoder.address, items)
+
+    def encoder_holds(self, key: str):
+        """For ``routing.pick_encoder``: whether the encoder at an address holds item ``key`` (None with
+        ``--encoder-routing affinity``)."""
+        if self.cfg.encoder_routing != "held":
+            return None
+        return lambda address: self.encoder_memory.held(address, [key]) > 0
 
     async def _verify_encoder(self, inst: Instance) -> str | None:
         """The encoder pool's admission check (``InstancePool.verify``), for an encoder that passed its

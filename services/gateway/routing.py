@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from prometheus_client import Counter
 
 from services.gateway.instances import Instance, split_host_port
 
-DECISIONS = Counter("epd_gateway_encoder_routing_total", "Encoder routing decisions (affinity or spill)",
+DECISIONS = Counter("epd_gateway_encoder_routing_total",
+                    "Encoder routing decisions: held (an encoder holds the item's output), affinity or spill",
                     ["decision"])
 
 
@@ -28,13 +29,22 @@ def _weight(key: str, inst: Instance) -> int:
     return int.from_bytes(hashlib.blake2b(f"{key}|{inst.address}".encode(), digest_size=8).digest(), "big")
 
 
-def pick_encoder(key: str, candidates: Sequence[Instance], spill: int) -> Instance | None:
-    """The encoder for an item whose content hash is ``key``."""
+def pick_encoder(key: str, candidates: Sequence[Instance], spill: int,
+                 holds: Callable[[str], bool] | None = None) -> Instance | None:
+    """The encoder for an item whose content hash is ``key``. ``holds(address)``: that encoder holds the
+    item's output (``services.fleet_memory``): the least busy such encoder wins within ``spill`` of the
+    least busy encoder (it claims the output: no vision run), else affinity as below."""
     if not candidates:
         return None
     weight = {i.address: _weight(key, i) for i in candidates}  # one hash per candidate
     affine = max(candidates, key=lambda i: weight[i.address])
     least = min(candidates, key=lambda i: (i.outstanding, -weight[i.address]))
+    holders = [i for i in candidates if holds(i.address)] if holds is not None else []
+    if holders:
+        holder = min(holders, key=lambda i: (i.outstanding, -weight[i.address]))
+        if holder.outstanding - least.outstanding <= spill:
+            DECISIONS.labels("held").inc()
+            return holder
     if affine.outstanding - least.outstanding > spill:
         DECISIONS.labels("spill").inc()
         return least

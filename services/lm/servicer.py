@@ -31,6 +31,7 @@ from vllm.exceptions import GenerationError, VLLMClientError
 from ectransfer import tensors
 from ectransfer.connector.metadata import ConsumerFinished, ItemSource, TransferReport
 from epd.lm.v1 import lm_pb2, lm_pb2_grpc
+from epd.transfer.v1 import transfer_pb2
 from services.common.errors import BadInput, EPDError, PrefillKVUnavailable
 from services.common.layout import ItemLayout
 from services.common.media import MediaDecoder, check_namespace
@@ -120,11 +121,11 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
 
     async def Holdings(self, request, context):
         if self.holdings is None:  # --no-holdings: an epoch of its own that never holds anything
-            return lm_pb2.HoldingsReply(epoch="off", generation=0, changed=request.epoch != "off")
+            return transfer_pb2.HoldingsReply(epoch="off", generation=0, changed=request.epoch != "off")
         epoch, generation, items = self.holdings.snapshot()
         if request.epoch == epoch and request.generation == generation:
-            return lm_pb2.HoldingsReply(epoch=epoch, generation=generation, changed=False)
-        return lm_pb2.HoldingsReply(epoch=epoch, generation=generation, changed=True, items=items)
+            return transfer_pb2.HoldingsReply(epoch=epoch, generation=generation, changed=False)
+        return transfer_pb2.HoldingsReply(epoch=epoch, generation=generation, changed=True, items=items)
 
     def _context(self, request: lm_pb2.GenerateRequest, kv: Handoff) -> RequestContext:
         ctx = RequestContext(media=RequestMedia(self.decoder, request.request_id, check_namespace(request.namespace)))

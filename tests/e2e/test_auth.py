@@ -30,14 +30,18 @@ def _calls(dep) -> dict[str, tuple[str, callable]]:
     return {
         "encoder Encode": (dep.encoder_addr, lambda ch: list(encoder_pb2_grpc.EncoderServiceStub(ch).Encode(
             encoder_pb2.EncodeRequest(items=[encoder_pb2.MediaItem(data=b"x")]), timeout=10))),
+        "encoder Holdings": (dep.encoder_addr, lambda ch: encoder_pb2_grpc.EncoderServiceStub(ch).Holdings(
+            transfer_pb2.HoldingsRequest(), timeout=10)),
         "encoder GetInfo": (dep.encoder_addr, lambda ch: encoder_pb2_grpc.EncoderServiceStub(ch).GetInfo(
             encoder_pb2.GetInfoRequest(), timeout=10)),
         "lm Generate": (dep.lm_addr, lambda ch: list(lm_pb2_grpc.LMServiceStub(ch).Generate(
             lm_pb2.GenerateRequest(openai=lm_pb2.OpenAIRequest(api="completions", body=b'{"prompt": "hi"}')), timeout=10))),
-        "lm Holdings": (dep.lm_addr, lambda ch: lm_pb2_grpc.LMServiceStub(ch).Holdings(lm_pb2.HoldingsRequest(),
+        "lm Holdings": (dep.lm_addr, lambda ch: lm_pb2_grpc.LMServiceStub(ch).Holdings(transfer_pb2.HoldingsRequest(),
                                                                                        timeout=10)),
         "transfer Stats": (transfer, lambda ch: transfer_pb2_grpc.TransferServiceStub(ch).Stats(
             transfer_pb2.StatsRequest(), timeout=10)),
+        "transfer Holdings": (transfer, lambda ch: transfer_pb2_grpc.TransferServiceStub(ch).Holdings(
+            transfer_pb2.HoldingsRequest(), timeout=10)),
         "transfer Reserve": (transfer, reserve),
     }
 

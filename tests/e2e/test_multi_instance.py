@@ -15,7 +15,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from epd.lm.v1 import lm_pb2, lm_pb2_grpc
+from epd.encoder.v1 import encoder_pb2_grpc
+from epd.lm.v1 import lm_pb2_grpc
+from epd.transfer.v1 import transfer_pb2
 from services.common.media import content_id
 from services.gateway.routing import pick_encoder
 from services.up import Deployment, grpc_serving
@@ -74,9 +76,10 @@ def test_repeated_image_goes_to_the_same_encoder_and_lms_share_load(multi, refer
     assert settled(lambda: all(a > b for a, b in zip(lm_after(), lm_before)), True), (lm_before, lm_after())
 
 
-def _holdings(dep, address: str) -> list[str]:
+def _holdings(dep, address: str, stub=lm_pb2_grpc.LMServiceStub) -> list[str]:
+    """What the LM (or, with ``stub``, the encoder) at ``address`` answers to Holdings."""
     with dep.client_security.channel(address) as ch:
-        return list(lm_pb2_grpc.LMServiceStub(ch).Holdings(lm_pb2.HoldingsRequest(generation=-1), timeout=10).items)
+        return list(stub(ch).Holdings(transfer_pb2.HoldingsRequest(generation=-1), timeout=10).items)
 
 
 def _fleet(dep, what: str) -> float:
@@ -94,6 +97,8 @@ def test_a_conversations_next_turns_land_on_the_lm_that_holds_its_image(multi, r
     tier kept after the first turn's LM acked it."""
     runs, tier_hits = _fleet(multi, "vision_runs"), _fleet(multi, "tier_hits")
     held = metric(multi.gateway_metrics, "epd_gateway_lm_routing_total", decision="held")
+    enc_held = metric(multi.gateway_metrics, "epd_gateway_encoder_routing_total", decision="held")
+    encoders: dict[int, list[str]] = {}
     hits = {lm.address: metric(lm.metrics_port, "vllm:prefix_cache_hits_total") for lm in multi.lms}
     homes: dict[int, str] = {}
     for c in range(2):
@@ -103,7 +108,11 @@ def test_a_conversations_next_turns_land_on_the_lm_that_holds_its_image(multi, r
             assert status == 200, body
             assert body["choices"][0]["token_ids"] == reference[name], name
             assert body["epd"]["lm"] == homes.setdefault(c, body["epd"]["lm"]), (name, homes, body["epd"])
+            assert body["epd"]["encoders"] == encoders.setdefault(c, body["epd"]["encoders"]), (name, body["epd"])
     assert metric(multi.gateway_metrics, "epd_gateway_lm_routing_total", decision="held") - held == 4
+    # The later turns' images went to the encoder that holds their output (what the gateway sent it, then
+    # its Holdings: its outbound store and host tier).
+    assert metric(multi.gateway_metrics, "epd_gateway_encoder_routing_total", decision="held") - enc_held == 4
     for home in set(homes.values()):  # the later turns found their prefix there (vLLM's own count, in tokens)
         assert metric(next(lm for lm in multi.lms if lm.address == home).metrics_port,
                       "vllm:prefix_cache_hits_total") > hits[home], home
@@ -112,6 +121,9 @@ def test_a_conversations_next_turns_land_on_the_lm_that_holds_its_image(multi, r
         assert settled(lambda i=ident, h=home: i in _holdings(multi, h), True), (c, home)  # events arrive in the background
     assert _fleet(multi, "vision_runs") - runs == 2, "each conversation's image encoded once, fleet-wide"
     assert _fleet(multi, "tier_hits") - tier_hits == 4, "turns 2 and 3 took the kept copy"
+    for c, (encoder,) in encoders.items():
+        ident = content_id(image_bytes(REFERENCE_REQUESTS[f"conv{c}_0"]))
+        assert ident in _holdings(multi, encoder, encoder_pb2_grpc.EncoderServiceStub), (c, encoder)
 
 
 def test_the_host_tier_evicting_under_load_costs_a_re_encode_never_an_error(multi, reference):
@@ -201,7 +213,8 @@ def test_a_killed_encoder_started_again_is_readmitted_and_used_again(multi, refe
     if victim.alive():  # run alone: the test above did not kill it
         os.killpg(victim.proc.pid, signal.SIGKILL)
     victim.proc.wait()
-    name = next(n for n in (f"multi{i}" for i in range(8)) if _affine(multi, n) == 0)
+    # An image no earlier test sent (the other encoder's host tier may hold those), affine to the victim.
+    name = next(n for n in (f"dns{i}" for i in range(16)) if _affine(multi, n) == 0)
     victim.start(dict(os.environ))
     deadline = time.monotonic() + 240
     while (not grpc_serving(victim.address, security=multi.client_security)

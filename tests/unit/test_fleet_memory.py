@@ -116,16 +116,43 @@ def test_the_lm_answers_holdings_only_when_they_changed():
     import asyncio
     from types import SimpleNamespace
 
-    from epd.lm.v1 import lm_pb2
+    from epd.transfer.v1 import transfer_pb2
     from services.lm.servicer import LMServicer
 
     h = Holdings()
     h.apply(stored([1], [(("A", 0),)]))
     me = SimpleNamespace(holdings=h)
-    first = asyncio.run(LMServicer.Holdings(me, lm_pb2.HoldingsRequest(generation=-1), None))
+    first = asyncio.run(LMServicer.Holdings(me, transfer_pb2.HoldingsRequest(generation=-1), None))
     assert first.changed and list(first.items) == ["A"]
-    again = asyncio.run(LMServicer.Holdings(me, lm_pb2.HoldingsRequest(epoch=first.epoch, generation=first.generation),
+    again = asyncio.run(LMServicer.Holdings(me, transfer_pb2.HoldingsRequest(epoch=first.epoch, generation=first.generation),
                                             None))
     assert not again.changed and not again.items
-    off = asyncio.run(LMServicer.Holdings(SimpleNamespace(holdings=None), lm_pb2.HoldingsRequest(), None))
+    off = asyncio.run(LMServicer.Holdings(SimpleNamespace(holdings=None), transfer_pb2.HoldingsRequest(), None))
     assert off.epoch == "off" and off.changed and not off.items
+
+
+def test_the_encoder_store_answers_holdings_only_when_they_changed():
+    """The encoder's Transfer server answers what its outbound store holds or keeps (the encoder service
+    passes it on as EncoderService.Holdings): the items, then nothing until they change."""
+    import asyncio
+
+    import torch
+
+    from ectransfer.outbound import OutboundStore
+    from ectransfer.pool import Pool
+    from ectransfer.server import TransferServicer
+    from epd.transfer.v1 import transfer_pb2
+
+    store = OutboundStore(Pool(1 << 16), keep_bytes=1 << 12)
+    servicer = TransferServicer(store, transfer_pb2.CompatInfo(), "enc-1", {})
+    store.put("A", torch.zeros(4, 8), ("c",))
+    first = asyncio.run(servicer.Holdings(transfer_pb2.HoldingsRequest(generation=-1), None))
+    assert first.changed and list(first.items) == ["A"] and first.epoch.startswith("enc-1-")
+    store.ack("A", "c")  # kept in the host tier: still held
+    again = asyncio.run(servicer.Holdings(transfer_pb2.HoldingsRequest(epoch=first.epoch,
+                                                                       generation=first.generation), None))
+    assert not again.changed and not again.items
+    store.clear_tier()
+    gone = asyncio.run(servicer.Holdings(transfer_pb2.HoldingsRequest(epoch=first.epoch,
+                                                                      generation=first.generation), None))
+    assert gone.changed and not gone.items

@@ -36,6 +36,20 @@ def test_pick_encoder_is_deterministic_and_independent_of_candidate_order():
         assert pick_encoder(key, b, spill=4).address == first  # fresh objects, other order
 
 
+def test_an_encoder_that_holds_the_output_wins_within_the_spill_bound():
+    """Issue 33: the item's output sits in one encoder's store or host tier (its Holdings): that encoder,
+    not the affine one, unless it is more than ``spill`` calls busier than the least busy."""
+    cands = insts(*FOUR)
+    key = KEYS[0]
+    affine = pick_encoder(key, cands, spill=4)
+    holder = next(c for c in cands if c is not affine)
+    holds = lambda address: address == holder.address  # noqa: E731
+    assert pick_encoder(key, cands, spill=4, holds=holds) is holder
+    holder.outstanding = 5  # the others are idle: 5 > 4 beyond the least busy
+    assert pick_encoder(key, cands, spill=4, holds=holds) is affine
+    assert pick_encoder(key, cands, spill=4, holds=lambda a: False) is affine  # nobody holds it: affinity
+
+
 def test_pick_encoder_without_candidates_is_none():
     assert pick_encoder("abc", [], spill=4) is None
 
