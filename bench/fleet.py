@@ -9,20 +9,22 @@ as chat clients do. Every request streams; the client measures TTFT.
 Systems (the same deployment shape, ``services.up.Deployment``: 2 encoders on half the cores, 2 LMs on
 the other half, one gateway):
 
-* ``load``: ``--lm-routing load``, least outstanding requests (what the gateway did before issue 33);
+* ``load``: ``--lm-routing load``, least outstanding requests, encoders by affinity, no host tier (what
+  the gateway and encoders did before issue 33);
 * ``cache``: ``--lm-routing cache`` (the default): the LM whose prefix cache holds the request's images,
-  unless it has ``--lm-spill`` more requests in flight than the least busy LM.
-
-* ``cache-spill1``: the same with ``--lm-spill 1`` (load wins sooner);
+  unless it has ``--lm-spill`` more requests in flight than the least busy LM; encoders as in ``load``;
+* ``cache+tier``: ``cache`` with the encoders' host tier (``--host-tier-mib``, its default) and images
+  sent to the encoder that holds their output (``--encoder-routing held``): today's defaults;
+* ``cache-spill1`` (not in the default list): ``cache`` with ``--lm-spill 1`` (load wins sooner);
 * ``one-lm``: the yardstick for the ideal hit rate: 2 encoders and one LM, whose prefix cache sees every
-  prompt of the workload (it fits), on the same LM cores.
+  prompt of the workload (it fits), on the same LM cores (no host tier).
 
 Rows: TTFT p50/p99; vLLM's prefix-cache hit rate (hits/queries over the LMs, from their
 ``vllm:prefix_cache_*`` counters), against ``one-lm``'s (``prefix_hit_of_one_lm``) and against a lower
 bound computed from the workload (``prefix_hit_ideal``: each turn finds its previous turn's prompt, in whole
 KV blocks; images shared between conversations are hit beyond it); vision encoder runs per unique image; CPU seconds per request (every process of the
-deployment); the routing decisions. Not in this run: an encoder host-memory tier (not built yet: an
-encoder keeps an output only until it is transferred) and vLLM's ``ECCPUConnector`` (issue 34 measures it).
+deployment); the routing decisions. Not in this run: vLLM's ``ECCPUConnector`` (issue 34 measures it) and
+Mooncake (docs/benchmarks.md says why).
 
     python bench/fleet.py --json bench/results/fleet-cpu.json --plot bench/results/fleet-cpu.png
 """
@@ -148,13 +150,18 @@ def cpu_seconds(dep: Deployment) -> float:
 
 
 def deployment(system: str, model: str, args) -> Deployment:
-    """``load``, ``cache`` (``cache-spillN``: with ``--lm-spill N``), or ``one-lm``: the ideal's yardstick,
-    one LM whose prefix cache sees every prompt (the workload fits in it), on the same LM cores."""
+    """``load``, ``cache`` (``cache-spillN``: with ``--lm-spill N``), ``cache+tier`` (the encoders' host tier
+    and ``--encoder-routing held``), or ``one-lm``: the ideal's yardstick, one LM whose prefix cache sees
+    every prompt (the workload fits in it), on the same LM cores."""
+    system, tier = system.removesuffix("+tier"), system.endswith("+tier")
+    encoders = [] if tier else ["--host-tier-mib", "0"]
     if system == "one-lm":
-        return Deployment(model=model, quiet=True, n_encoders=2, n_lms=1)
+        return Deployment(model=model, quiet=True, n_encoders=2, n_lms=1, encoder_args=encoders,
+                          gateway_args=["--encoder-routing", "held" if tier else "affinity"])
     routing, _, spill = system.partition("-spill")
-    return Deployment(model=model, quiet=True, n_encoders=2, n_lms=2,
-                      gateway_args=["--lm-routing", routing, "--lm-spill", spill or str(args.lm_spill)])
+    return Deployment(model=model, quiet=True, n_encoders=2, n_lms=2, encoder_args=encoders,
+                      gateway_args=["--lm-routing", routing, "--lm-spill", spill or str(args.lm_spill),
+                                    "--encoder-routing", "held" if tier else "affinity"])
 
 
 def measure(system: str, model: str, convs, args) -> dict:
@@ -192,6 +199,8 @@ def measure(system: str, model: str, convs, args) -> dict:
         "encodes_per_unique_image": round(delta("enc", "epd_encoder_vision_runs_total") / unique, 2),
         "cpu_s_per_request": round((after["cpu"] - before["cpu"]) / max(1, len(results)), 3),
         "routing": {d: delta("gw", "epd_gateway_lm_routing_total", f'decision="{d}"') for d in ("held", "spill", "load")},
+        "encoder_routing": {d: delta("gw", "epd_gateway_encoder_routing_total", f'decision="{d}"')
+                            for d in ("held", "affinity", "spill")},
     }
 
 
@@ -200,7 +209,7 @@ def print_table(rows: list[dict]) -> None:
             "prefix_hit_ideal", "encodes_per_unique_image", "cpu_s_per_request", "wall_s"]
     print(" | ".join(cols))
     for r in rows:
-        print(" | ".join(str(r[c]) for c in cols), "| routing", r["routing"])
+        print(" | ".join(str(r[c]) for c in cols), "| routing", r["routing"], "| encoders", r["encoder_routing"])
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -231,7 +240,7 @@ def main() -> int:
     p.add_argument("--zipf", type=float, default=1.1)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--lm-spill", type=int, default=2)
-    p.add_argument("--systems", default="one-lm,load,cache,cache-spill1")
+    p.add_argument("--systems", default="one-lm,load,cache,cache+tier")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="")
     p.add_argument("--plot", default="")

@@ -18,7 +18,7 @@ import urllib.request
 
 import pytest
 
-from tests.e2e.helpers import VllmServe
+from tests.e2e.helpers import VllmServe, metric
 from tools.media import data_url, make_image
 
 pytestmark = pytest.mark.e2e
@@ -425,6 +425,14 @@ def test_surface_errors_match_vllm_serve(servers, case):
     assert _norm(json.loads(be)) == _norm(json.loads(bv))
 
 
+def _image_work(dep) -> dict[str, float]:
+    """The deployment's vision runs (encoder and LM), transfers and prefix-cache hits so far."""
+    return {"encoder": metric(dep.encoder_metrics, "epd_encoder_vision_runs_total"),
+            "local": metric(dep.lm_metrics, "epd_lm_local_encoder_runs_total"),
+            "transferred": metric(dep.lm_metrics, "epd_lm_transferred_items_total"),
+            "hits": metric(dep.lm_metrics, "vllm:prefix_cache_hits_total")}
+
+
 def _get(url: str) -> tuple[int, bytes]:
     try:
         with urllib.request.urlopen(url, timeout=60) as r:
@@ -433,18 +441,28 @@ def _get(url: str) -> tuple[int, bytes]:
         return e.code, e.read()
 
 
-def test_stored_responses_and_previous_response_id_match_vllm_serve(servers):
+def test_stored_responses_and_previous_response_id_match_vllm_serve(servers, deployment):
     """With VLLM_ENABLE_RESPONSES_API_STORE=1 on both: a follow-up naming the first response, the
-    stored response fetched by id, and an unknown id."""
+    stored response fetched by id, and an unknown id. The follow-up's image (vLLM renders the stored
+    input again) is neither encoded again nor transferred: the LM holds it under the same identifier (the
+    first turn is long enough, about 200 tokens, to fill a KV block: its prefix cache has it; issue 33)."""
+    dep = deployment
     first = _both(servers, "/v1/responses", {"input": [{"role": "user", "content": [
-        _input_image(IMG_A), {"type": "input_text", "text": "Remember this picture."}]}], "max_output_tokens": 6})
+        _input_image(IMG_A), {"type": "input_text", "text": "Remember this picture. "
+                                                + "Describe every shape and colour in it. " * 20}]}],
+                                                "max_output_tokens": 6})
     ids = {name: json.loads(body)["id"] for name, (status, body) in first.items()}
+    before = _image_work(dep)
     follow = {name: _http(servers[name] + "/v1/responses", {
         "model": servers["model"], "temperature": 0, "input": "What was in it?", "max_output_tokens": 6,
         "previous_response_id": ids[name]}) for name in ("vllm", "epd")}
     (sv, bv), (se, be) = follow["vllm"], follow["epd"]
     assert sv == se == 200, (bv[:500], be[:500])
     assert _norm(json.loads(be)) == _norm(json.loads(bv))
+    after = _image_work(dep)
+    assert after["hits"] > before["hits"], (before, after)  # the first turn's blocks, image included
+    assert {k: after[k] - before[k] for k in ("encoder", "local", "transferred")} == \
+        {"encoder": 0, "local": 0, "transferred": 0}, (before, after)
     stored = {name: _get(servers[name] + "/v1/responses/" + ids[name]) for name in ("vllm", "epd")}
     assert stored["vllm"][0] == stored["epd"][0] == 200
     assert _norm(json.loads(stored["epd"][1])) == _norm(json.loads(stored["vllm"][1]))
