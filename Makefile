@@ -80,7 +80,7 @@ bench-capacity: model  # vllm bench serve against colocated, colocated-dp2, epd,
 	$(PY) bench/capacity.py --systems epd,epd-pd,vllm-epd --rates 0.25,0.5,1 --num-prompts 20 --workload long-short --image-every 5 \
 		--json bench/results/capacity-cpu-long-short.json --plot bench/results/capacity-cpu-long-short.png
 
-bench-fleet: install  # multi-turn image conversations, routed by load vs by what each LM holds (#33)
+bench-fleet: install  # multi-turn image conversations: routed by load, by what each LM holds, and with the encoders' host tier (#33)
 	$(PY) -m pip install -q "matplotlib>=3.8"
 	$(PY) bench/fleet.py --json bench/results/fleet-cpu.json --plot bench/results/fleet-cpu.png
 

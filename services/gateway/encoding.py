@@ -73,6 +73,11 @@ class Encodes:
                                rid, len(media))
                 return []
             by_inst.setdefault((inst, m.modality), []).append(i)
+            if m.identifier:
+                # Held from now on: a concurrent request with the same image joins this encode there (the
+                # encoder shares it) instead of encoding it a second time elsewhere. One that fails costs a
+                # miss (retries exclude the encoder), never a wrong answer.
+                self.fleet.encoded(inst, [m.identifier])
         return [EncodeGroup(inst, idx) for (inst, _), idx in by_inst.items()]
 
     async def start(self, req, media, groups: list[EncodeGroup], timings: Timings,
@@ -102,7 +107,6 @@ class Encodes:
                                       timeout=max(0.001, enc_deadline - time.monotonic()))
             try:
                 await self._events(g, call, req, timings, len(items))
-                self.fleet.encoded(g.inst, [m.identifier for m in items if m.identifier])
             except Exception as e:  # noqa: BLE001 - every failure of the stream blames this encoder
                 failure = Failure(self._as_rpc_error(e, g, req), "encoder", [g.inst])
                 if not g.metadata.done():

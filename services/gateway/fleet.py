@@ -106,7 +106,8 @@ class Fleet:
             self.memory.sent(lm.address, items)
 
     def encoded(self, encoder: Instance, items: list[str]) -> None:
-        """``encoder`` encoded ``items``: its store holds them until its next snapshot says."""
+        """``items`` are sent to ``encoder`` to encode: its store holds them (or will, once encoded) until its
+        next snapshot says."""
         if self.cfg.encoder_routing == "held":
             self.encoder_memory.sent(encoder.address, items)
 
