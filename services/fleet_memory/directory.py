@@ -3,7 +3,9 @@
 An LM's entry is its last ``Holdings`` snapshot (epoch, generation, items) plus the items the gateway sent
 it since that snapshot was asked for ("sent": they will be in its cache once the request's prompt is
 computed, and the next snapshot says whether they still are). The consistency rule: the LM's snapshot is
-the truth; what the gateway adds on its own lives only until the next snapshot. So an LM that restarts
+the truth; what the gateway adds on its own lives only until a snapshot asked for at least ``settle_s``
+after the send (an item sent a moment before an ask may not have reached the LM's cache, or the
+encoder's store, when it answers: its KV events or its encode still under way). So an LM that restarts
 (a new epoch), loses events (a new epoch), or evicts an item is corrected at the next poll, and an LM that
 leaves the pool is forgotten. An entry that is stale in between costs one miss (that LM computes the prompt
 itself), never a wrong answer: the directory only steers routing.
@@ -19,6 +21,8 @@ from dataclasses import dataclass, field
 
 MAX_ITEMS_PER_LM = 4096
 MAX_LMS = 1024
+SETTLE_S = 5.0
+"""A sent item outlives snapshots asked for within this long after the send."""
 
 
 @dataclass
@@ -32,8 +36,8 @@ class Entry:
 
 
 class Directory:
-    def __init__(self, max_items: int = MAX_ITEMS_PER_LM, max_lms: int = MAX_LMS) -> None:
-        self.max_items, self.max_lms = max_items, max_lms
+    def __init__(self, max_items: int = MAX_ITEMS_PER_LM, max_lms: int = MAX_LMS, settle_s: float = SETTLE_S) -> None:
+        self.max_items, self.max_lms, self.settle_s = max_items, max_lms, settle_s
         self._lms: dict[str, Entry] = {}
 
     def known(self, address: str) -> tuple[str, int]:
@@ -55,7 +59,8 @@ class Directory:
         if items is not None:
             e.epoch, e.generation = epoch, generation
             e.items = frozenset(items[-self.max_items:])
-        e.sent = {i: t for i, t in e.sent.items() if t > asked_at}  # sent before the ask: the snapshot says
+        # Sent well before the ask: the snapshot says. Sent just before it: it may not be there yet.
+        e.sent = {i: t for i, t in e.sent.items() if t > asked_at - self.settle_s}
         e.asked_at = asked_at
 
     def sent(self, address: str, items: list[str], now: float | None = None) -> None:

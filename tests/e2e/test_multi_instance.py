@@ -93,9 +93,9 @@ def test_a_conversations_next_turns_land_on_the_lm_that_holds_its_image(multi, r
     """Issue 33: each turn re-sends the history; turns after the first go to the LM whose prefix cache holds
     the conversation's image (the gateway's directory: what it sent, then the LM's Holdings), and every
     answer is plain vLLM's. The LM's Holdings come from vLLM's own KV cache events and name the image.
-    Each image is encoded once fleet-wide: the later turns' Encodes claim the copy the encoder's host
-    tier kept after the first turn's LM acked it."""
-    runs, tier_hits = _fleet(multi, "vision_runs"), _fleet(multi, "tier_hits")
+    Each image is encoded once fleet-wide: the later turns' Encodes go to the encoder that holds the output
+    and claim the copy its store holds (its host tier keeps it once the previous turn's LM is done)."""
+    runs, reused = _fleet(multi, "vision_runs"), _fleet(multi, "reuse_hits")
     held = metric(multi.gateway_metrics, "epd_gateway_lm_routing_total", decision="held")
     enc_held = metric(multi.gateway_metrics, "epd_gateway_encoder_routing_total", decision="held")
     encoders: dict[int, list[str]] = {}
@@ -119,8 +119,10 @@ def test_a_conversations_next_turns_land_on_the_lm_that_holds_its_image(multi, r
     for c, home in homes.items():
         ident = content_id(image_bytes(REFERENCE_REQUESTS[f"conv{c}_0"]))
         assert settled(lambda i=ident, h=home: i in _holdings(multi, h), True), (c, home)  # events arrive in the background
-    assert _fleet(multi, "vision_runs") - runs == 2, "each conversation's image encoded once, fleet-wide"
-    assert _fleet(multi, "tier_hits") - tier_hits == 4, "turns 2 and 3 took the kept copy"
+    assert settled(lambda: _fleet(multi, "vision_runs") - runs, 2) == 2, "each image encoded once, fleet-wide"
+    # Turns 2 and 3 claimed the copy the encoder's store holds: kept in its host tier, or still held when the
+    # last turn's LM has not settled its claim yet (a tier hit or not is a matter of timing; no encode either way).
+    assert settled(lambda: _fleet(multi, "reuse_hits") - reused, 4) == 4
     for c, (encoder,) in encoders.items():
         ident = content_id(image_bytes(REFERENCE_REQUESTS[f"conv{c}_0"]))
         assert ident in _holdings(multi, encoder, encoder_pb2_grpc.EncoderServiceStub), (c, encoder)
@@ -141,7 +143,7 @@ def test_the_host_tier_evicting_under_load_costs_a_re_encode_never_an_error(mult
     with ThreadPoolExecutor(4) as pool:
         assert all(pool.map(ask, names[1:-1]))
     assert ask(names[-1])
-    assert _fleet(multi, "tier_evictions") > evictions
+    assert settled(lambda: _fleet(multi, "tier_evictions") > evictions, True)  # acks land in the background
     assert settled(lambda: _fleet(multi, "items_held") + _fleet(multi, "pending_reservations"), 0) == 0
 
 

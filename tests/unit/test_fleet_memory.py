@@ -72,7 +72,9 @@ def test_the_directory_takes_the_lms_snapshot_as_the_truth():
     assert d.held("lm1", ["C"]) == 1
     d.update("lm1", "e1", 3, None, asked_at=10.5)  # an answer to an ask made before C was sent
     assert d.held("lm1", ["C"]) == 1
-    d.update("lm1", "e1", 4, ["A"], asked_at=12.0)  # B evicted, C never stored (or evicted since)
+    d.update("lm1", "e1", 4, ["A"], asked_at=12.0)  # asked 1 s after C was sent: C may not be stored yet
+    assert d.held("lm1", ["A", "B", "C"]) == 2
+    d.update("lm1", "e1", 4, None, asked_at=11.0 + d.settle_s + 0.1)  # long enough after: C never stored
     assert d.held("lm1", ["A", "B", "C"]) == 1
     d.update("lm1", "e2", 0, [], asked_at=13.0)  # restarted: a new epoch, nothing held
     assert d.held("lm1", ["A"]) == 0
