@@ -108,7 +108,9 @@ class Deployment:
     """Pass --insecure to every service: "token" or "none" on a non-loopback host, with a warning (the network
     is trusted; the services' own links stay on this host, but other machines can reach their ports)."""
     env: dict[str, str] = field(default_factory=dict)
-    """Extra environment for every service (over this process's own)."""
+    """Extra environment for every service (over ``base_env``)."""
+    base_env: dict[str, str] | None = None
+    """The environment the services start from; None: this process's, read when each starts."""
 
     def __post_init__(self) -> None:
         h = self.host
@@ -204,7 +206,8 @@ class Deployment:
             print(msg, end=end, flush=True)
 
     def start(self, timeout: float = 300.0) -> Deployment:
-        env = child_env({"PYTHONUNBUFFERED": "1", **self.env})
+        base = self.base_env if self.base_env is not None else child_env()
+        env = {**base, "PYTHONUNBUFFERED": "1", **self.env}
         # VLLM_API_KEY is the gateway's (its clients' key, as for vllm serve). An LM that had it would
         # guard the /v1 routes of its in-process vLLM app against the gateway's own calls.
         engine_env = {k: v for k, v in env.items() if k not in GATEWAY_ONLY_ENV}

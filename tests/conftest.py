@@ -17,8 +17,8 @@ os.environ.setdefault("EPD_STRICT_TRANSITIONS", "1")
 # executor, which its CPU platform keeps when V1 multiprocessing is off) instead of a third process:
 # one vLLM import less per engine, about 8 s of CPU on a 2-core host and a quarter of the e2e time.
 # Tokens do not depend on it. vLLM's default (the worker in its own process, as `vllm serve` and the
-# services run it in production) stays covered: the session's shared e2e deployment and `epd up` in
-# tests/e2e/test_lifecycle.py set MULTIPROCESS_ENGINES.
+# services run it in production) stays covered: the session's shared e2e deployment sets
+# MULTIPROCESS_ENGINES, and its teardown checks that its stop leaves no process behind.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 MULTIPROCESS_ENGINES = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
 
@@ -42,6 +42,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from tests import early  # noqa: E402 - needs the root on the path
+
+early.snapshot_env()  # before any test runs: what tests/early.py's processes get
+
+TIERS = ("unit", "integration", "e2e", "multihost")
+"""The order the tiers run in: the e2e tier's shared work starts (tests/early.py) on the core that the
+unit and integration tiers leave idle, and is ready when the e2e tier begins."""
+
+
+def _tier(item) -> int:
+    parts = os.path.relpath(str(item.path), os.path.join(ROOT, "tests")).split(os.sep)
+    return TIERS.index(parts[0]) if parts[0] in TIERS else len(TIERS)
+
 
 def _cuda_ipc_available() -> bool:
     try:
@@ -53,9 +66,11 @@ def _cuda_ipc_available() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    """GPU tests carry the ``gpu`` marker and skip cleanly without CUDA and cupy."""
+    """The tiers in ``TIERS``' order (a stable sort: each module's tests stay together, in their order).
+    GPU tests carry the ``gpu`` marker and skip cleanly without CUDA and cupy."""
     import pytest
 
+    items.sort(key=_tier)
     if _cuda_ipc_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU and cupy")
@@ -75,11 +90,15 @@ def tiny_model() -> str:
 @pytest.fixture(scope="session")
 def reference_run(tiny_model):
     """Plain vLLM's answers to every request of ``tests/references.py``: one ``tools.reference``
-    subprocess, started the first time a test asks (the e2e session deployment asks first, so it runs
-    beside the deployments starting); a future of the token lists, in the table's order."""
+    subprocess, started with the session when e2e tests are selected (tests/early.py), else the first time
+    a test asks; a future of the token lists, in the table's order."""
     from tests.references import REFERENCE_REQUESTS
     from tools.reference import run_subprocess
 
+    started = early.reference_run()  # at the session's start, beside the unit tier
+    if started is not None:
+        yield started
+        return
     with ThreadPoolExecutor(1) as pool:
         yield pool.submit(run_subprocess, tiny_model, list(REFERENCE_REQUESTS.values()))
 
@@ -105,7 +124,13 @@ def modules_loaded_twice() -> dict[str, list[str]]:
     return {path: sorted(n) for path, n in names.items() if len(n) > 1}
 
 
+def pytest_collection_finish(session):
+    if not session.config.option.collectonly:
+        early.start(session.items)
+
+
 def pytest_sessionfinish(session, exitstatus):
+    early.finish()
     twice = modules_loaded_twice()
     if twice:
         session.config.get_terminal_writer().line(f"\ntest files loaded under two module names: {twice}", red=True)

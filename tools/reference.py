@@ -55,11 +55,13 @@ def run(model: str, requests: list[dict], with_prompts: bool = False) -> list:
     return results
 
 
-def run_subprocess(model: str, requests: list[dict], timeout: float = 600, with_prompts: bool = False) -> list:
-    """Runs ``run`` in a fresh interpreter and returns its result."""
+def run_subprocess(model: str, requests: list[dict], timeout: float = 600, with_prompts: bool = False,
+                   env: dict[str, str] | None = None) -> list:
+    """Runs ``run`` in a fresh interpreter and returns its result. ``env``: the interpreter's whole
+    environment (None: this process's, read now)."""
     argv = [sys.executable, "-m", "tools.reference", "--model", model, *(["--with-prompts"] if with_prompts else [])]
     proc = subprocess.run(argv, input=json.dumps(requests), capture_output=True, text=True, timeout=timeout,
-                          env=child_env())  # often called from a worker thread: services/common/spawn.py
+                          env=dict(env) if env is not None else child_env())  # from worker threads too: spawn.py
     if proc.returncode != 0:
         raise RuntimeError(f"reference run failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import threading
 
+import psutil
 import pytest
 
 from services.up import Deployment
+from tests import early
 from tests.conftest import MULTIPROCESS_ENGINES
 from tests.e2e.helpers import start_perturbable
 from tests.references import REFERENCE_REQUESTS  # noqa: F401 - the e2e tests import it from here
@@ -38,55 +40,44 @@ def _background_stops():
         thread.join(60)
 
 
-def _selected(request, module: str) -> bool:
-    return any(getattr(item, "module", None) is not None and item.module.__name__.endswith(module)
-               for item in request.session.items)
-
-
-def _selected_families(request) -> set[str]:
-    """The families test_families' selected tests run (its slow ones are left out of the default run)."""
-    return {item.callspec.params["family"] for item in request.session.items
-            if getattr(item, "module", None) is not None and item.module.__name__.endswith(".test_families")
-            and "family" in getattr(getattr(item, "callspec", None), "params", {})}
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _background_starts(request, tiny_model, tmp_path_factory):
-    """Work that would otherwise wait for its module, started with the session on one background
-    thread (the suite spends much of its time waiting on the network): the families' plain-vLLM
-    reference runs (``test_families.start_references``), then the parity module's ``vllm serve``
-    (``test_openai_parity.start_early``), each only when its module is selected."""
-    families = _selected(request, ".test_families")
-    parity = _selected(request, ".test_openai_parity")
-    if families:
-        from tests.e2e import test_families
-
-        test_families.start_references(_selected_families(request))
-    if parity:
-        from tests.e2e import test_openai_parity
-
-        log_dir = str(tmp_path_factory.mktemp("vllm-serve"))
-        if families:  # after the references: the server then idles rather than competes with them
-            test_families.after_references(lambda: test_openai_parity.start_early(tiny_model, log_dir))
-        else:
-            test_openai_parity.start_early(tiny_model, log_dir)
-    yield
-    if families:
-        test_families.stop_references()
-    if parity:
-        test_openai_parity.stop_early()
+def start_session_deployment(model: str, base_env: dict[str, str] | None = None) -> Deployment:
+    """The session's deployment, started (tests/early.py calls it on its own thread at the session's start).
+    vLLM's front-end flags for tool calls, as tests/e2e/test_openai_parity.py gives `vllm serve`. vLLM's
+    default engine processes (the worker in its own process), as production runs them: most other
+    deployments run one-process engines to save time (tests/conftest.py)."""
+    dep = Deployment(model=model, quiet=True, security="tls", env=dict(MULTIPROCESS_ENGINES), base_env=base_env,
+                     lm_args=["--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
+    return start_perturbable(dep)  # the perturbation hook, off until test_perturbation turns it on
 
 
 @pytest.fixture(scope="session")
 def deployment(tiny_model, reference_run):
-    # vLLM's front-end flags for tool calls, as tests/e2e/test_openai_parity.py gives `vllm serve`.
-    # vLLM's default engine processes (the worker in its own process), as production runs them: most
-    # other deployments run one-process engines to save time (tests/conftest.py)
-    dep = Deployment(model=tiny_model, quiet=True, security="tls", env=MULTIPROCESS_ENGINES,
-                     lm_args=["--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
-    start_perturbable(dep)  # the perturbation hook, off until test_perturbation turns it on
+    """The session's deployment. Its stop, the one `epd up` makes on Ctrl-C, leaves no process behind: with
+    vLLM's default engine processes (a worker under each engine) this is where that is checked
+    (tests/e2e/test_lifecycle.py checks `epd up` itself with one-process engines)."""
+    dep = early.session_deployment() or start_session_deployment(tiny_model)
     yield dep
+    tree = [p for svc in dep.services if svc.proc is not None
+            for p in _tree(svc.proc.pid)]
+    assert any("EngineCore" in _title(p) for p in tree), "vLLM's engine processes are there to check"
     dep.stop()
+    _, alive = psutil.wait_procs(tree, timeout=30)
+    assert not alive, [(p.pid, _title(p)) for p in alive]
+
+
+def _tree(pid: int) -> list[psutil.Process]:
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _title(p: psutil.Process) -> str:
+    try:
+        return " ".join([p.name(), *p.cmdline()])
+    except psutil.Error:
+        return "?"
 
 
 @pytest.fixture

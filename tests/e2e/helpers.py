@@ -15,6 +15,7 @@ import urllib.request
 
 from epd.transfer.v1 import transfer_pb2, transfer_pb2_grpc
 from services.common.engine import EngineConfig
+from services.common.spawn import child_env
 from services.up import free_port
 from tools.media import data_url, make_image
 
@@ -138,19 +139,18 @@ PERTURB_HOOK_DIR = os.path.join(os.path.dirname(__file__), "perturb")
 
 def start_perturbable(dep):
     """Starts ``dep`` (a ``Deployment``) with the test-only perturbation hook loaded in its services
-    (``tests/e2e/perturb/sitecustomize.py``), switched off: ``perturbation(dep)`` turns it on."""
-    import pytest
-
-    mp = pytest.MonkeyPatch()
-    mp.setenv("PYTHONPATH", os.pathsep.join(p for p in (PERTURB_HOOK_DIR, os.environ.get("PYTHONPATH")) if p))
-    mp.setenv("EPD_TEST_PERTURB_SWITCH", os.path.join(dep.log_dir, "perturb-on"))
-    mp.setenv("EPD_TEST_PERTURB_LOG", os.path.join(dep.log_dir, "perturbed.txt"))
-    # Stored responses on, as tests/e2e/test_openai_parity.py gives `vllm serve` (previous_response_id).
-    mp.setenv("VLLM_ENABLE_RESPONSES_API_STORE", "1")
-    try:
-        return dep.start()
-    finally:
-        mp.undo()
+    (``tests/e2e/perturb/sitecustomize.py``), switched off: ``perturbation(dep)`` turns it on. The hook's
+    variables go to the services alone (``dep.env``), never to this process's environment, which other
+    threads read."""
+    base = dep.base_env if dep.base_env is not None else os.environ
+    dep.env.update({
+        "PYTHONPATH": os.pathsep.join(p for p in (PERTURB_HOOK_DIR, base.get("PYTHONPATH")) if p),
+        "EPD_TEST_PERTURB_SWITCH": os.path.join(dep.log_dir, "perturb-on"),
+        "EPD_TEST_PERTURB_LOG": os.path.join(dep.log_dir, "perturbed.txt"),
+        # Stored responses on, as tests/e2e/test_openai_parity.py gives `vllm serve` (previous_response_id).
+        "VLLM_ENABLE_RESPONSES_API_STORE": "1",
+    })
+    return dep.start()
 
 
 def check_perturbation_changes_tokens(dep, bodies: list[dict], reference: list[list[int]]) -> None:
@@ -188,16 +188,20 @@ def engine_flags(model: str) -> list[str]:
 class VllmServe:
     """``vllm serve`` (vLLM's own OpenAI server) on ``model`` with the services' engine settings plus
     ``flags``, on a free loopback port. ``start`` launches it without waiting; ``wait_ready`` returns its
-    URL once /health answers; ``stop`` ends it."""
+    URL once /health answers; ``stop`` ends it. ``env`` goes over ``base_env`` (None: this process's
+    environment when it starts)."""
 
-    def __init__(self, model: str, log: pathlib.Path, flags: list[str] = (), env: dict[str, str] | None = None):
+    def __init__(self, model: str, log: pathlib.Path, flags: list[str] = (), env: dict[str, str] | None = None,
+                 base_env: dict[str, str] | None = None):
         self.model, self.log, self.flags, self.env = model, log, list(flags), dict(env or {})
+        self.base_env = base_env
         self.proc: subprocess.Popen | None = None
         self.url = ""
 
     def start(self) -> VllmServe:
         port = free_port()
-        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
+        env = dict(self.base_env if self.base_env is not None else child_env(), HF_HUB_OFFLINE="1",
+                   TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
                    VLLM_WORKER_MULTIPROC_METHOD="spawn", **self.env)
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host",

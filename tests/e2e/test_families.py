@@ -110,29 +110,24 @@ _REFERENCES: dict[str, Future] = {}
 _POOL = ThreadPoolExecutor(1, thread_name_prefix="family-references")
 
 
-def _reference(family: str) -> tuple[dict, dict]:
+def _reference(family: str, env: dict[str, str] | None = None) -> tuple[dict, dict]:
     """Plain vLLM's answers (tokens, expanded prompts) to the family's requests, in a subprocess."""
     from services.cli import default_model
 
     bodies = {**_requests(family), **(PERTURB if family == "qwen2_5_vl" else {})}
     results = dict(zip(bodies, run_subprocess(default_model(family=family), list(bodies.values()),
-                                              with_prompts=True)))
+                                              with_prompts=True, env=env)))
     return {n: r["tokens"] for n, r in results.items()}, {n: r["prompt_token_ids"] for n, r in results.items()}
 
 
-def start_references(families=None) -> None:
-    """Starts the reference runs of ``families`` (None: every family), one after another on one background
-    thread: from the session's start for the families selected (tests/e2e/conftest.py), so that they run
-    while the other modules' tests mostly wait on the network, and each family's deployment then starts
-    alone."""
+def start_references(families=None, pool: ThreadPoolExecutor | None = None, env: dict[str, str] | None = None) -> None:
+    """Starts the reference runs of ``families`` (None: every family) on ``pool``, one after another: from
+    the session's start for the families selected (tests/early.py), so that they run while other tiers run,
+    and each family's deployment then starts alone. Without a pool: this module's own (its fixture, when the
+    session did not start them), so that the run overlaps the family's deployment starting."""
     for name in LAID_OUT_BY:
         if (families is None or name in families) and name not in _REFERENCES:
-            _REFERENCES[name] = _POOL.submit(_reference, name)
-
-
-def after_references(job) -> None:
-    """Runs ``job`` on the references' thread once they are done."""
-    _POOL.submit(job)
+            _REFERENCES[name] = (pool or _POOL).submit(_reference, name, env)
 
 
 def stop_references() -> None:

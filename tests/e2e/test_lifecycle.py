@@ -15,9 +15,9 @@ import psutil
 import pytest
 
 from services.cli import DEFAULT_MODEL_DIR
+from services.common.spawn import child_env
 from services.probe import http_ok
 from services.up import Service, free_port, grpc_serving, split_cores, wait_ready
-from tests.conftest import MULTIPROCESS_ENGINES
 from tests.e2e.conftest import REFERENCE_REQUESTS
 from tests.e2e.helpers import post, wait_admitted
 from tools.tiny_model import build_tiny_model
@@ -86,13 +86,13 @@ def _epd_segments() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n.startswith(("epd-", "psm_"))}
 
 
-def test_epd_up_serves_and_ctrl_c_leaves_nothing_behind(tiny_model):
+def test_epd_up_serves_and_ctrl_c_leaves_nothing_behind(tiny_model, reference):
     before = _epd_segments()
     port = free_port()
-    # vLLM's default engine processes, as a user's `epd up` runs them (tests/conftest.py)
+    # One-process engines, as the suite's other deployments: the session deployment's teardown checks the same
+    # stop with vLLM's default engine processes (tests/e2e/conftest.py), a vLLM import less per engine here.
     proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--model", tiny_model, "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, **MULTIPROCESS_ENGINES})
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env())
     try:
         info, lines = None, []
         deadline = time.monotonic() + 300
@@ -107,6 +107,7 @@ def test_epd_up_serves_and_ctrl_c_leaves_nothing_behind(tiny_model):
         assert len(tree) >= 3  # encoder, LM, gateway (and their engine processes)
         status, body = post(f"http://127.0.0.1:{port}/v1/chat/completions", REFERENCE_REQUESTS["image0"])
         assert status == 200, body
+        assert body["choices"][0]["token_ids"] == reference["image0"]
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=90) == 0
     finally:
