@@ -7,7 +7,7 @@ Names are unique across the table; each group says who sends it."""
 
 from __future__ import annotations
 
-from tests.e2e.helpers import conversation, image_chat, perturb_chat, text_chat
+from tests.e2e.helpers import conversation, image_chat, images_chat, perturb_chat, text_chat
 
 # tests/e2e: the session deployment's tests and the deployments of their own that reuse these.
 E2E = {
@@ -21,6 +21,9 @@ E2E = {
     "colocated": image_chat(1004),  # likewise, for the colocated gateway: its LM must encode it itself
     **{f"perturb{i}": perturb_chat(9100 + i) for i in range(3)},  # the perturbation check's, never sent otherwise
     "text": text_chat("Tell me a story about a cat."),
+    # tests/e2e/test_prefill_in_step.py: three images (the encoder's test hook delays the second).
+    "late_item": images_chat([(9300, (112, 112)), (9301, (224, 224)), (9302, (112, 112))]),
+    "late_cancelled": images_chat([(9310, (112, 112)), (9311, (224, 224)), (9312, (112, 112))]),
     # The multi-instance tests (2 encoders, 2 LMs): larger images, so encodes are in flight long enough to kill.
     **{f"multi{i}": image_chat(600 + i, max_tokens=16, size=(224, 224)) for i in range(8)},
     # The multi-instance conversations (issue 33): turn t of conversation c, its history re-sent.

@@ -35,6 +35,10 @@ EC_MANAGER_CONFIG = {"encoder_cache_manager_cls": "ectransfer.connector.cache_ma
 """vLLM's ``ec_manager_config`` that plugs this manager in (both services pass it)."""
 
 
+def _nothing_in_flight(identifier: str) -> bool:
+    return False
+
+
 def manager_for(engine_id: str) -> EPDEncoderCacheManager | None:
     return _MANAGERS.get(engine_id)
 
@@ -51,6 +55,9 @@ class EPDEncoderCacheManager(EncoderCacheManager):
         super().__init__(cache_size)
         self.preallocated: dict[str, int] = {}  # mm_hash -> embeddings reserved
         self.external: set[str] = set()  # producer: allocated for items the connector holds, never written
+        self.in_flight = _nothing_in_flight
+        """Consumer: set by its connector half (``ConsumerScheduler.in_flight``): items it fetches that have
+        not landed. vLLM computes a prompt up to such an item and no further (``can_allocate``)."""
 
     def reset(self) -> None:
         super().reset()
@@ -103,6 +110,10 @@ class EPDEncoderCacheManager(EncoderCacheManager):
     # -- vLLM's hooks -----------------------------------------------------------
 
     def can_allocate(self, request, input_id: int, encoder_compute_budget: int, num_embeds_to_schedule: int) -> bool:
+        """No for an item in flight: vLLM's scheduler then computes the tokens just before it (as when its
+        cache is full), and the item's own tokens once it has landed."""
+        if self.in_flight(request.mm_features[input_id].identifier):
+            return False
         if request.mm_features[input_id].identifier in self.preallocated:
             return request.get_num_encoder_embeds(input_id) <= encoder_compute_budget  # room is reserved
         return super().can_allocate(request, input_id, encoder_compute_budget, num_embeds_to_schedule)

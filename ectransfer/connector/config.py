@@ -30,6 +30,10 @@ class ConnectorTuning:
     instead of stepping again in 1 ms (each step also calls the worker: a waiting
     request would otherwise keep about 1.4 cores busy on a CPU host). A request that
     arrives meanwhile starts at most this much later."""
+    prefill_in_step: bool = True
+    """Consumer: vLLM computes a request's prompt up to its first item that has not landed and goes on as
+    items land, in prompt order (needs ``EPDEncoderCacheManager``, which holds vLLM back before an item in
+    flight); False holds the whole request until every item has landed."""
     in_place_hold_s: float = 2.0
     """Consumer: an item landed in place that vLLM has not scheduled within this
     time (its request waits for KV space or another item) is copied to staging

@@ -2,10 +2,17 @@
 
 Scheduler half (vLLM's scheduler thread): for each request whose
 ``ec_transfer_params`` (``ECTransferParams``) name an encoder, ``ensure_cache_available`` reserves
-inbound staging and asks the encoder for each item (the request is deferred,
-not failed, until every item landed); ``has_cache_item`` says yes for landed
+inbound staging and asks the encoder for each item; ``has_cache_item`` says yes for landed
 items so vLLM loads them instead of encoding; ``update_state_after_alloc``
 queues the load; the worker's report frees the staging slot.
+
+Prefill in step with arrival (``prefill_in_step``, on by default): a request is deferred only while its
+next item to compute has not landed. Until then vLLM computes its prompt up to that item and stops there:
+our ``EPDEncoderCacheManager.can_allocate`` says no for an item in flight (``in_flight``), which is the
+rule vLLM's scheduler already follows when its encoder cache is full (it schedules the tokens just before
+the item). Items are fetched in prompt order, so the first land first. Off: the request waits until every
+item has landed (``prefill_ahead_tokens`` counts the prompt tokens computed while an item of the same
+request was still in flight).
 
 Ownership: a staging slot is allocated here and freed here, exactly once, when
 the worker injected it, the transfer failed, or no request needs it any more.
@@ -109,7 +116,8 @@ class ConsumerScheduler:
         self._unmap_next: list[tuple[str, str]] = []
         self._unavailable: set[str] = set()
         self._stats: dict[str, _RequestStats] = defaultdict(_RequestStats)
-        self._counts = {"cancels": 0, "failed": 0, "reuse_hits": 0}
+        self._counts = {"cancels": 0, "failed": 0, "reuse_hits": 0, "prefill_ahead_tokens": 0}
+        self._ahead: set[str] = set()  # requests let compute this step while an item of theirs is in flight
 
     # -- scheduling -----------------------------------------------------------
 
@@ -163,6 +171,7 @@ class ConsumerScheduler:
         if missing and not self._start_all(request, missing):
             return False
         ready = True
+        first_in_flight = None  # the prompt position of the first item this request still waits for
         for _, feat, src in needed.values():
             item = self._items[feat.identifier]
             if rid != item.owner and rid not in item.requests:
@@ -179,9 +188,17 @@ class ConsumerScheduler:
                 return False
             if state not in _READY:
                 ready = False
-        if ready and not stats.transfer_ms:
-            stats.transfer_ms = (time.monotonic() - stats.wait_started) * 1e3
-        return ready
+                if first_in_flight is None or feat.mm_position.offset < first_in_flight:
+                    first_in_flight = feat.mm_position.offset
+        if ready:
+            if not stats.transfer_ms:
+                stats.transfer_ms = (time.monotonic() - stats.wait_started) * 1e3
+            return True
+        if self.cfg.prefill_in_step and first_in_flight > num_computed_tokens and self._cache_manager() is not None:
+            # Tokens before that item can be computed now; the manager stops vLLM at the item.
+            self._ahead.add(rid)
+            return True
+        return False
 
     def _start_all(self, request, missing) -> bool:
         """Reserves staging for every missing item of ``request`` or for none
@@ -240,7 +257,15 @@ class ConsumerScheduler:
     def _cache_manager(self):
         if self._manager is None:
             self._manager = manager_for(self.engine_id) or False
+            if self._manager:
+                self._manager.in_flight = self.in_flight
         return self._manager or None
+
+    def in_flight(self, identifier: str) -> bool:
+        """Whether this half fetches ``identifier`` and it has not landed yet (vLLM must not compute past
+        its placeholder: ``EPDEncoderCacheManager.can_allocate``)."""
+        item = self._items.get(identifier)
+        return item is not None and item.transfer.state not in _READY
 
     def _in_vllm_cache(self, ident: str) -> bool:
         """Whether vLLM's encoder cache holds the item (exact with our cache
@@ -298,6 +323,10 @@ class ConsumerScheduler:
     def build_meta(self, scheduler_output) -> EPDConnectorMetadata:
         for req_id, inputs in scheduler_output.scheduled_encoder_inputs.items():
             self._stats[req_id].local_encoder_runs += len(inputs)
+        if self._ahead:  # this step's: ensure_cache_available runs again before each step
+            scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+            self._counts["prefill_ahead_tokens"] += sum(scheduled.get(rid, 0) for rid in self._ahead)
+            self._ahead.clear()
         # Process-wide mappings (CUDA IPC: the client's probe, maybe a worker
         # here): this process's copy is closed a step after the worker was told.
         for name, memory in self._unmap_next:
@@ -349,6 +378,7 @@ class ConsumerScheduler:
             "cancels": self._counts["cancels"],
             "failed": self._counts["failed"],
             "reuse_hits": self._counts["reuse_hits"],
+            "prefill_ahead_tokens": self._counts["prefill_ahead_tokens"],
         }
 
     def take_unavailable(self) -> set[str]:

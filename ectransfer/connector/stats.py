@@ -29,6 +29,7 @@ FIELDS = {
     "failed": "Items that failed (save error, transfer error or timeout)",
     "reuse_hits": "Items served without a new encode (producer) or a new transfer (consumer)",
     "claims": "Producer: unsettled claims on held items (an Encode's or a consumer's, not yet acked or cancelled)",
+    "prefill_ahead_tokens": "Consumer: prompt tokens computed while an item of the same request was still in flight",
     "aborted_requests": "Producer: encode requests that ended aborted or failed (their claims dropped)",
 }
 

@@ -36,6 +36,14 @@ def image_chat(seed: int, text: str = "What is in this picture?", max_tokens: in
             "return_token_ids": True}
 
 
+def images_chat(images: list[tuple[int, tuple[int, int]]], text: str = "Compare these pictures.",
+                max_tokens: int = 12) -> dict:
+    """A chat with several images, ``(seed, size)`` each, before one question."""
+    return {"messages": [{"role": "user", "content": [
+        *({"type": "image_url", "image_url": {"url": data_url(make_image(seed, size))}} for seed, size in images),
+        {"type": "text", "text": text}]}], "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True}
+
+
 def conversation(seed: int, turns: int, max_tokens: int = 8) -> list[dict]:
     """The bodies of a chat's first ``turns`` turns, each re-sending the history as clients do: turn 0
     asks about an image; each later turn adds a fixed assistant answer (the same for plain vLLM and for
@@ -138,8 +146,8 @@ PERTURB_HOOK_DIR = os.path.join(os.path.dirname(__file__), "perturb")
 
 
 def start_perturbable(dep):
-    """Starts ``dep`` (a ``Deployment``) with the test-only perturbation hook loaded in its services
-    (``tests/e2e/perturb/sitecustomize.py``), switched off: ``perturbation(dep)`` turns it on. The hook's
+    """Starts ``dep`` (a ``Deployment``) with the test-only hooks loaded in its services
+    (``tests/e2e/perturb/sitecustomize.py``: the perturbation, and a slow item), switched off. The hook's
     variables go to the services alone (``dep.env``), never to this process's environment, which other
     threads read."""
     base = dep.base_env if dep.base_env is not None else os.environ
@@ -147,6 +155,7 @@ def start_perturbable(dep):
         "PYTHONPATH": os.pathsep.join(p for p in (PERTURB_HOOK_DIR, base.get("PYTHONPATH")) if p),
         "EPD_TEST_PERTURB_SWITCH": os.path.join(dep.log_dir, "perturb-on"),
         "EPD_TEST_PERTURB_LOG": os.path.join(dep.log_dir, "perturbed.txt"),
+        "EPD_TEST_DELAY_SWITCH": os.path.join(dep.log_dir, "delay-on"),  # tests/e2e/test_prefill_in_step.py
         # Stored responses on, as tests/e2e/test_openai_parity.py gives `vllm serve` (previous_response_id).
         "VLLM_ENABLE_RESPONSES_API_STORE": "1",
     })

@@ -209,16 +209,17 @@ def test_prealloc_fetches_reserve_vllm_cache_room_first_and_return_it_on_failure
     try:
         r1 = request("r1", [("z1", 16)], p.endpoint)
         r2 = request("r2", [("z2", 16)], p.endpoint)
-        assert not sched.ensure_cache_available(r1, 0)
+        at = r1.mm_features[0].mm_position.offset  # the text before the item computed: the item is next
+        assert not sched.ensure_cache_available(r1, at)
         assert manager.preallocated == {"z1": 16}
-        assert not sched.ensure_cache_available(r2, 0)  # backpressure: vLLM's cache has room for one
+        assert not sched.ensure_cache_available(r2, at)  # backpressure: vLLM's cache has room for one
         assert "z2" not in manager.preallocated and used(sched) == NB
         # z1 is never encoded: its request fails and both reservations come back.
-        assert steps_until(lambda: (sched.ensure_cache_available(r1, 0), sched.take_unavailable())[1] == {"r1"})
+        assert steps_until(lambda: (sched.ensure_cache_available(r1, at), sched.take_unavailable())[1] == {"r1"})
         assert manager.preallocated == {} and manager.num_free_slots == 20 and used(sched) == 0
         sched.request_finished(r1)
         p.store.put("z2", embedding(16, 9), claims=(claim_of("r2"),))
-        assert steps_until(lambda: sched.ensure_cache_available(r2, 0))  # now it fits
+        assert steps_until(lambda: sched.ensure_cache_available(r2, at))  # now it fits
         assert manager.preallocated == {"z2": 16}
     finally:
         sched.shutdown()
