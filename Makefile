@@ -71,7 +71,7 @@ bench-transfer-hosts: install  # needs root: two network namespaces joined by ve
 	$(PY) bench/transfer.py --quick --hosts --no-ec-example --transports grpc \
 		--json bench/results/transfer-cpu-hosts.json --plot bench/results/transfer-cpu-hosts.png
 
-bench-capacity: model  # vllm bench serve against colocated, colocated-dp2, epd, epd-auto and vllm-ec; then E -> P -> D (epd-pd, vllm-epd) on long-short; about 75 min on 2 cores
+bench-capacity: model  # vllm bench serve against colocated, colocated-dp2, epd, epd-auto and vllm-ec; then E -> P -> D (epd-pd, vllm-epd) on long-short; then prefill in step (epd against epd-wait and vllm-ec) on multi-image; about 90 min on 2 cores
 	$(PY) -m pip install -q "matplotlib>=3.8"
 	$(PY) bench/capacity.py --systems colocated,colocated-dp2,epd,epd-auto,vllm-ec --rates 0.5,1,2,4,6,8 --workload random-mm \
 		--json bench/results/capacity-cpu-random-mm.json --plot bench/results/capacity-cpu-random-mm.png
@@ -79,6 +79,8 @@ bench-capacity: model  # vllm bench serve against colocated, colocated-dp2, epd,
 		--json bench/results/capacity-cpu-mixed.json --plot bench/results/capacity-cpu-mixed.png
 	$(PY) bench/capacity.py --systems epd,epd-pd,vllm-epd --rates 0.25,0.5,1 --num-prompts 20 --workload long-short --image-every 5 \
 		--json bench/results/capacity-cpu-long-short.json --plot bench/results/capacity-cpu-long-short.png
+	$(PY) bench/capacity.py --systems epd,epd-wait,vllm-ec --rates 0.5,1,2 --workload multi-image \
+		--json bench/results/capacity-cpu-multi-image.json --plot bench/results/capacity-cpu-multi-image.png
 
 bench-fleet: install  # multi-turn image conversations: routed by load, by what each LM holds, and with the encoders' host tier (#33)
 	$(PY) -m pip install -q "matplotlib>=3.8"

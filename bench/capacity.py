@@ -14,6 +14,10 @@ Workloads:
   ``--input-len`` random text tokens, ``--output-len`` tokens out (``--ignore-eos``).
 * ``mixed``: the seed's mixed traffic through vLLM's ``custom_image`` dataset: a JSONL of prompts
   where every ``--image-every``-th carries an image (written here), the others are text only.
+* ``multi-image``: every request is a long text shared by all requests (``--shared-words``; a system
+  prompt's place) then 2 to 4 images (``--image-size``), each after a short caption, then a question:
+  what prefill in step with arrival is for (``--systems epd,epd-wait``: the LM computing the text and
+  the first images while later ones are still encoded and moved, against waiting for all of them).
 * ``long-short``: ``mixed`` where every ``--long-every``-th prompt is ``--long-words`` words of text
   and the others one sentence: long prefills among short ones, the traffic a prefill tier is for
   (``--systems epd,epd-pd,vllm-epd``: what the P -> D hop costs in TTFT and buys in TPOT).
@@ -80,6 +84,24 @@ def _mixed_dataset(path: str, n: int, image_every: int, image_size: int, offset:
             f.write(json.dumps(row) + "\n")
 
 
+def _multi_image_dataset(path: str, n: int, image_size: int, offset: int, shared_words: int) -> None:
+    """``custom_image`` rows: the shared text, then 2-4 captioned images (request i has 2 + i % 3), then a
+    question; every image is new (``offset`` differs per rate)."""
+    from tools.media import make_image
+
+    shared = "You are a careful analyst. " + " ".join(LONG_WORDS[k % len(LONG_WORDS)] for k in range(shared_words))
+    with open(path, "w") as f:
+        for i in range(n):
+            content: list[dict] = [{"type": "text", "text": shared}]
+            for j in range(2 + i % 3):
+                name = os.path.join(os.path.dirname(path), f"multi{offset}-{i}-{j}.png")
+                with open(name, "wb") as img:
+                    img.write(make_image(70_000 + 10_000 * offset + 10 * i + j, (image_size, image_size)))
+                content += [{"type": "text", "text": f" Figure {j + 1}:"}, {"type": "image", "image": name}]
+            content.append({"type": "text", "text": f" Compare the figures of case {offset}-{i}."})
+            f.write(json.dumps({"content": content}) + "\n")
+
+
 def bench_args(args, url: str, served: str, rate: float, result: str, dataset: str, seed: int) -> list[str]:
     argv = ["--backend", "openai-chat", "--base-url", url, "--endpoint", "/v1/chat/completions",
             "--model", served, "--tokenizer", args.model, "--num-prompts", str(args.num_prompts),
@@ -113,6 +135,8 @@ def run_rate(args, url: str, served: str, rate: float, workdir: str, index: int,
         long_every = args.long_every if args.workload == "long-short" else 0
         _mixed_dataset(dataset, args.num_prompts, args.image_every, args.image_size, offset=index,
                        long_every=long_every, long_words=args.long_words)
+    elif args.workload == "multi-image":
+        _multi_image_dataset(dataset, args.num_prompts, args.image_size, index, args.shared_words)
     env = child_env(VLLM_ENV)
     cpu0 = system.cpu_seconds() if system is not None else {}
     client0 = resource.getrusage(resource.RUSAGE_CHILDREN)  # the load generator: the one child waited for
@@ -211,7 +235,9 @@ def main() -> int:
     p.add_argument("--model", default="", help="model directory (default: the bench-light variant)")
     p.add_argument("--systems", default="colocated,epd")
     p.add_argument("--rates", default="0.5,1,2,4")
-    p.add_argument("--workload", choices=["random-mm", "mixed", "long-short"], default="random-mm")
+    p.add_argument("--workload", choices=["random-mm", "mixed", "long-short", "multi-image"], default="random-mm")
+    p.add_argument("--shared-words", type=int, default=250, help="multi-image: words of the text every request "
+                   "starts with")
     p.add_argument("--num-prompts", type=int, default=30)
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=32)

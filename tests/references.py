@@ -24,6 +24,7 @@ E2E = {
     # tests/e2e/test_prefill_in_step.py: three images (the encoder's test hook delays the second).
     "late_item": images_chat([(9300, (112, 112)), (9301, (224, 224)), (9302, (112, 112))]),
     "late_cancelled": images_chat([(9310, (112, 112)), (9311, (224, 224)), (9312, (112, 112))]),
+    "late_seeded": {**images_chat([(9320, (112, 112)), (9321, (224, 224)), (9322, (112, 112))]), "seed": 7},
     # The multi-instance tests (2 encoders, 2 LMs): larger images, so encodes are in flight long enough to kill.
     **{f"multi{i}": image_chat(600 + i, max_tokens=16, size=(224, 224)) for i in range(8)},
     # The multi-instance conversations (issue 33): turn t of conversation c, its history re-sent.

@@ -118,6 +118,7 @@ class ConsumerScheduler:
         self._stats: dict[str, _RequestStats] = defaultdict(_RequestStats)
         self._counts = {"cancels": 0, "failed": 0, "reuse_hits": 0, "prefill_ahead_tokens": 0}
         self._ahead: set[str] = set()  # requests let compute this step while an item of theirs is in flight
+        self._generator_offsets = worker_device().type != "cpu"  # see _may_compute_part_of
 
     # -- scheduling -----------------------------------------------------------
 
@@ -194,11 +195,22 @@ class ConsumerScheduler:
             if not stats.transfer_ms:
                 stats.transfer_ms = (time.monotonic() - stats.wait_started) * 1e3
             return True
-        if self.cfg.prefill_in_step and first_in_flight > num_computed_tokens and self._cache_manager() is not None:
+        if (self.cfg.prefill_in_step and first_in_flight > num_computed_tokens and self._cache_manager() is not None
+                and self._may_compute_part_of(request)):
             # Tokens before that item can be computed now; the manager stops vLLM at the item.
             self._ahead.add(rid)
             return True
         return False
+
+    def _may_compute_part_of(self, request) -> bool:
+        """Whether vLLM's worker can compute part of this request's prompt in a step. Not for a request with
+        its own seed on a device whose random generator has no offset (CPU): for a step that ends inside the
+        prompt, vLLM 0.32's model runner winds the request's generator back (``_bookkeeping_sync``:
+        ``gen.set_offset(gen.get_offset() - 4)``) and a CPU generator raises ("CPU Generator does not use
+        offset"), which kills the engine. Such a request waits for all its items, as before."""
+        params = getattr(request, "sampling_params", None)
+        return getattr(params, "seed", None) is None or self._generator_offsets
+
 
     def _start_all(self, request, missing) -> bool:
         """Reserves staging for every missing item of ``request`` or for none

@@ -60,6 +60,21 @@ def test_the_lm_computes_past_the_first_item_while_the_second_is_late(deployment
     assert metric(dep.lm_metrics, "epd_lm_local_encoder_runs_total") == local0  # every image from the encoder
 
 
+def test_a_request_with_its_own_seed_and_a_late_item_is_answered_exactly_and_the_engine_lives(deployment, reference):
+    """vLLM 0.32's CPU worker cannot compute part of a seeded request's prompt (the engine died on it:
+    ``ConsumerScheduler._may_compute_part_of``): such a request waits for all its items."""
+    dep = deployment
+    encodes_done(dep)
+    ahead0 = _ahead(dep)
+    with late_items(dep):
+        status, body = post(dep.url + "/v1/chat/completions", REFERENCE_REQUESTS["late_seeded"])
+    assert status == 200, body
+    assert body["choices"][0]["token_ids"] == reference["late_seeded"]
+    assert settled(lambda: _ahead(dep) - ahead0, 0, timeout=2) == 0
+    status, body = post(dep.url + "/v1/chat/completions", REFERENCE_REQUESTS["image0"])
+    assert status == 200 and body["choices"][0]["token_ids"] == reference["image0"], body
+
+
 def test_a_client_that_gives_up_while_an_item_is_late_leaves_nothing_held(deployment, reference):
     dep = deployment
     encodes_done(dep)

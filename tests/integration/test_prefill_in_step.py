@@ -141,3 +141,18 @@ def test_a_late_item_that_fails_fails_the_request_and_releases_everything(produc
     finished = sched.request_finished(req)
     assert finished.error
     assert sched.staging.stats()["used_bytes"] == 0 and not manager.preallocated and not sched._items
+
+
+def test_a_request_with_its_own_seed_waits_for_every_item_on_cpu(producer, half):
+    """vLLM 0.32's CPU worker cannot compute part of a seeded request's prompt (it winds the request's
+    generator back, and a CPU generator has no offset: the engine dies). Such a request waits for all."""
+    sched, _ = half()
+    req = request("r1", [("a", 16), ("b", 16)], producer.endpoint)
+    req.sampling_params = SimpleNamespace(seed=7)
+    assert not sched.ensure_cache_available(req, 0)
+    producer.store.put("a", embedding(16, 1), claims=(claim_of("r1"),))
+    assert steps_until(lambda: not sched.in_flight("a"))
+    assert not sched.ensure_cache_available(req, 0)
+    producer.store.put("b", embedding(16, 2), claims=(claim_of("r1"),))
+    assert steps_until(lambda: sched.ensure_cache_available(req, 0))
+    sched.request_finished(req)
