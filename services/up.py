@@ -108,9 +108,7 @@ class Deployment:
     """Pass --insecure to every service: "token" or "none" on a non-loopback host, with a warning (the network
     is trusted; the services' own links stay on this host, but other machines can reach their ports)."""
     env: dict[str, str] = field(default_factory=dict)
-    """Extra environment for every service (over ``base_env``)."""
-    base_env: dict[str, str] | None = None
-    """The environment the services start from; None: this process's, read when each starts."""
+    """Extra environment for every service (over this process's own)."""
 
     def __post_init__(self) -> None:
         h = self.host
@@ -205,12 +203,15 @@ class Deployment:
         if not self.quiet:
             print(msg, end=end, flush=True)
 
-    def start(self, timeout: float = 300.0) -> Deployment:
-        base = self.base_env if self.base_env is not None else child_env()
-        env = {**base, "PYTHONUNBUFFERED": "1", **self.env}
+    def _envs(self) -> tuple[dict[str, str], dict[str, str]]:
+        """The gateway's environment and the engines' (without what only the gateway may have)."""
+        env = child_env({"PYTHONUNBUFFERED": "1", **self.env})
         # VLLM_API_KEY is the gateway's (its clients' key, as for vllm serve). An LM that had it would
         # guard the /v1 routes of its in-process vLLM app against the gateway's own calls.
-        engine_env = {k: v for k, v in env.items() if k not in GATEWAY_ONLY_ENV}
+        return env, {k: v for k, v in env.items() if k not in GATEWAY_ONLY_ENV}
+
+    def start(self, timeout: float = 300.0) -> Deployment:
+        env, engine_env = self._envs()
         self._say(f"epd up: model {self.model}; logs in {self.log_dir}")
         t0 = time.monotonic()
         try:
@@ -220,15 +221,41 @@ class Deployment:
                 engines[svc] = functools.partial(grpc_serving, svc.address, security=self.client_security)
             self._wait(engines, t0, timeout)
             self.gateway.start(env)
-            # Ready once the gateway has admitted every encoder and LM started here, not only the first LM.
-            self._wait({self.gateway: lambda: gateway_admitted(self.url, [e.address for e in self.encoders],
-                                                               [lm.address for lm in self.lms])}, t0, timeout)
+            self._wait({self.gateway: self._admitted}, t0, timeout)
         except BaseException:
             self.stop()
             raise
         self._say(f"epd up: ready in {time.monotonic() - t0:.0f}s; OpenAI API at {self.url}/v1 "
                   f"(gRPC {self.gateway_grpc})")
         return self
+
+    def launch(self) -> Deployment:
+        """Starts every service at once and returns (``wait_ready`` waits): the gateway answers 503 until
+        its engines are ready and admits them as they come (tests/e2e/test_engine_death.py). For a caller
+        that does other work while they start."""
+        env, engine_env = self._envs()
+        self.gateway.start(env)
+        for svc in [*self.encoders, *self.lms]:
+            svc.start(engine_env)
+        self._launched = time.monotonic()
+        return self
+
+    def wait_ready(self, timeout: float = 300.0) -> Deployment:
+        """After ``launch``: returns once the gateway has admitted every encoder and LM; stops everything
+        and raises if one exits or ``timeout`` passes first."""
+        t0 = getattr(self, "_launched", time.monotonic())
+        try:
+            self._wait({svc: functools.partial(grpc_serving, svc.address, security=self.client_security)
+                        for svc in [*self.encoders, *self.lms]}, t0, timeout)
+            self._wait({self.gateway: self._admitted}, t0, timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _admitted(self) -> bool:
+        """Ready once the gateway has admitted every encoder and LM started here, not only the first LM."""
+        return gateway_admitted(self.url, [e.address for e in self.encoders], [lm.address for lm in self.lms])
 
     def _wait(self, checks: dict, t0: float, timeout: float) -> None:
         tty = sys.stdout.isatty()

@@ -6,7 +6,6 @@ import os
 import shutil
 import sys
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -43,8 +42,6 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from tests import early  # noqa: E402 - needs the root on the path
-
-early.snapshot_env()  # before any test runs: what tests/early.py's processes get
 
 TIERS = ("unit", "integration", "e2e", "multihost")
 """The order the tiers run in: the e2e tier's shared work starts (tests/early.py) on the core that the
@@ -90,17 +87,18 @@ def tiny_model() -> str:
 @pytest.fixture(scope="session")
 def reference_run(tiny_model):
     """Plain vLLM's answers to every request of ``tests/references.py``: one ``tools.reference``
-    subprocess, started with the session when e2e tests are selected (tests/early.py), else the first time
-    a test asks; a future of the token lists, in the table's order."""
+    subprocess, launched with the session when e2e tests are selected (tests/early.py), else the first time
+    a test asks; ``result()`` is the token lists, in the table's order."""
     from tests.references import REFERENCE_REQUESTS
-    from tools.reference import run_subprocess
+    from tools.reference import launch
 
     started = early.reference_run()  # at the session's start, beside the unit tier
     if started is not None:
         yield started
         return
-    with ThreadPoolExecutor(1) as pool:
-        yield pool.submit(run_subprocess, tiny_model, list(REFERENCE_REQUESTS.values()))
+    run = launch(tiny_model, list(REFERENCE_REQUESTS.values()))
+    yield run
+    run.stop()
 
 
 @pytest.fixture(scope="session")

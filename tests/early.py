@@ -1,16 +1,17 @@
-"""The e2e tier's shared work, started when collection ends, at a lower CPU priority, while the unit and
+"""The e2e tier's shared work, launched when collection ends, at a lower CPU priority, while the unit and
 integration tiers run first (tests/conftest.py orders the tiers).
 
 Those tiers run in this one process and mostly on one core, and they wait on sockets and deadlines; the
-other core idles. The e2e tier's shared work is CPU: the session deployment (two vLLM engines with their
-workers in processes of their own, five vLLM imports at about 8 s of CPU each), plain vLLM's reference
-runs (the tiny model's, then each selected family's) and the parity module's ``vllm serve``. Started at
-nice 10 (``NICE``) it takes the idle core and yields a busy one to the tests in front of it: on Linux a
-thread's nice value is its own (setpriority(2), "BUGS"), and the processes it spawns inherit it.
+other core idles. The e2e tier's shared work is CPU in other processes: the session deployment (two vLLM
+engines with their workers in processes of their own, five vLLM imports at about 8 s of CPU each), plain
+vLLM's reference runs (the tiny model's and each selected family's) and the parity module's ``vllm
+serve``. Launched under ``nice -n 10`` they take the idle core and yield a busy one to the tests in front
+of them (their own children, vLLM's engine and worker processes, inherit the nice value).
 
-Every process started here gets ``SESSION_ENV``, this process's environment taken before any test ran: a
-unit test that sets a variable for itself (``VLLM_API_KEY``, say) with ``monkeypatch`` while a service
-starts here must not configure that service.
+Only processes are started here, all on the main thread before any test runs; nothing of it runs on a
+thread of this process while tests run. (A first version waited for them on background threads: a unit
+test that replaced ``socket.create_connection`` for itself then broke the deployment's readiness check.)
+Each piece is waited for by the fixture that takes it.
 
 Who owns what: ``start`` launches; a fixture takes each piece (``deployment``, ``reference_run``, the
 families' references, ``vllm_serve``) and stops what it took; ``finish`` (the session's end) stops what no
@@ -18,37 +19,14 @@ fixture took (a run cut short by ``-x``, a selection that did not use it)."""
 
 from __future__ import annotations
 
-import os
 import sys
 import tempfile
-from concurrent.futures import Future, ThreadPoolExecutor
 
-NICE = 10
-SESSION_ENV: dict[str, str] = {}
-"""The environment every process started here gets (``snapshot_env``, from tests/conftest.py at import)."""
+NICE = ("nice", "-n", "10")
 
-_pools: list[ThreadPoolExecutor] = []
-_deployment: Future | None = None
+_deployment = None  # services.up.Deployment, launched
 _deployment_taken = False
-_reference: Future | None = None
-
-
-def snapshot_env() -> None:
-    from services.common.spawn import child_env
-
-    SESSION_ENV.clear()
-    SESSION_ENV.update(child_env())
-
-
-def _lower_priority() -> None:
-    """Runs on each of this module's threads, before any job (Linux: this thread alone)."""
-    os.setpriority(os.PRIO_PROCESS, 0, NICE)
-
-
-def _pool(name: str) -> ThreadPoolExecutor:
-    pool = ThreadPoolExecutor(1, thread_name_prefix=f"early-{name}", initializer=_lower_priority)
-    _pools.append(pool)
-    return pool
+_reference = None  # tools.reference.Run
 
 
 def _selected(items, module: str) -> bool:
@@ -76,49 +54,47 @@ def start(items) -> None:
 
     tiny = default_model()
     if _uses(e2e, "deployment"):
-        from tests.e2e.conftest import start_session_deployment
+        from tests.e2e.conftest import session_deployment
 
-        _deployment = _pool("deployment").submit(start_session_deployment, tiny, SESSION_ENV)
-    # One thread for the reference runs and then vllm serve: one vLLM engine at a time beside the deployment.
-    refs = _pool("references")
-    if _uses(items, "reference_run") or _uses(items, "reference"):
+        _deployment = session_deployment(tiny)
+        for svc in _deployment.services:
+            svc.command = [*NICE, *svc.argv]
+        _deployment.launch()
+    if _uses(items, "reference_run"):
         from tests.references import REFERENCE_REQUESTS
-        from tools.reference import run_subprocess
+        from tools.reference import launch
 
-        _reference = refs.submit(run_subprocess, tiny, list(REFERENCE_REQUESTS.values()), env=SESSION_ENV)
+        _reference = launch(tiny, list(REFERENCE_REQUESTS.values()), prefix=NICE)
     if _selected(e2e, ".test_families"):
         from tests.e2e import test_families
 
-        test_families.start_references(_families(e2e), pool=refs, env=SESSION_ENV)
+        test_families.start_references(_families(e2e), prefix=NICE)
     if _selected(e2e, ".test_openai_parity"):
         from tests.e2e import test_openai_parity
 
         log_dir = tempfile.mkdtemp(prefix="vllm-serve-")  # under the run's directory (tests/conftest.py)
-        refs.submit(test_openai_parity.start_early, tiny, log_dir, SESSION_ENV)
+        test_openai_parity.start_early(tiny, log_dir, prefix=NICE)
 
 
 def session_deployment():
-    """The session deployment started here (waits for it), or None when ``start`` did not start one."""
+    """The session deployment launched here, once ready (None when ``start`` did not launch one)."""
     global _deployment_taken
     if _deployment is None:
         return None
     _deployment_taken = True
-    return _deployment.result()
+    return _deployment.wait_ready()
 
 
-def reference_run() -> Future | None:
+def reference_run():
     return _reference
 
 
 def finish() -> None:
-    """Stops what no fixture took; the pools' threads end with their jobs."""
-    for pool in _pools:
-        pool.shutdown(wait=False, cancel_futures=True)
+    """Stops what no fixture took."""
     if _deployment is not None and not _deployment_taken:
-        try:
-            _deployment.result(timeout=600).stop()
-        except Exception:  # noqa: BLE001 - it failed to start: its own start stopped what it had started
-            pass
+        _deployment.stop()
+    if _reference is not None:
+        _reference.stop()  # a no-op once it has exited
     families, parity = (sys.modules.get(f"tests.e2e.{m}") for m in ("test_families", "test_openai_parity"))
     if families is not None:
         families.stop_references()

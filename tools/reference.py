@@ -23,6 +23,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 from services.common.engine import EngineConfig, configure_process_env, engine_kwargs
 from services.common.spawn import child_env
@@ -55,16 +56,50 @@ def run(model: str, requests: list[dict], with_prompts: bool = False) -> list:
     return results
 
 
-def run_subprocess(model: str, requests: list[dict], timeout: float = 600, with_prompts: bool = False,
-                   env: dict[str, str] | None = None) -> list:
-    """Runs ``run`` in a fresh interpreter and returns its result. ``env``: the interpreter's whole
-    environment (None: this process's, read now)."""
-    argv = [sys.executable, "-m", "tools.reference", "--model", model, *(["--with-prompts"] if with_prompts else [])]
-    proc = subprocess.run(argv, input=json.dumps(requests), capture_output=True, text=True, timeout=timeout,
-                          env=dict(env) if env is not None else child_env())  # from worker threads too: spawn.py
-    if proc.returncode != 0:
-        raise RuntimeError(f"reference run failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+class Run:
+    """A reference run in its own interpreter (``launch``): ``result`` waits for it and returns ``run``'s
+    result. Its output and log go to files, never to a pipe nobody reads yet (vLLM logs more than a pipe
+    holds, and the run would stall until ``result`` is called)."""
+
+    def __init__(self, proc: subprocess.Popen, out, err) -> None:
+        self.proc, self._out, self._err = proc, out, err
+
+    def result(self, timeout: float = 600) -> list:
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+        self._out.seek(0)
+        self._err.seek(0)
+        out, err = self._out.read().decode(), self._err.read().decode(errors="replace")
+        if code != 0:
+            raise RuntimeError(f"reference run failed:\n{err[-3000:]}")
+        return json.loads(out.strip().splitlines()[-1])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def launch(model: str, requests: list[dict], with_prompts: bool = False, prefix: tuple[str, ...] = ()) -> Run:
+    """Starts ``run`` in a fresh interpreter (``prefix``: a command to run it under, e.g. ``nice -n 10``)."""
+    argv = [*prefix, sys.executable, "-m", "tools.reference", "--model", model,
+            *(["--with-prompts"] if with_prompts else [])]
+    stdin, out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile(), tempfile.TemporaryFile()
+    stdin.write(json.dumps(requests).encode())
+    stdin.seek(0)
+    proc = subprocess.Popen(argv, stdin=stdin, stdout=out, stderr=err,
+                            env=child_env())  # often from a worker thread: services/common/spawn.py
+    stdin.close()
+    return Run(proc, out, err)
+
+
+def run_subprocess(model: str, requests: list[dict], timeout: float = 600, with_prompts: bool = False) -> list:
+    """Runs ``run`` in a fresh interpreter and returns its result."""
+    return launch(model, requests, with_prompts).result(timeout)
 
 
 def main() -> int:

@@ -17,7 +17,7 @@ import pytest
 from services.up import Deployment
 from tests import early
 from tests.conftest import MULTIPROCESS_ENGINES
-from tests.e2e.helpers import start_perturbable
+from tests.e2e.helpers import perturbable
 from tests.references import REFERENCE_REQUESTS  # noqa: F401 - the e2e tests import it from here
 
 _stopping: list[threading.Thread] = []
@@ -40,14 +40,13 @@ def _background_stops():
         thread.join(60)
 
 
-def start_session_deployment(model: str, base_env: dict[str, str] | None = None) -> Deployment:
-    """The session's deployment, started (tests/early.py calls it on its own thread at the session's start).
-    vLLM's front-end flags for tool calls, as tests/e2e/test_openai_parity.py gives `vllm serve`. vLLM's
-    default engine processes (the worker in its own process), as production runs them: most other
-    deployments run one-process engines to save time (tests/conftest.py)."""
-    dep = Deployment(model=model, quiet=True, security="tls", env=dict(MULTIPROCESS_ENGINES), base_env=base_env,
-                     lm_args=["--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
-    return start_perturbable(dep)  # the perturbation hook, off until test_perturbation turns it on
+def session_deployment(model: str) -> Deployment:
+    """The session's deployment, not started (tests/early.py launches it at the session's start). vLLM's
+    front-end flags for tool calls, as tests/e2e/test_openai_parity.py gives `vllm serve`. vLLM's default
+    engine processes (the worker in its own process), as production runs them: most other deployments run
+    one-process engines to save time (tests/conftest.py)."""
+    return perturbable(Deployment(model=model, quiet=True, security="tls", env=dict(MULTIPROCESS_ENGINES),
+                                  lm_args=["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]))
 
 
 @pytest.fixture(scope="session")
@@ -55,7 +54,7 @@ def deployment(tiny_model, reference_run):
     """The session's deployment. Its stop, the one `epd up` makes on Ctrl-C, leaves no process behind: with
     vLLM's default engine processes (a worker under each engine) this is where that is checked
     (tests/e2e/test_lifecycle.py checks `epd up` itself with one-process engines)."""
-    dep = early.session_deployment() or start_session_deployment(tiny_model)
+    dep = early.session_deployment() or session_deployment(tiny_model).start()
     yield dep
     tree = [p for svc in dep.services if svc.proc is not None
             for p in _tree(svc.proc.pid)]

@@ -145,21 +145,24 @@ def producer_stats(dep, address: str | None = None) -> dict[str, float]:
 PERTURB_HOOK_DIR = os.path.join(os.path.dirname(__file__), "perturb")
 
 
-def start_perturbable(dep):
-    """Starts ``dep`` (a ``Deployment``) with the test-only hooks loaded in its services
-    (``tests/e2e/perturb/sitecustomize.py``: the perturbation, and a slow item), switched off. The hook's
-    variables go to the services alone (``dep.env``), never to this process's environment, which other
-    threads read."""
-    base = dep.base_env if dep.base_env is not None else os.environ
+def perturbable(dep):
+    """``dep`` (a ``Deployment``, not started) with the test-only hooks loaded in its services
+    (``tests/e2e/perturb/sitecustomize.py``: the perturbation, and a slow item), switched off. The hooks'
+    variables go to the services alone (``dep.env``), never to this process's environment."""
     dep.env.update({
-        "PYTHONPATH": os.pathsep.join(p for p in (PERTURB_HOOK_DIR, base.get("PYTHONPATH")) if p),
+        "PYTHONPATH": os.pathsep.join(p for p in (PERTURB_HOOK_DIR, os.environ.get("PYTHONPATH")) if p),
         "EPD_TEST_PERTURB_SWITCH": os.path.join(dep.log_dir, "perturb-on"),
         "EPD_TEST_PERTURB_LOG": os.path.join(dep.log_dir, "perturbed.txt"),
         "EPD_TEST_DELAY_SWITCH": os.path.join(dep.log_dir, "delay-on"),  # tests/e2e/test_prefill_in_step.py
         # Stored responses on, as tests/e2e/test_openai_parity.py gives `vllm serve` (previous_response_id).
         "VLLM_ENABLE_RESPONSES_API_STORE": "1",
     })
-    return dep.start()
+    return dep
+
+
+def start_perturbable(dep):
+    """Starts ``dep`` with the test-only hooks (``perturbable``)."""
+    return perturbable(dep).start()
 
 
 def check_perturbation_changes_tokens(dep, bodies: list[dict], reference: list[list[int]]) -> None:
@@ -197,23 +200,22 @@ def engine_flags(model: str) -> list[str]:
 class VllmServe:
     """``vllm serve`` (vLLM's own OpenAI server) on ``model`` with the services' engine settings plus
     ``flags``, on a free loopback port. ``start`` launches it without waiting; ``wait_ready`` returns its
-    URL once /health answers; ``stop`` ends it. ``env`` goes over ``base_env`` (None: this process's
-    environment when it starts)."""
+    URL once /health answers; ``stop`` ends it. ``prefix``: a command to run it under (``nice -n 10``)."""
 
     def __init__(self, model: str, log: pathlib.Path, flags: list[str] = (), env: dict[str, str] | None = None,
-                 base_env: dict[str, str] | None = None):
+                 prefix: tuple[str, ...] = ()):
         self.model, self.log, self.flags, self.env = model, log, list(flags), dict(env or {})
-        self.base_env = base_env
+        self.prefix = list(prefix)
         self.proc: subprocess.Popen | None = None
         self.url = ""
 
     def start(self) -> VllmServe:
         port = free_port()
-        env = dict(self.base_env if self.base_env is not None else child_env(), HF_HUB_OFFLINE="1",
+        env = dict(child_env(), HF_HUB_OFFLINE="1",
                    TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
                    VLLM_WORKER_MULTIPROC_METHOD="spawn", **self.env)
         with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host",
+            self.proc = subprocess.Popen([*self.prefix, sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host",
                                           "127.0.0.1", "--port", str(port), *engine_flags(self.model), *self.flags],
                                          stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.url = f"http://127.0.0.1:{port}"

@@ -12,7 +12,6 @@ reference run per family (tiny offline checkpoints, ``tools/tiny_families``)."""
 from __future__ import annotations
 
 import base64
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
@@ -28,7 +27,7 @@ from tests.e2e.helpers import (
     start_perturbable,
 )
 from tools.media import data_url, make_audio, make_image, make_video
-from tools.reference import run_subprocess
+from tools.reference import launch
 
 pytestmark = pytest.mark.e2e
 
@@ -106,32 +105,36 @@ def _requests(family: str) -> dict[str, dict]:
     return {**REQUESTS, **VIDEO_REQUESTS} if family in ("qwen2_5_vl", "qwen3_vl") else REQUESTS
 
 
-_REFERENCES: dict[str, Future] = {}
-_POOL = ThreadPoolExecutor(1, thread_name_prefix="family-references")
+class _Reference:
+    """A family's reference run (``tools.reference.launch``): ``result`` is plain vLLM's tokens and expanded
+    prompts by request name."""
+
+    def __init__(self, family: str, prefix: tuple[str, ...] = ()) -> None:
+        from services.cli import default_model
+
+        self.bodies = {**_requests(family), **(PERTURB if family == "qwen2_5_vl" else {})}
+        self.run = launch(default_model(family=family), list(self.bodies.values()), with_prompts=True, prefix=prefix)
+
+    def result(self) -> tuple[dict, dict]:
+        results = dict(zip(self.bodies, self.run.result()))
+        return {n: r["tokens"] for n, r in results.items()}, {n: r["prompt_token_ids"] for n, r in results.items()}
 
 
-def _reference(family: str, env: dict[str, str] | None = None) -> tuple[dict, dict]:
-    """Plain vLLM's answers (tokens, expanded prompts) to the family's requests, in a subprocess."""
-    from services.cli import default_model
-
-    bodies = {**_requests(family), **(PERTURB if family == "qwen2_5_vl" else {})}
-    results = dict(zip(bodies, run_subprocess(default_model(family=family), list(bodies.values()),
-                                              with_prompts=True, env=env)))
-    return {n: r["tokens"] for n, r in results.items()}, {n: r["prompt_token_ids"] for n, r in results.items()}
+_REFERENCES: dict[str, _Reference] = {}
 
 
-def start_references(families=None, pool: ThreadPoolExecutor | None = None, env: dict[str, str] | None = None) -> None:
-    """Starts the reference runs of ``families`` (None: every family) on ``pool``, one after another: from
-    the session's start for the families selected (tests/early.py), so that they run while other tiers run,
-    and each family's deployment then starts alone. Without a pool: this module's own (its fixture, when the
-    session did not start them), so that the run overlaps the family's deployment starting."""
+def start_references(families=None, prefix: tuple[str, ...] = ()) -> None:
+    """Launches the reference runs of ``families`` (None: every family): from the session's start for the
+    families selected (tests/early.py), so that they run while other tiers run and each family's deployment
+    then starts alone; else from the family's fixture, beside its deployment starting."""
     for name in LAID_OUT_BY:
         if (families is None or name in families) and name not in _REFERENCES:
-            _REFERENCES[name] = (pool or _POOL).submit(_reference, name, env)
+            _REFERENCES[name] = _Reference(name, prefix)
 
 
 def stop_references() -> None:
-    _POOL.shutdown(wait=False, cancel_futures=True)
+    for ref in _REFERENCES.values():
+        ref.run.stop()
 
 
 @pytest.fixture(scope="module", params=[family_param(n) for n in LAID_OUT_BY])

@@ -29,16 +29,16 @@ FRONTEND_FLAGS = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
 _EARLY: list[VllmServe] = []
 
 
-def start_early(model: str, log_dir: str, base_env: dict[str, str] | None = None) -> None:
-    """Launches this module's ``vllm serve`` ahead of the module (tests/early.py does, once the reference
-    runs are done), so that its start overlaps the tests before it."""
+def start_early(model: str, log_dir: str, prefix: tuple[str, ...] = ()) -> None:
+    """Launches this module's ``vllm serve`` ahead of the module (tests/early.py does, at the session's
+    start), so that its start overlaps the tests before it."""
     if not _EARLY:
-        _EARLY.append(_server(model, pathlib.Path(log_dir) / "server.log", base_env).start())
+        _EARLY.append(_server(model, pathlib.Path(log_dir) / "server.log", prefix).start())
 
 
-def _server(model: str, log: pathlib.Path, base_env: dict[str, str] | None = None) -> VllmServe:
+def _server(model: str, log: pathlib.Path, prefix: tuple[str, ...] = ()) -> VllmServe:
     # Stored responses on, as the session deployment's LM has them (tests/e2e/helpers.start_perturbable).
-    return VllmServe(model, log, FRONTEND_FLAGS, env={"VLLM_ENABLE_RESPONSES_API_STORE": "1"}, base_env=base_env)
+    return VllmServe(model, log, FRONTEND_FLAGS, env={"VLLM_ENABLE_RESPONSES_API_STORE": "1"}, prefix=prefix)
 
 
 def stop_early() -> None:
