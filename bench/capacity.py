@@ -15,7 +15,9 @@ Workloads:
 * ``mixed``: the seed's mixed traffic through vLLM's ``custom_image`` dataset: a JSONL of prompts
   where every ``--image-every``-th carries an image (written here), the others are text only.
 * ``multi-image``: every request is a long text shared by all requests (``--shared-words``; a system
-  prompt's place) then 2 to 4 images (``--image-size``), each after a short caption, then a question:
+  prompt's place) then 2 to ``--max-images`` images (``--image-size``), each after a short caption, then a
+  question (the default 3: four of the ``bench-light`` model's images, about 490 tokens each, and the shared
+  text exceed its 2048-token context):
   what prefill in step with arrival is for (``--systems epd,epd-wait``: the LM computing the text and
   the first images while later ones are still encoded and moved, against waiting for all of them).
 * ``long-short``: ``mixed`` where every ``--long-every``-th prompt is ``--long-words`` words of text
@@ -84,16 +86,17 @@ def _mixed_dataset(path: str, n: int, image_every: int, image_size: int, offset:
             f.write(json.dumps(row) + "\n")
 
 
-def _multi_image_dataset(path: str, n: int, image_size: int, offset: int, shared_words: int) -> None:
-    """``custom_image`` rows: the shared text, then 2-4 captioned images (request i has 2 + i % 3), then a
-    question; every image is new (``offset`` differs per rate)."""
+def _multi_image_dataset(path: str, n: int, image_size: int, offset: int, shared_words: int,
+                         max_images: int = 3) -> None:
+    """``custom_image`` rows: the shared text, then 2 to ``max_images`` captioned images (request i has
+    2 + i % (max_images - 1)), then a question; every image is new (``offset`` differs per rate)."""
     from tools.media import make_image
 
     shared = "You are a careful analyst. " + " ".join(LONG_WORDS[k % len(LONG_WORDS)] for k in range(shared_words))
     with open(path, "w") as f:
         for i in range(n):
             content: list[dict] = [{"type": "text", "text": shared}]
-            for j in range(2 + i % 3):
+            for j in range(2 + i % (max_images - 1)):
                 name = os.path.join(os.path.dirname(path), f"multi{offset}-{i}-{j}.png")
                 with open(name, "wb") as img:
                     img.write(make_image(70_000 + 10_000 * offset + 10 * i + j, (image_size, image_size)))
@@ -136,7 +139,7 @@ def run_rate(args, url: str, served: str, rate: float, workdir: str, index: int,
         _mixed_dataset(dataset, args.num_prompts, args.image_every, args.image_size, offset=index,
                        long_every=long_every, long_words=args.long_words)
     elif args.workload == "multi-image":
-        _multi_image_dataset(dataset, args.num_prompts, args.image_size, index, args.shared_words)
+        _multi_image_dataset(dataset, args.num_prompts, args.image_size, index, args.shared_words, args.max_images)
     env = child_env(VLLM_ENV)
     cpu0 = system.cpu_seconds() if system is not None else {}
     client0 = resource.getrusage(resource.RUSAGE_CHILDREN)  # the load generator: the one child waited for
@@ -238,6 +241,7 @@ def main() -> int:
     p.add_argument("--workload", choices=["random-mm", "mixed", "long-short", "multi-image"], default="random-mm")
     p.add_argument("--shared-words", type=int, default=250, help="multi-image: words of the text every request "
                    "starts with")
+    p.add_argument("--max-images", type=int, default=3, help="multi-image: images in the largest request (>= 2)")
     p.add_argument("--num-prompts", type=int, default=30)
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=32)

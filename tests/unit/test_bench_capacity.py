@@ -92,3 +92,15 @@ def test_cpu_seconds_names_each_service_and_what_it_started(tmp_path):
     finally:
         os.killpg(parent.pid, 9)
         parent.wait()
+
+
+def test_the_multi_image_workload_shares_its_text_and_has_2_to_max_images_new_images(capacity, tmp_path):
+    capacity._multi_image_dataset(str(tmp_path / "a.jsonl"), 6, 32, offset=0, shared_words=50, max_images=4)
+    capacity._multi_image_dataset(str(tmp_path / "b.jsonl"), 6, 32, offset=1, shared_words=50, max_images=4)
+    a = [json.loads(line)["content"] for line in open(tmp_path / "a.jsonl")]
+    b = [json.loads(line)["content"] for line in open(tmp_path / "b.jsonl")]
+    assert len({row[0]["text"] for row in a + b}) == 1  # one shared text first, a system prompt's place
+    images = [[p["image"] for p in row if p["type"] == "image"] for row in a]
+    assert [len(i) for i in images] == [2, 3, 4, 2, 3, 4] and all(os.path.exists(p) for i in images for p in i)
+    assert {open(p, "rb").read() for p in images[0]}.isdisjoint(
+        open(p["image"], "rb").read() for row in b for p in row if p["type"] == "image")  # new images per rate
