@@ -113,14 +113,20 @@ def test_waiting_for_every_item_when_prefill_in_step_is_off(producer, half):
     assert sched.stats_snapshot()["prefill_ahead_tokens"] == 0
 
 
-def test_a_cancel_while_a_late_item_is_in_flight_releases_everything(producer, half):
+def computed_up_to_a_late_second_item(producer, half):
+    """A request of two items whose prompt is computed up to the second, which has not landed."""
     sched, manager = half()
     req = request("r1", [("a", 16), ("b", 16)], producer.endpoint)
     assert sched.ensure_cache_available(req, 0)
     producer.store.put("a", embedding(16, 1), claims=(claim_of("r1"),))
     assert steps_until(lambda: not sched.in_flight("a"))
     assert sched.ensure_cache_available(req, 5)
-    step(sched, manager, req, 5, 19)  # up to the second item, which never comes
+    step(sched, manager, req, 5, 19)  # the first item and the text after it
+    return sched, manager, req
+
+
+def test_a_cancel_while_a_late_item_is_in_flight_releases_everything(producer, half):
+    sched, manager, req = computed_up_to_a_late_second_item(producer, half)
     sched.request_finished(req)  # the client went away
     assert sched.staging.stats()["used_bytes"] == 0 and not manager.preallocated and not sched._items
     assert steps_until(lambda: producer.store.settled("b", claim_of("r1")))  # the encoder was told
@@ -128,13 +134,7 @@ def test_a_cancel_while_a_late_item_is_in_flight_releases_everything(producer, h
 
 
 def test_a_late_item_that_fails_fails_the_request_and_releases_everything(producer, half):
-    sched, manager = half()
-    req = request("r1", [("a", 16), ("b", 16)], producer.endpoint)
-    assert sched.ensure_cache_available(req, 0)
-    producer.store.put("a", embedding(16, 1), claims=(claim_of("r1"),))
-    assert steps_until(lambda: not sched.in_flight("a"))
-    assert sched.ensure_cache_available(req, 5)
-    step(sched, manager, req, 5, 19)
+    sched, manager, req = computed_up_to_a_late_second_item(producer, half)
     producer.store.mark_failed("b", "the encoder could not encode it")
     # The next steps find it failed; vLLM then finishes the request with the error.
     assert steps_until(lambda: not sched.ensure_cache_available(req, 24) and "r1" in sched.take_unavailable())
