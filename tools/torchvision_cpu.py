@@ -79,6 +79,25 @@ def _import_ok() -> bool:
     return subprocess.run([sys.executable, "-c", probe], capture_output=True, env=dict(os.environ)).returncode == 0
 
 
+def stage_install(site: pathlib.Path, dist: str, spec: str, prepare) -> None:
+    """Install ``spec`` without dependencies into a staging folder beside ``site``, let ``prepare(stage)``
+    patch it there, then replace ``dist``'s package, its ``.libs`` and dist-info in ``site`` with it, so that
+    a process importing vLLM meanwhile never sees the unpatched package. Shared with torchaudio_cpu."""
+    stage = pathlib.Path(tempfile.mkdtemp(prefix=f".{dist}-stage-", dir=site.parent))
+    try:
+        subprocess.run(
+            [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile", "--target", str(stage), spec],
+            check=True, env=dict(os.environ),  # explicit: services/common/spawn.py
+        )
+        prepare(stage)
+        for old in [*site.glob(f"{dist}-*.dist-info"), site / dist, site / f"{dist}.libs"]:
+            shutil.rmtree(old, ignore_errors=True)
+        for entry in sorted(stage.iterdir()):
+            os.replace(entry, site / entry.name)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
 def install(site: pathlib.Path | None = None) -> str:
     """Install and patch; return a one-line summary of what was done."""
     import torch
@@ -94,21 +113,12 @@ def install(site: pathlib.Path | None = None) -> str:
                 meta.write_text(patch_source(text), encoding="utf-8")
         if _import_ok():
             return f"torchvision {have} already installed and importable"
-    stage = pathlib.Path(tempfile.mkdtemp(prefix=".torchvision-stage-", dir=site.parent))
-    try:
-        subprocess.run(
-            [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile",
-             "--target", str(stage), f"torchvision=={want}"],
-            check=True, env=dict(os.environ),  # explicit: services/common/spawn.py
-        )
+
+    def guard(stage: pathlib.Path) -> None:
         meta = stage / "torchvision" / "_meta_registrations.py"
         meta.write_text(patch_source(meta.read_text(encoding="utf-8")), encoding="utf-8")
-        for old in [*site.glob("torchvision-*.dist-info"), site / "torchvision", site / "torchvision.libs"]:
-            shutil.rmtree(old, ignore_errors=True)
-        for entry in sorted(stage.iterdir()):
-            os.replace(entry, site / entry.name)
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
+
+    stage_install(site, "torchvision", f"torchvision=={want}", guard)
     if not _import_ok():
         raise RuntimeError(f"torchvision {want} installed in {site} but `import torchvision` fails")
     return f"torchvision {want} installed (CPU-safe) in {site}"

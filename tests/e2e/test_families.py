@@ -64,6 +64,28 @@ AUDIO_REQUESTS = {
 }
 
 
+def _recorded_chat(clips: list[tuple[str, int, int]], text: str) -> dict:
+    """Clips as people record them, (format, rate, channels), resampled to 16 kHz mono by vLLM."""
+    content = []
+    for k, (fmt, rate, channels) in enumerate(clips):
+        clip = make_audio(25 + k, 0.8, rate=rate, fmt=fmt, channels=channels)
+        mime = {"WAV": "audio/wav", "FLAC": "audio/flac", "MP3": "audio/mpeg", "OGG": "audio/ogg"}[fmt]
+        content.append({"type": "input_audio", "input_audio": {"data": base64.b64encode(clip).decode(),
+                                                               "format": fmt.lower()}} if fmt in ("WAV", "MP3") else
+                       {"type": "audio_url", "audio_url": {"url": data_url(clip, mime)}})
+    return {"messages": [{"role": "user", "content": [*content, {"type": "text", "text": text}]}],
+            "max_tokens": 10, "temperature": 0, "return_token_ids": True}
+
+
+RECORDED_REQUESTS = {
+    "wav-8k-flac-44k-stereo": _recorded_chat([("WAV", 8000, 1), ("FLAC", 44100, 2)], "Compare the two sounds."),
+    "wav-48k-stereo-mp3-44k": _recorded_chat([("WAV", 48000, 2), ("MP3", 44100, 1)], "Compare the two sounds."),
+    "ogg-48k": _recorded_chat([("OGG", 48000, 1)], "What is this sound?"),
+}
+"""Issue 35: audio at the rates and in the formats people record (vLLM resamples with torchaudio's
+resampler, decodes MP3 and OGG with PyAV or libsndfile: its ``audio`` extra, tools/torchaudio_cpu.py)."""
+
+
 
 
 def _video_chat(parts: list[tuple[str, int]], text: str) -> dict:
@@ -101,7 +123,7 @@ def family_param(name: str):
 
 def _requests(family: str) -> dict[str, dict]:
     if family == "qwen2_audio":
-        return AUDIO_REQUESTS
+        return {**AUDIO_REQUESTS, **RECORDED_REQUESTS}
     return {**REQUESTS, **VIDEO_REQUESTS} if family in ("qwen2_5_vl", "qwen3_vl") else REQUESTS
 
 
@@ -157,6 +179,12 @@ def family(request):
 
 @pytest.mark.parametrize("name", list(REQUESTS))
 def test_family_matches_plain_vllm_with_every_image_encoded_remotely(family, name):
+    _check(family, name)
+
+
+@pytest.mark.parametrize("family", ["qwen2_audio"], indirect=True)  # the audio deployment
+@pytest.mark.parametrize("name", list(RECORDED_REQUESTS))
+def test_audio_at_8_to_48_khz_mono_or_stereo_in_each_format_matches_plain_vllm(family, name):
     _check(family, name)
 
 

@@ -96,6 +96,22 @@ def test_two_clips_give_their_own_texts_and_a_long_clip_is_split_as_vllm_splits_
     assert texts[0] != texts[1], "the tiny Whisper's text depends on the audio"
 
 
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("clip", [("WAV", 8000, 1), ("WAV", 48000, 2), ("FLAC", 44100, 2), ("MP3", 44100, 1),
+                                  ("OGG", 48000, 1)], ids=lambda c: f"{c[0].lower()}-{c[1] // 1000}k-{c[2]}ch")
+def test_audio_at_the_rates_and_in_the_formats_people_record_as_vllm_serve(pair, route, clip):
+    """Issue 35: 8-48 kHz, mono or stereo, WAV/FLAC/MP3/OGG. vLLM decodes and resamples them to Whisper's
+    16 kHz with PyAV (its ``audio`` extra, in this project's install): the same text as ``vllm serve``."""
+    epd, _, ref = pair
+    fmt, rate, channels = clip
+    data = make_audio(seed=6, seconds=2.0, rate=rate, fmt=fmt, channels=channels)
+    name = f"clip.{fmt.lower()}"
+    fields = dict(model=default_model(family="whisper"), language="en", temperature=0)
+    ours = _post(epd, route, data, filename=name, **fields)
+    _same(ours, _post(ref, route, data, filename=name, **fields))
+    assert ours.status_code == 200 and ours.json()["text"], ours.text[:300]
+
+
 def test_language_detection_a_prompt_and_timestamp_granularities_as_vllm_serve(pair):
     epd, _, ref = pair
     for fields in (dict(temperature=0), dict(language="en", prompt="hello there", temperature=0),

@@ -241,3 +241,23 @@ def test_torchvision_release_follows_the_torch_release():
     assert matching_version("2.14.1") == "0.29.1"
     with pytest.raises(ValueError):
         matching_version("1.13.0")
+
+
+def test_torchaudio_cpu_strips_only_the_compiled_libraries(tmp_path):
+    from tools.torchaudio_cpu import strip_compiled
+
+    lib = tmp_path / "torchaudio" / "lib"
+    lib.mkdir(parents=True)
+    for name in ("_torchaudio.so", "libtorchaudio.so", "__init__.py"):
+        (lib / name).write_text("x")
+    assert strip_compiled(tmp_path) == ["_torchaudio.so", "libtorchaudio.so"]
+    assert [p.name for p in lib.iterdir()] == ["__init__.py"]
+
+
+def test_the_installed_torchaudio_resamples_beside_cpu_torch():
+    """What `make install` leaves (tools/torchaudio_cpu.py): vLLM's default audio resampler works."""
+    import numpy as np
+    from vllm.multimodal.audio import AudioResampler
+
+    out = AudioResampler(target_sr=16000).resample(np.ones(4800, dtype=np.float32), orig_sr=48000)
+    assert out.shape == (1600,)
