@@ -165,6 +165,23 @@ def start_perturbable(dep):
     return perturbable(dep).start()
 
 
+LATE_INDEX = 1  # the second output of the encoder's step: the second item
+LATE_S = 3.0
+
+
+@contextlib.contextmanager
+def late_items(dep, index: int = LATE_INDEX, seconds: float = LATE_S):
+    """While in it, ``dep``'s encoder reports the ``index``-th output of each engine step ``seconds`` late
+    (the hook ``perturbable`` loads; tests/e2e/test_prefill_in_step.py, test_families.py)."""
+    switch = os.path.join(dep.log_dir, "delay-on")
+    with open(switch, "w") as f:
+        f.write(f"{index} {seconds}")
+    try:
+        yield
+    finally:
+        os.unlink(switch)
+
+
 def check_perturbation_changes_tokens(dep, bodies: list[dict], reference: list[list[int]]) -> None:
     """With the hook on, every embedding the LM injects is negated and scaled: the requests still
     succeed, each image went through the hook, nothing was encoded on the LM, and the greedy tokens

@@ -12,13 +12,16 @@ reference run per family (tiny offline checkpoints, ``tools/tiny_families``)."""
 from __future__ import annotations
 
 import base64
+import time
 
 import pytest
 
 from services.up import Deployment
 from tests.e2e.conftest import stop_in_background
 from tests.e2e.helpers import (
+    LATE_S,
     check_perturbation_changes_tokens,
+    late_items,
     metric,
     perturb_chat,
     post,
@@ -102,6 +105,11 @@ VIDEO_REQUESTS = {
     "video-image": _video_chat([("video", 32), ("image", 33)], "Does the picture appear in the video?"),
     "video-twice": _video_chat([("video", 34), ("video", 34)], "Are these the same?"),
 }
+LATE_REQUESTS = {
+    "qwen2_audio": _audio_chat([41, 42, 43], "Compare the three sounds."),
+    "qwen2_5_vl": _video_chat([("video", 44), ("video", 45), ("image", 46)], "Compare them."),
+}
+"""Issue 34: three items never sent before, the second reported late by the encoder (``late_items``)."""
 
 
 LAID_OUT_BY = {"llava": "encoder", "gemma3": "processor", "qwen2_5_vl": "encoder", "qwen3_vl": "encoder",
@@ -122,9 +130,10 @@ def family_param(name: str):
 
 
 def _requests(family: str) -> dict[str, dict]:
+    late = {"late": LATE_REQUESTS[family]} if family in LATE_REQUESTS else {}
     if family == "qwen2_audio":
-        return {**AUDIO_REQUESTS, **RECORDED_REQUESTS}
-    return {**REQUESTS, **VIDEO_REQUESTS} if family in ("qwen2_5_vl", "qwen3_vl") else REQUESTS
+        return {**AUDIO_REQUESTS, **RECORDED_REQUESTS, **late}
+    return {**REQUESTS, **VIDEO_REQUESTS, **late} if family in ("qwen2_5_vl", "qwen3_vl") else REQUESTS
 
 
 class _Reference:
@@ -199,6 +208,34 @@ def test_qwen_vl_video_matches_plain_vllm_with_every_item_encoded_remotely(famil
 
 
 PERTURB = {f"perturb{i}": perturb_chat(9100 + i) for i in range(3)}
+
+
+@pytest.mark.parametrize("family", ["qwen2_audio", "qwen2_5_vl"], indirect=True)
+def test_audio_and_video_are_computed_in_step_with_a_late_item(family):
+    """Issue 34 for audio and video: with the second of three items reported late by the encoder, the LM
+    computes the prompt past the first item before the second lands (``prefill_ahead_tokens`` grows by
+    at least the first item's placeholder), nothing is encoded on the LM, and the tokens are plain vLLM's."""
+    fam, dep, reference, prompts, _ = family
+    from transformers import AutoTokenizer
+
+    placeholder = AutoTokenizer.from_pretrained(family[4]).convert_tokens_to_ids(
+        "<|video_pad|>" if fam == "qwen2_5_vl" else PLACEHOLDER[fam])
+    ids = prompts["late"]
+    first = ids.index(placeholder)
+    first_len = next(k for k in range(first, len(ids)) if ids[k] != placeholder) - first
+    ahead0 = metric(dep.lm_metrics, "epd_ec_prefill_ahead_tokens", role="consumer")
+    lm_runs = metric(dep.lm_metrics, "epd_lm_local_encoder_runs_total")
+    with late_items(dep):
+        t0 = time.monotonic()
+        status, body = post(dep.url + "/v1/chat/completions", _requests(fam)["late"], 120)
+        elapsed = time.monotonic() - t0
+    assert status == 200, body
+    assert body["choices"][0]["token_ids"] == reference["late"], fam
+    assert elapsed >= LATE_S, elapsed  # the second item was late
+    ahead = settled(lambda: metric(dep.lm_metrics, "epd_ec_prefill_ahead_tokens", role="consumer") - ahead0, -1,
+                    timeout=5)
+    assert ahead >= first_len > 0, (ahead, first_len)
+    assert metric(dep.lm_metrics, "epd_lm_local_encoder_runs_total") == lm_runs
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl"], indirect=True)

@@ -3,37 +3,22 @@ encoder's test hook (tests/e2e/perturb/sitecustomize.py) reports the second of t
 one engine step) seconds late: the LM computes the prompt past the first image before the second lands
 (``epd_ec_prefill_ahead_tokens``), nothing is encoded on the LM, and the tokens are plain vLLM's. A client
 that gives up while the late item is in flight leaves nothing held. (The connector-level orderings, a late
-item's failure included: tests/integration/test_prefill_in_step.py. Video and audio with items landing
-in step: the family tests, tests/e2e/test_families.py, run with it on.)"""
+item's failure included: tests/integration/test_prefill_in_step.py. Audio and video with a late item:
+tests/e2e/test_families.py, ``test_audio_and_video_are_computed_in_step_with_a_late_item``.)"""
 
 from __future__ import annotations
 
-import contextlib
-import os
 import socket
 import time
 
 import pytest
 
 from tests.e2e.conftest import REFERENCE_REQUESTS
-from tests.e2e.helpers import encodes_done, metric, post, producer_stats, settled
+from tests.e2e.helpers import LATE_S, encodes_done, late_items, metric, post, producer_stats, settled
 
 pytestmark = pytest.mark.e2e
 
-LATE_INDEX = 1  # the second output of the encoder's step: the second image
-LATE_S = 3.0
 FIRST_ITEM_TOKENS = 16  # the first image's placeholder holds at least its 16 embeddings
-
-
-@contextlib.contextmanager
-def late_items(dep, index: int = LATE_INDEX, seconds: float = LATE_S):
-    switch = os.path.join(dep.log_dir, "delay-on")
-    with open(switch, "w") as f:
-        f.write(f"{index} {seconds}")
-    try:
-        yield
-    finally:
-        os.unlink(switch)
 
 
 def _ahead(dep) -> float:
