@@ -119,6 +119,8 @@ class ConsumerScheduler:
         self._counts = {"cancels": 0, "failed": 0, "reuse_hits": 0, "prefill_ahead_tokens": 0}
         self._ahead: set[str] = set()  # requests let compute this step while an item of theirs is in flight
         self._generator_offsets = worker_device().type != "cpu"  # see _may_compute_part_of
+        self._encoder_decoder = bool(getattr(vllm_config.model_config, "is_encoder_decoder", False))
+        self._loading: dict[str, int] = defaultdict(int)  # request -> items queued for load this step
 
     # -- scheduling -----------------------------------------------------------
 
@@ -303,6 +305,14 @@ class ConsumerScheduler:
             item.slot = None
 
     def has_cache_item(self, identifier: str) -> bool:
+        """Whether vLLM loads ``identifier`` from us instead of encoding it. Never for an encoder-decoder
+        model: vLLM sizes a request's cross-attention blocks only over the inputs it encodes itself, so the
+        item takes vLLM's local path and is loaded all the same (``update_state_after_alloc``, which vLLM
+        calls for every input it allocates); the worker's runner hands the landed output to the decoder
+        instead of encoding (``ectransfer.connector.encoder_decoder``). The request is held until the
+        output has landed (``ensure_cache_available``: its item sits at token 0)."""
+        if self._encoder_decoder:
+            return False
         item = self._items.get(identifier)
         return item is not None and item.transfer.state in _READY
 
@@ -326,6 +336,7 @@ class ConsumerScheduler:
                             transport=fetch.transport.name, source=src.SerializeToString())
         self._to_load.append(spec)
         self._stats[request.request_id].transferred_items += 1
+        self._loading[request.request_id] += 1
         # Settled for this request: once injected, vLLM's cache holds it, and a later
         # ensure_cache_available must not mistake that for a hit and Cancel an item
         # this request already acked (the encoder would keep the stale cancel and
@@ -334,7 +345,9 @@ class ConsumerScheduler:
 
     def build_meta(self, scheduler_output) -> EPDConnectorMetadata:
         for req_id, inputs in scheduler_output.scheduled_encoder_inputs.items():
-            self._stats[req_id].local_encoder_runs += len(inputs)
+            # An encoder-decoder model's loaded inputs are scheduled as local ones (has_cache_item).
+            self._stats[req_id].local_encoder_runs += len(inputs) - (self._loading[req_id] if self._encoder_decoder else 0)
+        self._loading.clear()
         if self._ahead:  # this step's: ensure_cache_available runs again before each step
             scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
             self._counts["prefill_ahead_tokens"] += sum(scheduled.get(rid, 0) for rid in self._ahead)

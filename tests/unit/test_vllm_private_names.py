@@ -20,7 +20,30 @@ PRIVATE = [
      "services/encoder/vllm_glue.py layouts_context_free: which families rewrite tokens around an item"),
     ("vllm.multimodal.processing.processor", "BaseMultiModalProcessor._find_mm_placeholders",
      "services/encoder/vllm_glue.py layouts_context_free"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._preprocess",
+     "ectransfer/connector/encoder_decoder.py: opens the connector's load for an encoder-decoder model"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._execute_mm_encoder",
+     "ectransfer/connector/encoder_decoder.py: hands the decoder the landed encoder outputs"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.maybe_get_ec_connector_output",
+     "ectransfer/connector/encoder_decoder.py"),
+    ("vllm.v1.worker.gpu_worker", "Worker._make_model_runner",
+     "ectransfer/connector/encoder_decoder.py EPDGPUWorker: builds our runner"),
 ]
+
+
+def test_the_runner_step_reads_what_the_encoder_decoder_runner_gives_it():
+    """ectransfer/connector/encoder_decoder.py relies on vLLM 0.32's step: ``_preprocess`` returns the
+    connector's report last and passes ``encoder_outputs = self._execute_mm_encoder(...)`` to an
+    encoder-decoder model; the runner keeps ``encoder_cache`` and ``requests``."""
+    import inspect
+
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    src = inspect.getsource(GPUModelRunner._preprocess)
+    assert "encoder_outputs = self._execute_mm_encoder(scheduler_output)" in src
+    assert "ECConnectorOutput | None,\n    ]:" in src
+    init = inspect.getsource(GPUModelRunner.__init__)
+    assert "self.encoder_cache" in init and "self.requests" in init
 
 
 @pytest.mark.parametrize("module,name,used_by", PRIVATE, ids=[n for _, n, _ in PRIVATE])
