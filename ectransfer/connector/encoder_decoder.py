@@ -86,6 +86,15 @@ def runner_class(base: type) -> type:
     return type(f"EPD{base.__name__}", (EncoderDecoderConsumerRunner, base), {})
 
 
+def _require_v1(use_v2_model_runner: bool) -> None:
+    """Refuses to start an engine whose runner we cannot take the outputs with: it would decode without
+    the audio, silently."""
+    if use_v2_model_runner:
+        raise RuntimeError("an encoder-decoder model's EC consumer needs vLLM's V1 model runner (set "
+                           "VLLM_USE_V2_MODEL_RUNNER=0): epd-serve's runner (ectransfer.connector.encoder_decoder) "
+                           "hands the decoder the transferred encoder outputs only there")
+
+
 def _cpu_worker() -> type:
     import torch
     from vllm.v1.worker.cpu_worker import CPUWorker
@@ -97,7 +106,8 @@ def _cpu_worker() -> type:
 
         def init_device(self) -> None:
             super().init_device()
-            if takes_encoder_outputs(self.vllm_config) and not self.use_v2_model_runner:
+            if takes_encoder_outputs(self.vllm_config):
+                _require_v1(self.use_v2_model_runner)
                 self.model_runner = runner_class(type(self.model_runner))(self.vllm_config, torch.device("cpu"))
 
     return EPDCPUWorker
@@ -111,7 +121,8 @@ def _gpu_worker() -> type:
         """vLLM's GPU worker, its runner built by ``_make_model_runner`` (vLLM's override point)."""
 
         def _make_model_runner(self):
-            if takes_encoder_outputs(self.vllm_config) and not self.use_v2_model_runner:
+            if takes_encoder_outputs(self.vllm_config):
+                _require_v1(self.use_v2_model_runner)
                 return runner_class(GPUModelRunner)(self.vllm_config, self.device)
             return super()._make_model_runner()
 

@@ -128,15 +128,25 @@ ENCODER_DECODER_GAP = (
     "would decode without the audio")
 
 
+def encoder_apart_verified(cfg: EngineConfig) -> bool:
+    """Whether this install's vLLM runs an encoder-decoder model's encoder apart by the path epd-serve
+    verified (issue 35; ``ectransfer.connector.encoder_decoder``): vLLM 0.32 with its V1 model runner,
+    whose ``_preprocess`` and ``_execute_mm_encoder`` our runner overrides (an engine that picks the V2 runner
+itself is refused by our worker). Read at start, never per request."""
+    import vllm
+    from vllm import envs
+
+    return vllm.__version__.startswith("0.32.") and envs.VLLM_USE_V2_MODEL_RUNNER is not True
+
+
 def refuse_encoder_decoder(cfg: EngineConfig, role: str) -> None:
-    """Issue 25's guard, for the encoder service: no LM can use an encoder-decoder model's transferred
-    encoder output (``ENCODER_DECODER_GAP``), so an encoder for one is refused at start (``role``: who
-    refuses, for the message). The LM serves such a model itself, as a plain engine that is no EC
-    consumer (``services.lm.server``): it encodes the audio locally."""
-    if is_encoder_decoder(cfg):
+    """Issue 25's guard, for the encoder service, where the path is not verified
+    (``encoder_apart_verified``): an encoder for an encoder-decoder model is refused at start (``role``:
+    who refuses, for the message)."""
+    if is_encoder_decoder(cfg) and not encoder_apart_verified(cfg):
         raise UnsupportedModel(
-            f"{cfg.model} is an encoder-decoder model (Whisper-class): the {role} cannot serve it. "
-            f"{ENCODER_DECODER_GAP}; epd-serve refuses rather than answer wrongly. Serve it with `epd lm` "
+            f"{cfg.model} is an encoder-decoder model (Whisper-class): the {role} cannot serve it with this "
+            f"vLLM. {ENCODER_DECODER_GAP}; epd-serve refuses rather than answer wrongly. Serve it with `epd lm` "
             "alone (the LM encodes the audio itself).")
 
 

@@ -69,6 +69,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         self.timeout_s = timeout_s
         self._originals: dict[tuple[str, int], list[int]] = {}  # the encode prompt for n items, tokenized
         self.send_layouts = layouts
+        self.encoder_decoder = engine.model_config.is_encoder_decoder  # Whisper-class: no decoder prompt to lay out
         self._warned = False
         self._resolver = None  # vLLM's PlaceholderMetadataResolver, made on first use
         self._loaders: dict[str, Callable[[bytes], Any]] = {}  # vLLM's media decoders, made on first use
@@ -113,6 +114,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         """Each item's prompt expansion, for the LM to lay out its prompt without
         the image processor; None (the LM then runs its processor) if this
         model's processor does not simply replace each placeholder."""
+        if self.encoder_decoder:  # the LM builds its decoder prompt itself; the audio sits in the encoder's
+            return None
         if not self.send_layouts:
             if not self._warned:
                 self._warned = True
@@ -237,6 +240,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             "multi_modal_data": {modality: media},
             "multi_modal_uuids": {modality: idents},
         }
+        if self.encoder_decoder:  # vLLM's explicit prompt, as Whisper's get_generation_prompt builds it
+            prompt = {"encoder_prompt": prompt, "decoder_prompt": ""}
         params = SamplingParams(max_tokens=1,
                                 extra_args={"ec_transfer_params": ProducerParams(claim, more).to_dict()})
         try:

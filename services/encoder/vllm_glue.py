@@ -21,9 +21,13 @@ MODALITIES = ("image", "audio", "video")
 
 def placeholders(engine) -> dict[str, Callable[[int], str]]:
     """Per modality of ``MODALITIES`` the model takes (its limit per prompt above 0), its prompt
-    placeholder for the i-th item (vLLM's ``get_placeholder_str``)."""
+    placeholder for the i-th item (vLLM's ``get_placeholder_str``). An encoder-decoder model: audio, with
+    no placeholder (the audio is its encoder's prompt; ``EncoderServicer`` builds vLLM's explicit
+    encoder/decoder prompt for it)."""
     mc = engine.model_config
     model_cls, _ = ModelRegistry.resolve_model_cls(mc.architectures, mc)
+    if mc.is_encoder_decoder:  # Whisper-class: its audio is the encoder's whole prompt (no placeholder)
+        return {"audio": lambda i: ""}
     out = {}
     for modality in MODALITIES:
         try:

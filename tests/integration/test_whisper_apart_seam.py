@@ -51,6 +51,12 @@ def _run(phase: str, path: str, store: str) -> dict:
     if phase == "producer":
         kwargs["ec_transfer_config"] = {"ec_connector": "ECExampleConnector", "ec_role": "ec_producer",
                                         "ec_connector_extra_config": {"shared_storage_path": store}}
+    elif phase == "epd-consumer":  # epd-serve's own connector, fed by `epd encoder` over Transfer
+        from ectransfer.connector.config import ConnectorConfig, ec_transfer_config
+
+        kwargs["ec_transfer_config"] = ec_transfer_config("ec_consumer", ConnectorConfig(
+            staging_bytes=64 << 20, model_name=path, transfer_timeout_s=60))
+        kwargs["worker_cls"] = WORKER_CLS["cpu"]
     elif phase == "consumer":
         kwargs["ec_transfer_config"] = {"ec_connector": "SeamConsumer", "ec_role": "ec_consumer",
                                         "ec_connector_module_path": "tests.integration.whisper_seam_connector",
@@ -73,19 +79,24 @@ def _run(phase: str, path: str, store: str) -> dict:
 
     runner = llm.collective_rpc(count_encodes)[0]
     stt = Whisper.get_speech_to_text_config(llm.model_config, "transcribe")
-    prompts = []
-    # The consumer takes the clips in the other order: what names an output is its content, as in
+    sources = json.loads(os.environ.get("SEAM_SOURCES", "{}"))  # seed -> [identifier, ItemSource dict]
+    # The file consumer takes the clips in the other order: what names an output is its content, as in
     # epd-serve (the identifier the gateway and the encoder compute), not a request's position.
-    for seed in (SEEDS if phase != "consumer" else SEEDS[::-1]):
+    order = SEEDS[::-1] if phase == "consumer" else SEEDS
+    prompts, params = [], []
+    for seed in order:
         prompt = Whisper.get_generation_prompt(SpeechToTextParams(
             audio=_clip(seed), stt_config=stt, model_config=llm.model_config, language="en", task_type="transcribe"))
-        prompt["encoder_prompt"]["multi_modal_uuids"] = {"audio": [hashlib.sha256(_clip(seed).tobytes()).hexdigest()]}
+        ident, src = sources.get(str(seed)) or (hashlib.sha256(_clip(seed).tobytes()).hexdigest(), None)
+        prompt["encoder_prompt"]["multi_modal_uuids"] = {"audio": [ident]}
         prompts.append(prompt)
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1 if phase == "producer" else 40),
-                        use_tqdm=False)
+        extra = {"ec_transfer_params": {"items": {ident: src}}} if src else None
+        params.append(SamplingParams(temperature=0.0, max_tokens=1 if phase == "producer" else 40, extra_args=extra))
+    outs = llm.generate(prompts, params, use_tqdm=False)
     encodes = llm.collective_rpc(lambda worker: worker.model_runner.model.seam_encodes)[0]
-    tokens = [list(o.outputs[0].token_ids) for o in outs]
-    return {"runner": runner, "encodes": encodes, "tokens": tokens if phase != "consumer" else tokens[::-1]}
+    tokens = dict(zip(order, ([*o.outputs[0].token_ids] for o in outs)))
+    tokens = [tokens[seed] for seed in SEEDS]
+    return {"runner": runner, "encodes": encodes, "tokens": tokens}
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +119,53 @@ def runs(tmp_path_factory) -> dict:
         assert proc.returncode == 0 and lines, (name, proc.stdout[-3000:], proc.stderr[-5000:])
         out[name] = json.loads(lines[-1][len(RESULT):])
         out[name]["loaded"] = log.read_text().split() if log.exists() else []
+    out["epd"] = _through_epd_encoder(path, root, tmp)
     return out
+
+
+def _through_epd_encoder(path: str, root: str, tmp) -> dict:
+    """`epd encoder` on the model (its engine an ``ec_producer`` with epd-serve's connector), each clip
+    encoded through its Encode API; then a consumer engine with epd-serve's connector and worker, each
+    prompt naming the item's encoder (``ec_transfer_params``, as the LM sets it), the output read over
+    Transfer."""
+    import grpc
+
+    from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
+    from services.up import free_port
+    from tools.media import make_audio
+
+    port, transfer_port = free_port(), free_port()
+    with open(tmp / "encoder.log", "w") as log:
+        encoder = subprocess.Popen([sys.executable, "-m", "services.cli", "encoder", "--model", path, "--host",
+                                    "127.0.0.1", "--port", str(port), "--transfer-host", "127.0.0.1",
+                                    "--transfer-port", str(transfer_port)],
+                                   cwd=root, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = encoder_pb2_grpc.EncoderServiceStub(channel)
+            grpc.channel_ready_future(channel).result(timeout=300)
+            sources = {}
+            for seed in SEEDS:
+                item = encoder_pb2.MediaItem(modality="audio", data=make_audio(seed=seed, seconds=1.0 + seed))
+                events = list(stub.Encode(encoder_pb2.EncodeRequest(request_id=f"clip-{seed}", items=[item]),
+                                          timeout=120))
+                meta = next(e.metadata for e in events if e.HasField("metadata"))
+                src = meta.source
+                sources[str(seed)] = [meta.identifier, {"endpoint": src.transfer_endpoint, "embed_width": src.embed_width,
+                                                        "dtype": "bfloat16", "claim": src.claim}]
+                assert any(e.HasField("encoded") for e in events) and src.num_embeds == 1500  # one 30 s window
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
+                   VLLM_ENABLE_V1_MULTIPROCESSING="0", SEAM_SOURCES=json.dumps(sources), SEAM_LOG=str(tmp / "epd.txt"))
+        proc = subprocess.run([sys.executable, "-m", "tests.integration.test_whisper_apart_seam", "epd-consumer",
+                               path, str(tmp / "unused")], cwd=root, env=env, capture_output=True, text=True,
+                              timeout=600)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT)]
+        assert proc.returncode == 0 and lines, (proc.stdout[-3000:], proc.stderr[-5000:])
+        out = json.loads(lines[-1][len(RESULT):])
+        return out
+    finally:
+        encoder.terminate()
+        encoder.wait(60)
 
 
 def test_the_producer_runs_the_encoder_and_writes_each_output(runs):
@@ -128,6 +185,15 @@ def test_outputs_changed_in_transit_change_the_text(runs):
     assert runs["negated"]["encodes"] == 0
     assert len(set(runs["negated"]["loaded"])) == len(SEEDS)
     assert runs["negated"]["tokens"] != runs["plain"]["tokens"]
+
+
+def test_the_encoder_service_encodes_and_the_lm_decodes_over_transfer_exactly(runs):
+    """The whole path but the gateway: `epd encoder` serves the model's encoder (Encode API, its engine an
+    ec_producer), an engine with epd-serve's connector and worker reads each output over Transfer and
+    decodes it: plain vLLM's tokens, no encoder run on the consumer."""
+    assert runs["epd"]["runner"].startswith("EPD")
+    assert runs["epd"]["encodes"] == 0
+    assert runs["epd"]["tokens"] == runs["plain"]["tokens"]
 
 
 def test_with_vllms_own_runner_the_loaded_outputs_go_unused_and_the_encoder_runs(runs):
