@@ -122,7 +122,7 @@ def is_encoder_decoder(cfg: EngineConfig) -> bool:
 
 
 ENCODER_DECODER_GAP = (
-    "vLLM 0.32 never loads a transferred encoder output into an encoder-decoder model's cross-attention "
+    "vLLM 0.32 by itself never loads a transferred encoder output into an encoder-decoder model's cross-attention "
     "(its scheduler allocates cross-attention blocks only for inputs it encodes itself, and its model "
     "runner's encoder-decoder path never asks the EC connector to load), so an engine fed from an encoder "
     "would decode without the audio")

@@ -1,11 +1,13 @@
 """Issue 25's guard: vLLM 0.32 never loads a transferred encoder output into an encoder-decoder
-model's (Whisper-class) cross-attention, so an LM fed from an encoder would decode without the audio,
-silently. The encoder service refuses such a model before any engine starts; the LM serves it as a
+model's (Whisper-class) cross-attention by itself, so an LM fed from an encoder would decode without the
+audio, silently. The encoder service refuses such a model before any engine starts where issue 35's
+path is not verified (tests/integration/test_whisper_apart_seam.py); the LM (not wired yet) serves it as a
 plain engine that is no EC consumer (it encodes the audio itself), and refuses any item that names an
 encoder (tests/e2e/test_transcriptions.py sends one to a running Whisper LM)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -25,9 +27,18 @@ def tiny_whisper_config(tmp_path_factory) -> str:
     return str(path)
 
 
+def test_the_encoder_serves_an_encoder_decoder_model_only_where_the_path_is_verified():
+    """Issue 35: vLLM 0.32's V1 runner (our worker's); tests/integration/test_whisper_apart_seam.py runs it."""
+    from services.common.engine import EngineConfig, encoder_apart_verified
+
+    assert encoder_apart_verified(EngineConfig(model="unused"))
+
+
 def test_the_encoder_refuses_an_encoder_decoder_model_before_starting_an_engine(tiny_whisper_config):
+    """Where the path is not verified (here: vLLM's V2 model runner asked for)."""
     proc = subprocess.run([sys.executable, "-m", "services.cli", "encoder", "--model", tiny_whisper_config,
-                           "--port", "0"], capture_output=True, text=True, timeout=240)
+                           "--port", "0"], capture_output=True, text=True, timeout=240,
+                          env=dict(os.environ, VLLM_USE_V2_MODEL_RUNNER="1"))
     assert proc.returncode == 2, (proc.stdout[-2000:], proc.stderr[-2000:])
     assert "is an encoder-decoder model" in proc.stderr and "decode without the audio" in proc.stderr, \
         proc.stderr[-2000:]
