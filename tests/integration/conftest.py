@@ -7,6 +7,16 @@ import pytest
 from ectransfer.connector.config import ConnectorConfig
 from ectransfer.connector.consumer import ConsumerScheduler
 from tests.integration.connector_fakes import vllm_config
+from tests.support.loopback import Producer
+
+
+@pytest.fixture
+def producer():
+    """An encoder's producer side on loopback (real gRPC, a real outbound pool of 1 MiB), closed after the
+    test. A module that needs another one defines its own ``producer``."""
+    p = Producer(pool_bytes=1 << 20, ttl_s=60)
+    yield p
+    p.close()
 
 
 @pytest.fixture

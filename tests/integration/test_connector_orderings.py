@@ -22,13 +22,6 @@ pytestmark = pytest.mark.integration
 NB = 16 * 128 * 2  # bytes of one 16-row item
 
 
-@pytest.fixture
-def producer():
-    p = Producer(pool_bytes=1 << 20, ttl_s=60)
-    yield p
-    p.close()
-
-
 def inject(sched: ConsumerScheduler, req, meta=None) -> dict:
     """What vLLM does once ensure_cache_available says yes: allocate, load, report."""
     cache: dict = {}

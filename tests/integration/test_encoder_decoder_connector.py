@@ -14,7 +14,6 @@ from vllm.multimodal.inputs import PlaceholderRange
 from ectransfer.connector.config import ConnectorConfig
 from ectransfer.connector.consumer import ConsumerScheduler, ConsumerWorker
 from tests.integration.connector_fakes import claim_of, embedding, request, steps_until, vllm_config
-from tests.support.loopback import Producer
 
 pytestmark = pytest.mark.integration
 
@@ -26,13 +25,6 @@ def _config(encoder_decoder: bool):
     cfg = vllm_config(ENGINE)
     cfg.model_config.is_encoder_decoder = encoder_decoder
     return cfg
-
-
-@pytest.fixture
-def producer():
-    p = Producer(pool_bytes=1 << 20, ttl_s=60)
-    yield p
-    p.close()
 
 
 @pytest.fixture

@@ -15,19 +15,11 @@ from ectransfer.connector.cache_manager import EPDEncoderCacheManager
 from ectransfer.connector.config import ConnectorConfig
 from ectransfer.connector.consumer import ConsumerScheduler, ConsumerWorker
 from tests.integration.connector_fakes import claim_of, embedding, request, steps_until, vllm_config
-from tests.support.loopback import Producer
 
 pytestmark = pytest.mark.integration
 
 ENGINE = "lm-in-step"
 BUDGET = 1 << 12
-
-
-@pytest.fixture
-def producer():
-    p = Producer(pool_bytes=1 << 20, ttl_s=60)
-    yield p
-    p.close()
 
 
 @pytest.fixture
