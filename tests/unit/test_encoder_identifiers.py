@@ -25,7 +25,8 @@ class _Handed(Exception):
 
 class _Engine:
     def __init__(self) -> None:
-        self.model_config = SimpleNamespace(multimodal_config=SimpleNamespace(get_limit_per_prompt=lambda m: 4))
+        self.model_config = SimpleNamespace(multimodal_config=SimpleNamespace(get_limit_per_prompt=lambda m: 4),
+                                            is_encoder_decoder=False)
         self.input_processor = self
         self.uuids: list[dict] = []
 
