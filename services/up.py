@@ -22,7 +22,7 @@ from ectransfer.shm import cleanup_orphans
 from peerauth import SecurityConfig, is_loopback
 from services.certs import make_certs, make_token
 from services.child import Service, free_port, wait_ready
-from services.common.engine import EngineConfig, configure_process_env, is_encoder_decoder
+from services.common.engine import EngineConfig, configure_process_env, encoder_apart_verified, is_encoder_decoder
 from services.common.spawn import child_env
 from services.probe import gateway_admitted, grpc_serving
 
@@ -306,22 +306,24 @@ def run_up(model: str, host: str, port: int, engine_args: str, security: str = "
            gateway_args: list[str] | None = None, insecure: bool = False, prefills: int = 0,
            decodes: int = 0, lms: int | None = None) -> int:
     """``epd up``. Raises ValueError for a configuration refused before anything starts. An
-    encoder-decoder model (Whisper-class) runs without an encoder service: its LM encodes the audio
+    encoder-decoder model (Whisper-class) gets an encoder service where this vLLM runs its encoder apart
+    by the path issue 35 verified (``encoder_apart_verified``), else none: its LM then encodes the audio
     itself (docs/design.md, Encoder-decoder models). ``lms``: LMs that prefill and decode (default 1, or 0
     beside prefill and decode LMs; more than 0 beside them is a mixed deployment)."""
     check_security(host, security, insecure)  # refused before anything else is read
     lms = up_lms(prefills, decodes, lms)
     configure_process_env()  # the check below reads the model's config as the services will
     try:
-        speech = is_encoder_decoder(EngineConfig(model=model, vllm_args=engine_args))
+        engine_cfg = EngineConfig(model=model, vllm_args=engine_args)
+        lm_alone = is_encoder_decoder(engine_cfg) and not encoder_apart_verified(engine_cfg)
     except Exception:  # noqa: BLE001 - a model vLLM cannot read: the services report it, with its reason
-        speech = False
-    if speech:
+        lm_alone = False
+    if lm_alone:
         print(f"epd up: {model} is an encoder-decoder model: no encoder service (the LM encodes the audio "
               "itself; /v1/audio/transcriptions and /v1/audio/translations)", flush=True)
     dep = Deployment(model=model, host=host, port=port, engine_args=engine_args, security=security,
                      encoder_args=encoder_args or [], lm_args=lm_args or [], gateway_args=gateway_args or [],
-                     insecure=insecure, with_encoder=not speech, n_lms=lms,
+                     insecure=insecure, with_encoder=not lm_alone, n_lms=lms,
                      n_prefills=prefills, n_decodes=decodes)
     stop = {"now": False}
 

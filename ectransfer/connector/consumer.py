@@ -284,7 +284,12 @@ class ConsumerScheduler:
     def _in_vllm_cache(self, ident: str) -> bool:
         """Whether vLLM's encoder cache holds the item (exact with our cache
         manager; otherwise what we injected recently, which eviction may undo:
-        then vLLM encodes it locally, correct but slower)."""
+        then vLLM encodes it locally, correct but slower). Never for an encoder-decoder model: vLLM's
+        ``EncoderDecoderCacheManager`` shares no output between requests (``check_and_update_cache`` is
+        always False; each request's output is freed after its step), so a window another request had
+        injected is fetched again."""
+        if self._encoder_decoder:
+            return False
         manager = self._cache_manager()
         return manager.is_cached(ident) if manager is not None else ident in self._injected
 

@@ -262,6 +262,19 @@ class ConsumerFinished:
         return cls(_str(d.get("error", ""), f"{what}: error"),
                    tuple(_str(e, f"{what}: a failed endpoint", nonempty=True) for e in failed), report)
 
+    def then(self, other: ConsumerFinished) -> ConsumerFinished:
+        """This engine call's report and a later one's of the same API call (an encoder-decoder model's
+        speech windows are one engine call each): counts added, the longest wait, every transport."""
+        if other.report is None or self.report is None:
+            report = other.report or self.report
+        else:
+            a, b = self.report, other.report
+            report = TransferReport(a.local_encoder_runs + b.local_encoder_runs,
+                                    a.transferred_items + b.transferred_items, max(a.transfer_ms, b.transfer_ms),
+                                    {**a.transports, **b.transports})
+        return ConsumerFinished(self.error or other.error,
+                                tuple(sorted({*self.failed_endpoints, *other.failed_endpoints})), report)
+
 
 @dataclass(frozen=True)
 class FinishedItem:

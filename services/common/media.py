@@ -91,6 +91,28 @@ def content_id(data: bytes, namespace: str = "") -> str:
     return h.hexdigest()
 
 
+def window_wav(samples, rate: int) -> bytes:
+    """One window of a speech upload (vLLM's speech-to-text serving cuts an upload's audio into windows of at
+    most the model's clip length, each a float32 mono array at the model's rate) as a 32-bit float WAV file:
+    the bytes a window's identifier is the ``content_id`` of. The encoder (which cuts and encodes the
+    windows) and the LM (whose vLLM cuts the same upload again, and names each window it is about to
+    encode by this rule) compute it from the same samples; a window the two cut differently gets two
+    identifiers, so the LM finds no source for it and encodes it itself: slower, never wrong."""
+    import numpy as np
+
+    pcm = np.ascontiguousarray(samples, dtype="<f4").reshape(-1).tobytes()
+    fmt = b"fmt " + (16).to_bytes(4, "little") + (3).to_bytes(2, "little") + (1).to_bytes(2, "little") \
+        + int(rate).to_bytes(4, "little") + (int(rate) * 4).to_bytes(4, "little") + (4).to_bytes(2, "little") \
+        + (32).to_bytes(2, "little")
+    data = b"data" + len(pcm).to_bytes(4, "little") + pcm
+    return b"RIFF" + (4 + len(fmt) + len(data)).to_bytes(4, "little") + b"WAVE" + fmt + data
+
+
+def window_id(samples, rate: int, namespace: str = "") -> str:
+    """The identifier of one window of a speech upload: ``content_id`` of ``window_wav``."""
+    return content_id(window_wav(samples, rate), namespace)
+
+
 def check_namespace(namespace: str) -> str:
     """``namespace`` as a request carried it, or BadInput when it is too long to be a tenant's."""
     if len(namespace.encode()) > MAX_NAMESPACE_LEN:

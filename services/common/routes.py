@@ -22,8 +22,10 @@ class Api:
     items go through encoders (tokenize and count_tokens only lay prompts out: the LM's processor
     expands the placeholders, no vision run). ``done``: its stream ends with ``data: [DONE]``.
     ``upload``: its body is a ``multipart/form-data`` upload (the audio routes of an encoder-decoder
-    model), which the gateway forwards as it came, under the intake's size bound: vLLM's app on the LM
-    is its one reader (no second parser here to disagree with it), under the LM's decode limits."""
+    model), which the gateway forwards as it came, under the intake's size bound, and never parses: its
+    readers are vLLM's app on the LM and, where an encoder cuts speech windows, that encoder, which reads
+    it by the same rule with vLLM's own code (``services.encoder.speech``); the body goes to both as one
+    item (``Media.content_type``)."""
 
     name: str
     method: str

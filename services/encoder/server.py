@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import socket
 
@@ -39,6 +40,7 @@ from services.common.media import MediaDecoder
 from services.common.protocol import ENCODER_PROTOCOL
 from services.encoder.config import EncoderServiceConfig
 from services.encoder.servicer import EncoderServicer, dtype_enum
+from services.encoder.speech import SpeechWindows
 from services.encoder.vllm_glue import layouts_context_free, placeholders
 
 logger = logging.getLogger(__name__)
@@ -129,6 +131,10 @@ async def serve(cfg: EncoderServiceConfig, engine_cfg: EngineConfig, stop: async
     configure_process_env()  # `epd` did before importing this module; for in-process callers (tests)
 
     refuse_encoder_decoder(engine_cfg, "encoder service (no LM could use its outputs)")
+    # An encoder-decoder model's uploads are decoded here too (services.encoder.speech), by vLLM's rule
+    # and under the bound the LM gives vLLM's speech-to-text serving: the same flag, unless the operator
+    # set vLLM's variable.
+    os.environ.setdefault("VLLM_MAX_AUDIO_DECODE_DURATION_S", str(int(cfg.max_audio_seconds)))
 
     try:
         reserved = reserve_port(cfg.transfer_host, cfg.transfer_port)
@@ -156,13 +162,15 @@ async def serve(cfg: EncoderServiceConfig, engine_cfg: EngineConfig, stop: async
             transfer_endpoint=transfer_endpoint,
             compat=compat_for(engine.vllm_config, engine_cfg.model),
             protocol=ENCODER_PROTOCOL,
+            speech_windows=mc.is_encoder_decoder,  # refused above where that path is not verified
         )
         channel, own_endpoint = _own_transfer(cfg, transfer_port, security)
         transfer = transfer_pb2_grpc.TransferServiceStub(channel)
         widths = await _output_widths(transfer, own_endpoint)
         servicer = EncoderServicer(engine, info, placeholders(engine), {"": mc.get_hidden_size(), **widths},
                                    dtype_enum(str(mc.dtype).removeprefix("torch.")), cfg.encode_timeout_s,
-                                   decoder, layouts=layouts_context_free(engine), transfer=transfer)
+                                   decoder, layouts=layouts_context_free(engine), transfer=transfer,
+                                   speech=SpeechWindows(mc) if mc.is_encoder_decoder else None)
         server = GrpcServer(cfg.host, cfg.port, security)
         server.add(encoder_pb2_grpc.add_EncoderServiceServicer_to_server, servicer,
                    encoder_pb2.DESCRIPTOR.services_by_name["EncoderService"].full_name)

@@ -9,6 +9,7 @@ connector inside the engine process owns.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import secrets
 import time
@@ -33,7 +34,7 @@ from epd.transfer.v1 import transfer_pb2
 from services.common.engine import tokenize_async
 from services.common.errors import BadInput, Deadline, EPDError
 from services.common.layout import ItemLayout, item_layouts, placeholder_ranges
-from services.common.media import MediaDecoder, check_namespace, content_id
+from services.common.media import MediaDecoder, check_namespace, content_id, window_id
 from services.common.media_checks import VideoHeader
 from services.common.vllm_media import frames_sampled_by, video_io_for
 
@@ -50,15 +51,17 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
     def __init__(self, engine, info: encoder_pb2.EncoderInfo, placeholders: dict[str, Callable[[int], str]],
                  embed_widths: dict[str, int],
                  dtype: int, timeout_s: float, decoder: MediaDecoder, layouts: bool = True,
-                 transfer=None) -> None:
+                 transfer=None, speech=None) -> None:
         """``placeholders``: per modality this encoder serves ("image", "audio"), the model's prompt
         placeholder for its i-th item (1-based; vLLM's ``get_placeholder_str``); ``embed_widths``:
         per modality, the width of one embedding row (key "": the default, the LM's hidden size); ``layouts``: send each item's prompt layout (False: this model's
         layouts depend on the prompt around the item, see ``vllm_glue.layouts_context_free``; LMs use
         their processor); ``transfer``: a ``TransferServiceStub`` on this encoder's own Transfer server
-        (its engine's outbound store), which ``Holdings`` asks."""
+        (its engine's outbound store), which ``Holdings`` asks; ``speech``: an encoder-decoder model's
+        upload reader (``services.encoder.speech.SpeechWindows``), for Encode calls carrying an upload."""
         self.engine = engine
         self.transfer = transfer
+        self.speech = speech
         self.decoder = decoder
         mm = engine.model_config.multimodal_config
         self.limits = {m: mm.get_limit_per_prompt(m) for m in placeholders}
@@ -169,6 +172,14 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             # One claim per LM that reads the items (EncodeRequest.readers: the prefill and the decode
             # LM of an E -> P -> D request), each settled by its own reader.
             claim, *more = (secrets.token_hex(16) for _ in range(request.readers or 1))
+            if request.items[0].upload_content_type:
+                async for event in self._upload(request, rid, claim, more, t0):
+                    if event is None:  # every window is encoded: counted before the last events go out
+                        status = "ok"
+                        record(status)
+                        continue
+                    yield event
+                return
             engine_req, params = await self._engine_request(request, rid, modality, idents, claim, tuple(more))
             features = engine_req.mm_features or []
             layouts = await self._layouts(modality, len(idents), engine_req.prompt_token_ids, features)
@@ -215,6 +226,11 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
                 raise BadInput("the items of one Encode call must share a modality (send one call per "
                                "modality)")
         namespace = check_namespace(request.namespace)
+        if any(item.upload_content_type for item in request.items):
+            if self.speech is None:
+                raise BadInput("this encoder cuts no speech uploads (its model is no encoder-decoder speech model)")
+            if len(request.items) != 1 or modality != "audio":
+                raise BadInput("a speech upload is one audio item of its own Encode call")
         idents = [content_id(item.data, namespace) for item in request.items]
         for i, (item, ident) in enumerate(zip(request.items, idents)):
             if item.identifier and item.identifier != ident:
@@ -253,6 +269,74 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             del media, prompt  # the processor's tensors replace the decoded media
             lease.release()
         return engine_req, params
+
+    async def _upload(self, request, rid: str, claim: str, more: list[str], t0: float):
+        """An encoder-decoder model's speech upload (``services.encoder.speech``): one metadata event per
+        window as vLLM's serving cuts it, every window encoded (one engine request each: the model takes
+        one clip per prompt), then None (the caller counts the call) and one encoded event per window. An
+        upload vLLM's app would refuse gets one metadata event with no windows: the LM answers it."""
+        item = request.items[0]
+        audio = await self.speech.file_part(item.data, item.upload_content_type)
+        windows = None
+        lease = None
+        if audio is not None:
+            try:
+                (windows,), lease = await self.decoder.decode_under_budget(
+                    self.speech.decoded_bytes(), "audio", rid, [functools.partial(self.speech.cut, audio)])
+            except BadInput as e:  # the decode timed out: vLLM's app on the LM decodes it without one
+                logger.info("request %s: %s; the LM reads the upload itself", rid, e)
+        del audio
+        try:
+            if windows is None or not windows.samples:
+                yield encoder_pb2.EncodeEvent(metadata=encoder_pb2.ItemMetadata(index=0, modality="audio"))
+                yield None
+                return
+            n = len(windows.samples)
+            ITEMS.inc(n)
+            params = SamplingParams(max_tokens=1,
+                                    extra_args={"ec_transfer_params": ProducerParams(claim, tuple(more)).to_dict()})
+            engine_reqs = []
+            async for w, engine_req in self._window_requests(windows, request.namespace, rid, params):
+                engine_reqs.append(engine_req)
+                md = self._item_metadata(0, engine_req.mm_features[0], None, claim, more)
+                md.window, md.windows = w, n
+                yield encoder_pb2.EncodeEvent(metadata=md)
+        finally:
+            if lease is not None:
+                lease.release()  # the processor's features replace the samples
+        done: list[str] = []
+        try:
+            runs = 0
+            for engine_req in engine_reqs:  # one at a time: each its own engine request, in window order
+                runs += await self._encode(engine_req, params, engine_req.request_id)
+                done.append(engine_req.request_id)
+        except BaseException:
+            for engine_req in engine_reqs:
+                if engine_req.request_id not in done:
+                    await self.engine.abort(engine_req.request_id)
+            raise
+        encode_ms = (time.perf_counter() - t0) * 1e3
+        yield None
+        logger.info("request %s: encoded an upload's %d window(s) in %.1f ms (%d encoder run(s))",
+                    rid, n, encode_ms, runs)
+        for engine_req in engine_reqs:
+            yield encoder_pb2.EncodeEvent(encoded=encoder_pb2.ItemEncoded(
+                identifier=engine_req.mm_features[0].identifier, index=0, encode_ms=encode_ms))
+
+    async def _window_requests(self, windows, namespace: str, rid: str, params):
+        """Each window of an upload as its engine request (vLLM's explicit encoder-decoder prompt, the window
+        named by its samples), in order, with its index; BadInput for one the processor refuses."""
+        supported = await self.engine.get_supported_tasks()
+        for w, samples in enumerate(windows.samples):
+            ident = window_id(samples, windows.rate, namespace)
+            prompt = {"encoder_prompt": {"prompt": "", "multi_modal_data": {"audio": (samples, windows.rate)},
+                                         "multi_modal_uuids": {"audio": [ident]}},
+                      "decoder_prompt": ""}
+            try:
+                yield w, await self.engine.input_processor.process_inputs_async(
+                    f"{rid}-w{w}", prompt, params, supported_tasks=supported)
+            except (ValueError, VLLMClientError) as e:
+                raise BadInput(f"window {w} of the upload rejected by the encoder's processor: {e}") from None
 
     def _item_metadata(self, index: int, feat, layouts, claim: str, more: list[str]) -> encoder_pb2.ItemMetadata:
         """One item's metadata: its ``ItemSource`` (where and what its embedding is, and its prompt layout)."""

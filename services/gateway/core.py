@@ -125,7 +125,7 @@ class Admitted:
         call, media = self.call, self.media
         first = True
         async with contextlib.aclosing(self._orch.generate(
-                self.req, media if self.api.encode else [], self.timings, ticket=self.ticket, lm=self.pinned,
+                self.req, media if self.api.encode or self.api.upload else [], self.timings, ticket=self.ticket, lm=self.pinned,
                 disaggregate=self.api.generates and call.one_engine_call(), body=call.for_lm(media))) as answer:
             async for resp in answer:
                 if first and self.api.name == "responses" and resp.http_status == 200 and self._homes is not None:
@@ -203,7 +203,7 @@ class RequestCore:
                 if background:
                     place = self.background.reserve(tenant)
                 ticket = await self.orch.admission.admit(
-                    self.orch.encodes_remotely(len(call.parts) if spec.encode else 0), tenant,
+                    self.orch.encodes_remotely(len(call.parts) if spec.encode else int(spec.upload)), tenant,
                     items=len(call.modalities))  # as counted against --max-images: its images_per_minute
             except AdmissionRefused as e:
                 raise ApiError(e.status, e.message, "rate_limit_error" if e.status == 429 else "server_error",

@@ -26,6 +26,10 @@ from services.gateway.values import Media, Timings
 
 logger = logging.getLogger(__name__)
 
+MAX_WINDOWS = 256
+"""The most windows one speech upload may become (Whisper's 30 s each: two hours of audio); an encoder that
+says more is at fault."""
+
 LOCAL_FALLBACK = Counter("epd_gateway_local_encode_fallback_total",
                          "Requests whose items the LM encoded itself because no encoder was healthy")
 
@@ -58,6 +62,12 @@ class Encodes:
         encoders = self.fleet.encoders
         by_inst: dict[tuple[Instance, str], list[int]] = {}
         candidates = encoders.healthy(excluded)
+        if any(m.content_type for m in media):
+            # A speech upload goes to an encoder that cuts it into windows; with none, the LM reads it
+            # itself, as it did before encoders could (no error: plain vLLM's path).
+            candidates = [i for i in candidates if i.speech_windows]
+            if not candidates:
+                return []
         for i, m in enumerate(media):
             inst = pick_encoder(m.identifier, candidates, self.cfg.affinity_spill,
                                 self.fleet.encoder_holds(m.identifier))
@@ -99,7 +109,8 @@ class Encodes:
         """One Encode stream: fills sources from the metadata, then drains the
         "encoded" events. Any failure becomes a Failure blaming this encoder."""
         items = [encoder_pb2.MediaItem(modality=media[i].modality, data=media[i].data,
-                                       identifier=media[i].identifier) for i in g.indices]
+                                       identifier=media[i].identifier,
+                                       upload_content_type=media[i].content_type) for i in g.indices]
         with g.inst.track():
             call = g.inst.stub.Encode(encoder_pb2.EncodeRequest(request_id=req.request_id, items=items,
                                                                 readers=readers if readers > 1 else 0,
@@ -117,19 +128,35 @@ class Encodes:
 
     @staticmethod
     async def _events(g: EncodeGroup, call, req, timings: Timings, n_items: int) -> None:
-        seen = encoded = 0
+        """Fills ``req``'s items from the stream's metadata. A speech upload (one item) may become several:
+        window 0 is the upload's own item, each further window an item added after the request's items;
+        an upload the encoder cannot read (``windows`` 0) keeps its item without a source (the LM reads
+        the upload itself) and has no encoded event to wait for."""
+        seen = encoded = dropped = 0
+        windows: dict[int, int] = {}  # an upload item's index -> the windows it became
+        expected = n_items
         async for ev in call:
             if ev.WhichOneof("event") == "metadata":
                 md = ev.metadata
-                item = req.items[g.indices[md.index]]
-                item.identifier = md.identifier
-                item.source.CopyFrom(md.source)  # the encoder's descriptor, as it came
-                seen += 1
-                if seen == n_items:
+                if not md.HasField("source"):  # an upload the encoder left to the LM: nothing to encode
+                    dropped += 1
+                else:
+                    if md.windows:
+                        if md.windows > MAX_WINDOWS or md.window >= md.windows \
+                                or windows.setdefault(md.index, md.windows) != md.windows:
+                            raise rpc_error(grpc.StatusCode.INTERNAL, f"encoder {g.inst.address} sent window "
+                                                                      f"{md.window} of {md.windows}")
+                    item = req.items.add(modality=md.modality) if md.window else req.items[g.indices[md.index]]
+                    item.identifier = md.identifier
+                    item.source.CopyFrom(md.source)  # the encoder's descriptor, as it came
+                    seen += 1
+                expected = n_items - dropped + sum(w - 1 for w in windows.values())
+                if seen >= expected and not g.metadata.done():
                     g.metadata.set_result(None)
             else:
                 encoded += 1
                 timings.encode_ms = max(timings.encode_ms, ev.encoded.encode_ms)
+        n_items = expected
         if encoded < n_items:
             raise rpc_error(grpc.StatusCode.INTERNAL, f"encoder {g.inst.address} ended the stream after "
                                                       f"{seen} metadata and {encoded} encoded events "

@@ -128,6 +128,7 @@ class Fleet:
             info = await inst.stub.GetInfo(encoder_pb2.GetInfoRequest(), timeout=max(1.0, self.cfg.health_interval_s))
         except grpc.aio.AioRpcError as e:
             return call_failed("GetInfo", e)
+        inst.speech_windows = info.speech_windows
         return encoder_protocol_problem(info.protocol)
 
     def recheck(self, f: Failure) -> None:

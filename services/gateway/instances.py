@@ -102,6 +102,8 @@ class Instance:
     """Why it is not admitted (for logs, /health and errors); empty while admitted."""
     lm_role: str = "both"
     """An LM's role, from its GetInfo: "both", "prefill" or "decode" (E -> P -> D)."""
+    speech_windows: bool = False
+    """An encoder's, from its GetInfo: it cuts speech-to-text uploads into windows (an encoder-decoder model)."""
 
     def __post_init__(self) -> None:
         self.health = health_pb2_grpc.HealthStub(self.channel)

@@ -190,6 +190,8 @@ class Orchestrator:
     async def _attempt(self, req, media, timings: Timings, deadline: float, excluded: dict[str, set[str]],
                        body: LMBody | None = None, ticket: Ticket | None = None, pinned: str | None = None,
                        disaggregate: bool = True):
+        if len(req.items) > len(media):  # an earlier attempt's speech windows past the upload's own item
+            del req.items[len(media):]
         for item in req.items:
             item.ClearField("source")
         handoff.clear(req)

@@ -249,6 +249,12 @@ async def load_media(call: OpenAICall, req: lm_pb2.GenerateRequest, cfg: Gateway
         if API[call.api].encode:  # else the LM lays the prompt out itself, from the bytes in its body
             req.items.add(modality=modality, identifier=ident)
         media.append(Media(data, ident, modality))
+    if API[call.api].upload and call.upload:
+        # A speech-to-text upload is one item: the body as the client sent it, which an encoder that cuts
+        # speech windows reads by vLLM's rule (services.encoder.speech); with none, the LM reads it alone.
+        ident = content_id(call.upload, call.namespace)
+        req.items.add(modality="audio", identifier=ident)
+        media.append(Media(call.upload, ident, "audio", content_type=call.content_type))
     return media
 
 

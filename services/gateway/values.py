@@ -17,6 +17,9 @@ class Media:
     data: bytes
     identifier: str
     modality: str = "image"
+    content_type: str = ""
+    """Set for a speech-to-text upload (the whole ``multipart/form-data`` body as the client sent it, this its
+    Content-Type): an encoder that cuts speech windows reads its audio and answers one item per window."""
 
 
 @dataclass

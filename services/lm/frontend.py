@@ -68,6 +68,7 @@ from services.lm import handoff
 from services.lm.config import FrontendConfig
 from services.lm.context import CURRENT, RequestContext
 from services.lm.media import EncodedElsewhere, check_items
+from services.lm.speech import mm_hashes, name_windows
 from services.lm.vllm_app import build_vllm_app
 
 logger = logging.getLogger(__name__)
@@ -80,9 +81,10 @@ class LaidOutRenderer:
     layout (``services.common.layout.splice_modalities``) instead of running the processor.
     Every other attribute is the wrapped renderer's."""
 
-    def __init__(self, inner, metadata_fields: dict[str, set[str]] | None = None) -> None:
+    def __init__(self, inner, metadata_fields: dict[str, set[str]] | None = None, encoder_decoder: bool = False) -> None:
         self._inner = inner
         self._metadata_fields = metadata_fields or {}  # per modality, what each item must bring (Qwen-VL: its grid)
+        self._encoder_decoder = encoder_decoder  # Whisper-class: speech windows are named (name_windows)
 
     def __getattr__(self, name: str):
         return getattr(self._inner, name)
@@ -93,6 +95,14 @@ class LaidOutRenderer:
         conv, prompt = await self._inner.render_messages_async(messages, params)
         check_items(prompt, CURRENT.get() or RequestContext())
         return conv, prompt
+
+    async def render_cmpl_async(self, prompts, *args, **kwargs):
+        """vLLM's, with each speech window an encoder cut for this request named by its samples first
+        (``services.lm.speech.name_windows``): vLLM's speech-to-text serving renders its windows' prompts here."""
+        ctx = CURRENT.get()
+        if self._encoder_decoder and ctx is not None and ctx.sources:
+            prompts = [name_windows(p, ctx) for p in prompts]
+        return await self._inner.render_cmpl_async(prompts, *args, **kwargs)
 
     def render_messages(self, messages, params):
         conv, prompt = self._inner.render_messages(messages, params)
@@ -200,17 +210,26 @@ class ConsumerEngine:
     and records its outputs in the ``RequestContext``. Every other attribute is the
     engine's."""
 
+    encoder_decoder = False
+    """An encoder-decoder model's engine: each engine call names only its own speech window's source."""
+
     def __init__(self, engine) -> None:
         self._engine = engine
 
         resolver = PlaceholderMetadataResolver(engine.model_config)
-        self.renderer = LaidOutRenderer(engine.renderer, {m: set(resolver.fields_for(m)) for m in LAID_OUT_MODALITIES})
+        self.encoder_decoder = bool(engine.model_config.is_encoder_decoder)
+        self.renderer = LaidOutRenderer(engine.renderer, {m: set(resolver.fields_for(m)) for m in LAID_OUT_MODALITIES},
+                                        self.encoder_decoder)
 
     def __getattr__(self, name: str):
         return getattr(self._engine, name)
 
     def generate(self, prompt, sampling_params, request_id, *args, **kwargs):
         ctx = CURRENT.get()
+        if self.encoder_decoder and ctx is not None and ctx.sources:
+            # vLLM's speech-to-text serving makes one engine call per window with one SamplingParams
+            # object: each call's window source goes on a copy of its own.
+            sampling_params = sampling_params.clone()
         extra = dict(sampling_params.extra_args or {})
         # Only the gateway's items name encoders: a client's own ec_transfer_params (a request field
         # vLLM forwards, or vllm_xargs) would make the LM dial what the caller chose.
@@ -227,10 +246,14 @@ class ConsumerEngine:
         # KVHandoff sets them.
         handoff.set_sampling(ctx.kv if ctx is not None else handoff.Handoff(), sampling_params, extra)
         if ctx is not None and ctx.sources:
-            if self._engine.model_config.is_encoder_decoder:  # issue 25's guard, last stop before vLLM
-                raise BadInput("this LM takes no encoder outputs: it serves an encoder-decoder model and "
-                               "encodes its media itself")
-            extra["ec_transfer_params"] = ECTransferParams(ctx.sources).to_dict()
+            sources = ctx.sources
+            if self.encoder_decoder:
+                # One engine call per speech window: each names the source of its own window only (vLLM
+                # encodes a window no encoder cut, or one a language detection call reads, here).
+                named = mm_hashes(prompt)
+                sources = {i: s for i, s in ctx.sources.items() if i in named}
+            if sources:
+                extra["ec_transfer_params"] = ECTransferParams(sources).to_dict()
         sampling_params.extra_args = extra or None
         gen = self._engine.generate(prompt, sampling_params, request_id, *args, **kwargs)
         if ctx is not None:
@@ -268,7 +291,10 @@ async def _recorded(gen, ctx: RequestContext, request_id: str, delta: bool):
                     "could not be obtained", named)
                 raise ctx.failure
             if out.ec_transfer_params is not None:
-                ctx.ec_report = out.ec_transfer_params
+                # One report per engine call: an API call that makes several (a speech upload's windows)
+                # reports them together.
+                ctx.ec_report = out.ec_transfer_params if ctx.ec_report is None else \
+                    ConsumerFinished.from_dict(ctx.ec_report).then(ConsumerFinished.from_dict(out.ec_transfer_params)).to_dict()
                 out.ec_transfer_params = None  # vLLM would copy it into answers (Responses, Messages)
             if (report := handoff.take_report(out)) is not None:
                 ctx.kv_report = report

@@ -25,6 +25,7 @@ from services.common.engine import (
     UnsupportedModel,
     build_async_engine,
     configure_process_env,
+    encoder_apart_verified,
     is_encoder_decoder,
     serve_until_stopped,
 )
@@ -53,10 +54,11 @@ def _ec_config(cfg: LMServiceConfig, engine_cfg: EngineConfig, security: Securit
 
 
 def ec_consumer(engine_cfg: EngineConfig) -> bool:
-    """Whether this LM's engine is an EC consumer (takes encoder outputs over Transfer): every model
-    but an encoder-decoder one (issue 25's guard: vLLM 0.32 would decode it without the audio), which
-    this LM serves as a plain engine, encoding its audio itself."""
-    return not is_encoder_decoder(engine_cfg)
+    """Whether this LM's engine is an EC consumer (takes encoder outputs over Transfer): every model but
+    an encoder-decoder one where the path issue 35 verified is not (``encoder_apart_verified``: vLLM by
+    itself would decode it without the audio), which this LM then serves as a plain engine, encoding its
+    audio itself (issue 25's guard). Read at start, never per request."""
+    return not is_encoder_decoder(engine_cfg) or encoder_apart_verified(engine_cfg)
 
 
 def check(cfg: LMServiceConfig, security: SecurityConfig) -> EncoderAllowList:
@@ -70,9 +72,25 @@ def check(cfg: LMServiceConfig, security: SecurityConfig) -> EncoderAllowList:
 
 def _engine(cfg: LMServiceConfig, engine_cfg: EngineConfig, security: SecurityConfig, tuning: ConnectorTuning | None,
             consumer: bool, published: holdings.Published | None):
-    """The LM's vLLM engine: the EC consumer of a decoder-only model, or an encoder-decoder model's engine
+    """The LM's vLLM engine: an EC consumer (for an encoder-decoder model, with our worker:
+    ``ectransfer.connector.encoder_decoder``), or, where that model's path is not verified, a plain engine
     that encodes its own audio; with vLLM's KV cache events on when the holdings are ``published``."""
     events = published.engine_args() if published is not None else {}
+    speech = is_encoder_decoder(engine_cfg)
+    if speech and cfg.disaggregated:  # vLLM refuses a KV connector for an encoder-decoder model
+        raise UnsupportedModel(f"{engine_cfg.model} is an encoder-decoder model: it cannot run as a {cfg.role} LM "
+                               "(vLLM 0.32 takes no KV connector for one); run it with --role both")
+    if consumer and speech:
+        # Issue 35's path (ectransfer.connector.encoder_decoder): our worker's runner hands the decoder the
+        # transferred encoder outputs; vLLM's own encoder-decoder cache manager (the items carry their audio,
+        # and vLLM allocates their cross-attention blocks as for a local encode).
+        from vllm.platforms import current_platform
+
+        from ectransfer.connector.encoder_decoder import WORKER_CLS
+
+        return build_async_engine(engine_cfg, _ec_config(cfg, engine_cfg, security, tuning),
+                                  worker_cls=WORKER_CLS["cpu" if current_platform.is_cpu() else "cuda"],
+                                  **events, **cfg.engine_args())
     if consumer:
         # No processor cache: a prompt laid out from an encoder's metadata carries its
         # items without data, which vLLM's engine-side processor cache would take for
@@ -81,9 +99,6 @@ def _engine(cfg: LMServiceConfig, engine_cfg: EngineConfig, security: SecurityCo
         return build_async_engine(engine_cfg, _ec_config(cfg, engine_cfg, security, tuning),
             ec_manager_config=EC_MANAGER_CONFIG, mm_processor_cache_gb=0, **({"kv_transfer_config": kv} if kv is not None else {}), **events,
             **cfg.engine_args())
-    elif cfg.disaggregated:  # vLLM refuses a KV connector for an encoder-decoder model
-        raise UnsupportedModel(f"{engine_cfg.model} is an encoder-decoder model: it cannot run as a {cfg.role} LM "
-                               "(vLLM 0.32 takes no KV connector for one); run it with --role both")
     else:
         logger.warning("%s is an encoder-decoder model: this LM encodes its audio itself and takes no "
                        "encoder outputs (%s)", engine_cfg.model, ENCODER_DECODER_GAP)

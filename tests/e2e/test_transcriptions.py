@@ -1,15 +1,18 @@
-"""Issue 25: an encoder-decoder speech model (the tiny offline Whisper) through epd-serve answers
+"""Issues 25 and 35: an encoder-decoder speech model (the tiny offline Whisper) through epd-serve answers
 /v1/audio/transcriptions and /v1/audio/translations as ``vllm serve`` does on the same model: each
 response_format vLLM accepts (and the ones it refuses, refused the same way), streaming, two clips, a
-clip longer than one 30 s window (vLLM splits it), language detection, and bad uploads. The LM
-encodes the audio itself (vLLM 0.32 cannot take such a model's encoder output from another engine:
-docs/design.md), so the deployment has no encoder, and an item naming an encoder is refused.
+clip longer than one 30 s window (vLLM splits it), language detection, and bad uploads. The encoder is
+apart (issue 35, docs/design.md "Encoder-decoder models"): the encoder service cuts each upload into the
+windows vLLM cuts and encodes them, and the LM's decoder takes each window's output over the transfer
+(its own encoder runs only for a language-detection call); the perturbation shows the outputs are used.
 
-One deployment (gateway + LM) and one ``vllm serve`` for the module, started side by side."""
+One deployment (gateway + encoder + LM, with the test-only hooks) and one ``vllm serve`` for the module,
+started side by side."""
 
 from __future__ import annotations
 
 import json
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -17,12 +20,10 @@ import httpx
 import pytest
 
 from epd.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from epd.lm.v1 import lm_pb2, lm_pb2_grpc
-from epd.transfer.v1 import transfer_pb2
 from services.cli import default_model
 from services.up import Deployment
 from tests.e2e.conftest import stop_in_background
-from tests.e2e.helpers import vllm_serve
+from tests.e2e.helpers import metric, perturbable, settled, vllm_serve
 from tools.media import make_audio
 
 pytestmark = pytest.mark.e2e
@@ -43,7 +44,8 @@ def whisper() -> str:
 def pair(whisper, tmp_path_factory):
     """(epd-serve's gateway URL, the deployment, vllm serve's URL) on the tiny Whisper."""
     # One decode bound for both (a minute, so that a clip past it stays small): the LM's flag, vLLM's variable.
-    dep = Deployment(model=whisper, quiet=True, with_encoder=False, lm_args=["--max-audio-seconds", str(MAX_S)])
+    bound = ["--max-audio-seconds", str(MAX_S)]
+    dep = perturbable(Deployment(model=whisper, quiet=True, lm_args=bound, encoder_args=bound))
     with ThreadPoolExecutor(1) as pool:
         started = pool.submit(dep.start)
         with vllm_serve(whisper, tmp_path_factory.mktemp("vllm-serve-whisper") / "server.log",
@@ -188,20 +190,71 @@ def test_bad_uploads_are_refused_as_vllm_serve_refuses_them(pair, case):
     assert ok.status_code == 200  # the services still answer
 
 
-def test_an_item_naming_an_encoder_is_refused_by_a_whisper_lm(pair):
-    """Issue 25's guard, on the running LM: a Generate whose item names an encoder never reaches vLLM."""
-    _, dep, _ = pair
-    req = lm_pb2.GenerateRequest(request_id="guard-1")
-    req.openai.api, req.openai.body = "chat", json.dumps({"model": default_model(family="whisper"), "messages": [
-        {"role": "user", "content": [{"type": "audio_url", "audio_url": None, "uuid": "a" * 64}]}]}).encode()
-    item = req.items.add(modality="audio", identifier="a" * 64)
-    item.source.CopyFrom(transfer_pb2.ItemSource(transfer_endpoint="127.0.0.1:1", encoder_id="e", num_embeds=1,
-                                                 embed_width=64, dtype=transfer_pb2.BFLOAT16))
-    with dep.client_security.channel(dep.lm_addr) as ch:
-        with pytest.raises(grpc.RpcError) as e:
-            list(lm_pb2_grpc.LMServiceStub(ch).Generate(req, timeout=30))
-    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
-    assert "takes no encoder outputs" in e.value.details()
+def _counts(dep) -> dict[str, float]:
+    return {"encoder items": metric(dep.encoder_metrics, "epd_encoder_items_total"),
+            "encoder runs": metric(dep.encoder_metrics, "epd_encoder_vision_runs_total"),
+            "lm local runs": metric(dep.lm_metrics, "epd_lm_local_encoder_runs_total"),
+            "lm transferred": metric(dep.lm_metrics, "epd_lm_transferred_items_total")}
+
+
+def _grew(dep, before: dict[str, float], **want: float) -> None:
+    """The counters grew by ``want`` (keys with spaces as underscores) once the encoder has counted."""
+    want = {k.replace("_", " "): v for k, v in want.items()}
+    settled(lambda: _counts(dep)["encoder runs"] - before["encoder runs"], want["encoder runs"])
+    now = _counts(dep)
+    assert {k: now[k] - before[k] for k in want} == want, (now, before)
+
+
+def test_each_window_is_encoded_apart_and_a_repeated_clip_is_encoded_once(pair):
+    """Issue 35: the encoder cuts an upload into the windows vLLM cuts, one item each (a 45 s clip: two),
+    and the LM's decoder takes them over the transfer: its own encoder never runs. The same clip again
+    is served from the encoder's store (no encoder run); the answers are `vllm serve`'s throughout."""
+    epd, dep, ref = pair
+    fields = dict(model=default_model(family="whisper"), language="en", temperature=0)
+    short, long = make_audio(seed=11, seconds=2.0), make_audio(seed=12, seconds=45.0)  # new to the encoder
+    for clip, windows, runs in ((short, 1, 1), (long, 2, 2), (long, 2, 0)):
+        before = _counts(dep)
+        ours = _post(epd, ROUTES[1], clip, **fields)
+        _same(ours, _post(ref, ROUTES[1], clip, **fields))
+        assert ours.status_code == 200 and ours.json()["epd"]["transferred_items"] == windows, ours.text[:500]
+        _grew(dep, before, encoder_items=windows, encoder_runs=runs, lm_local_runs=0, lm_transferred=windows)
+
+
+def test_language_detection_reads_the_first_window_on_the_lm(pair):
+    """Without a language vLLM's serving first asks the model for one, from the first window, in an engine
+    call of its own: the LM encodes that window itself (one local run); the transcription's windows still
+    come from the encoder. The answer is `vllm serve`'s."""
+    epd, dep, ref = pair
+    fields = dict(model=default_model(family="whisper"), temperature=0)
+    clip = make_audio(seed=7, seconds=2.5)
+    before = _counts(dep)
+    ours = _post(epd, ROUTES[0], clip, **fields)
+    _same(ours, _post(ref, ROUTES[0], clip, **fields))
+    _grew(dep, before, encoder_items=1, encoder_runs=1, lm_local_runs=1, lm_transferred=1)
+
+
+def test_encoder_outputs_changed_in_transit_change_the_text(pair):
+    """The perturbation technique (tests/e2e/perturb): with the LM's connector negating and scaling every
+    output it injects, the text is no longer `vllm serve`'s, each window went through the hook, and the
+    LM's encoder never ran: the decoder reads the transferred outputs, not a local encode."""
+    epd, dep, ref = pair
+    fields = dict(model=default_model(family="whisper"), language="en", temperature=0)
+    clip = make_audio(seed=8, seconds=3.0)
+    plain = _post(ref, ROUTES[0], clip, **fields).json()["text"]
+    switch, log = f"{dep.log_dir}/perturb-on", f"{dep.log_dir}/perturbed.txt"
+    seen = open(log).read().split() if os.path.exists(log) else []
+    before = _counts(dep)
+    open(switch, "w").close()
+    try:
+        ours = _post(epd, ROUTES[0], clip, **fields)
+    finally:
+        os.remove(switch)
+    assert ours.status_code == 200, ours.text[:300]
+    assert len(open(log).read().split()) == len(seen) + 1  # the one window went through the hook
+    assert ours.json()["text"] != plain, plain
+    _grew(dep, before, encoder_items=1, encoder_runs=1, lm_local_runs=0, lm_transferred=1)
+    again = _post(epd, ROUTES[0], clip, **fields)  # the hook off: the stored output, plain vLLM's text
+    assert again.json()["text"] == plain
 
 
 def test_too_big_an_upload_is_refused_as_vllm_serve_refuses_it(pair):

@@ -1,9 +1,9 @@
-"""Issue 25's guard: vLLM 0.32 never loads a transferred encoder output into an encoder-decoder
-model's (Whisper-class) cross-attention by itself, so an LM fed from an encoder would decode without the
-audio, silently. The encoder service refuses such a model before any engine starts where issue 35's
-path is not verified (tests/integration/test_whisper_apart_seam.py); the LM (not wired yet) serves it as a
-plain engine that is no EC consumer (it encodes the audio itself), and refuses any item that names an
-encoder (tests/e2e/test_transcriptions.py sends one to a running Whisper LM)."""
+"""Issue 25's guard, and issue 35's path past it: vLLM 0.32 never loads a transferred encoder output into
+an encoder-decoder model's (Whisper-class) cross-attention by itself, so an LM fed from an encoder would
+decode without the audio, silently. Where issue 35's path is verified (vLLM 0.32's V1 runner, which our
+worker's runner extends: tests/integration/test_whisper_apart_seam.py) the encoder serves such a model and
+the LM is its EC consumer (tests/e2e/test_transcriptions.py runs it); elsewhere the encoder service refuses
+the model before any engine starts and the LM is a plain engine that encodes the audio itself."""
 
 from __future__ import annotations
 
@@ -45,10 +45,14 @@ def test_the_encoder_refuses_an_encoder_decoder_model_before_starting_an_engine(
     assert "EngineCore" not in proc.stderr  # refused before any engine process was started
 
 
-def test_the_lm_is_no_ec_consumer_for_an_encoder_decoder_model(tiny_whisper_config, tiny_model):
+def test_the_lm_is_an_ec_consumer_for_an_encoder_decoder_model_where_the_path_is_verified(
+        tiny_whisper_config, tiny_model, monkeypatch):
     from services.common.engine import EngineConfig
     from services.lm.server import ec_consumer
 
+    assert ec_consumer(EngineConfig(model=tiny_whisper_config))
+    assert ec_consumer(EngineConfig(model=tiny_model))
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")  # read at start, as the services read it
     assert not ec_consumer(EngineConfig(model=tiny_whisper_config))  # a plain engine: no connector at all
     assert ec_consumer(EngineConfig(model=tiny_model))
 
@@ -59,27 +63,36 @@ def test_a_decoder_only_model_passes_the_encoders_guard(tiny_model):
     refuse_encoder_decoder(EngineConfig(model=tiny_model), "encoder")  # no exception
 
 
-def test_a_request_to_an_encoder_decoder_model_is_never_given_ec_transfer_params():
-    """ConsumerEngine, the last place before vLLM: a request whose items name an encoder is refused on an
-    encoder-decoder model's engine, before the engine sees it."""
+def test_each_engine_call_of_an_encoder_decoder_model_names_only_its_own_windows_source():
+    """ConsumerEngine, the last place before vLLM: vLLM's speech-to-text serving makes one engine call per
+    window with one SamplingParams object; each call gets, on a copy of its own, the source of the window
+    its rendered input names (``mm_hashes``), and a call that names none (a language detection) none."""
     from types import SimpleNamespace
 
-    from ectransfer.connector.metadata import ItemSource
-    from services.common.errors import BadInput
+    from vllm import SamplingParams
+
+    from ectransfer.connector.metadata import ECTransferParams, ItemSource
     from services.lm.context import CURRENT, RequestContext
     from services.lm.frontend import ConsumerEngine
 
     calls = []
     engine = SimpleNamespace(model_config=SimpleNamespace(is_encoder_decoder=True),
-                             generate=lambda *a, **k: calls.append((a, k)))
+                             generate=lambda prompt, params, rid: calls.append((rid, params)))
     consumer = object.__new__(ConsumerEngine)  # its renderer is not needed here
-    consumer._engine = engine
+    consumer._engine, consumer.encoder_decoder = engine, True
     ctx = RequestContext(media=None)
-    ctx.sources["x" * 64] = ItemSource("127.0.0.1:1", 64, "bfloat16", "claim")
+    for w in "ab":
+        ctx.sources[w * 64] = ItemSource(f"127.0.0.1:{ord(w)}", 64, "bfloat16", "claim")
+    shared = SamplingParams(max_tokens=4)
     token = CURRENT.set(ctx)
     try:
-        with pytest.raises(BadInput, match="takes no encoder outputs"):
-            consumer.generate("prompt", SimpleNamespace(extra_args=None), "rid")
+        for rid, hashes in (("w0", ["a" * 64]), ("w1", ["b" * 64]), ("lang", [])):
+            prompt = {"type": "enc_dec", "encoder_prompt": {"prompt_token_ids": []},
+                      "decoder_prompt": {"prompt_token_ids": [1], "mm_hashes": {"audio": hashes} if hashes else {}}}
+            consumer.generate(prompt, shared, rid)
     finally:
         CURRENT.reset(token)
-    assert calls == []
+    named = {rid: set(ECTransferParams.from_dict((p.extra_args or {}).get("ec_transfer_params")).items)
+             for rid, p in calls}
+    assert named == {"w0": {"a" * 64}, "w1": {"b" * 64}, "lang": set()}
+    assert shared.extra_args is None  # the serving's own object is left as it was

@@ -42,7 +42,8 @@ def test_ectransfer_imports_no_service_and_no_service_protocol():
 
 def test_item_descriptor_is_one_message_from_encoder_to_lm():
     meta = encoder_pb2.ItemMetadata.DESCRIPTOR
-    assert {f.name for f in meta.fields} == {"identifier", "index", "modality", "source"}
+    # window/windows: which of an upload's speech windows the item is (the descriptor is still ``source``)
+    assert {f.name for f in meta.fields} == {"identifier", "index", "modality", "source", "window", "windows"}
     assert meta.fields_by_name["source"].message_type is transfer_pb2.ItemSource.DESCRIPTOR
     assert lm_pb2.MMItem.DESCRIPTOR.fields_by_name["source"].message_type is transfer_pb2.ItemSource.DESCRIPTOR
 

@@ -28,7 +28,23 @@ PRIVATE = [
      "ectransfer/connector/encoder_decoder.py"),
     ("vllm.v1.worker.gpu_worker", "Worker._make_model_runner",
      "ectransfer/connector/encoder_decoder.py EPDGPUWorker: builds our runner"),
+    ("vllm.entrypoints.speech_to_text.base.serving", "SpeechToTextBaseServing._decode_and_chunk_speech",
+     "services/encoder/speech.py: an upload's windows, cut as vLLM's serving cuts them"),
 ]
+
+
+def test_the_speech_windows_are_cut_from_what_the_encoder_gives_vllms_serving():
+    """services/encoder/speech.py calls ``_decode_and_chunk_speech`` on a holder with the attributes it
+    reads in vLLM 0.32: the model's speech-to-text config and the two decode bounds, nothing else of the
+    serving object."""
+    import inspect
+    import re
+
+    from vllm.entrypoints.speech_to_text.base.serving import SpeechToTextBaseServing
+
+    src = inspect.getsource(SpeechToTextBaseServing._decode_and_chunk_speech)
+    assert set(re.findall(r"self\.(\w+)", src)) == {"asr_config", "max_audio_decode_duration_s",
+                                                     "max_audio_decode_bytes"}
 
 
 def test_the_runner_step_reads_what_the_encoder_decoder_runner_gives_it():
