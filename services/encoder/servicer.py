@@ -281,8 +281,10 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         lease = None
         if audio is not None:
             try:
+                # At most the whole budget: a bound set past it still lets one upload decode at a time.
+                nbytes = min(self.speech.decoded_bytes(), self.decoder.budget.capacity)
                 (windows,), lease = await self.decoder.decode_under_budget(
-                    self.speech.decoded_bytes(), "audio", rid, [functools.partial(self.speech.cut, audio)])
+                    nbytes, "audio", rid, [functools.partial(self.speech.cut, audio)])
             except BadInput as e:  # the decode timed out: vLLM's app on the LM decodes it without one
                 logger.info("request %s: %s; the LM reads the upload itself", rid, e)
         del audio
