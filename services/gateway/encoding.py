@@ -108,8 +108,9 @@ class Encodes:
                       readers: int = 1) -> None:
         """One Encode stream: fills sources from the metadata, then drains the
         "encoded" events. Any failure becomes a Failure blaming this encoder."""
+        # An upload's identifier is a routing key, not its body's content hash: the encoder names its windows.
         items = [encoder_pb2.MediaItem(modality=media[i].modality, data=media[i].data,
-                                       identifier=media[i].identifier,
+                                       identifier="" if media[i].content_type else media[i].identifier,
                                        upload_content_type=media[i].content_type) for i in g.indices]
         with g.inst.track():
             call = g.inst.stub.Encode(encoder_pb2.EncodeRequest(request_id=req.request_id, items=items,

@@ -252,9 +252,26 @@ async def load_media(call: OpenAICall, req: lm_pb2.GenerateRequest, cfg: Gateway
     if API[call.api].upload and call.upload:
         # A speech-to-text upload is one item: the body as the client sent it, which an encoder that cuts
         # speech windows reads by vLLM's rule (services.encoder.speech); with none, the LM reads it alone.
-        ident = content_id(call.upload, call.namespace)
-        req.items.add(modality="audio", identifier=ident)
-        media.append(Media(call.upload, ident, "audio", content_type=call.content_type))
+        key = upload_key(call.upload, call.content_type, call.namespace)
+        req.items.add(modality="audio", identifier=key)
+        media.append(Media(call.upload, key, "audio", content_type=call.content_type))
     return media
+
+
+def upload_key(body: bytes, content_type: str, namespace: str = "") -> str:
+    """A speech upload's routing key: ``content_id`` of its ``file`` part (the last one, as FastAPI takes
+    it), so the same clip goes to the encoder that holds its windows whatever the form's boundary, field
+    order or other fields; of the whole body when no such part is found. Only routing reads it: the
+    encoder names each window by its samples, so a key that differs from the encoder's reading of the body
+    costs an encode elsewhere, never a wrong answer. A split on the boundary (a few ms for 25 MB; no
+    transfer encodings: browsers and HTTP clients send form files as they are)."""
+    m = re.search(r'boundary="?([^";]{1,200})"?', content_type)
+    data = None
+    if m is not None:
+        for part in body.split(b"--" + m.group(1).encode("latin-1")):
+            head, sep, rest = part.partition(b"\r\n\r\n")
+            if sep and re.search(rb'(?i)content-disposition:[^\r\n]*;\s*name="file"', head):
+                data = rest[:-2] if rest.endswith(b"\r\n") else rest
+    return content_id(data if data is not None else body, namespace)
 
 

@@ -18,7 +18,7 @@ from epd.lm.v1 import lm_pb2
 from epd.transfer.v1 import transfer_pb2
 from services.common.media import content_id, window_id, window_wav
 from services.gateway.encoding import MAX_WINDOWS, EncodeGroup, Encodes
-from services.gateway.request import multipart_upload
+from services.gateway.request import multipart_upload, upload_key
 from services.gateway.values import Timings
 from tools.media import make_audio
 
@@ -40,6 +40,23 @@ def test_a_window_is_named_by_a_float_wav_of_its_samples():
     y = x.copy()
     y[100] += 1e-6
     assert window_id(y, 16000) != window_id(x, 16000)
+
+
+def test_the_gateway_routes_an_upload_by_its_file_not_by_its_form():
+    """The routing key of a speech upload: the same clip is one key (the encoder that holds its windows gets
+    it again) whatever the boundary, the field order or the other fields; a body without a file part is
+    keyed whole."""
+    import httpx
+
+    clip = make_audio(seed=1, seconds=1.0)
+    a, ctype_a = multipart_upload({"model": "m", "language": "en"}, clip)
+    b, ctype_b = multipart_upload({"temperature": 0, "language": "fr", "model": "m"}, clip)
+    assert ctype_a != ctype_b and upload_key(a, ctype_a) == upload_key(b, ctype_b) == content_id(clip)
+    assert upload_key(a, ctype_a, "t:") == content_id(clip, "t:")
+    sent = httpx.Request("POST", "http://gateway/", files={"file": ("c.wav", clip, "audio/wav")}, data={"model": "m"})
+    assert upload_key(sent.read(), sent.headers["content-type"]) == content_id(clip)
+    assert upload_key(b"no parts", "multipart/form-data; boundary=zz") == content_id(b"no parts")
+    assert upload_key(a, "application/json") == content_id(a)
 
 
 # -- the encoder's reading of an upload ---------------------------------------------------------------
