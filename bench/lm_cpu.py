@@ -19,7 +19,6 @@ import json
 import os
 import re
 import shlex
-import subprocess
 import sys
 import tempfile
 import threading
@@ -54,12 +53,14 @@ def parse_counters(text: str) -> dict[str, float]:
 
 def lm_engine(system: str) -> tuple[int, str]:
     """The LM engine's root process and the URL of its vLLM counters."""
-    ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    if system == "vllm-ec":
-        m = re.search(r"^\s*(\d+) .*api_server .*--port (\d+).*ec_consumer", ps, re.M)
-        return int(m.group(1)), f"http://127.0.0.1:{m.group(2)}/metrics"
-    m = re.search(r"^\s*(\d+) .*services\.cli lm .*?--metrics-port (\d+)", ps, re.M)
-    return int(m.group(1)), f"http://127.0.0.1:{m.group(2)}/metrics"
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        argv = proc.info["cmdline"] or []
+        line = " ".join(argv)
+        if system == "vllm-ec" and "api_server" in line and "ec_consumer" in line:
+            return proc.info["pid"], f"http://127.0.0.1:{argv[argv.index('--port') + 1]}/metrics"
+        if system != "vllm-ec" and "services.cli" in argv and "lm" in argv and "--metrics-port" in argv:
+            return proc.info["pid"], f"http://127.0.0.1:{argv[argv.index('--metrics-port') + 1]}/metrics"
+    raise RuntimeError(f"no LM engine of {system} found")
 
 
 def cpu_s(root: int) -> float:
