@@ -77,7 +77,7 @@ from tools.media import data_url, make_image
 
 WORDS = ("the river light stone cloud north window garden silver market evening paper quiet "
          "engine summer letter mountain bridge winter forest harbor lantern orchard").split()
-SYSTEMS = ("colocated", "colocated-dp2", "epd", "epd-wait", "epd-seq", "epd-auto", "vllm-ec", "epd-pd", "vllm-epd")
+SYSTEMS = ("colocated", "colocated-dp2", "epd", "epd-wait", "epd-seq", "epd-mp", "epd-auto", "vllm-ec", "epd-pd", "vllm-epd")
 STAGES = ("queue", "metadata", "encode", "transfer", "lm_queue", "ttft", "tpot", "total")
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -179,7 +179,7 @@ def _halves(cores: list[int]) -> tuple[list[int], list[int]]:
 # encoder cache but no KV cache. Each system's slices sum to 0.85.
 GPU_SHARES = {"colocated": {"lm": 0.85}, "colocated-dp2": {"lm0": 0.42, "lm1": 0.42},
               "epd": {"encoder": 0.2, "lm": 0.65}, "epd-wait": {"encoder": 0.2, "lm": 0.65},
-              "epd-seq": {"encoder": 0.2, "lm": 0.65},
+              "epd-seq": {"encoder": 0.2, "lm": 0.65}, "epd-mp": {"encoder": 0.2, "lm": 0.65},
               "epd-auto": {"encoder": 0.2, "lm": 0.65},
               "vllm-ec": {"producer": 0.2, "consumer": 0.65},
               "epd-pd": {"encoder": 0.15, "prefill": 0.35, "decode": 0.35},
@@ -322,9 +322,11 @@ class System:
             lms = [epd_service("lm", role, cs, ["--role", role, "--kv-host", "127.0.0.1", "--kv-port", str(free_port())])
                    for role, cs in (("prefill", p_cores), ("decode", d_cores))]
         else:  # epd, epd-auto (the gateway's --placement auto), epd-wait (the LM waits for every item), epd-seq
-            # (the gateway's --dispatch sequential: the LM gets a request once its items are encoded)
+            # (the gateway's --dispatch sequential: the LM gets a request once its items are encoded), epd-mp
+            # (both engines with vLLM's CPU default executor: a worker process beside each EngineCore)
+            mp = ["--executor", "mp"] if name == "epd-mp" else []
             wait = ["--no-connector-prefill-in-step"] if name == "epd-wait" else []
-            encoders, lms = [epd_service("encoder", "encoder", a)], [epd_service("lm", "lm", b, wait)]
+            encoders, lms = [epd_service("encoder", "encoder", a, mp)], [epd_service("lm", "lm", b, wait + mp)]
         self.front = Service("gateway", ["gateway", "--epd-facts", "--port", str(self.port), "--lms", ",".join(lms),
                                          "--encoders", ",".join(encoders),
                                          "--placement", "auto" if name == "epd-auto" else "encoder",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -75,12 +76,20 @@ class EngineConfig:
     cpu_cores: str = ""
     """CPU hosts: cores the engine's worker binds, e.g. "0-3" (vLLM's VLLM_CPU_OMP_THREADS_BIND;
     empty: vLLM's auto). Give engines sharing a host disjoint cores."""
+    executor: str = "auto"
+    """How the engine runs its model: "uni" (vLLM's UniProcExecutor: the model runs in the EngineCore
+    process), "mp" (vLLM's MultiprocExecutor: a worker process beside it) or "auto": "uni" on a CPU host
+    for a one-worker engine, vLLM's own choice elsewhere (single-GPU engines are "uni" there already).
+    On CPU vLLM picks "mp" by itself, whose worker busy-waits on a shared-memory queue for a second after
+    every step (issue 34: an LM whose requests wait for items burnt a core on it)."""
     vllm_args: dict[str, Any] = field(default_factory=dict)
     """Extra vLLM engine arguments, e.g. {"tensor_parallel_size": 2} (JSON on the command line)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in ("bfloat16", "float16", "float32", "auto"):
             raise ValueError(f"dtype must be one of bfloat16, float16, float32, auto; got {self.dtype!r}")
+        if self.executor not in ("auto", "uni", "mp"):
+            raise ValueError(f"executor must be auto, uni or mp; got {self.executor!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda; got {self.device!r}")
         if isinstance(self.vllm_args, str):
@@ -170,16 +179,68 @@ def build_async_engine(cfg: EngineConfig, ec_transfer_config: dict[str, Any] | N
                        ec_manager_config: dict[str, Any] | None = None, **fixed: Any):
     """``fixed``: engine arguments the service needs, over ``cfg.vllm_args``."""
     if cfg.cpu_cores:
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpu_cores  # read by the spawned worker
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpu_cores  # read when the engine's model process starts
     from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.async_llm import AsyncLLM
 
     kw = engine_kwargs(cfg, ec_transfer_config)
     if ec_manager_config is not None:
         kw["ec_manager_config"] = ec_manager_config
     kw.update(fixed)
+    uni = one_process_on_cpu(cfg, kw)
+    if uni or cfg.executor == "mp":
+        kw.setdefault("distributed_executor_backend", "uni" if uni else "mp")
     args = AsyncEngineArgs(**kw)
-    return AsyncLLM.from_engine_args(args)
+    with _env({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if uni else {}):
+        vllm_config = args.create_engine_config(UsageContext.ENGINE_CONTEXT)
+        with _cpu_threads(vllm_config, uni):
+            return AsyncLLM.from_vllm_config(vllm_config, enable_log_requests=args.enable_log_requests,
+                                             disable_log_stats=args.disable_log_stats)
+
+
+def one_process_on_cpu(cfg: EngineConfig, kw: dict[str, Any]) -> bool:
+    """Whether the engine runs its model in the EngineCore process on a CPU host (``EngineConfig.executor``):
+    "uni" asked for, or "auto" with one worker and no executor named in ``--vllm-args``."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu() or cfg.executor == "mp" or "distributed_executor_backend" in kw:
+        return False
+    workers = (kw.get("tensor_parallel_size", 1) * kw.get("pipeline_parallel_size", 1)
+               * kw.get("data_parallel_size", 1))
+    return cfg.executor == "uni" or workers == 1
+
+
+@contextlib.contextmanager
+def _env(values: dict[str, str]):
+    """``values`` in ``os.environ`` for the block (the EngineCore process, spawned inside it, inherits
+    them), the old ones back after: a test process that starts other engines later is left as it was.
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` is what vLLM's CPU platform reads to keep a "uni" executor (it
+    swaps it for "mp" otherwise); AsyncLLM runs its EngineCore in a process of its own either way."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
+def _cpu_threads(vllm_config, uni: bool):
+    """With "uni" on CPU, the EngineCore process gets the OpenMP settings (threads, places, binding) that
+    vLLM's MultiprocExecutor gives its worker, from vLLM's own ``OMPProcessManager``: the same cores, now
+    for the one process."""
+    if not uni:
+        yield
+        return
+    from vllm.utils.ompmultiprocessing import OMPProcessManager
+
+    with OMPProcessManager(vllm_config).configure_omp_envs(rank=0, local_rank=0):
+        yield
 
 
 class EngineDied(RuntimeError):

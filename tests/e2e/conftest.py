@@ -43,10 +43,13 @@ def _background_stops():
 def session_deployment(model: str) -> Deployment:
     """The session's deployment, not started (tests/early.py launches it at the session's start). vLLM's
     front-end flags for tool calls, as tests/e2e/test_openai_parity.py gives `vllm serve`. vLLM's default
-    engine processes (the worker in its own process), as production runs them: most other deployments run
-    one-process engines to save time (tests/conftest.py)."""
+    engine processes on CPU (``--executor mp``: the worker in its own process, as `vllm serve` runs it), kept
+    covered here: the services' own default on CPU, and every other deployment's, is one process
+    (``--executor auto``, services/common/engine.py)."""
     return perturbable(Deployment(model=model, quiet=True, security="tls", env=dict(MULTIPROCESS_ENGINES),
-                                  lm_args=["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]))
+                                  encoder_args=["--executor", "mp"],
+                                  lm_args=["--executor", "mp", "--enable-auto-tool-choice", "--tool-call-parser",
+                                           "hermes"]))
 
 
 @pytest.fixture(scope="session")

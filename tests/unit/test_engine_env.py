@@ -57,3 +57,33 @@ def test_configure_process_env_sets_what_is_unset_and_keeps_the_operators_values
     out = _run("import json; from services.common.engine import configure_process_env; configure_process_env(); "
                "import huggingface_hub.constants as c; print(json.dumps(c.HF_HUB_OFFLINE))")
     assert out is True
+
+
+def test_a_cpu_engine_with_one_worker_runs_its_model_in_the_enginecore_unless_asked_otherwise():
+    from services.common.engine import EngineConfig, one_process_on_cpu
+
+    assert one_process_on_cpu(EngineConfig(), {})
+    assert one_process_on_cpu(EngineConfig(executor="uni"), {"tensor_parallel_size": 1})
+    assert not one_process_on_cpu(EngineConfig(executor="mp"), {})
+    assert not one_process_on_cpu(EngineConfig(), {"tensor_parallel_size": 2})
+    assert not one_process_on_cpu(EngineConfig(), {"distributed_executor_backend": "mp"})
+    with pytest.raises(ValueError, match="executor"):
+        EngineConfig(executor="ray")
+
+
+def test_vllm_keeps_the_uni_executor_on_cpu_only_under_the_variable_the_service_sets_while_it_starts():
+    # vLLM's CPU platform swaps "uni" for "mp" unless VLLM_ENABLE_V1_MULTIPROCESSING=0
+    # (vllm/platforms/cpu.py): build_async_engine sets it around the engine's start and restores it.
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    from services.cli import default_model
+    from services.common.engine import _env
+
+    def backend(multiprocessing: str) -> str:
+        with _env({"VLLM_ENABLE_V1_MULTIPROCESSING": multiprocessing}):
+            config = AsyncEngineArgs(model=default_model(), distributed_executor_backend="uni").create_engine_config()
+        return config.parallel_config.distributed_executor_backend
+
+    before = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    assert [backend("1"), backend("0")] == ["mp", "uni"]
+    assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == before
