@@ -158,12 +158,13 @@ def deployment(system: str, model: str, args) -> Deployment:
     if system == "one-lm":
         return Deployment(model=model, quiet=True, n_encoders=2, n_lms=1, encoder_args=encoders,
                           gateway_args=["--encoder-routing", "held" if tier else "affinity",
-                                        "--affinity-spill", str(args.affinity_spill)])
+                                        "--affinity-spill", str(args.affinity_spill),
+                                        "--held-spill", str(args.held_spill)])
     routing, _, spill = system.partition("-spill")
     return Deployment(model=model, quiet=True, n_encoders=2, n_lms=2, encoder_args=encoders,
                       gateway_args=["--lm-routing", routing, "--lm-spill", spill or str(args.lm_spill),
                                     "--encoder-routing", "held" if tier else "affinity",
-                                    "--affinity-spill", str(args.affinity_spill)])
+                                    "--affinity-spill", str(args.affinity_spill), "--held-spill", str(args.held_spill)])
 
 
 def measure(system: str, model: str, convs, args) -> dict:
@@ -243,6 +244,7 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--lm-spill", type=int, default=2)
     p.add_argument("--affinity-spill", type=int, default=4, help="the gateway's --affinity-spill (its default: 4)")
+    p.add_argument("--held-spill", type=int, default=16, help="the gateway's --held-spill (its default: 16)")
     p.add_argument("--systems", default="one-lm,load,cache,cache+tier")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="")

@@ -56,10 +56,14 @@ class GatewayConfig:
     affinity_spill: int = 4
     """Cache affinity: an image goes to the encoder its content hash maps to (rendezvous hashing) unless that
     encoder has this many more outstanding requests than the least-loaded healthy encoder."""
+    held_spill: int = 16
+    """An image whose output an encoder holds (--encoder-routing held) goes to that encoder unless it has
+    more than this many outstanding requests beyond the least busy encoder. Larger than --affinity-spill:
+    there the image costs no vision run, anywhere else a whole one."""
     encoder_routing: str = "held"
     """How an encoder is chosen for an image: held (an encoder whose outbound store or host tier holds its
     output, from the encoders' Holdings and what the gateway sent them, unless it has more than
-    --affinity-spill requests beyond the least busy; else cache affinity) or affinity (rendezvous hashing
+    --held-spill requests beyond the least busy; else cache affinity) or affinity (rendezvous hashing
     only)."""
     lm_routing: str = "cache"
     """How an LM is chosen for a request with media: cache (the LM whose prefix cache holds most of its items,
@@ -186,8 +190,8 @@ class GatewayConfig:
             raise ValueError(f"lm_routing must be cache or load, got {self.lm_routing!r}")
         if self.lm_spill < 0:
             raise ValueError(f"lm_spill must be >= 0, got {self.lm_spill}")
-        if self.fetch_max_redirects < 0 or self.affinity_spill < 0:
-            raise ValueError("fetch_max_redirects and affinity_spill must be >= 0")
+        if self.fetch_max_redirects < 0 or self.affinity_spill < 0 or self.held_spill < 0:
+            raise ValueError("fetch_max_redirects, affinity_spill and held_spill must be >= 0")
         try:
             _ = self.allowed_networks  # parses --fetch-allow-networks
         except ValueError as e:

@@ -70,7 +70,7 @@ class Encodes:
                 return []
         for i, m in enumerate(media):
             inst = pick_encoder(m.identifier, candidates, self.cfg.affinity_spill,
-                                self.fleet.encoder_holds(m.identifier))
+                                self.fleet.encoder_holds(m.identifier), self.cfg.held_spill)
             if inst is None:
                 if not self.cfg.local_encode_fallback:
                     out = "; ".join(f"{i.address}: " + ("failed this request" if i.healthy

@@ -30,10 +30,11 @@ def _weight(key: str, inst: Instance) -> int:
 
 
 def pick_encoder(key: str, candidates: Sequence[Instance], spill: int,
-                 holds: Callable[[str], bool] | None = None) -> Instance | None:
+                 holds: Callable[[str], bool] | None = None, held_spill: int | None = None) -> Instance | None:
     """The encoder for an item whose content hash is ``key``. ``holds(address)``: that encoder holds the
-    item's output (``services.fleet_memory``): the least busy such encoder wins within ``spill`` of the
-    least busy encoder (it claims the output: no vision run), else affinity as below."""
+    item's output (``services.fleet_memory``): the least busy such encoder wins within ``held_spill``
+    (default ``spill``) of the least busy encoder (it claims the output: no vision run, where any other
+    encoder would run one), else affinity within ``spill``, else the least busy."""
     if not candidates:
         return None
     weight = {i.address: _weight(key, i) for i in candidates}  # one hash per candidate
@@ -42,7 +43,7 @@ def pick_encoder(key: str, candidates: Sequence[Instance], spill: int,
     holders = [i for i in candidates if holds(i.address)] if holds is not None else []
     if holders:
         holder = min(holders, key=lambda i: (i.outstanding, -weight[i.address]))
-        if holder.outstanding - least.outstanding <= spill:
+        if holder.outstanding - least.outstanding <= (spill if held_spill is None else held_spill):
             DECISIONS.labels("held").inc()
             return holder
     if affine.outstanding - least.outstanding > spill:

@@ -50,6 +50,23 @@ def test_an_encoder_that_holds_the_output_wins_within_the_spill_bound():
     assert pick_encoder(key, cands, spill=4, holds=lambda a: False) is affine  # nobody holds it: affinity
 
 
+def test_a_holder_keeps_the_image_longer_than_affinity_does():
+    """``held_spill``: the holder costs no vision run, any other encoder a whole one, so it keeps the image
+    up to its own bound (the gateway's --held-spill, 16 by default), then load wins."""
+    cands = insts(*FOUR)
+    key = KEYS[0]
+    affine = pick_encoder(key, cands, spill=4)
+    holder = next(c for c in cands if c is not affine)
+    holds = lambda address: address == holder.address  # noqa: E731
+    holder.outstanding = 16
+    assert pick_encoder(key, cands, spill=4, holds=holds, held_spill=16) is holder
+    holder.outstanding = 17
+    assert pick_encoder(key, cands, spill=4, holds=holds, held_spill=16) is affine
+    affine.outstanding = 5  # and affinity still spills past its own bound
+    least = pick_encoder(key, cands, spill=4, holds=holds, held_spill=16)
+    assert least not in (holder, affine) and least.outstanding == 0
+
+
 def test_pick_encoder_without_candidates_is_none():
     assert pick_encoder("abc", [], spill=4) is None
 
