@@ -3,7 +3,8 @@ routed by what each LM's prefix cache holds, in one run on the same cores.
 
 Workload: ``--conversations`` chats of 4-8 turns, ``--concurrency`` of them at a time. Each chat is about
 one image drawn Zipf-like (``--zipf``) from a pool of ``--images`` (popular images are shared across
-users); every turn re-sends the whole history (the image, the questions, the answers the server gave),
+users), or, for a ``--text-share`` of them, about a text of its own (no image: routed by its prefix keys
+alone); every turn re-sends the whole history (the image, the questions, the answers the server gave),
 as chat clients do. Every request streams; the client measures TTFT.
 
 Systems (the same deployment shape, ``services.up.Deployment``: 2 encoders on half the cores, 2 LMs on
@@ -11,8 +12,9 @@ the other half, one gateway):
 
 * ``load``: ``--lm-routing load``, least outstanding requests, encoders by affinity, no host tier (what
   the gateway and encoders did before issue 33);
-* ``cache``: ``--lm-routing cache`` (the default): the LM whose prefix cache holds the request's images,
-  unless it has ``--lm-spill`` more requests in flight than the least busy LM; encoders as in ``load``;
+* ``cache``: ``--lm-routing cache`` (the default): the LM whose prefix cache holds most of the request's
+  prompt (its prefix keys and images, ``services.fleet_memory``), unless it has ``--lm-spill`` more requests
+  in flight than the least busy LM; encoders as in ``load``;
 * ``cache+tier``: ``cache`` with the encoders' host tier (``--host-tier-mib``, its default) and images
   sent to the encoder that holds their output (``--encoder-routing held``): today's defaults;
 * ``cache-spill1`` (not in the default list): ``cache`` with ``--lm-spill 1`` (load wins sooner);
@@ -55,15 +57,22 @@ BLOCK = 128  # vLLM's CPU KV block (tokens): the prefix cache keeps and finds wh
 QUESTION = "What is in this picture? " + "Describe every shape and colour in it. " * 20
 
 
-def conversations(n: int, images: int, zipf: float, seed: int) -> list[tuple[int, int]]:
-    """``(image seed, turns)`` per conversation: images Zipf-distributed over ``images``, 4-8 turns."""
+def conversations(n: int, images: int, zipf: float, seed: int, text_share: float = 0.0) -> list[tuple[int, int]]:
+    """``(image seed, turns)`` per conversation: images Zipf-distributed over ``images``, 4-8 turns; -1 (no
+    image) for a ``text_share`` of them."""
     rng = random.Random(seed)
     weights = [1 / (k + 1) ** zipf for k in range(images)]
-    return [(rng.choices(range(images), weights)[0], rng.randint(4, 8)) for _ in range(n)]
+    return [(-1 if text_share and rng.random() < text_share else rng.choices(range(images), weights)[0], rng.randint(4, 8))
+            for _ in range(n)]
 
 
-def first_message(image: int) -> dict:
+def first_message(image: int, conversation: int = 0) -> dict:
+    """The first turn's message: about ``image``, or (-1) a text of the conversation's own, as long."""
     from tools.media import data_url, make_image
+
+    if image < 0:
+        return {"role": "user", "content": f"Conversation {conversation}. Tell me about the sea. "
+                                           + "Waves, tides, salt and wind. " * 40}
 
     return {"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": data_url(make_image(5000 + image, (224, 224)))}},
@@ -100,7 +109,7 @@ async def run_workload(url: str, model: str, convs, concurrency: int, max_tokens
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
         async def chat(i: int, image: int, turns: int) -> None:
             async with gate:
-                messages = [first_message(image)]
+                messages = [first_message(image, i)]
                 previous = 0
                 for t in range(turns):
                     r = await turn(session, url, model, messages, max_tokens)
@@ -193,13 +202,13 @@ def measure(system: str, model: str, convs, args) -> dict:
     ttfts = [r["ttft"] for r in ok]
     hits, queries = delta("lm", "vllm:prefix_cache_hits_total"), delta("lm", "vllm:prefix_cache_queries_total")
     ideal = sum(r["previous_prompt"] // BLOCK * BLOCK for r in ok) / max(1.0, sum(r["prompt_tokens"] for r in ok))
-    unique = len({image for image, _ in convs})
+    unique = len({image for image, _ in convs if image >= 0})
     return {
         "system": system, "requests": len(results), "failed": len(results) - len(ok), "wall_s": round(wall, 1),
         "ttft_p50_ms": round(pct(ttfts, 0.5) * 1000, 1), "ttft_p99_ms": round(pct(ttfts, 0.99) * 1000, 1),
         "prefix_hit_rate": round(hits / queries, 4) if queries else 0.0, "prefix_hit_ideal": round(ideal, 4),
         "vision_runs": delta("enc", "epd_encoder_vision_runs_total"), "unique_images": unique,
-        "encodes_per_unique_image": round(delta("enc", "epd_encoder_vision_runs_total") / unique, 2),
+        "encodes_per_unique_image": round(delta("enc", "epd_encoder_vision_runs_total") / unique, 2) if unique else None,
         "cpu_s_per_request": round((after["cpu"] - before["cpu"]) / max(1, len(results)), 3),
         "routing": {d: delta("gw", "epd_gateway_lm_routing_total", f'decision="{d}"') for d in ("held", "spill", "load")},
         "encoder_routing": {d: delta("gw", "epd_gateway_encoder_routing_total", f'decision="{d}"')
@@ -241,6 +250,7 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--images", type=int, default=8, help="the image pool conversations draw from")
     p.add_argument("--zipf", type=float, default=1.1)
+    p.add_argument("--text-share", type=float, default=0.0, help="the share of conversations without an image")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--lm-spill", type=int, default=2)
     p.add_argument("--affinity-spill", type=int, default=4, help="the gateway's --affinity-spill (its default: 4)")
@@ -253,7 +263,7 @@ def main() -> int:
     from services.cli import default_model
 
     model = args.model or default_model()
-    convs = conversations(args.conversations, args.images, args.zipf, args.seed)
+    convs = conversations(args.conversations, args.images, args.zipf, args.seed, args.text_share)
     rows = [measure(s, model, convs, args) for s in args.systems.split(",")]
     one = next((r for r in rows if r["system"] == "one-lm"), None)
     for r in rows:  # against the measured ideal: one LM that saw every prompt

@@ -7,7 +7,7 @@ Names are unique across the table; each group says who sends it."""
 
 from __future__ import annotations
 
-from tests.e2e.helpers import conversation, image_chat, images_chat, perturb_chat, text_chat
+from tests.e2e.helpers import conversation, image_chat, images_chat, perturb_chat, text_chat, text_conversation
 
 # tests/e2e: the session deployment's tests and the deployments of their own that reuse these.
 E2E = {
@@ -29,6 +29,7 @@ E2E = {
     **{f"multi{i}": image_chat(600 + i, max_tokens=16, size=(224, 224)) for i in range(8)},
     # The multi-instance conversations (issue 33): turn t of conversation c, its history re-sent.
     **{f"conv{c}_{t}": body for c in range(3) for t, body in enumerate(conversation(620 + c, 3))},
+    **{f"tconv_{t}": body for t, body in enumerate(text_conversation(3))},  # and one without an image
 }
 
 # tests/e2e/test_burst.py: request i of a burst is BURST[f"burst{i % BURST_DISTINCT}"]. 12 images and 5

@@ -1,4 +1,5 @@
-"""The gateway's directory of what each LM's prefix cache holds, by media item.
+"""The gateway's directory of what each LM's prefix cache holds, by media item and by prefix key
+(``services.fleet_memory.prefix``), and of what each encoder's store holds, by item.
 
 An LM's entry is its last ``Holdings`` snapshot (epoch, generation, items) plus the items the gateway sent
 it since that snapshot was asked for ("sent": they will be in its cache once the request's prompt is
@@ -88,6 +89,11 @@ class Directory:
         if e is None or not items:
             return 0
         return sum(1 for i in set(items) if i in e.items or i in e.sent)
+
+    def holds(self, address: str, key: str) -> bool:
+        """Whether ``address`` holds ``key`` (a media identifier or a prefix key), as far as is known."""
+        e = self._lms.get(address)
+        return e is not None and (key in e.items or key in e.sent)
 
     def addresses(self) -> list[str]:
         return list(self._lms)

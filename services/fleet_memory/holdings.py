@@ -1,11 +1,13 @@
-"""What an LM's prefix cache holds, by media item, from vLLM's KV cache events.
+"""What an LM's prefix cache holds, by media item and by prefix key, from vLLM's KV cache events.
 
 vLLM publishes every block its prefix cache stores or drops (``BlockStored``/``BlockRemoved``/
 ``AllBlocksCleared``, ``vllm.distributed.kv_events``) on a ZMQ socket when ``kv_events_config`` enables
 them. A stored block's ``extra_keys`` name the media items (``(mm_identifier, offset)``) whose embeddings
 its tokens include; epd-serve's identifiers are content hashes (``MMItem.identifier``), the ones the
-gateway routes by. ``Holdings`` keeps, per item, how many of its blocks the cache holds; an item is held
-while that count is above zero.
+gateway routes by. A stored block's ``session_id`` is the request's: the LM sets it to the gateway's prefix
+key (``services.fleet_memory.prefix``; a client's own ``session_id`` never reaches vLLM), so a key names the
+blocks of the prompt it keys. ``Holdings`` keeps, per item or key, how many of its blocks the cache holds;
+it is held while that count is above zero.
 
 Owner: the LM service makes one ``Holdings`` and one ``EventListener`` (its thread reads the engine's
 socket, a private ``ipc://`` path in the LM's own directory, never a network port), and stops the listener
@@ -26,18 +28,22 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
+from services.fleet_memory.prefix import KEY_PREFIX
+
 logger = logging.getLogger(__name__)
 
 MAX_ITEMS = 4096
 MAX_BLOCKS = 1 << 16
 
 
-def _items_of(keys: tuple[Any, ...] | None) -> tuple[str, ...]:
+def _items_of(keys: tuple[Any, ...] | None, session: Any = None) -> tuple[str, ...]:
     """The media identifiers in one block's published extra keys (``(mm_identifier, offset)`` pairs; LoRA
-    names, cache salts and prompt-embedding digests are bare values)."""
-    if not keys:
-        return ()
-    return tuple(k[0] for k in keys if isinstance(k, (tuple, list)) and len(k) == 2 and isinstance(k[0], str))
+    names, cache salts and prompt-embedding digests are bare values), and its request's prefix key."""
+    items = () if not keys else tuple(
+        k[0] for k in keys if isinstance(k, (tuple, list)) and len(k) == 2 and isinstance(k[0], str))
+    if isinstance(session, str) and session.startswith(KEY_PREFIX) and len(session) <= 64:
+        items += (session,)
+    return items
 
 
 class Holdings:
@@ -55,10 +61,11 @@ class Holdings:
         self._items: OrderedDict[str, int] = OrderedDict()
         self._lock = threading.Lock()
 
-    def stored(self, block_hashes: list[Any], extra_keys: list[tuple[Any, ...] | None] | None) -> None:
+    def stored(self, block_hashes: list[Any], extra_keys: list[tuple[Any, ...] | None] | None,
+               session: Any = None) -> None:
         with self._lock:
             for i, block in enumerate(block_hashes):
-                items = _items_of(extra_keys[i] if extra_keys and i < len(extra_keys) else None)
+                items = _items_of(extra_keys[i] if extra_keys and i < len(extra_keys) else None, session)
                 if not items or block in self._blocks:
                     continue
                 self._blocks[block] = items
@@ -103,14 +110,14 @@ class Holdings:
         """One of vLLM's KV cache events (by its class name: the LM service imports vLLM, this module need not)."""
         kind = type(event).__name__
         if kind == "BlockStored":
-            self.stored(list(event.block_hashes), event.extra_keys)
+            self.stored(list(event.block_hashes), event.extra_keys, getattr(event, "session_id", None))
         elif kind == "BlockRemoved":
             self.removed(list(event.block_hashes))
         elif kind == "AllBlocksCleared":
             self.cleared()
 
     def snapshot(self) -> tuple[str, int, list[str]]:
-        """``(epoch, generation, items)``: the items held now, most recently stored last."""
+        """``(epoch, generation, items)``: the items and prefix keys held now, most recently stored last."""
         with self._lock:
             return self.epoch, self.generation, list(self._items)
 

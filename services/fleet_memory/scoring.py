@@ -1,11 +1,11 @@
 """Routing by what an LM holds: pure functions, tested alone (``tests/unit/test_fleet_memory.py``).
 
-An LM's score for a request is the number of the request's media items whose blocks its prefix cache
-holds (each such item's tokens, and the prompt before it when the conversation is the same one, need not
-be computed again; with the images re-sent in a conversation's history, that is the history). The LM with
-the highest score wins unless it has more than ``spill`` calls in flight beyond the least busy candidate:
-then load wins (no hot spot). No LM holding anything: least outstanding, as before. Each decision and its
-reason is a metric (``epd_gateway_lm_routing_total{decision}``)."""
+An LM's score for a request estimates the prompt tokens it would not compute again: the tokens up to the
+longest of the request's prefix keys its prefix cache holds (``prefix``: the conversation so far, its images
+included), plus ``ITEM_TOKENS`` for each media item after that prefix whose blocks it holds (a popular image
+another conversation sent). The LM with the highest score wins unless it has more than ``spill`` calls in
+flight beyond the least busy candidate: then load wins (no hot spot). No LM holding anything: least
+outstanding, as before. Each decision and its reason is a metric (``epd_gateway_lm_routing_total{decision}``)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from prometheus_client import Counter
+
+from services.fleet_memory.prefix import ITEM_TOKENS, NONE, Prefix
 
 DECISIONS = Counter("epd_gateway_lm_routing_total",
                     "LM routing decisions: held (an LM holds some of the request's items), spill (one did, but "
@@ -27,17 +29,33 @@ class Candidate(Protocol):
 class Holds(Protocol):
     def held(self, address: str, items: list[str]) -> int: ...
 
+    def holds(self, address: str, key: str) -> bool: ...
+
 
 class Picker(Protocol):
     def pick(self, candidates: Sequence) -> Candidate | None: ...
 
 
+def score(address: str, items: list[str], prefix: Prefix, directory: Holds) -> int:
+    """The prompt tokens (estimated) the LM at ``address`` holds of a request with media ``items`` (in
+    prompt order) and prefix keys ``prefix``."""
+    tokens, covered = 0, 0
+    for j in range(len(prefix.keys) - 1, -1, -1):  # the longest held prefix: its blocks come first
+        if directory.holds(address, prefix.keys[j]):
+            tokens, covered = prefix.tokens[j], prefix.items[j]
+            break
+    rest = items[covered:]
+    return tokens + (ITEM_TOKENS * directory.held(address, rest) if rest else 0)
+
+
 def pick_lm(items: list[str], candidates: Sequence[Candidate], directory: Holds, policy: Picker,
-            spill: int) -> tuple[Candidate | None, str]:
-    """The LM for a request with media ``items`` among ``candidates``, and why ("held", "spill", "load")."""
+            spill: int, prefix: Prefix = NONE) -> tuple[Candidate | None, str]:
+    """The LM for a request with media ``items`` and prefix keys ``prefix`` among ``candidates``, and why
+    ("held", "spill", "load")."""
     if not candidates:
         return None, "load"
-    held = {c.address: directory.held(c.address, items) for c in candidates} if items else {}
+    held = {c.address: score(c.address, items, prefix, directory) for c in candidates} \
+        if items or prefix.keys else {}
     best = max(held.values(), default=0)
     if best == 0:
         return policy.pick(candidates), "load"

@@ -17,11 +17,13 @@ from epd.lm.v1 import lm_pb2, lm_pb2_grpc
 from epd.transfer.v1 import transfer_pb2
 from peerauth import SecurityConfig
 from services.common.protocol import encoder_protocol_problem
-from services.fleet_memory import scoring
+from services.common.routes import API
+from services.fleet_memory import prefix, scoring
 from services.fleet_memory.directory import Directory
 from services.gateway.config import GatewayConfig
 from services.gateway.failures import GONE, REFUSED, Failure, call_failed
 from services.gateway.instances import Instance, InstancePool
+from services.gateway.lm_body import LMBody, tenant_salt
 from services.gateway.routing import LeastOutstanding, pick_decode
 
 logger = logging.getLogger(__name__)
@@ -100,10 +102,21 @@ class Fleet:
                              list(reply.items) if reply.changed else None, asked)
         return poll
 
-    def answered(self, lm: Instance, items: list[str]) -> None:
-        """``lm`` answered a request with media ``items``: it holds them until its next snapshot says."""
+    def prefix_of(self, body: LMBody | None) -> prefix.Prefix:
+        """A generating request's prefix keys (``services.fleet_memory.prefix``), with ``--lm-routing
+        cache``; else none."""
+        if self.cfg.lm_routing != "cache" or body is None or not API[body.api].generates or API[body.api].upload:
+            return prefix.NONE
+        media_at = {(p.container, p.message, p.key, p.part): m.identifier
+                    for p, m in zip(body.parts, body.media) if p.inner < 0}
+        salt = tenant_salt(body.salt_tenant, body.body.get("cache_salt")) if body.salt_tenant else None
+        return prefix.of_request(body.api, body.body, media_at, salt)
+
+    def answered(self, lm: Instance, items: list[str], key: str = "") -> None:
+        """``lm`` answered a request with media ``items`` and prefix key ``key``: it holds them until its next
+        snapshot says."""
         if self.cfg.lm_routing == "cache":
-            self.memory.sent(lm.address, items)
+            self.memory.sent(lm.address, items + [key] if key else items)
 
     def encoded(self, encoder: Instance, items: list[str]) -> None:
         """``items`` are sent to ``encoder`` to encode: its store holds them (or will, once encoded) until its
@@ -193,23 +206,23 @@ class Fleet:
         return next((i for i in self.lms.healthy(excluded) + self.lms.ejected(excluded) if i.address == address),
                     None)
 
-    def _pick_lm(self, candidates: list[Instance], items: list[str]) -> Instance | None:
-        """One LM among ``candidates`` for a request with media ``items`` (``--lm-routing``)."""
-        if self.cfg.lm_routing != "cache" or not items:
+    def _pick_lm(self, candidates: list[Instance], items: list[str], keys: prefix.Prefix) -> Instance | None:
+        """One LM among ``candidates`` for a request with media ``items`` and prefix ``keys`` (``--lm-routing``)."""
+        if self.cfg.lm_routing != "cache" or not (items or keys.keys):
             return self._lm_policy.pick(candidates)
-        lm, why = scoring.pick_lm(items, candidates, self.memory, self._lm_policy, self.cfg.lm_spill)
+        lm, why = scoring.pick_lm(items, candidates, self.memory, self._lm_policy, self.cfg.lm_spill, keys)
         scoring.count(why)
         return lm
 
-    def pick_lms(self, excluded: set[str], disaggregate: bool = True,
-                 items: list[str] | None = None) -> tuple[Instance | None, Instance | None]:
+    def pick_lms(self, excluded: set[str], disaggregate: bool = True, items: list[str] | None = None,
+                 keys: prefix.Prefix = prefix.NONE) -> tuple[Instance | None, Instance | None]:
         """The LM(s) for one attempt: ``(lm, None)``, or ``(prefill, decode)`` for E -> P -> D. LMs of
         role "both" and prefill/decode pairs are one pool: a pair is used when a healthy prefill and a
         healthy decode LM exist and its decode LM is no busier than the least busy "both" LM; the decode LM
         is one on the prefill LM's host where it can be (``routing.pick_decode``). With only one half of a
         pair left, that LM serves whole requests itself (a prefill or decode engine can). ``items``: the
-        request's media identifiers; an LM (or prefill LM) whose prefix cache holds them is preferred within
-        ``--lm-spill`` of the least busy (``services.fleet_memory.scoring``)."""
+        request's media identifiers, ``keys`` its prefix keys; the LM (or prefill LM) whose prefix cache holds
+        most of the prompt is preferred within ``--lm-spill`` of the least busy (``services.fleet_memory.scoring``)."""
         items = items or []
         healthy = self.lms.healthy(excluded)
         if not healthy:  # all ejected (a health blip on a busy host): try the ejected ones rather than fail
@@ -220,10 +233,10 @@ class Fleet:
         if disaggregate and by_role["prefill"] and by_role["decode"]:
             both = self._lm_policy.pick(by_role["both"])
             if both is None or min(d.outstanding for d in by_role["decode"]) <= both.outstanding:
-                p = self._pick_lm(by_role["prefill"], items)
+                p = self._pick_lm(by_role["prefill"], items, keys)
                 return p, pick_decode(p, by_role["decode"], self._lm_policy)
-            return self._pick_lm(by_role["both"], items), None
-        return self._pick_lm(healthy, items), None
+            return self._pick_lm(by_role["both"], items, keys), None
+        return self._pick_lm(healthy, items, keys), None
 
     def placement(self, excluded: dict[str, set[str]]) -> tuple[str, str]:
         """Where this attempt's images are encoded ("encoder" or "local": the LM encodes them

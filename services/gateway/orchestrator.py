@@ -38,6 +38,7 @@ from prometheus_client import Counter
 
 from epd.lm.v1 import lm_pb2
 from peerauth import SecurityConfig
+from services.fleet_memory.prefix import NONE, Prefix
 from services.gateway import handoff
 from services.gateway.admission import NO_QUOTA, Admission, Ticket
 from services.gateway.config import GatewayConfig
@@ -122,6 +123,7 @@ class Orchestrator:
         request may go E -> P -> D (a generating route; not tokenize, say)."""
         deadline = time.monotonic() + self.cfg.request_timeout_s
         excluded = {"encoder": set(), "lm": set()}
+        keys = self.fleet.prefix_of(body) if lm is None else NONE  # a pinned request goes where it must
         base_id = req.request_id
         try:
             why = self.fleet.lm_wait_reason()
@@ -133,7 +135,7 @@ class Orchestrator:
                 sent = False
                 try:
                     async with contextlib.aclosing(self._attempt(req, media, timings, deadline, excluded,
-                                                                 body, ticket, lm, disaggregate)) as gen:
+                                                                 body, ticket, lm, disaggregate, keys)) as gen:
                         async for resp in gen:
                             sent = True
                             yield resp
@@ -156,7 +158,7 @@ class Orchestrator:
             timings.total_ms = timings.since_start_ms()
 
     def _pick(self, excluded: dict[str, set[str]], pinned: str | None,
-              disaggregate: bool, items: list[str]) -> tuple[Instance, Instance | None]:
+              disaggregate: bool, items: list[str], keys: Prefix) -> tuple[Instance, Instance | None]:
         """The attempt's LM, and its decode LM for E -> P -> D. Raises Failure when there is none."""
         if pinned is not None:
             lm = self.fleet.pinned_lm(pinned, excluded["lm"])
@@ -165,7 +167,7 @@ class Orchestrator:
                                                                      f"({pinned}) is not available"),
                               "lm", [], retryable=False)
             return lm, None
-        lm, decode = self.fleet.pick_lms(excluded["lm"], disaggregate, items)
+        lm, decode = self.fleet.pick_lms(excluded["lm"], disaggregate, items, keys)
         if lm is None:
             why = self.fleet.lm_wait_reason() or "no healthy LM instance"
             raise Failure(rpc_error(grpc.StatusCode.UNAVAILABLE, why), "lm", [], retryable=False)
@@ -189,7 +191,7 @@ class Orchestrator:
 
     async def _attempt(self, req, media, timings: Timings, deadline: float, excluded: dict[str, set[str]],
                        body: LMBody | None = None, ticket: Ticket | None = None, pinned: str | None = None,
-                       disaggregate: bool = True):
+                       disaggregate: bool = True, keys: Prefix = NONE):
         if len(req.items) > len(media):  # an earlier attempt's speech windows past the upload's own item
             del req.items[len(media):]
         for item in req.items:
@@ -203,7 +205,8 @@ class Orchestrator:
         # Queued until the first attempt dispatches (planning below does no I/O).
         timings.queue_ms = timings.queue_ms or timings.since_start_ms()
         try:
-            lm, decode = self._pick(excluded, pinned, disaggregate, [m.identifier for m in media])
+            lm, decode = self._pick(excluded, pinned, disaggregate, [m.identifier for m in media], keys)
+            req.prefix_key = keys.last
             if media:
                 # E -> P -> D: the decode LM may need an item too (its recompute of the prompt's last
                 # token falls inside it): a second claim on each copy, the decode LM's.
@@ -239,7 +242,7 @@ class Orchestrator:
             answered = True
             for holder in (prefill, lm):  # their prefix caches now hold the prompt, images included
                 if holder is not None:
-                    self.fleet.answered(holder, [m.identifier for m in media])
+                    self.fleet.answered(holder, [m.identifier for m in media], keys.last)
         finally:
             if handed and decode is not None:
                 # Handed over and never answered by the decode LM (the client went away between the calls,

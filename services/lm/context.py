@@ -60,6 +60,9 @@ class RequestContext:
     """The request reached the engine (``ConsumerEngine.generate``)."""
     engine_calls: int = 0
     """Engine calls this request made (beam search makes one per beam per step; a hand-off takes one)."""
+    prefix_key: str | None = None
+    """The gateway's key of the request's prompt (``GenerateRequest.prefix_key``): vLLM's ``session_id`` for
+    the request, which its KV events publish on each block the request stores (``services.fleet_memory``)."""
     laid_out: int = 0
     """Prompts of this call laid out from encoder metadata (0 or 1)."""
     media: RequestMedia | None = None

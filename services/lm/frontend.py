@@ -255,6 +255,9 @@ class ConsumerEngine:
             if sources:
                 extra["ec_transfer_params"] = ECTransferParams(sources).to_dict()
         sampling_params.extra_args = extra or None
+        # vLLM publishes the session id on each KV block the request stores: it is the gateway's prefix key
+        # (the LM's holdings), never a client's (a request field, a header or vllm_xargs).
+        kwargs["session_id"] = ctx.prefix_key if ctx is not None else None
         gen = self._engine.generate(prompt, sampling_params, request_id, *args, **kwargs)
         if ctx is not None:
             ctx.submitted = True

@@ -36,6 +36,7 @@ from services.common.errors import BadInput, EPDError, PrefillKVUnavailable
 from services.common.layout import ItemLayout
 from services.common.media import MediaDecoder, check_namespace
 from services.fleet_memory.holdings import Holdings
+from services.fleet_memory.prefix import KEY_PREFIX
 from services.lm import handoff
 from services.lm.context import CURRENT, RequestContext
 from services.lm.frontend import Frontend, validation_error
@@ -131,6 +132,8 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
         ctx = RequestContext(media=RequestMedia(self.decoder, request.request_id, check_namespace(request.namespace)))
         kv.check(self.info.role)  # the gateway's E -> P -> D phase: one this LM's role takes
         ctx.kv = kv
+        if request.prefix_key.startswith(KEY_PREFIX) and len(request.prefix_key) <= 64:
+            ctx.prefix_key = request.prefix_key
         for item in request.items:
             if not item.identifier or not item.HasField("source"):
                 continue

@@ -62,6 +62,19 @@ def conversation(seed: int, turns: int, max_tokens: int = 8) -> list[dict]:
     return bodies
 
 
+def text_conversation(turns: int, max_tokens: int = 8) -> list[dict]:
+    """``conversation``'s turns without an image: a first question of about 300 tokens (two whole KV blocks
+    on vLLM's CPU backend), then fixed answers and short questions."""
+    messages: list[dict] = [{"role": "user", "content": "Tell me about the sea. " + "Waves, tides and salt. " * 50}]
+    bodies = []
+    for t in range(turns):
+        if t:
+            messages = [*messages, {"role": "assistant", "content": f"Answer number {t}, about the sea."},
+                        {"role": "user", "content": f"And point {t}?"}]
+        bodies.append({"messages": messages, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True})
+    return bodies
+
+
 def image_bytes(body: dict) -> bytes:
     """The first image of a chat body built by ``image_chat``."""
     import base64

@@ -128,6 +128,24 @@ def test_a_conversations_next_turns_land_on_the_lm_that_holds_its_image(multi, r
         assert ident in _holdings(multi, encoder, encoder_pb2_grpc.EncoderServiceStub), (c, encoder)
 
 
+def test_a_text_only_conversations_next_turns_land_on_the_lm_that_holds_its_prefix(multi, reference):
+    """Issue 33: a conversation without media is routed by its prefix keys (services/fleet_memory/prefix.py):
+    turns after the first go to the LM whose prefix cache holds the history, which lists the first turn's key
+    in its Holdings from vLLM's own KV events (the key is the request's session_id), and every answer is
+    plain vLLM's."""
+    held = metric(multi.gateway_metrics, "epd_gateway_lm_routing_total", decision="held")
+    before = {lm.address: set(_holdings(multi, lm.address)) for lm in multi.lms}
+    home = None
+    for t in range(3):
+        status, body = post(multi.url + "/v1/chat/completions", REFERENCE_REQUESTS[f"tconv_{t}"])
+        assert status == 200 and body["choices"][0]["token_ids"] == reference[f"tconv_{t}"], body
+        home = home or body["epd"]["lm"]
+        assert body["epd"]["lm"] == home, (t, home, body["epd"])
+        if t == 0:  # the first turn's key, from the LM's events (its prompt fills two whole blocks)
+            assert settled(lambda h=home: any(k.startswith("p:") for k in set(_holdings(multi, h)) - before[h]), True)
+    assert metric(multi.gateway_metrics, "epd_gateway_lm_routing_total", decision="held") - held == 2
+
+
 def test_the_host_tier_evicting_under_load_costs_a_re_encode_never_an_error(multi, reference):
     """Issue 33: an image, then 12 other images at once (each encoder's tier holds two), then the first
     image again: the tier evicted under load, and every answer is plain vLLM's; nothing stays held."""

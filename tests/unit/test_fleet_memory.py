@@ -9,7 +9,8 @@ import pytest
 
 from services.fleet_memory.directory import Directory
 from services.fleet_memory.holdings import EventListener, Holdings
-from services.fleet_memory.scoring import pick_lm
+from services.fleet_memory.prefix import CHUNK_CHARS, ITEM_TOKENS, NONE, of_request
+from services.fleet_memory.scoring import pick_lm, score
 from services.gateway.routing import LeastOutstanding
 
 pytestmark = pytest.mark.unit
@@ -158,3 +159,73 @@ def test_the_encoder_store_answers_holdings_only_when_they_changed():
     gone = asyncio.run(servicer.Holdings(transfer_pb2.HoldingsRequest(epoch=first.epoch,
                                                                       generation=first.generation), None))
     assert gone.changed and not gone.items
+
+
+# -- prefix keys: text the directory routes by (services/fleet_memory/prefix.py) -----------------------------
+
+def chat(*texts, **fields):
+    return {"model": "m", "messages": [{"role": "user" if i % 2 == 0 else "assistant", "content": t}
+                                       for i, t in enumerate(texts)], **fields}
+
+
+def test_a_follow_up_turns_keys_start_with_every_key_of_the_turn_before():
+    first = of_request("chat", chat("hello " * 50), {})
+    follow = of_request("chat", chat("hello " * 50, "an answer", "and then?"), {})
+    assert len(first.keys) == 1 and len(follow.keys) == 3
+    assert follow.keys[:1] == first.keys and first.last.startswith("p:")
+    assert follow.tokens[0] == first.tokens[0] >= len("hello " * 50) // 4 and follow.tokens[2] > follow.tokens[1]
+    # What shapes the prompt before its first message is in every key: another tenant's salt, another model.
+    assert of_request("chat", chat("hello " * 50), {}, salt="t2:").keys[0] != first.keys[0]
+    assert of_request("chat", chat("hello " * 50, tools=[{"type": "function"}]), {}).keys[0] != first.keys[0]
+    assert of_request("chat", {"model": "m", "messages": "not a list"}, {}) == NONE
+    assert of_request("chat", ["not", "a", "dict"], {}) == NONE
+
+
+def test_a_media_part_is_keyed_by_its_content_hash_however_it_was_sent():
+    def body(url):
+        return {"messages": [{"role": "user", "content": [{"type": "text", "text": "what is it?"},
+                                                          {"type": "image_url", "image_url": {"url": url}}]}]}
+    at = {("messages", 0, "content", 1): "abc123"}
+    by_url, by_data = of_request("chat", body("http://x/cat.png"), at), of_request("chat", body("data:..."), at)
+    assert by_url.keys == by_data.keys and by_url.items == (1,) and by_url.tokens[0] >= ITEM_TOKENS
+    assert of_request("chat", body("http://x/cat.png"), {("messages", 0, "content", 1): "def456"}).keys != by_url.keys
+
+
+def test_a_completions_prompt_is_keyed_by_whole_chunks():
+    text = "x" * (2 * CHUNK_CHARS + 10)
+    p = of_request("completions", {"prompt": text}, {})
+    assert len(p.keys) == 2  # the partial last chunk has none: the next turn's prompt goes on from it
+    assert of_request("completions", {"prompt": text + "more" * 200}, {}).keys[:2] == p.keys
+    assert len(of_request("completions", {"prompt": list(range(CHUNK_CHARS))}, {}).keys) == 4
+    assert of_request("completions", {"prompt": ["a batch", "of two"]}, {}) == NONE
+    assert of_request("responses", {"input": "hi " * 300}, {}).keys  # a Responses input string is one message
+
+
+def test_a_prefix_key_is_held_while_a_block_stored_under_it_is():
+    h = Holdings()
+    ev = stored([1, 2], None)
+    ev.session_id = "p:conv1"
+    h.apply(ev)
+    h.stored([3], None, session="a client's own id")  # not a prefix key: never held
+    h.stored([4], None, session="p:" + "x" * 80)  # too long
+    assert h.snapshot()[2] == ["p:conv1"]
+    h.apply(removed([1]))
+    assert "p:conv1" in h
+    h.apply(removed([2]))
+    assert "p:conv1" not in h
+
+
+def test_the_lm_holding_the_longest_prefix_wins_and_images_after_it_count_too():
+    d, policy = Directory(), LeastOutstanding()
+    a, b, c = LM("a"), LM("b"), LM("c")
+    conv = of_request("chat", chat("a long system prompt " * 40, "answer", "follow-up"), {})
+    d.update("b", "e", 1, [conv.keys[0]])  # b served the first turn
+    d.update("c", "e", 1, ["img9"])  # c holds an image the follow-up sends after its history
+    assert score("b", [], conv, d) == conv.tokens[0] and score("a", [], conv, d) == 0
+    assert pick_lm([], [a, b, c], d, policy, spill=2, prefix=conv) == (b, "held")
+    assert pick_lm(["img9"], [a, c], d, policy, spill=2, prefix=conv) == (c, "held")
+    assert score("c", ["img9"], conv, d) == ITEM_TOKENS
+    b.outstanding = 3
+    assert pick_lm([], [a, b], d, policy, spill=2, prefix=conv) == (a, "spill")
+    d.sent("a", [conv.last])  # a answered the whole conversation: it holds more of it than b
+    assert pick_lm([], [a, b], d, policy, spill=5, prefix=conv) == (a, "held")
