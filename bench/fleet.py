@@ -7,8 +7,8 @@ users), or, for a ``--text-share`` of them, about a text of its own (no image: r
 alone); every turn re-sends the whole history (the image, the questions, the answers the server gave),
 as chat clients do. Every request streams; the client measures TTFT.
 
-Systems (the same deployment shape, ``services.up.Deployment``: 2 encoders on half the cores, 2 LMs on
-the other half, one gateway):
+Systems (the same deployment shape, ``services.up.Deployment``: 2 encoders on half the cores, ``--lms`` LMs
+(2) on the other half, one gateway):
 
 * ``load``: ``--lm-routing load``, least outstanding requests, encoders by affinity, no host tier (what
   the gateway and encoders did before issue 33);
@@ -170,7 +170,7 @@ def deployment(system: str, model: str, args) -> Deployment:
                                         "--affinity-spill", str(args.affinity_spill),
                                         "--held-spill", str(args.held_spill)])
     routing, _, spill = system.partition("-spill")
-    return Deployment(model=model, quiet=True, n_encoders=2, n_lms=2, encoder_args=encoders,
+    return Deployment(model=model, quiet=True, n_encoders=2, n_lms=args.lms, encoder_args=encoders,
                       gateway_args=["--lm-routing", routing, "--lm-spill", spill or str(args.lm_spill),
                                     "--encoder-routing", "held" if tier else "affinity",
                                     "--affinity-spill", str(args.affinity_spill), "--held-spill", str(args.held_spill)])
@@ -253,6 +253,7 @@ def main() -> int:
     p.add_argument("--text-share", type=float, default=0.0, help="the share of conversations without an image")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--lm-spill", type=int, default=2)
+    p.add_argument("--lms", type=int, default=2, help="LMs of every system but one-lm")
     p.add_argument("--affinity-spill", type=int, default=4, help="the gateway's --affinity-spill (its default: 4)")
     p.add_argument("--held-spill", type=int, default=16, help="the gateway's --held-spill (its default: 16)")
     p.add_argument("--systems", default="one-lm,load,cache,cache+tier")

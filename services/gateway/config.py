@@ -66,11 +66,12 @@ class GatewayConfig:
     --held-spill requests beyond the least busy; else cache affinity) or affinity (rendezvous hashing
     only)."""
     lm_routing: str = "cache"
-    """How an LM is chosen for a request with media: cache (the LM whose prefix cache holds most of its items,
-    from the LMs' Holdings and what the gateway sent them, unless it has more than --lm-spill requests beyond
-    the least busy LM) or load (least outstanding requests only)."""
+    """How an LM is chosen for a generating request: cache (the LM whose prefix cache holds most of its prompt:
+    the longest prefix of its conversation, by the gateway's prefix keys, and its media items, from the LMs'
+    Holdings and what the gateway sent them, unless it has more than --lm-spill requests beyond the least
+    busy LM) or load (least outstanding requests only)."""
     lm_spill: int = 2
-    """--lm-routing cache: the LM that holds a request's items is skipped for the least busy one when it has
+    """--lm-routing cache: the LM that holds most of a request's prompt is skipped for the least busy one when it has
     this many more outstanding requests (load wins over affinity past this bound: no hot spot)."""
     placement: str = "encoder"
     """Where an image request's images are encoded: encoder (the encoder service), local (the LM encodes them

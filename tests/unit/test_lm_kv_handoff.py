@@ -48,19 +48,32 @@ def test_a_bodys_kv_transfer_params_are_dropped_whatever_the_spelling():
     assert _vllm_raw(b"") == b""  # a GET
 
 
-def _engine_call(ctx: RequestContext | None, params: SamplingParams):
+def _engine_call(ctx: RequestContext | None, params: SamplingParams, kwargs: dict | None = None):
+    """The sampling params vLLM's engine gets (``kwargs``: the keyword arguments it gets, filled in)."""
     calls = []
     engine = SimpleNamespace(model_config=SimpleNamespace(is_encoder_decoder=False),
-                             generate=lambda *a, **k: calls.append(a) or _empty())
+                             generate=lambda *a, **k: calls.append((a, k)) or _empty())
     consumer = object.__new__(ConsumerEngine)  # its renderer is not needed here
     consumer._engine = engine
     token = CURRENT.set(ctx)
     try:
-        consumer.generate("prompt", params, "rid")
+        consumer.generate("prompt", params, "rid", session_id="a client's session")
     finally:
         CURRENT.reset(token)
-    (call,) = calls
-    return call[1]
+    ((args, kw),) = calls
+    if kwargs is not None:
+        kwargs.update(kw)
+    return args[1]
+
+
+def test_the_engines_session_id_is_the_gateways_prefix_key_never_a_clients():
+    """vLLM publishes a request's session id on each KV block it stores: the LM's holdings by prefix key."""
+    ctx, sent = RequestContext(media=None), {}
+    ctx.prefix_key = "p:abc"
+    _engine_call(ctx, SamplingParams(), sent)
+    assert sent["session_id"] == "p:abc"
+    _engine_call(RequestContext(media=None), SamplingParams(), sent)
+    assert sent["session_id"] is None
 
 
 async def _empty():
