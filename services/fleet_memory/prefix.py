@@ -30,6 +30,10 @@ CHUNK_CHARS = 512
 CHARS_PER_TOKEN = 4
 ITEM_TOKENS = 256
 """A media item's prompt tokens, as routing estimates them (vLLM lays an image out in tens to thousands)."""
+MIN_TOKENS = 32
+"""A prefix shorter than this (estimated) has no key: it would save no whole KV block (16 tokens on a GPU,
+128 on vLLM's CPU backend) worth steering for, and keying it would pin every request with the same short
+prompt to one LM."""
 MAX_KEYS = 256
 """A request's keys past this many are not derived (a longer conversation matches on its first 256)."""
 SEED_FIELDS = ("model", "cache_salt", "tools", "chat_template", "chat_template_kwargs", "system", "instructions")
@@ -67,6 +71,8 @@ def _chain(seed: Any, elements: Sequence[tuple[Any, int, int]]) -> Prefix:
     for element, el_tokens, el_items in elements[:MAX_KEYS]:
         parent = _digest(parent, element)
         t, n = t + el_tokens, n + el_items
+        if t < MIN_TOKENS:
+            continue
         keys.append(parent)
         tokens.append(t)
         items.append(n)

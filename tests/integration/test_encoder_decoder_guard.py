@@ -34,6 +34,20 @@ def test_the_encoder_serves_an_encoder_decoder_model_only_where_the_path_is_veri
     assert encoder_apart_verified(EngineConfig(model="unused"))
 
 
+def test_the_encoders_guard_refuses_an_encoder_decoder_model_where_the_path_is_not_verified(
+        tiny_whisper_config, monkeypatch):
+    """The guard the encoder service runs first (``services.encoder.server.serve``), in this process: where the
+    path is not verified (here: vLLM's V2 model runner asked for; vLLM reads the variable when asked)."""
+    from services.common.engine import EngineConfig, UnsupportedModel, refuse_encoder_decoder
+
+    refuse_encoder_decoder(EngineConfig(model=tiny_whisper_config), "encoder")  # verified here: served
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    with pytest.raises(UnsupportedModel, match="is an encoder-decoder model.*decode without the audio"):
+        refuse_encoder_decoder(EngineConfig(model=tiny_whisper_config), "encoder")
+
+
+@pytest.mark.slow  # `epd encoder` loads vLLM in a process of its own (about 30 s on a busy 2-core host); the
+# guard itself runs in the test above, and the command's exit status 2 for it is one `except` in services/cli.py
 def test_the_encoder_refuses_an_encoder_decoder_model_before_starting_an_engine(tiny_whisper_config):
     """Where the path is not verified (here: vLLM's V2 model runner asked for)."""
     proc = subprocess.run([sys.executable, "-m", "services.cli", "encoder", "--model", tiny_whisper_config,
@@ -77,7 +91,7 @@ def test_each_engine_call_of_an_encoder_decoder_model_names_only_its_own_windows
 
     calls = []
     engine = SimpleNamespace(model_config=SimpleNamespace(is_encoder_decoder=True),
-                             generate=lambda prompt, params, rid: calls.append((rid, params)))
+                             generate=lambda prompt, params, rid, **kw: calls.append((rid, params)))
     consumer = object.__new__(ConsumerEngine)  # its renderer is not needed here
     consumer._engine, consumer.encoder_decoder = engine, True
     ctx = RequestContext(media=None)

@@ -179,6 +179,8 @@ def test_a_follow_up_turns_keys_start_with_every_key_of_the_turn_before():
     assert of_request("chat", chat("hello " * 50, tools=[{"type": "function"}]), {}).keys[0] != first.keys[0]
     assert of_request("chat", {"model": "m", "messages": "not a list"}, {}) == NONE
     assert of_request("chat", ["not", "a", "dict"], {}) == NONE
+    assert of_request("chat", chat("describe"), {}) == NONE  # too short to hold a whole block: routed by load
+    assert len(of_request("chat", chat("hi", "hello", "Tell me about the sea. " * 10), {}).keys) == 1
 
 
 def test_a_media_part_is_keyed_by_its_content_hash_however_it_was_sent():
