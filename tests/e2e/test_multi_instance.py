@@ -33,8 +33,9 @@ def multi(tiny_model):
     # so the frozen encoder below stays admitted at least 9 s, and a check slowed by a loaded host
     # does not eject a working one.
     # A host tier of 8 KiB per encoder (a tiny-model image's output is 4 KiB): a few images evict it.
+    # Stored responses on (previous_response_id), as the session's deployment and the parity module's `vllm serve`.
     dep = Deployment(model=tiny_model, quiet=True, n_encoders=2, n_lms=2, encoder_args=["--host-tier-mib", "0.008"],
-                     gateway_args=["--health-interval-s", "3"])
+                     gateway_args=["--health-interval-s", "3"], env={"VLLM_ENABLE_RESPONSES_API_STORE": "1"})
     dep.start()  # ready once the gateway has admitted all four (routing by affinity needs both encoders)
     yield dep
     stop_in_background(dep)
@@ -144,6 +145,48 @@ def test_a_text_only_conversations_next_turns_land_on_the_lm_that_holds_its_pref
         if t == 0:  # the first turn's key, from the LM's events (its prompt fills two whole blocks)
             assert settled(lambda h=home: any(k.startswith("p:") for k in set(_holdings(multi, h)) - before[h]), True)
     assert metric(multi.gateway_metrics, "epd_gateway_lm_routing_total", decision="held") - held == 2
+
+
+def _responses_turns(url: str, model: str, image: str) -> list[dict]:
+    """A Responses conversation of two turns: an image with a long question (it fills a KV block), then a
+    follow-up naming the first response (vLLM renders its stored input again)."""
+    turns = []
+    for body in ({"input": [{"role": "user", "content": [
+                     {"type": "input_image", "image_url": image},
+                     {"type": "input_text", "text": "Remember this picture. " + "Describe every shape and colour in it. " * 20}]}]},
+                 {"input": "What was in it?"}):
+        if turns:
+            body["previous_response_id"] = turns[-1]["id"]
+        status, answer = post(url + "/v1/responses", {"model": model, "temperature": 0, "max_output_tokens": 6, **body})
+        assert status == 200, answer
+        turns.append(answer)
+    return turns
+
+
+def _texts(answer: dict) -> list[str]:
+    return [c.get("text") for item in answer["output"] if item.get("type") == "message" for c in item["content"]]
+
+
+def test_a_responses_follow_up_goes_to_the_lm_that_stored_it_and_is_answered_as_by_one_lm(multi, deployment):
+    """Issue 33, via previous_response_id on 2 LMs: the follow-up goes to the LM that stored the first response
+    (its home), finds its image there (no vision run anywhere, fleet-wide), and both answers are the session
+    deployment's (one LM, which tests/e2e/test_openai_parity.py holds to `vllm serve`'s on the same turns)."""
+    from tools.media import data_url, make_image
+
+    image = data_url(make_image(640, (224, 224)))
+    model = json.loads(urllib.request.urlopen(multi.url + "/v1/models", timeout=30).read())["data"][0]["id"]
+    def lms(name: str) -> list[float]:
+        return [metric(lm.metrics_port, name) for lm in multi.lms]
+
+    calls, local, runs = lms("epd_lm_requests_total"), lms("epd_lm_local_encoder_runs_total"), _fleet(multi, "vision_runs")
+    first, follow = _responses_turns(multi.url, model, image)
+    # Both turns on one LM (an LM counts a call as it ends, which can trail the answer).
+    assert settled(lambda: sorted(a - b for a, b in zip(lms("epd_lm_requests_total"), calls)), [0, 2]) == [0, 2]
+    # The first turn's image encoded once, on an encoder; the follow-up's found in its home's prefix cache.
+    assert settled(lambda: _fleet(multi, "vision_runs") - runs, 1) == 1
+    assert lms("epd_lm_local_encoder_runs_total") == local
+    one = json.loads(urllib.request.urlopen(deployment.url + "/v1/models", timeout=30).read())["data"][0]["id"]
+    assert [_texts(a) for a in (first, follow)] == [_texts(a) for a in _responses_turns(deployment.url, one, image)]
 
 
 def test_the_host_tier_evicting_under_load_costs_a_re_encode_never_an_error(multi, reference):
