@@ -50,27 +50,26 @@ def conversation(seed: int, turns: int, max_tokens: int = 8) -> list[dict]:
     epd-serve) and another question. The first question is long enough (about 200 tokens with the image)
     that the first turn fills a whole KV block (128 tokens on vLLM's CPU backend): a later turn can find
     that block, image included, in the prefix cache."""
-    messages: list[dict] = [{"role": "user", "content": [
+    first = {"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": data_url(make_image(seed, (224, 224)))}},
-        {"type": "text", "text": "What is in this picture? " + "Describe every shape and colour in it. " * 20}]}]
-    bodies = []
-    for t in range(turns):
-        if t:
-            messages = [*messages, {"role": "assistant", "content": f"Answer number {t}, about shapes and colours."},
-                        {"role": "user", "content": f"Tell me more, point {t}."}]
-        bodies.append({"messages": messages, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True})
-    return bodies
+        {"type": "text", "text": "What is in this picture? " + "Describe every shape and colour in it. " * 20}]}
+    return _turns(first, turns, max_tokens, "about shapes and colours.", "Tell me more, point {t}.")
 
 
 def text_conversation(turns: int, max_tokens: int = 8) -> list[dict]:
     """``conversation``'s turns without an image: a first question of about 300 tokens (two whole KV blocks
     on vLLM's CPU backend), then fixed answers and short questions."""
-    messages: list[dict] = [{"role": "user", "content": "Tell me about the sea. " + "Waves, tides and salt. " * 50}]
-    bodies = []
+    first = {"role": "user", "content": "Tell me about the sea. " + "Waves, tides and salt. " * 50}
+    return _turns(first, turns, max_tokens, "about the sea.", "And point {t}?")
+
+
+def _turns(first: dict, turns: int, max_tokens: int, about: str, question: str) -> list[dict]:
+    """Turn t's body: ``first``, then per earlier turn the answer "Answer number t, ``about``" and ``question``."""
+    messages, bodies = [first], []
     for t in range(turns):
         if t:
-            messages = [*messages, {"role": "assistant", "content": f"Answer number {t}, about the sea."},
-                        {"role": "user", "content": f"And point {t}?"}]
+            messages = [*messages, {"role": "assistant", "content": f"Answer number {t}, {about}"},
+                        {"role": "user", "content": question.format(t=t)}]
         bodies.append({"messages": messages, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True})
     return bodies
 
