@@ -20,7 +20,13 @@ a reload holds at once) narrow this further, each answered 429 with ``Retry-Afte
 until one of its own ends), its queue holds ``max_queue`` (else
 ``--admission-queue``), and ``ItemRate`` admits at most ``images_per_minute``
 media items a minute (a request's items are taken when it arrives and given back
-if it is not admitted). An admitted request holds its place until its answer ends (``Ticket.release``, also
+if it is not admitted). Items are charged for what a request delivered, never for
+what it claims: a speech upload is one item when it arrives, and once its encoder
+has cut it into windows, each window beyond the first is charged too
+(``Ticket.count_items``; never refused then, so the bucket may go below empty and
+the tenant's next media wait until it has refilled). Refusals name the tenant's own
+limit and never count what other tenants, or the deployment, hold.
+An admitted request holds its place until its answer ends (``Ticket.release``, also
 on failure or a client that goes away), so what the LMs and encoders have in
 flight stays bounded and every admitted request is served within the limits the
 engines were sized for. ``--lm-max-outstanding 0`` turns admission off.
@@ -110,6 +116,11 @@ class ItemRate:
         self._buckets[tenant] = (level - items, self._clock())
         return 0.0
 
+    def charge(self, tenant: str, items: int, per_minute: int) -> None:
+        """Takes ``items`` a request delivered after it was admitted, whatever is left: the bucket may go below
+        empty, and the tenant's next items wait until it has refilled past them."""
+        self._buckets[tenant] = (self._level(tenant, per_minute) - items, self._clock())
+
     def give_back(self, tenant: str, items: int, per_minute: int) -> None:
         """Items of a request that was not admitted after all."""
         level = min(float(per_minute), self._level(tenant, per_minute) + items)
@@ -121,12 +132,23 @@ class ItemRate:
 
 @dataclass(eq=False)
 class Ticket:
-    """One admitted request's place: an LM slot, and an encoder slot if it encodes remotely."""
+    """One admitted request's place: an LM slot, and an encoder slot if it encodes remotely; ``items``: the
+    media items charged against its tenant's ``images_per_minute``."""
 
     admission: Admission
     encoder: bool
     tenant: str = ANONYMOUS
     released: bool = False
+    items: int = 0
+
+    def count_items(self, items: int) -> None:
+        """The request carries ``items`` media items now: a speech upload, one item at admission, becomes one
+        item per window its encoder cut (the orchestrator calls this once an attempt's items have their
+        sources). Those beyond what was charged are charged now, never refused (the request is admitted and
+        they are encoded); a retry that cuts the same windows again charges nothing more."""
+        if items > self.items:
+            self.admission._charge(self.tenant, items - self.items)
+            self.items = items
 
     def release(self) -> None:
         if not self.released:
@@ -213,7 +235,9 @@ class Admission:
                                             f"quota (images_per_minute); this request has {items}; retry later",
                                        60 if wait == math.inf else max(1, math.ceil(wait)))
         try:
-            return await self._admit(encoder, tenant, quota)
+            ticket = await self._admit(encoder, tenant, quota)
+            ticket.items = items
+            return ticket
         except BaseException:
             if rate is not None:
                 self.items.give_back(tenant, items, rate)
@@ -229,9 +253,10 @@ class Admission:
         limit, flag = (self.queue, "--admission-queue") if quota.max_queue is None else (quota.max_queue, "max_queue")
         if len(queue) >= limit:
             ADMISSIONS.labels("refused_full").inc()
+            # No counts: without keys every client is one tenant, and its counts would be everyone's.
             whose = "" if tenant == ANONYMOUS else f" for tenant {tenant}"
-            raise AdmissionRefused(429, f"the gateway is at capacity{whose} ({self._held[tenant]} requests in "
-                                        f"flight, {len(queue)} waiting, {flag}); retry later", 1)
+            raise AdmissionRefused(429, f"the gateway is at capacity{whose} and the admission queue is full "
+                                        f"({flag}); retry later", 1)
         waiter = _Waiter(encoder, tenant, next(self._seq))
         self._waiting.setdefault(tenant, collections.deque()).append(waiter)
         WAITING.set(self.waiting)
@@ -288,6 +313,12 @@ class Admission:
                 self._served.pop(ticket.tenant, None)  # bounded by the tenants in flight or waiting
         self._gauges()
         self._wake()
+
+    def _charge(self, tenant: str, items: int) -> None:
+        """``Ticket.count_items``'s charge, against the tenant's ``images_per_minute`` as it is now."""
+        rate = self.quota(tenant).images_per_minute
+        if rate is not None:
+            self.items.charge(tenant, items, rate)
 
     def _release_encoder(self) -> None:
         self.encoding -= 1

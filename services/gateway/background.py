@@ -9,8 +9,19 @@ the response ended (completed, failed, cancelled, incomplete), when it no longer
 LM restarted and the work is gone), when the LM is out of the pool or unreachable for
 ``UNREACHABLE_S``, or at the server's deadline, ``--background-timeout-s``: then the LM is first
 asked to cancel it. At most ``--lm-max-background`` background requests per generating LM are held
-at once, and at most its tenant's ``max_background`` quota (keys file) for one tenant; one more is
-refused before admission (429, ``Retry-After``).
+at once (``limit``), and one tenant holds at most its share of them: its weight's part of the weights
+of every tenant the keys name (``Tenant.part``), rounded up, at least one; or, in its place, its
+``max_background`` quota (keys file), the operator's word for that tenant. One more is refused before
+admission (429, ``Retry-After``), with a message that names the tenant's own limit and never counts
+what others hold or what the deployment holds.
+
+Why a share of every named tenant, not of the active ones (as the body budget is shared): a
+background place is held for up to ``--background-timeout-s`` and is never taken back, so a place
+lent to the one tenant active now is lost to a tenant that comes a minute later, for minutes. Only a
+share kept for each tenant up front guarantees that a tenant who comes finds a place, whatever another
+sent before. What it costs: the shares of idle tenants stay idle. A deployment with many tenants and
+few places raises ``--lm-max-background``, or gives a tenant ``max_background`` or more ``weight``.
+Without keys (or with ``--api-key`` alone) there is one tenant, and its share is every place.
 
 Owner: ``RequestCore`` makes one and closes it (``close`` cancels every watcher, which releases what
 it holds). ``Admitted.close`` calls ``hold`` with the ticket of a background request its LM accepted;
@@ -25,10 +36,10 @@ import collections
 import contextlib
 import json
 import logging
+import math
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
 
 import grpc
 from prometheus_client import Counter, Gauge
@@ -68,11 +79,11 @@ class BackgroundPlace:
 
 class BackgroundWork:
     def __init__(self, lms: Callable[[], InstancePool], per_lm: int, timeout_s: float,
-                 generating_lms: Callable[[], int], quota: Callable[[str], Any] = Tenant) -> None:
+                 generating_lms: Callable[[], int], quota: Callable[[str], Tenant] = Tenant) -> None:
         """``lms``: the LM pool (read when a request is held); ``per_lm``: background requests held per
         generating LM (0: no limit); ``generating_lms``: how many LMs take whole requests now (read at every
-        decision); ``quota``: a tenant's quotas (``Tenants.quota``: its ``max_background``), read at every
-        decision."""
+        decision); ``quota``: a tenant's quotas (``Tenants.quota``: its ``max_background`` and ``part``), read
+        at every decision."""
         self._lms, self.per_lm, self.timeout_s = lms, per_lm, timeout_s
         self._generating_lms, self._quota = generating_lms, quota
         self._watchers: set[asyncio.Task] = set()
@@ -91,19 +102,35 @@ class BackgroundWork:
         """Background places ``tenant`` has reserved or holds."""
         return self._by_tenant[tenant]
 
+    def limit(self) -> float:
+        """Background requests the deployment may hold now (``math.inf``: no limit)."""
+        return self.per_lm * max(1, self._generating_lms()) if self.per_lm else math.inf
+
+    def cap(self, tenant: str) -> tuple[float, str]:
+        """The most background places ``tenant`` may hold now, and what sets it (for its refusal): its
+        ``max_background`` quota, else its share of ``limit()`` (the module docstring's rule)."""
+        quota = self._quota(tenant)
+        if quota.max_background is not None:
+            return quota.max_background, "its quota (max_background)"
+        limit = self.limit()
+        if limit == math.inf:
+            return limit, ""
+        # Rounded to a millionth first: three tenants' thirds of 3 places are 1 each, not 2.
+        return max(1, math.ceil(round(limit * quota.part, 6))), "its share of the places (by weight)"
+
     def reserve(self, tenant: str = ANONYMOUS) -> BackgroundPlace:
         """A place for one more background request of ``tenant``, taken before its admission and counted until
         the request ends (``BackgroundPlace.release``) or its watcher holds it (``hold``): requests sent at once
-        cannot all pass the limit while none is held yet. Raises AdmissionRefused (429) when the deployment, or
-        ``tenant`` (its ``max_background``), holds all the background work it may."""
-        cap = self._quota(tenant).max_background
-        if cap is not None and self._by_tenant[tenant] >= cap:
-            raise AdmissionRefused(429, f"tenant {tenant} holds {self._by_tenant[tenant]} background responses, its "
-                                        "quota (max_background); retry later", 5)
-        limit = self.per_lm * max(1, self._generating_lms())
-        if self.per_lm and self.held + self._reserved >= limit:
-            raise AdmissionRefused(429, f"the deployment holds {self.held + self._reserved} background responses, "
-                                        "its limit (--lm-max-background per LM); retry later", 5)
+        cannot all pass the limit while none is held yet. Raises AdmissionRefused (429) when ``tenant`` holds
+        its ``cap``, or no place is free; neither message counts what others or the deployment hold (a
+        tenant's cap that covers every place is the deployment's message: without keys one client's refusal
+        would otherwise tell it how much everyone else holds)."""
+        cap, why = self.cap(tenant)
+        if cap < self.limit() and self._by_tenant[tenant] >= cap:
+            raise AdmissionRefused(429, f"tenant {tenant} holds as many background responses as {why} allows; "
+                                        "retry later", 5)
+        if self.held + self._reserved >= self.limit():
+            raise AdmissionRefused(429, "no background place is free now (--lm-max-background); retry later", 5)
         self._reserved += 1
         self._count(tenant, 1)
         return BackgroundPlace(self, tenant)

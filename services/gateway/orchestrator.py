@@ -212,9 +212,11 @@ class Orchestrator:
                 # token falls inside it): a second claim on each copy, the decode LM's.
                 await self._encode(req, media, timings, deadline, excluded, ticket,
                                    readers=2 if decode is not None else 1, groups=groups)
+                if ticket is not None:  # a speech upload's windows, cut by now: its tenant's media quota
+                    ticket.count_items(len(req.items))
             timings.lm = lm.address
-            if body is not None:
-                req.openai.body = body.render(req)  # the request's own media: an API that encodes none has some too
+            if body is not None:  # the request's own media (an API that encodes none has some too)
+                req.openai.body = body.render(req, home=(decode or lm).address)  # the LM that answers, and stores
             prefill = None
             if decode is not None:
                 params = await handoff.prefill(lm, req, groups, timings, deadline, handed)

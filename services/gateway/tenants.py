@@ -26,11 +26,12 @@ REST middleware and the gRPC interceptor (``services.gateway.auth``) ask it on t
   ``max_in_flight``: its admitted requests in flight at once (``services.gateway.admission``);
   ``max_queue``: its admission queue's length (default ``--admission-queue``); ``body_mib``: the
   body budget it may hold at once (``services.gateway.intake``); ``images_per_minute``: media items
-  (images, audio clips, videos, as counted against ``--max-images``) it may have admitted per
-  minute, a token bucket that holds a minute's worth; ``max_background``: background Responses it
-  holds at once (``services.gateway.background``); ``weight`` (default 1): its share beside other
-  tenants, of freed admission places and of the body budget (a tenant of weight 2 gets twice the
-  share of one of weight 1). A tenant over a quota is answered 429 with
+  (images, audio clips, videos, as counted against ``--max-images``, and a speech upload's windows)
+  it may have admitted per minute, a token bucket that holds a minute's worth
+  (``services.gateway.admission``); ``max_background``: background Responses it holds at once, in
+  place of its share of them (``services.gateway.background``); ``weight`` (default 1): its share
+  beside other tenants, of freed admission places, of the body budget and of the background places
+  (a tenant of weight 2 gets twice the share of one of weight 1). A tenant over a quota is answered 429 with
   ``Retry-After``. Every line of one tenant carries the same quotas (the same fields, the same
   values), or the file is refused naming the line that differs. Any other field is refused, so that
   a file written for a later gateway is never half understood.
@@ -57,7 +58,7 @@ import math
 import os
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +102,11 @@ class Tenant:
     """Its share of admission and of the body budget beside other tenants (None: 1): freed places go to the
     tenant with the fewest in flight per unit of weight, and a tenant's part of the budget is its weight's
     part of the active tenants' weights."""
+    part: float = field(default=1.0, compare=False)
+    """Its weight's part of the weights of every tenant the keys name (``Tenants`` derives it; not a field of
+    the keys file, and not compared): the part of the background places it may hold
+    (``services.gateway.background``). 1 for the one tenant of a gateway without keys or with ``--api-key``
+    alone; 0 for a name the keys do not know."""
 
     @property
     def share(self) -> float:
@@ -215,8 +221,9 @@ class Tenants:
 
     def quota(self, name: str) -> Tenant:
         """The tenant ``name`` with its quotas as loaded now (a name the keys do not know, ``anonymous``
-        or one a reload removed: no quotas). Called at every admission, body and background decision."""
-        return self._quotas.get(name) or Tenant(name)
+        or one a reload removed: no quotas, and no part of the background places while keys are
+        required). Called at every admission, body and background decision."""
+        return self._quotas.get(name) or Tenant(name, part=0.0 if self.required else 1.0)
 
     @classmethod
     def from_config(cls, cfg, environ: Mapping[str, str] = os.environ) -> Tenants:
@@ -225,8 +232,11 @@ class Tenants:
         return cls(cfg.api_key or [environ.get("VLLM_API_KEY") or ""], cfg.api_keys_file)
 
     def _load(self) -> list[tuple[bytes, Tenant]]:
+        """The key table, each tenant with its ``part`` of all the tenants' weights."""
         extra = read_keys_file(self.keys_file, [d for d, _ in self._fixed]) if self.keys_file else []
-        return self._fixed + extra
+        table = self._fixed + extra
+        total = sum(t.share for t in self._by_name(table).values())
+        return [(d, replace(t, part=t.share / total)) for d, t in table]
 
     def identify(self, authorization: str | None) -> Tenant | None:
         """The tenant whose key ``authorization`` (an ``Authorization`` header's value, or the

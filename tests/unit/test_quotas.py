@@ -1,6 +1,7 @@
 """Per-tenant quotas from the keys file, each where it is enforced (no servers): admission's
-``max_in_flight``, ``max_queue`` and ``images_per_minute`` (services.gateway.admission), background
-work's ``max_background`` (services.gateway.background), the body budget's fair share and ``body_mib``,
+``max_in_flight``, ``max_queue`` and ``images_per_minute``, a speech upload's windows included
+(services.gateway.admission), background work's share by weight and ``max_background``
+(services.gateway.background), the body budget's fair share and ``body_mib``,
 and the gRPC readers' per-connection cap (services.gateway.intake). Over a quota is 429 with a
 Retry-After, never 503; the other tenants keep their room."""
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import math
 from types import SimpleNamespace
 
@@ -17,7 +19,7 @@ from services.gateway.admission import Admission, AdmissionRefused, ItemRate
 from services.gateway.background import BackgroundWork
 from services.gateway.config import GatewayConfig
 from services.gateway.intake import GRPC_READERS, GRPC_READERS_PER_CONNECTION, BodyRefused, Intake
-from services.gateway.tenants import Tenant
+from services.gateway.tenants import Tenant, Tenants
 from tests.unit.test_admission import cancel_all, queued, settle
 
 pytestmark = pytest.mark.unit
@@ -174,6 +176,103 @@ def test_max_background_limits_a_tenants_background_responses_and_not_another_te
         await work.close()
         assert work.held_by("a") == 0 and adm.in_flight == 0
         work.reserve("a").release()
+
+    asyncio.run(main())
+
+
+def background(per_lm: int = 2, lms: int = 1, quota=Tenant) -> BackgroundWork:
+    """Background work without an LM pool: only its places are taken and given back."""
+    return BackgroundWork(lambda: SimpleNamespace(instances={}), per_lm=per_lm, timeout_s=60.0,
+                          generating_lms=lambda: lms, quota=quota)
+
+
+def keyed(tmp_path, *lines: dict) -> Tenants:
+    path = tmp_path / "keys.jsonl"
+    path.write_text("".join(json.dumps({"key": f"sk-{line['tenant']}", **line}) + "\n" for line in lines))
+    return Tenants(keys_file=str(path))
+
+
+def refusal(work: BackgroundWork, tenant: str) -> AdmissionRefused:
+    with pytest.raises(AdmissionRefused) as e:
+        work.reserve(tenant)
+    assert e.value.status == 429 and e.value.retry_after_s >= 1
+    return e.value
+
+
+def test_with_two_background_places_one_tenants_flood_leaves_the_other_tenant_a_place(tmp_path):
+    """Neither sets max_background: each may hold its share of the 2 places (1), so alice's second is refused
+    while bob's first is taken; no refusal counts what the others, or the deployment, hold."""
+    work = background(per_lm=2, quota=keyed(tmp_path, {"tenant": "alice"}, {"tenant": "bob"},
+                                            {"tenant": "carol"}).quota)
+    alice = work.reserve("alice")
+    flood = refusal(work, "alice")
+    assert "tenant alice" in flood.message and "share" in flood.message
+    bob = work.reserve("bob")
+    again = refusal(work, "bob")
+    assert "tenant bob" in again.message and "alice" not in again.message
+    full = refusal(work, "carol")  # her share is free in principle, but no place is: the deployment's message
+    assert "no background place is free" in full.message
+    for e in (flood, again, full):
+        assert not any(c.isdigit() for c in e.message), e.message
+    alice.release()
+    work.reserve("carol").release()  # a place freed: hers to take
+    bob.release()
+    assert work.held_by("alice") == work.held_by("bob") == 0
+
+
+def test_background_places_are_shared_by_weight_and_a_tenant_alone_in_the_keys_takes_them_all(tmp_path):
+    work = background(per_lm=2, lms=2, quota=keyed(tmp_path, {"tenant": "a", "weight": 3}, {"tenant": "b"}).quota)
+    places = [work.reserve("a") for _ in range(3)]  # three quarters of 4
+    refusal(work, "a")
+    places.append(work.reserve("b"))
+    refusal(work, "b")
+    for place in places:
+        place.release()
+
+    alone = background(per_lm=2, quota=keyed(tmp_path, {"tenant": "a"}).quota)
+    places = [alone.reserve("a") for _ in range(2)]
+    assert "no background place is free" in refusal(alone, "a").message
+    open_gateway = background(per_lm=2, quota=Tenants().quota)  # without keys: one tenant, every place
+    places += [open_gateway.reserve() for _ in range(2)]
+    e = refusal(open_gateway, "anonymous")
+    assert "--lm-max-background" in e.message and not any(c.isdigit() for c in e.message)
+    for place in places:
+        place.release()
+
+
+def test_max_background_takes_the_place_of_a_tenants_share(tmp_path):
+    work = background(per_lm=4, quota=keyed(tmp_path, {"tenant": "a", "max_background": 3}, {"tenant": "b"},
+                                            {"tenant": "c", "max_background": 1}).quota)
+    places = [work.reserve("a") for _ in range(3)]  # above its share (2 of 4): the operator said so
+    assert "max_background" in refusal(work, "a").message
+    places.append(work.reserve("c"))
+    assert "max_background" in refusal(work, "c").message
+    assert "no background place is free" in refusal(work, "b").message
+    for place in places:
+        place.release()
+
+
+# --- speech uploads against images_per_minute ---------------------------------------------------------------------
+
+
+def test_a_speech_upload_is_charged_one_item_at_admission_then_each_window_its_encoder_cut():
+    now = [0.0]
+
+    async def main():
+        adm = admission(clock=lambda: now[0], a=Tenant("a", images_per_minute=4))
+        upload = await adm.admit(True, "a", items=1)
+        upload.count_items(3)  # its encoder cut it into three windows
+        e = await refused(adm, "a", items=2)  # one item of the minute's four is left
+        assert "images_per_minute" in e.message and e.retry_after_s == 15
+        upload.count_items(3)  # a retry that cut the same windows: nothing more
+        upload.count_items(1)  # nor anything back
+        other = await adm.admit(False, "a", items=1)
+        upload.count_items(5)  # past empty: charged all the same (it is encoded), repaid as the bucket refills
+        assert (await refused(adm, "a", items=1)).retry_after_s == 45
+        b = await adm.admit(True, "b", items=1)
+        b.count_items(100)  # a tenant without the quota is charged nothing
+        for t in (upload, other, b):
+            t.release()
 
     asyncio.run(main())
 

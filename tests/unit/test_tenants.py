@@ -112,6 +112,17 @@ def test_a_tenants_quotas_are_read_from_its_lines_and_unset_ones_mean_no_limit(t
         assert tenants.quota(name) == Tenant(name)
 
 
+def test_each_tenant_has_its_weights_part_of_every_named_tenants_weight(tmp_path):
+    path = keys_file(tmp_path, {"tenant": "a", "key": "ka"}, {"tenant": "a", "key": "ka2"},
+                     {"tenant": "b", "key": "kb", "weight": 2.5})
+    tenants = Tenants(["kd"], path)  # a (1), b (2.5) and --api-key's default (1): 4.5 in all
+    parts = {name: tenants.quota(name).part for name in ("a", "b", DEFAULT, "nobody")}
+    assert parts == pytest.approx({"a": 1 / 4.5, "b": 2.5 / 4.5, DEFAULT: 1 / 4.5, "nobody": 0.0})
+    assert tenants.identify("Bearer ka2").part == pytest.approx(1 / 4.5)
+    assert Tenants().quota(ANONYMOUS).part == 1.0  # without keys: the one tenant, all of it
+    assert Tenants(["kd"]).quota(DEFAULT).part == 1.0
+
+
 @pytest.mark.parametrize("second", [
     {"tenant": "a", "key": "k2", "max_in_flight": 3},  # another value
     {"tenant": "a", "key": "k2"},  # the field left out
