@@ -26,6 +26,51 @@ are never reached. Every name must be a key of PIL's ``Image.OPEN``: Pillow trie
 raises KeyError at one it does not know ("MPO" is none since Pillow 13), refusing every later format."""
 
 
+MAX_READS = 65536
+"""The most reads PIL's plugin may make of one image's bytes, to open it or to decode it. PIL walks a
+header one structure at a time in Python (PNG chunks, JPEG markers and the junk bytes between them, GIF
+sub-blocks), each a read or two, so without a bound a 20 MB image of tiny structures costs seconds (a
+JPEG of 3.5 million empty markers: 7 s); with it, at most about 0.1 s, whatever the image's size. No
+real image comes near: a 20 MB PNG cut in libpng's 8 KiB IDAT chunks takes under 8,000 reads, pixel
+data is read in 64 KiB blocks."""
+
+
+class _TooManyReads(Exception):
+    """Raised by ``_Bounded`` (not an OSError, which PIL would read as a truncated image)."""
+
+
+class _Bounded(io.BytesIO):
+    """An image's bytes as PIL reads them: the read after ``MAX_READS`` raises ``_TooManyReads``."""
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__(data)
+        self.reads = 0
+
+    def read(self, size: int | None = -1) -> bytes:
+        self.reads += 1
+        if self.reads > MAX_READS:
+            raise _TooManyReads(f"image needs more than {MAX_READS} reads to parse (a header of that many "
+                                "chunks, markers or blocks); refused")
+        return super().read(size)
+
+
+def _check_layout(data: bytes) -> None:
+    """Refuses (MediaError) a PNG with more than one iCCP chunk (the format allows one): PIL inflates
+    every one, up to 1 MiB each, so 20 MB of 1 KB chunks would inflate 20 GB (a minute of CPU). A walk
+    of at most ``MAX_READS`` chunk headers; other formats pass (``_Bounded`` bounds them)."""
+    if not data.startswith(b"\x89PNG\r\n\x1a\n"):
+        return
+    pos, profiles = 8, 0
+    for _ in range(MAX_READS):
+        kind = data[pos + 4:pos + 8]
+        if len(kind) < 4 or kind == b"IEND":
+            return
+        profiles += kind == b"iCCP"
+        if profiles > 1:
+            raise MediaError("image is a PNG with more than one iCCP chunk (the format allows one); refused")
+        pos += 12 + int.from_bytes(data[pos:pos + 4], "big")
+
+
 AUDIO_FORMATS = ("WAV", "FLAC", "OGG", "MP3")
 """Audio formats accepted (OpenAI's ``input_audio`` takes wav and mp3); all are read by soundfile
 (libsndfile), the decoder vLLM's ``AudioMediaIO`` falls back to when torchcodec is absent."""
@@ -175,21 +220,25 @@ def check_video(data: bytes, max_seconds: float, max_frame_pixels: int, *, max_f
 
 def decode_image(data: bytes, *, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Image:
     """Decodes an image fully (not lazily) to RGB, or raises BadInput. Only
-    ``IMAGE_FORMATS`` are tried, and the header's size is checked against
-    ``max_pixels`` before any pixel is decoded. Blocking and CPU-bound: services
+    ``IMAGE_FORMATS`` are tried, the header's size is checked against
+    ``max_pixels`` before any pixel is decoded, and PIL's work is bounded as in
+    ``check_image`` (``MAX_READS``, one iCCP). Blocking and CPU-bound: services
     call it through ``MediaDecoder``, off their event loop."""
     if not data:
         raise BadInput("image is empty")
     try:
+        _check_layout(data)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # max_pixels decides
-            with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as img:
+            with Image.open(_Bounded(data), formats=IMAGE_FORMATS) as img:
                 if img.width * img.height > max_pixels:
                     raise BadInput(f"image is {img.width}x{img.height}, more than {max_pixels} pixels")
                 img.load()
                 return img.convert("RGB")
     except BadInput:
         raise
+    except (MediaError, _TooManyReads) as e:
+        raise BadInput(str(e)) from None
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         raise BadInput(f"image refused as a decompression bomb: {e}") from None
     except Image.UnidentifiedImageError:
@@ -202,15 +251,20 @@ def decode_image(data: bytes, *, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Im
 def check_image(data: bytes, max_pixels: int) -> tuple[str, int, int]:
     """Reads the image header only (PIL opens lazily; nothing is decoded) and returns (format, width,
     height), or raises MediaError for an unknown format or more than ``max_pixels`` pixels (the
-    decompression-bomb guard: a few KB of PNG can claim gigapixels). The gateway calls this for every
-    image, data: URL or fetched, before any service sees it."""
+    decompression-bomb guard: a few KB of PNG can claim gigapixels), and one whose header takes PIL more
+    than ``MAX_READS`` reads or inflates more than one ICC profile (``_check_layout``): its work is
+    bounded whatever the image's size. The gateway calls this for every image, data: URL or fetched,
+    before any service sees it (off its event loop)."""
     if not data:
         raise MediaError("image is empty")
+    _check_layout(data)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # our own limit decides
-            with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as img:
+            with Image.open(_Bounded(data), formats=IMAGE_FORMATS) as img:
                 fmt, (w, h) = img.format, img.size
+    except _TooManyReads as e:
+        raise MediaError(str(e)) from None
     except Image.DecompressionBombError as e:
         raise MediaError(f"image refused as a decompression bomb ({e}; the limit here is {max_pixels} pixels, "
                          "--max-image-pixels)") from None

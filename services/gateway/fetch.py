@@ -322,7 +322,8 @@ def decode_data_url(url: str, max_bytes: int, modality: str = "image") -> bytes:
     the bytes whatever the type; an Anthropic image's ``media_type`` becomes this type): the bytes'
     format is sniffed after. A video's must be ``video/*`` (vLLM reads ``video/jpeg`` as frames)."""
     header, _, payload = url.partition(",")
-    mime = header[5:].split(";")[0].strip().lower()
+    semi = header.find(";", 5)  # not a split: a header of a million ';' would be a list of a million strings
+    mime = header[5:semi if semi >= 0 else len(header)].strip().lower()
     if modality == "video" and not mime.startswith("video/"):
         raise MediaError(f"data URL has media type {mime or 'none'!r}, expected {modality}/*")
     if ";base64" not in header:
@@ -369,8 +370,8 @@ async def _load(source: str | bytes, cfg: GatewayConfig, fetcher: MediaFetcher |
         # The container is parsed (FFmpeg, through OpenCV) by the encoder that decodes it, not here: a
         # parser fault in the gateway's process would take every request with it.
         sniffed_format(data, "video")
-    else:
-        check_format(data, cfg.max_image_pixels)
+    else:  # off the loop, as audio: PIL walks the header in Python (bounded by media_checks.MAX_READS)
+        await asyncio.to_thread(check_format, data, cfg.max_image_pixels)
     return data
 
 

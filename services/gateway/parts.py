@@ -119,12 +119,14 @@ TOOL_OUTPUTS = ("function_call_output", "custom_tool_call_output")
 (``vllm/entrypoints/openai/responses/utils.py``): a list of parts there is read as chat parts."""
 
 
-def media_parts(messages: Any, container: str = "messages") -> list[MediaPart]:
+def media_parts(messages: Any, container: str = "messages", most: int | None = None) -> list[MediaPart]:
     """Every media part of a chat request's ``messages`` (any role), or of a Responses request's
     ``input`` items (their ``content``, and a tool output item's ``output``), by vLLM's rule, in order.
     Raises PartError for a client uuid, a pre-computed input, a media part without a source, or a
     part vLLM's own validation refuses. Anything that is not a list of message objects has no media
-    here (vLLM validates it)."""
+    here (vLLM validates it). ``most``: the walk stops at the part after ``most`` media parts (the
+    caller refuses a request with more: ``request.parse_openai``), so the work on a body of a million
+    images is the work on ``most + 1`` of them, not the validation of each."""
     found: list[MediaPart] = []
     responses = container == "input"
     for i, message in enumerate(messages if isinstance(messages, list) else []):
@@ -153,6 +155,8 @@ def media_parts(messages: Any, container: str = "messages") -> list[MediaPart]:
                 _check_typed(part, kind, where, default_detail=responses and key == "content")
             found.append(MediaPart(i, j, kind, MODALITY[kind], _source(part, kind, where), container=container,
                                    key=key))
+            if most is not None and len(found) > most:
+                return found
     return found
 
 
@@ -209,14 +213,15 @@ def _check_typed(part: dict, kind: str, where: str, default_detail: bool) -> Non
         raise PartError(where, f"not a valid {kind} part: {loc + ': ' if loc else ''}{first.get('msg', e)}") from None
 
 
-def anthropic_media_parts(messages: Any) -> list[MediaPart]:
+def anthropic_media_parts(messages: Any, most: int | None = None) -> list[MediaPart]:
     """Every image of an Anthropic Messages body, by vLLM 0.32's converter
     (``vllm/entrypoints/anthropic/serving.py``: ``_convert_block`` and ``_convert_user_tool_result``):
     a content block of type ``image`` with a source, and, in a user message, the ``image`` items of a
     ``tool_result`` block's content list (vLLM puts those first, in a message of their own, then the
     message's own images; a system message's images are dropped). Each source is read as ``_convert_image_source_to_url``
     reads it (``url``: its URL; anything else: base64 data with its media type). Everything else in
-    the body is text to vLLM's converter (it drops keys it does not know, ``uuid`` included)."""
+    the body is text to vLLM's converter (it drops keys it does not know, ``uuid`` included). ``most``: as
+    for ``media_parts`` (more than ``most`` images found, in any order, are returned at once)."""
     found: list[MediaPart] = []
     for i, message in enumerate(messages if isinstance(messages, list) else []):
         content = message.get("content") if isinstance(message, dict) else None
@@ -237,6 +242,10 @@ def anthropic_media_parts(messages: Any) -> list[MediaPart]:
                         url = _anthropic_url(item.get("source", {}), where)
                         if url:  # vLLM skips an image whose source makes no URL
                             found.append(MediaPart(i, j, "image", "image", _usable(url, where), inner=k))
+                    if most is not None and len(found) + len(own) > most:
+                        return found + own
+            if most is not None and len(found) + len(own) > most:
+                return found + own
         found += own
     return found
 

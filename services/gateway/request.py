@@ -7,6 +7,7 @@ and hashed (``load_media``), and what each LM attempt's body is made from (``Ope
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -21,6 +22,7 @@ from services.common.routes import API
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import ApiError
 from services.gateway.fetch import MediaFetcher, load_images
+from services.gateway.form import file_span
 from services.gateway.intake import BodyLease
 from services.gateway.lm_body import LMBody
 from services.gateway.parts import MediaPart, PartError, anthropic_media_parts, media_parts
@@ -31,7 +33,8 @@ logger = logging.getLogger(__name__)
 
 def loads_strict(raw: bytes) -> Any:
     """A request body as JSON (RFC 8259): unlike ``json.loads`` it refuses the NaN, Infinity and
-    -Infinity literals. Raises ApiError (400)."""
+    -Infinity literals, and a body nested deeper than the interpreter's recursion limit (about 1000
+    levels: the parser stops there, so its work stays linear in the body). Raises ApiError (400)."""
     def refuse(literal: str) -> Any:
         raise ValueError(f"{literal} is not a JSON number")
 
@@ -39,6 +42,8 @@ def loads_strict(raw: bytes) -> Any:
         return json.loads(raw, parse_constant=refuse)
     except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
         raise ApiError(400, f"request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ApiError(400, "request body is not valid JSON here: nested too deeply") from None
 
 
 RESPONSE_ID_RE = re.compile(r"resp_[0-9a-f]{32}")
@@ -201,11 +206,13 @@ def parse_openai(api: str, raw: bytes, cfg: GatewayConfig, media: list[bytes] | 
             raise ApiError(400, "request_id: a response's id is chosen by the server (it names the stored "
                                 "response that GET, cancel and previous_response_id reach)", param="request_id")
         call.response_id = mint_response_id()
+    # More parts than every limit together is refused below, whichever modality is over: no need to read on.
+    most = cfg.max_images + cfg.max_audios + cfg.max_videos
     try:
         if spec.media == "anthropic":
-            found = anthropic_media_parts(body.get("messages"))
+            found = anthropic_media_parts(body.get("messages"), most)
         elif spec.media:
-            found = media_parts(body.get(spec.media), spec.media)
+            found = media_parts(body.get(spec.media), spec.media, most)
         else:
             found = []
     except PartError as e:
@@ -252,7 +259,8 @@ async def load_media(call: OpenAICall, req: lm_pb2.GenerateRequest, cfg: Gateway
     if API[call.api].upload and call.upload:
         # A speech-to-text upload is one item: the body as the client sent it, which an encoder that cuts
         # speech windows reads by vLLM's rule (services.encoder.speech); with none, the LM reads it alone.
-        key = upload_key(call.upload, call.content_type, call.namespace)
+        # Off the loop: hashing up to --max-audio-bytes releases the GIL; the form reading is bounded.
+        key = await asyncio.to_thread(upload_key, call.upload, call.content_type, call.namespace)
         req.items.add(modality="audio", identifier=key)
         media.append(Media(call.upload, key, "audio", content_type=call.content_type))
     return media
@@ -261,17 +269,10 @@ async def load_media(call: OpenAICall, req: lm_pb2.GenerateRequest, cfg: Gateway
 def upload_key(body: bytes, content_type: str, namespace: str = "") -> str:
     """A speech upload's routing key: ``content_id`` of its ``file`` part (the last one, as FastAPI takes
     it), so the same clip goes to the encoder that holds its windows whatever the form's boundary, field
-    order or other fields; of the whole body when no such part is found. Only routing reads it: the
-    encoder names each window by its samples, so a key that differs from the encoder's reading of the body
-    costs an encode elsewhere, never a wrong answer. A split on the boundary (a few ms for 25 MB; no
-    transfer encodings: browsers and HTTP clients send form files as they are)."""
-    m = re.search(r'boundary="?([^";]{1,200})"?', content_type)
-    data = None
-    if m is not None:
-        for part in body.split(b"--" + m.group(1).encode("latin-1")):
-            head, sep, rest = part.partition(b"\r\n\r\n")
-            if sep and re.search(rb'(?i)content-disposition:[^\r\n]*;\s*name="file"', head):
-                data = rest[:-2] if rest.endswith(b"\r\n") else rest
-    return content_id(data if data is not None else body, namespace)
-
-
+    order or other fields; of the whole body when no such part is found, or where vLLM's app would refuse
+    the form (``services.gateway.form``: a bounded, linear reading). Only routing reads it: the encoder
+    names each window by its samples, so a key that differs from the encoder's reading of the body costs
+    an encode elsewhere, never a wrong answer. Blocking for a large body (the hash): ``load_media`` runs
+    it off the event loop."""
+    span = file_span(body, content_type)
+    return content_id(memoryview(body)[span[0]:span[1]] if span else body, namespace)
