@@ -37,13 +37,16 @@ def http_ok(url: str, timeout: float = 1.0) -> bool:
         return False
 
 
-def gateway_admitted(url: str, encoders: list[str], lms: list[str], timeout: float = 2.0) -> bool:
+def gateway_admitted(url: str, encoders: list[str], lms: list[str], timeout: float = 2.0,
+                     metrics_url: str = "") -> bool:
     """True once the gateway at ``url`` (its HTTP root) is ready and has admitted every one of these
-    encoder and LM addresses (its ``epd_gateway_instance_healthy`` gauge). The gateway is ready (/health
-    200) with one LM admitted; the others join at a later health round (their first check can time out
-    on a loaded host), and a request sent before goes around them (an image is encoded on the LM)."""
+    encoder and LM addresses (its ``epd_gateway_instance_healthy`` gauge, read at ``metrics_url``: its
+    internal ``--metrics-port``'s /metrics, or by default ``url``'s, which shows the gauge only with
+    ``--epd-facts``). The gateway is ready (/health 200) with one LM admitted; the others join at a later
+    health round (their first check can time out on a loaded host), and a request sent before goes
+    around them (an image is encoded on the LM)."""
     try:
-        with urllib.request.urlopen(url + "/metrics", timeout=timeout) as r:
+        with urllib.request.urlopen(metrics_url or url + "/metrics", timeout=timeout) as r:
             text = r.read().decode()
     except OSError:
         return False

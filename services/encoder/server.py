@@ -18,7 +18,6 @@ import signal
 import socket
 
 import grpc
-from prometheus_client import start_http_server
 
 from ectransfer.connector.cache_manager import EC_MANAGER_CONFIG
 from ectransfer.connector.common import compat_for
@@ -37,6 +36,7 @@ from services.common.engine import (
 )
 from services.common.grpc_server import GrpcServer
 from services.common.media import MediaDecoder
+from services.common.metrics_port import MetricsPort, exposure_for
 from services.common.protocol import ENCODER_PROTOCOL
 from services.encoder.config import EncoderServiceConfig
 from services.encoder.servicer import EncoderServicer, dtype_enum
@@ -113,9 +113,11 @@ def reserve_port(host: str, port: int = 0) -> socket.socket:
 
 def check(cfg: EncoderServiceConfig, security: SecurityConfig) -> None:
     """Refuses (ValueError) a configuration before an engine start is spent on
-    it: an unauthenticated non-loopback bind."""
+    it: an unauthenticated non-loopback bind (the metrics port's too)."""
     security.require_for(cfg.host, f"the encoder API ({cfg.host}:{cfg.port})")
     security.require_for(cfg.transfer_host, f"the Transfer server ({cfg.transfer_host})")
+    if cfg.metrics_port:
+        exposure_for(cfg.metrics_host, security)
 
 
 async def serve(cfg: EncoderServiceConfig, engine_cfg: EngineConfig, stop: asyncio.Event | None = None,
@@ -153,7 +155,7 @@ async def serve(cfg: EncoderServiceConfig, engine_cfg: EngineConfig, stop: async
     finally:
         reserved.close()  # the engine's Transfer server listens on the port now (or the engine failed)
     transfer_endpoint = f"{cfg.advertise_host or cfg.transfer_host}:{transfer_port}"
-    server = channel = None
+    server = channel = metrics = None
     decoder = MediaDecoder(cfg)
     try:
         mc = engine.model_config
@@ -176,7 +178,8 @@ async def serve(cfg: EncoderServiceConfig, engine_cfg: EngineConfig, stop: async
                    encoder_pb2.DESCRIPTOR.services_by_name["EncoderService"].full_name)
         port = await server.start()
         if cfg.metrics_port:
-            start_http_server(cfg.metrics_port, addr=cfg.host)
+            metrics = MetricsPort(cfg.metrics_host, cfg.metrics_port, exposure_for(cfg.metrics_host, security))
+            await metrics.start()
         await server.set_serving(True)
         logger.info("encoder ready: api %s:%d, transfer %s, model %s", cfg.host, port, transfer_endpoint,
                     engine_cfg.model)
@@ -184,6 +187,8 @@ async def serve(cfg: EncoderServiceConfig, engine_cfg: EngineConfig, stop: async
     finally:
         if server is not None:
             await server.stop()
+        if metrics is not None:
+            await metrics.stop()
         if channel is not None:
             await channel.close()
         engine.shutdown()

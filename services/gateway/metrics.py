@@ -1,10 +1,22 @@
-"""Gateway Prometheus metrics, served on the gateway's /metrics. Per-instance
-load and health live in ``instances``, routing and retries in ``routing`` and
-``orchestrator``; this module has the per-request ones."""
+"""Gateway Prometheus metrics: the per-request ones (per-instance load and health live in
+``instances``, routing and retries in ``routing``, ``fleet_memory.scoring`` and ``orchestrator``), and
+which of all the process's series each reader sees (``page``).
+
+Two readers. The public ``/metrics`` on ``--port``, open to anyone who reaches the API (as ``vllm
+serve``'s): only ``PUBLIC``, series that move with how many requests came and how they were answered,
+never with what a request carried, where it went or how long a stage took; a routing decision, an
+instance's address or load, or an encode time would tell a caller what another one sent (a held item
+routes "held", a cached image encodes faster). ``--epd-facts`` (which already puts the instances on
+``/health`` and the timings in answers) shows it everything. The internal ``--metrics-host``:
+``--metrics-port`` (``services.common.metrics_port``, loopback by default) always shows everything.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+from collections.abc import Iterator
+
+from prometheus_client import REGISTRY, Counter, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
 
 from services.gateway.values import Timings
 
@@ -34,3 +46,32 @@ def observe(route: str, status: int, timings: Timings, media: int) -> None:
         ITEMS.labels(transport or "UNKNOWN").inc()
     if media > len(timings.transports):
         ITEMS.labels("LOCAL").inc(media - len(timings.transports))
+
+
+PUBLIC = frozenset({
+    "epd_gateway_requests_total",  # by route and status: what each caller sees of its own answer
+    "epd_gateway_unauthenticated_total",
+    "epd_gateway_bodies_refused_total",
+    "epd_gateway_bodies_reading",
+    "epd_gateway_slow_readers_total",
+    "epd_gateway_admission_total",
+    "epd_gateway_admission_waiting",
+})
+"""The series the public ``/metrics`` shows without ``--epd-facts`` (as exposed: counters with
+``_total``). A series not named here (a new one too) is on the internal port only."""
+
+
+def _exposed_name(family: Metric) -> str:
+    return f"{family.name}_total" if family.type == "counter" else family.name
+
+
+class _PublicView:
+    """The process's registry, ``PUBLIC`` families only (``generate_latest`` reads any ``collect()``)."""
+
+    def collect(self) -> Iterator[Metric]:
+        return (family for family in REGISTRY.collect() if _exposed_name(family) in PUBLIC)
+
+
+def page(facts: bool) -> bytes:
+    """The public ``/metrics``: ``PUBLIC`` only, or (``facts``: ``--epd-facts``) every series."""
+    return generate_latest(REGISTRY if facts else _PublicView())

@@ -1,20 +1,23 @@
-"""Gateway wiring and lifecycle: aiohttp (OpenAI REST, /metrics) and the
-native gRPC API on one event loop."""
+"""Gateway wiring and lifecycle: aiohttp (OpenAI REST, the public /metrics), the
+native gRPC API and the internal metrics port (``--metrics-port``) on one event loop."""
 
 from __future__ import annotations
 
 import asyncio
 import ctypes
+import functools
 import logging
 import signal
 from collections.abc import Callable
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from epd.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from peerauth import SecurityConfig
 from services.common.grpc_server import GrpcServer
+from services.common.metrics_port import Exposure, MetricsPort, exposure_for
+from services.gateway import metrics
 from services.gateway.auth import GrpcAuth
 from services.gateway.auth import middleware as authenticate
 from services.gateway.config import GatewayConfig
@@ -48,14 +51,41 @@ def bound_allocator() -> None:
     libc.mallopt(m_arena_max, 2)
 
 
-async def _metrics(request: web.Request) -> web.Response:
-    return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+async def _public_metrics(request: web.Request, facts: bool) -> web.Response:
+    """The public /metrics (``metrics.page``): open to anyone who reaches --port."""
+    return web.Response(body=metrics.page(facts), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def _instances(request: web.Request, orch: Orchestrator) -> web.Response:
+    """The internal port's /health: as the public one with --epd-facts (every instance's address and
+    state, and why each one that is out is out), whatever --epd-facts says."""
+    instances = orch.health()
+    ok = any(instances.get("lms", {}).values())
+    status = "ok" if ok else orch.lm_wait_reason() or "no healthy LM"
+    return web.json_response({"status": status, "model": orch.model, **instances, "out": orch.not_admitted()},
+                             status=200 if ok else 503)
+
+
+def _internal_port(cfg: GatewayConfig, orch: Orchestrator, exposure: Exposure) -> MetricsPort:
+    """The internal metrics port (--metrics-host:--metrics-port): every series, and /health with the
+    instances. ``exposure``: the services' rule (``services.common.metrics_port``) with the gateway's own
+    credentials (its certificate, its CA for the scrapers' client certificates, its token)."""
+    return MetricsPort(cfg.metrics_host, cfg.metrics_port, exposure,
+                       pages={"/health": functools.partial(_instances, orch=orch)})
+
+
+def check(cfg: GatewayConfig, security: SecurityConfig | None = None) -> Exposure | None:
+    """Refuses (ValueError) an internal metrics port off loopback that the services' rule refuses
+    (``services.common.metrics_port.exposure_for``), before anything starts; returns its guard (None:
+    no internal port)."""
+    return exposure_for(cfg.metrics_host, security or SecurityConfig()) if cfg.metrics_port else None
 
 
 async def serve(cfg: GatewayConfig, stop: asyncio.Event | None = None, security: SecurityConfig | None = None,
                 on_listening: Callable[[int, int], None] | None = None, tenants: Tenants | None = None) -> None:
-    """``security``: how the gateway proves itself to encoders and LMs (its own
-    REST and gRPC API are the public face and take no internal credentials).
+    """``security``: how the gateway proves itself to encoders and LMs, and who may
+    scrape its internal metrics port off loopback (its own REST and gRPC API are the
+    public face and take no internal credentials).
     ``on_listening(http_port, grpc_port)`` is called once both listeners are
     bound, with the ports they hold: the one the OS chose for a ``cfg.port`` of
     0 (how tests run it without guessing a free port), 0 for a disabled gRPC API.
@@ -63,6 +93,7 @@ async def serve(cfg: GatewayConfig, stop: asyncio.Event | None = None, security:
     reloads them."""
     bound_allocator()
     stop = stop or asyncio.Event()
+    exposure = check(cfg, security)
     tenants = tenants or Tenants.from_config(cfg)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -70,7 +101,7 @@ async def serve(cfg: GatewayConfig, stop: asyncio.Event | None = None, security:
     loop.add_signal_handler(signal.SIGHUP, tenants.reload)
     orch = Orchestrator(cfg, security, quota=tenants.quota)  # quotas read at every decision: SIGHUP swaps them
     fetcher = MediaFetcher(cfg)  # http(s) image URLs; closed below, after the listeners stop
-    runner = grpc_server = core = None
+    runner = grpc_server = core = internal = None
     try:  # everything set up so far is torn down on the way out, also after a failed start
         # Resolves names, checks every instance once, then keeps checking. No peer need be up: until
         # an LM is admitted (its model learned) /health and every request answer 503.
@@ -82,7 +113,7 @@ async def serve(cfg: GatewayConfig, stop: asyncio.Event | None = None, security:
                               client_max_size=cfg.max_body_bytes)
         core = RequestCore(cfg, orch, fetcher, quota=tenants.quota)  # one for both transports: they share what it remembers
         OpenAIRoutes(cfg, orch, fetcher=fetcher, intake=intake, core=core).add_to(app)
-        app.router.add_get("/metrics", _metrics)
+        app.router.add_get("/metrics", functools.partial(_public_metrics, facts=cfg.epd_facts))
         # handler_cancellation: a client that disconnects cancels its handler, which
         # cancels the LM call (and with it the engine request).
         # lingering_time=0: a body the gateway refused unread (413 by its Content-Length, 408, 503) is not
@@ -103,6 +134,9 @@ async def serve(cfg: GatewayConfig, stop: asyncio.Event | None = None, security:
                             gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name)
             grpc_port = await grpc_server.start()
             await grpc_server.set_serving(True)
+        if exposure is not None:
+            internal = _internal_port(cfg, orch, exposure)
+            await internal.start()
         if on_listening is not None:
             on_listening(http_port, grpc_port)
         logger.info("gateway listening: http://%s:%d/v1 (model %s, %d encoder(s), %d LM(s)%s; API keys: %s)",
@@ -114,6 +148,8 @@ async def serve(cfg: GatewayConfig, stop: asyncio.Event | None = None, security:
             await grpc_server.stop()
         if runner is not None:
             await runner.cleanup()
+        if internal is not None:
+            await internal.stop()
         if core is not None:
             await core.close()
         await fetcher.close()

@@ -10,8 +10,6 @@ import logging
 import os
 import signal
 
-from prometheus_client import start_http_server
-
 from ectransfer import factory
 from ectransfer.connector.cache_manager import EC_MANAGER_CONFIG
 from ectransfer.connector.common import compat_for
@@ -31,6 +29,7 @@ from services.common.engine import (
 )
 from services.common.grpc_server import GrpcServer
 from services.common.media import MediaDecoder
+from services.common.metrics_port import MetricsPort, exposure_for
 from services.fleet_memory import holdings
 from services.lm import media_connector
 from services.lm.config import LMServiceConfig
@@ -63,10 +62,12 @@ def ec_consumer(engine_cfg: EngineConfig) -> bool:
 
 def check(cfg: LMServiceConfig, security: SecurityConfig) -> EncoderAllowList:
     """Refuses (ValueError) a configuration before an engine start is spent on
-    it (an unauthenticated non-loopback bind, a malformed allow-list); returns
+    it (an unauthenticated non-loopback bind of the API or metrics port, a malformed allow-list); returns
     the allow-list. NIXL's side channel's bind rule is the config's own
     (``LMServiceConfig``: refused when it is made)."""
     security.require_for(cfg.host, f"the LM API ({cfg.host}:{cfg.port})")
+    if cfg.metrics_port:
+        exposure_for(cfg.metrics_host, security)
     return EncoderAllowList.parse(cfg.allowed_encoders, trusted_callers=security.authenticated)
 
 
@@ -129,7 +130,7 @@ async def serve(cfg: LMServiceConfig, engine_cfg: EngineConfig, stop: asyncio.Ev
         if published is not None:
             published.close()
         raise
-    server = watch = None
+    server = watch = metrics = None
     try:
         if published is not None:
             published.start()
@@ -154,7 +155,8 @@ async def serve(cfg: LMServiceConfig, engine_cfg: EngineConfig, stop: asyncio.Ev
                    lm_pb2.DESCRIPTOR.services_by_name["LMService"].full_name)
         port = await server.start()
         if cfg.metrics_port:
-            start_http_server(cfg.metrics_port, addr=cfg.host)
+            metrics = MetricsPort(cfg.metrics_host, cfg.metrics_port, exposure_for(cfg.metrics_host, security))
+            await metrics.start()
         await server.set_serving(True)
         if cfg.role == "prefill":
             # Decode LMs dial this LM's side channel (a decode LM's own is dialed by nobody: vLLM's
@@ -168,6 +170,8 @@ async def serve(cfg: LMServiceConfig, engine_cfg: EngineConfig, stop: asyncio.Ev
             await watch.stop()
         if server is not None:
             await server.stop()
+        if metrics is not None:
+            await metrics.stop()
         engine.shutdown()
         # The engine process may be gone before its connector's shutdown ran
         # (vLLM stops the executor first, and the client kills stragglers):

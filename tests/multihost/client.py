@@ -2,7 +2,7 @@
 (``ip netns exec``), one operation per process; prints one JSON line.
 
     python -m tests.multihost.client post URL [TIMEOUT] < body.json  {"status", "body", "elapsed_s"}
-    python -m tests.multihost.client get URL                          {"status", "text"}
+    python -m tests.multihost.client get URL                          {"status", "text"} (https: as a scraper)
     python -m tests.multihost.client health ADDR [SERVICE]            {"serving"}
     python -m tests.multihost.client stats ENCODER_ADDR               {"values"} (its Transfer Stats RPC)
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import ssl
 import sys
 import time
 import urllib.error
@@ -46,8 +47,17 @@ def post(url: str, timeout: str = "120") -> dict:
 
 
 def get(url: str) -> dict:
+    """An https URL (a service's metrics port on its host's address) is read as Prometheus scrapes it:
+    the deployment's CA, client certificate and token."""
+    request, context = urllib.request.Request(url), None
+    if url.startswith("https:"):
+        sec = _security()
+        context = ssl.create_default_context(cafile=sec.tls_ca)
+        context.load_cert_chain(sec.tls_cert, sec.tls_key)
+        if sec.token:
+            request.add_header("Authorization", f"Bearer {sec.token}")
     try:
-        with urllib.request.urlopen(url, timeout=30) as r:
+        with urllib.request.urlopen(request, timeout=30, context=context) as r:
             return {"status": r.status, "text": r.read().decode(errors="replace")}
     except urllib.error.HTTPError as e:
         return {"status": e.code, "text": e.read().decode(errors="replace")}

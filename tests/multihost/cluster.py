@@ -137,12 +137,12 @@ class Cluster:
         for h in self.encoder_hosts:
             self._service(h.name, h, ["encoder", "--host", h.ip, "--port", str(ENC_PORT), "--transfer-host", h.ip,
                                       "--advertise-host", h.ip, "--transfer-port", str(TRANSFER_PORT),
-                                      "--metrics-port", str(ENC_METRICS), "--cpu-cores", enc_cores,
-                                      "--lease-s", str(LEASE_S), *common])
+                                      "--metrics-port", str(ENC_METRICS), "--metrics-host", h.ip,
+                                      "--cpu-cores", enc_cores, "--lease-s", str(LEASE_S), *common])
         for h in self.lm_hosts:
             self._service(h.name, h, ["lm", "--host", h.ip, "--port", str(LM_PORT), "--metrics-port", str(LM_METRICS),
-                                      "--cpu-cores", lm_cores, "--transfer-timeout-s", str(TRANSFER_TIMEOUT_S),
-                                      *common])
+                                      "--metrics-host", h.ip, "--cpu-cores", lm_cores,
+                                      "--transfer-timeout-s", str(TRANSFER_TIMEOUT_S), *common])
         targets = {"dns": (f"{ENCODERS_NAME}:{ENC_PORT}", f"{LMS_NAME}:{LM_PORT}"),
                    "three": (self.encoder_addr(self.enc2), self.lm_addr(self.lm2)),
                    "pod": (self.encoder_addr(self.enc1), self.lm_addr(self.lm1))}
@@ -170,7 +170,9 @@ class Cluster:
 
     @staticmethod
     def metrics_url(h: Host) -> str:
-        return f"http://{h.ip}:{ENC_METRICS if h.name.startswith('enc') else LM_METRICS}/metrics"
+        """A service's metrics port, on its host's address: HTTPS, read with the deployment's client
+        certificate and token (``client.get``)."""
+        return f"https://{h.ip}:{ENC_METRICS if h.name.startswith('enc') else LM_METRICS}/metrics"
 
     def url(self, gateway: str) -> str:
         return f"http://{self.gw.ip}:{GATEWAY_PORTS[gateway]}"

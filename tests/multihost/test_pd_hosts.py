@@ -54,7 +54,7 @@ class PDHosts:
             # stays on loopback.
             **{role: self._service(h, ["lm", "--role", role, "--host", h.ip, "--port", str(LM_PORT),
                                        "--kv-port", str(KV_PORT), "--metrics-port", str(METRICS),
-                                       "--cpu-cores", cores, *kv_args, *common])
+                                       "--metrics-host", h.ip, "--cpu-cores", cores, *kv_args, *common])
                for role, h, cores, kv_args in (
                    ("prefill", self.p, enc_cores, ["--kv-host", self.p.ip, "--insecure-kv-side-channel"]),
                    ("decode", self.d, lm_cores, []))},
@@ -114,7 +114,7 @@ def test_e_p_and_d_on_three_hosts_give_plain_vllms_tokens(pd_hosts, mh_reference
     epd = body["epd"]
     assert epd["prefill_lm"] == f"{c.p.ip}:{LM_PORT}" and epd["lm"] == f"{c.d.ip}:{LM_PORT}", epd
     assert epd["encoders"] == [f"{c.e.ip}:{ENC_PORT}"] and epd["local_encoder_runs"] == 0, epd
-    d_metrics = f"http://{c.d.ip}:{METRICS}/metrics"
+    d_metrics = f"https://{c.d.ip}:{METRICS}/metrics"  # beyond loopback: TLS, a client certificate, the token
     # The decode LM loaded the prompt's KV from the prefill host and computed none of it.
     assert c.client.metric(d_metrics, "vllm:prompt_tokens_by_source_total", source="local_compute") == 0
     assert c.client.metric(d_metrics, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") > 0

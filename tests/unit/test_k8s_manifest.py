@@ -305,7 +305,7 @@ def test_the_gateway_holds_a_credential_of_its_own_and_no_engine_credential(over
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_every_engine_binding_a_pod_address_meets_the_tls_and_authentication_rule(overlay, tmp_path):
     """SecurityConfig.require_for, the check each service runs before it binds, passes for every
-    address an encoder or LM serves (the Secret's files stood in by local ones)."""
+    address an encoder or LM serves, its metrics port's included (the Secret's files stood in by local ones)."""
     for name in ("auth-token", "cert.pem", "key.pem", "ca.pem"):
         (tmp_path / name).write_text("x\n")
     for dep, _, c in containers(render(overlay)):
@@ -315,7 +315,8 @@ def test_every_engine_binding_a_pod_address_meets_the_tls_and_authentication_rul
         for flag in ("auth_token_file", "tls_cert", "tls_key", "tls_ca"):
             setattr(ns, flag, str(tmp_path / os.path.basename(getattr(ns, flag))))
         security = from_args(SecurityConfig, ns)
-        for host in [ns.host] + ([ns.transfer_host] if ns.cmd == "encoder" else []):
+        metrics = [ns.metrics_host] if ns.metrics_port else []
+        for host in [ns.host, *metrics] + ([ns.transfer_host] if ns.cmd == "encoder" else []):
             security.require_for(host, f"{dep['metadata']['name']}/{c['name']} on {host}")  # raises if refused
 
 
