@@ -35,6 +35,7 @@ from ectransfer.protocol import CompatError, check_compat, new_event_loop
 from ectransfer.session import Outbox, TransferSession
 from epd.transfer.v1 import transfer_pb2, transfer_pb2_grpc
 from peerauth import SecurityConfig
+from peerauth.refusals import REFUSALS
 
 logger = logging.getLogger(__name__)
 
@@ -194,7 +195,7 @@ class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
             kind = self._take_lane_secret(first.select.proof)
             transport = self.transports.get(first.select.transport)
             if kind is None or transport is None or transport.kind != kind:
-                logger.warning("refusing a control-lane connection without a valid lane secret")
+                REFUSALS.refused("lane_secret", "a control-lane connection")  # counted; logged at a bounded rate
                 return
             if not self._admit("a control-lane connection"):
                 return

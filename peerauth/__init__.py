@@ -24,6 +24,8 @@ that travels inside the (TLS-protected, token-checked) Transfer stream.
   grpcio call credentials; without TLS (a cluster whose mesh terminates TLS)
   a client interceptor adds the same header. Health checks are exempt (they
   reveal only SERVING or not, and Kubernetes probes carry no token).
+  Refusals are counted by reason and logged at a bounded rate
+  (``peerauth.refusals``): anyone who reaches a port can make it refuse.
 - Neither set: plain gRPC, as for one host on loopback.
 
 What a server may bind (``require_for``): loopback, anything. Any other
@@ -53,6 +55,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+
+from peerauth.refusals import REFUSALS
 
 logger = logging.getLogger(__name__)
 
@@ -238,20 +242,22 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, token: str) -> None:
         self._expected = f"Bearer {token}".encode()
 
-    def _ok(self, details) -> bool:
+    def _refusal_reason(self, details) -> str:
+        """Why the call is refused (a ``refusals.REASONS`` key); "" when it may go on."""
         if details.method.startswith(EXEMPT_PREFIXES):
-            return True
+            return ""
         for key, value in details.invocation_metadata or ():
             if key == AUTH_HEADER:
                 got = value.encode() if isinstance(value, str) else value
-                return hmac.compare_digest(got, self._expected)
-        return False
+                return "" if hmac.compare_digest(got, self._expected) else "wrong_token"
+        return "no_token"
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
-        if handler is None or self._ok(details):
+        reason = "" if handler is None else self._refusal_reason(details)
+        if not reason:
             return handler
-        logger.warning("refused %s: no valid auth token", details.method)
+        REFUSALS.refused(reason, details.method)  # counted; logged at a bounded rate
         return _refusal(handler)
 
 

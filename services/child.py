@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.common.spawn import child_env
+from services.startup_errors import ERROR_PREFIX, summary_from_log
 
 _rng = random.Random()  # its own generator: a test that seeds ``random`` must not make ports repeat
 _handed_out: set[int] = set()
@@ -140,18 +141,35 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
+class ServiceExited(RuntimeError):
+    """A service exited before it was ready. Its message is the reason the service printed itself
+    (``summary_from_log``: what is wrong and what to do) with its log's path, or, where it printed
+    none (a crash), its log's last lines."""
+
+    def __init__(self, svc: Service) -> None:
+        self.service = svc.name
+        try:
+            with open(svc.log_path, errors="replace") as f:
+                summary = summary_from_log(f.read())
+        except OSError:
+            summary = ""
+        super().__init__(f"{svc.name} did not start: {summary.removeprefix(ERROR_PREFIX)}\n  (its log: "
+                         f"{svc.log_path})" if summary else
+                         f"{svc.name} exited during start-up; last log lines:\n{svc.log_tail()}")
+
+
 def wait_ready(checks: dict[Service, Callable[[], bool]], deadline: float, poll_s: float = 0.5,
                on_ready: Callable[[Service], None] | None = None,
                on_wait: Callable[[list[Service]], None] | None = None) -> None:
-    """Polls each started service's readiness check until all pass. Raises
-    RuntimeError (with its last log lines) as soon as one exits, TimeoutError
-    at ``deadline`` (``time.monotonic()``). The caller owns the processes and
-    stops them on either error."""
+    """Polls each started service's readiness check until all pass. Raises ``ServiceExited`` (a
+    RuntimeError: why, in the service's words or its last log lines) as soon as one exits,
+    TimeoutError at ``deadline`` (``time.monotonic()``). The caller owns the processes and stops
+    them on either error."""
     pending = dict(checks)
     while pending:
         for svc in list(pending):
             if not svc.alive():
-                raise RuntimeError(f"{svc.name} exited during start-up; last log lines:\n{svc.log_tail()}")
+                raise ServiceExited(svc)
             if pending[svc]():
                 del pending[svc]
                 if on_ready is not None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import importlib
 import importlib.util
 import json
@@ -22,16 +23,19 @@ import os
 import pathlib
 import shlex
 import sys
+from collections.abc import Mapping
 
 from ectransfer.connector.config import ConnectorTuning
 from peerauth import SecurityConfig
 from services.certs import make_certs
+from services.child import ServiceExited
 from services.common.config import add_dataclass_args, from_args
 from services.common.engine import EngineConfig, EngineDied, UnsupportedModel, configure_process_env
 from services.encoder.config import EncoderServiceConfig
-from services.gateway.config import GatewayConfig
+from services.gateway.config import API_KEYS_ENV, GatewayConfig
 from services.gateway.tenants import Tenants
 from services.lm.config import LMServiceConfig
+from services.startup_errors import ERROR_PREFIX, StartupError, check_model, check_port, explain
 
 DEFAULT_MODEL_DIR = pathlib.Path(os.environ.get("EPD_CACHE_DIR", pathlib.Path.home() / ".cache" / "epd-serve"))
 
@@ -92,9 +96,17 @@ def _engine_cfg(ns):
     return cfg
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser (its subcommands' too), but a bad flag or value is said in two lines: what
+    is wrong and where the flags are listed, not after a usage block that names every flag."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n  `{self.prog} --help` lists the flags and their values\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``epd`` argument parser (one flag per config field); parsing runs nothing."""
-    p = argparse.ArgumentParser(prog="epd", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="epd", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--log-level", default=os.environ.get("EPD_LOG_LEVEL", "info"))
     sub = p.add_subparsers(dest="cmd", required=True)
 
@@ -151,8 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "only), mutual TLS with a private CA plus the token, nothing (loopback only), or auto "
                         "(default: token on a loopback --host, tls on any other)")
     u.add_argument("--api-key", nargs="+", default=None,
-                   help="client API keys for the gateway, as vllm serve's --api-key (also read from VLLM_API_KEY, "
-                        "which only the gateway is given)")
+                   help="client API keys for the gateway, as vllm serve's --api-key; the gateway gets them in its "
+                        "environment, never its command line. Prefer VLLM_API_KEY (which only the gateway is "
+                        "given) or --api-keys-file: this command's own line is visible in ps")
     u.add_argument("--api-keys-file", default="", help="the gateway's --api-keys-file (tenants and their keys)")
     u.add_argument("--insecure", action="store_true",
                    help="pass --insecure to every service: --security token or none on a non-loopback --host, "
@@ -182,13 +195,82 @@ def service_module(cmd: str):
     return importlib.import_module(f"services.{cmd}.server")
 
 
-def load_tenants(cfg: GatewayConfig) -> Tenants:
-    """The gateway's API keys, loaded before it starts: a keys file that does not load is a refused
+def load_tenants(cfg: GatewayConfig, environ: Mapping[str, str] = os.environ) -> Tenants:
+    """The gateway's API keys, loaded before it starts: ``--api-key``'s, else ``API_KEYS_ENV``'s (one
+    per line: how ``epd up`` hands them over, off the command line), else ``VLLM_API_KEY``'s
+    (``Tenants.from_config``); and ``--api-keys-file``'s. A keys file that does not load is a refused
     configuration (ValueError), named with its reason (never a key)."""
+    from_env = [k.strip() for k in environ.get(API_KEYS_ENV, "").splitlines() if k.strip()]
+    if from_env and not cfg.api_key:
+        cfg = dataclasses.replace(cfg, api_key=from_env)
     try:
-        return Tenants.from_config(cfg)
+        return Tenants.from_config(cfg, environ)
     except OSError as e:
         raise ValueError(f"--api-keys-file: {e}") from None
+
+
+SERVICE_CONFIGS = {"encoder": EncoderServiceConfig, "lm": LMServiceConfig, "gateway": GatewayConfig}
+
+
+def listen_ports(cmd: str, cfg) -> list[tuple[str, str, int]]:
+    """The (flag, host, port) service ``cmd`` will listen on that ``check_port`` can test before it
+    starts: its API ports, an encoder's Transfer port and a prefill/decode LM's NIXL side channel.
+    The metrics port is left to the bind itself (``explain`` reads its failure)."""
+    ports = [("--port", cfg.host, cfg.port)]
+    if cmd == "gateway":
+        ports.append(("--grpc-port", cfg.host, cfg.grpc_port))
+    elif cmd == "encoder":
+        ports.append(("--transfer-port", cfg.transfer_host, cfg.transfer_port))
+    elif cfg.role != "both":
+        ports.append(("--kv-port", cfg.kv_host, cfg.kv_port))
+    return ports
+
+
+def say_error(e: BaseException) -> None:
+    """Why this command cannot start: its last lines on stderr, from ``ERROR_PREFIX`` (what
+    ``services.child.summary_from_log`` finds in a service's log)."""
+    print(f"{ERROR_PREFIX}{e}", file=sys.stderr, flush=True)
+
+
+def run_service(ns: argparse.Namespace) -> int:
+    """``epd encoder``, ``epd lm`` or ``epd gateway``: 0 once it stopped; 2 for a configuration it
+    refused or a start-up failure ``explain`` knows (the reason printed last, the traceback logged
+    before it); any other exception goes on, traceback and all (``EngineDied``: exit 1 in ``main``)."""
+    model = ""
+    try:  # configurations are refused here, before anything starts (exit 2)
+        security = from_args(SecurityConfig, ns)
+        cfg = from_args(SERVICE_CONFIGS[ns.cmd], ns)
+        for flag, host, port in listen_ports(ns.cmd, cfg):
+            check_port(flag, host, port)  # before minutes of engine start-up, not after
+        if ns.cmd == "gateway":
+            run = service_module(ns.cmd).serve(cfg, security=security, tenants=load_tenants(cfg))
+        else:
+            configure_process_env()  # before the tiny model's build may import huggingface_hub
+            engine_cfg = _engine_cfg(ns)
+            model = engine_cfg.model
+            check_model(model)  # before vLLM is imported
+            server = service_module(ns.cmd)
+            server.check(cfg, security)
+            run = server.serve(cfg, engine_cfg, security=security,
+                               tuning=from_args(ConnectorTuning, ns, prefix="connector_"))
+    except (ValueError, StartupError) as e:
+        say_error(e)
+        return 2
+    try:
+        asyncio.run(run)
+    except (UnsupportedModel, StartupError) as e:  # read from the model's config, before any engine started
+        say_error(e)
+        return 2
+    except EngineDied:
+        raise
+    except Exception as e:
+        why = explain(e, model)
+        if why is None:
+            raise
+        logging.getLogger("services.cli").error("%s could not start", ns.cmd, exc_info=e)  # the service's log
+        say_error(why)
+        return 2
+    return 0
 
 
 def _main(argv: list[str] | None = None) -> int:
@@ -197,27 +279,7 @@ def _main(argv: list[str] | None = None) -> int:
     if ns.cmd == "tiny-model":
         return tiny_model(ns)
     if ns.cmd in ("encoder", "lm", "gateway"):
-        try:  # configurations are refused here, before anything starts (exit 2)
-            security = from_args(SecurityConfig, ns)
-            server = service_module(ns.cmd)
-            if ns.cmd == "gateway":
-                cfg = from_args(GatewayConfig, ns)
-                run = server.serve(cfg, security=security, tenants=load_tenants(cfg))
-            else:
-                cfg = from_args(EncoderServiceConfig if ns.cmd == "encoder" else LMServiceConfig, ns)
-                server.check(cfg, security)
-                run = server.serve(cfg, _engine_cfg(ns), security=security,
-                                   tuning=from_args(ConnectorTuning, ns, prefix="connector_"))
-        except ValueError as e:
-            print(f"epd: error: {e}", file=sys.stderr)
-            return 2
-
-        try:
-            asyncio.run(run)
-        except UnsupportedModel as e:  # read from the model's config, before any engine started
-            print(f"epd: error: {e}", file=sys.stderr)
-            return 2
-        return 0
+        return run_service(ns)
     if ns.cmd == "health":
         from services.probe import grpc_serving  # grpc only: it runs beside a gateway (no torch, no vLLM)
 
@@ -233,11 +295,15 @@ def _main(argv: list[str] | None = None) -> int:
             return run_up(model=ns.model or default_model(), host=ns.host, port=ns.port, engine_args=ns.vllm_args,
                           security=ns.security, encoder_args=shlex.split(ns.encoder_args),
                           lm_args=shlex.split(ns.lm_args),
-                          gateway_args=[*gateway_key_args(ns.api_key, ns.api_keys_file), *shlex.split(ns.gateway_args)],
-                          insecure=ns.insecure, prefills=ns.prefills, decodes=ns.decodes, lms=ns.lms)
-        except ValueError as e:  # refused before anything started
-            print(f"epd: error: {e}", file=sys.stderr)
+                          gateway_args=[*gateway_key_args(ns.api_keys_file), *shlex.split(ns.gateway_args)],
+                          insecure=ns.insecure, prefills=ns.prefills, decodes=ns.decodes, lms=ns.lms,
+                          api_keys=ns.api_key)
+        except (ValueError, StartupError) as e:  # refused before anything started
+            say_error(e)
             return 2
+        except (ServiceExited, TimeoutError) as e:  # a service did not start: everything is stopped
+            say_error(e)
+            return 1
     return 2
 
 

@@ -24,7 +24,9 @@ from services.certs import make_certs, make_token
 from services.child import Service, free_port, wait_ready
 from services.common.engine import EngineConfig, configure_process_env, encoder_apart_verified, is_encoder_decoder
 from services.common.spawn import child_env
+from services.gateway.config import API_KEYS_ENV
 from services.probe import gateway_admitted, grpc_serving
+from services.startup_errors import check_model, check_port, explain
 
 KV_HOST = "127.0.0.1"
 """Where ``epd up``'s prefill and decode LMs bind NIXL's side channel: they all run on this host."""
@@ -67,13 +69,21 @@ def check_security(host: str, security: str, insecure: bool) -> str:
     return security
 
 
-GATEWAY_ONLY_ENV = ("VLLM_API_KEY",)
+GATEWAY_ONLY_ENV = ("VLLM_API_KEY", API_KEYS_ENV)
 """Environment variables only the gateway is given (the encoders and LMs start without them)."""
 
 
-def gateway_key_args(api_key: list[str] | None = None, api_keys_file: str = "") -> list[str]:
-    """The gateway's flags for ``epd up --api-key`` / ``--api-keys-file`` (none when unset)."""
-    return [*(["--api-key", *api_key] if api_key else []), *(["--api-keys-file", api_keys_file] if api_keys_file else [])]
+def gateway_key_args(api_keys_file: str = "") -> list[str]:
+    """The gateway's flags for ``epd up --api-keys-file`` (none when unset): a path, never a key.
+    ``--api-key``'s keys go by the gateway's environment instead (``gateway_key_env``)."""
+    return ["--api-keys-file", api_keys_file] if api_keys_file else []
+
+
+def gateway_key_env(api_keys: list[str] | None) -> dict[str, str]:
+    """The gateway's environment for ``epd up --api-key``: the keys in ``API_KEYS_ENV``, one per line
+    (none when unset). Never on its command line, which every user of the host can read (``ps``,
+    ``/proc/PID/cmdline``); a process's environment only its own user (and root) can."""
+    return {API_KEYS_ENV: "\n".join(api_keys)} if api_keys else {}
 
 
 @dataclass
@@ -109,6 +119,9 @@ class Deployment:
     is trusted; the services' own links stay on this host, but other machines can reach their ports)."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment for every service (over this process's own)."""
+    api_keys: list[str] = field(default_factory=list, repr=False)
+    """The gateway's client API keys (``epd up --api-key``): given to the gateway alone, through its
+    environment (``gateway_key_env``), never its command line."""
 
     def __post_init__(self) -> None:
         h = self.host
@@ -205,7 +218,7 @@ class Deployment:
 
     def _envs(self) -> tuple[dict[str, str], dict[str, str]]:
         """The gateway's environment and the engines' (without what only the gateway may have)."""
-        env = child_env({"PYTHONUNBUFFERED": "1", **self.env})
+        env = child_env({"PYTHONUNBUFFERED": "1", **self.env, **gateway_key_env(self.api_keys)})
         # VLLM_API_KEY is the gateway's (its clients' key, as for vllm serve). An LM that had it would
         # guard the /v1 routes of its in-process vLLM app against the gateway's own calls.
         return env, {k: v for k, v in env.items() if k not in GATEWAY_ONLY_ENV}
@@ -304,19 +317,27 @@ def up_lms(prefills: int, decodes: int, lms: int | None) -> int:
 def run_up(model: str, host: str, port: int, engine_args: str, security: str = "auto",
            encoder_args: list[str] | None = None, lm_args: list[str] | None = None,
            gateway_args: list[str] | None = None, insecure: bool = False, prefills: int = 0,
-           decodes: int = 0, lms: int | None = None) -> int:
-    """``epd up``. Raises ValueError for a configuration refused before anything starts. An
+           decodes: int = 0, lms: int | None = None, api_keys: list[str] | None = None) -> int:
+    """``epd up``. Raises ValueError for a configuration refused before anything starts, StartupError
+    for a model that no service could start with or a ``port`` in use (before any starts), and
+    ``ServiceExited`` or TimeoutError when a service did not start (all of them stopped). An
     encoder-decoder model (Whisper-class) gets an encoder service where this vLLM runs its encoder apart
     by the path issue 35 verified (``encoder_apart_verified``), else none: its LM then encodes the audio
     itself (docs/design.md, Encoder-decoder models). ``lms``: LMs that prefill and decode (default 1, or 0
-    beside prefill and decode LMs; more than 0 beside them is a mixed deployment)."""
+    beside prefill and decode LMs; more than 0 beside them is a mixed deployment). ``api_keys``: the
+    gateway's client keys (``Deployment.api_keys``: its environment, never its command line)."""
     check_security(host, security, insecure)  # refused before anything else is read
     lms = up_lms(prefills, decodes, lms)
+    check_port("--port", host, port)  # the one port chosen by the caller, not free_port
+    check_model(model)
     configure_process_env()  # the check below reads the model's config as the services will
     try:
         engine_cfg = EngineConfig(model=model, vllm_args=engine_args)
         lm_alone = is_encoder_decoder(engine_cfg) and not encoder_apart_verified(engine_cfg)
-    except Exception:  # noqa: BLE001 - a model vLLM cannot read: the services report it, with its reason
+    except Exception as e:  # noqa: BLE001 - a model vLLM cannot read: the services report it, with its reason
+        why = explain(e, model)
+        if why is not None:  # one the services would all fail on, for a reason we can name: say it now
+            raise why from None
         lm_alone = False
     if lm_alone:
         print(f"epd up: {model} is an encoder-decoder model: no encoder service (the LM encodes the audio "
@@ -324,7 +345,7 @@ def run_up(model: str, host: str, port: int, engine_args: str, security: str = "
     dep = Deployment(model=model, host=host, port=port, engine_args=engine_args, security=security,
                      encoder_args=encoder_args or [], lm_args=lm_args or [], gateway_args=gateway_args or [],
                      insecure=insecure, with_encoder=not lm_alone, n_lms=lms,
-                     n_prefills=prefills, n_decodes=decodes)
+                     n_prefills=prefills, n_decodes=decodes, api_keys=api_keys or [])
     stop = {"now": False}
 
     def on_signal(signum, frame):

@@ -5,11 +5,14 @@ REST (``middleware``), as vLLM's ``AuthenticationMiddleware``
 (``vllm/entrypoints/serve/middleware/authenticate.py``): a request whose path starts with one of
 ``GUARDED_PREFIXES``, by any method but OPTIONS, must carry ``Authorization: Bearer <key>`` (the
 scheme in any case) with a key the gateway knows; otherwise it is answered 401 with vLLM's body,
-``UNAUTHORIZED_BODY``, before its body is read. Every other path (``/health``, ``/ping``,
-``/metrics``, ``/tokenize``, ``/detokenize``, ``/version``) is open, as on ``vllm serve``. A
-request to a route under a guarded prefix is guarded whatever its path was spelled as. The gateway
-does not import vLLM: ``tests/unit/test_auth_vllm.py`` checks these values, and the rule, against
-vLLM's own middleware.
+``UNAUTHORIZED_BODY``, before its body is read. One deliberate difference: a route whose body may
+carry media (``MEDIA_ROUTES``: ``/tokenize``, whose images and audio the gateway fetches, decodes and
+hands to the LM's processor) is guarded too, wherever its path is, while vLLM leaves ``/tokenize``
+open; with keys, media work is for key holders only. Every other path (``/health``, ``/ping``,
+``/metrics``, ``/detokenize``, ``/version``) is open, as on ``vllm serve``. A request to a route
+under a guarded prefix is guarded whatever its path was spelled as. The gateway does not import
+vLLM: ``tests/unit/test_auth_vllm.py`` checks these values, and the rule, against vLLM's own
+middleware.
 
 gRPC (``GrpcAuth``): every ``GatewayService`` call needs the same key in its ``authorization``
 metadata (``Bearer <key>``); a call without one ends UNAUTHENTICATED before its request message is
@@ -32,6 +35,7 @@ import grpc
 from aiohttp import web
 from prometheus_client import Counter
 
+from services.common.routes import APIS
 from services.gateway.tenants import ANONYMOUS, Tenants
 
 GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
@@ -54,11 +58,16 @@ REFUSED = Counter("epd_gateway_unauthenticated_total", "Requests refused for a m
                   ["api"])
 
 
+MEDIA_ROUTES = frozenset(a.path for a in APIS if a.media or a.upload)
+"""The routes whose bodies may carry media: guarded wherever their path is (the module docstring)."""
+
+
 def guarded(method: str, path: str, route: str = "") -> bool:
     """Whether a REST request needs a key: its ``path`` is under a guarded prefix (vLLM's test), or
-    the ``route`` it reached is (the route's canonical path: the same route by another spelling),
-    unless its method is OPTIONS."""
-    return method != EXEMPT_METHOD and (path.startswith(GUARDED_PREFIXES) or route.startswith(GUARDED_PREFIXES))
+    the ``route`` it reached is (the route's canonical path: the same route by another spelling), or
+    that route takes media, unless its method is OPTIONS."""
+    return method != EXEMPT_METHOD and (path.startswith(GUARDED_PREFIXES) or route.startswith(GUARDED_PREFIXES)
+                                        or route in MEDIA_ROUTES)
 
 
 def rest_tenant(tenants: Tenants, method: str, path: str, route: str, authorization: str | None) -> str | None:

@@ -1,6 +1,6 @@
 """Client API keys on the whole gateway (``server.serve``, REST and native gRPC, against a fake LM):
 without a known key a guarded REST route answers vLLM's 401 and the gRPC API UNAUTHENTICATED, while
-vLLM's open routes answer as before; a known key passes on both and names its tenant; SIGHUP reloads
+vLLM's open routes answer as before (but /tokenize, which takes media, is guarded); a known key passes on both and names its tenant; SIGHUP reloads
 the keys file; no key reaches the log. Also, on a bare gRPC server with the gateway's interceptors,
 that a refused call takes nothing from the intake and never reaches the servicer."""
 
@@ -106,8 +106,11 @@ def test_guarded_rest_routes_answer_vllms_401_without_a_known_key_and_vllms_open
             assert not lm.requests  # nothing refused reached the LM
             for method, path in (("GET", "/health"), ("GET", "/ping"), ("GET", "/metrics")):
                 assert (await rest(gw, method, path))[0] == 200, path
-            status, _ = await rest(gw, "POST", "/tokenize", body={"prompt": "x"})
-            assert status == 200 and len(lm.requests) == 1  # vllm serve does not guard /tokenize either
+            status, _ = await rest(gw, "POST", "/detokenize", body={"tokens": [1]})
+            assert status == 200 and len(lm.requests) == 1  # open, as on vllm serve
+            # /tokenize takes media: guarded with keys, where vllm serve leaves it open
+            assert await rest(gw, "POST", "/tokenize", body={"prompt": "x"}) == (401, UNAUTHORIZED_BODY)
+            assert len(lm.requests) == 1
             status, out = await rest(gw, "POST", "/v1/chat/completions", KEY_A)
             assert status == 200 and json.loads(out)["choices"][0]["token_ids"] == [1, 2, 3]
             status, out = await rest(gw, "GET", "/v1/models", KEY_B, scheme="bearer")
@@ -141,7 +144,7 @@ def test_a_request_carries_the_tenant_its_key_names_on_both_apis(tmp_path, tenan
             assert (await rest(gw, "POST", "/v1/chat/completions", KEY_A))[0] == 200
             assert await grpc_chat(gw, KEY_B) == grpc.StatusCode.OK
             assert (await rest(gw, "POST", "/v1/completions", FLAG_KEY, body={"prompt": "x"}))[0] == 200
-            assert (await rest(gw, "POST", "/tokenize", body={"prompt": "x"}))[0] == 200  # open, no key
+            assert (await rest(gw, "POST", "/detokenize", body={"tokens": [1]}))[0] == 200  # open, no key
             assert (await rest(gw, "POST", "/tokenize", KEY_B, body={"prompt": "x"}))[0] == 200
 
     run(body)

@@ -1,7 +1,8 @@
 """The gateway's --api-key is vLLM's (services.gateway.auth mirrors vLLM 0.32's
 ``AuthenticationMiddleware`` without importing vLLM): the same values, and for every route the gateway
 serves, paths it does not, each method and a table of Authorization headers, the same outcome as vLLM's
-own middleware (refused with the same status and bytes, or let through); and the keys come from the same
+own middleware (refused with the same status and bytes, or let through), except the one deliberate
+difference: ``/tokenize``, which takes media, is guarded as vLLM guards ``/v1``; and the keys come from the same
 places (``--api-key`` over ``VLLM_API_KEY``), read through ``vllm serve``'s own argument parser."""
 
 from __future__ import annotations
@@ -86,6 +87,11 @@ async def _ours(app: web.Application, tenants: Tenants, method: str, path: str,
     return response.status, response.body
 
 
+GUARDED_HERE = {"/tokenize"}
+"""Open on vllm serve, guarded by the gateway (a route that takes media): a POST to it is answered as
+vLLM's middleware answers one on a guarded path (another method reaches no route: 405, unguarded)."""
+
+
 def test_every_route_method_and_header_gets_vllms_answer():
     async def main():
         app, tenants = _app(), Tenants(KEYS)
@@ -93,11 +99,28 @@ def test_every_route_method_and_header_gets_vllms_answer():
         for path in PATHS:
             for method in METHODS:
                 for header in HEADERS:
-                    want = await _vllm(method, path, header)
+                    guarded_here = path in GUARDED_HERE and method == "POST"
+                    want = await _vllm(method, "/v1/models" if guarded_here else path, header)
                     got = await _ours(app, tenants, method, path, header)
                     assert got == want, (method, path, header)
                     refused += want is not None
         assert refused  # the table does exercise refusals
+
+    asyncio.run(main())
+
+
+def test_the_only_route_vllm_leaves_open_that_the_gateway_guards_is_the_one_that_takes_media():
+    async def main():
+        app, tenants = _app(), Tenants(KEYS)
+        differ = set()
+        for path in PATHS:
+            for method in METHODS:
+                if await _vllm(method, path, None) != await _ours(app, tenants, method, path, None):
+                    differ.add(path)
+                    assert await _vllm(method, path, None) is None  # the gateway only ever refuses more
+        assert differ == GUARDED_HERE
+        assert GUARDED_HERE <= auth.MEDIA_ROUTES
+        assert await _ours(app, Tenants(), "POST", "/tokenize", None) is None  # without keys: open
 
     asyncio.run(main())
 

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import types
 
+import grpc
 import pytest
 
 from epd.transfer.v1 import transfer_pb2
@@ -173,3 +176,72 @@ def test_epd_up_without_tls_on_a_reachable_host_is_refused_before_starting_unles
     assert "--insecure where the network is trusted" in capsys.readouterr().err
     dep = Deployment(model="m", host="0.0.0.0", security=security, insecure=True, log_dir=str(tmp_path))
     assert all("--insecure" in svc.args and "--tls-cert" not in svc.args for svc in dep.services)
+
+
+# --- refused calls on the internal ports: counted, logged at a bounded rate -----------------------------------------
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _refused(reason: str) -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("epd_peer_refused_total", {"reason": reason}) or 0.0
+
+
+def _refusal_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "peerauth.refusals"]
+
+
+def test_a_flood_of_refusals_is_counted_whole_and_logged_as_a_burst_then_one_summary_per_interval(caplog):
+    from peerauth.refusals import Refusals
+
+    caplog.set_level(logging.INFO)
+    clock = _Clock()
+    refusals = Refusals(burst=3, interval_s=60.0, clock=clock)
+    before = _refused("wrong_token"), _refused("no_token")
+    for i in range(1000):
+        refusals.refused("wrong_token" if i % 2 else "no_token", "/epd.lm.v1.LMService/Generate")
+    assert _refused("wrong_token") - before[0] == 500 and _refused("no_token") - before[1] == 500
+    lines = _refusal_lines(caplog)
+    assert len(lines) == 3 and "epd_peer_refused_total" in lines[-1]  # the last of the burst says where the rest go
+    clock.now += 60.0
+    refusals.refused("no_token", "/epd.lm.v1.LMService/Generate")
+    lines = _refusal_lines(caplog)
+    assert len(lines) == 5
+    assert lines[3] == "refused 997 more calls without logging each (498 for no auth token, 499 for a wrong auth token)"
+    assert lines[4].startswith("refused /epd.lm.v1.LMService/Generate: no auth token")
+    clock.now += 600.0
+    refusals.refused("no_token", "x")  # a quiet interval (nothing held back) has no summary line
+    assert len(_refusal_lines(caplog)) == 6
+
+
+def test_the_token_interceptor_counts_each_refusal_by_reason_and_does_not_log_each(monkeypatch, caplog, pki):
+    import peerauth
+    from peerauth.refusals import Refusals
+
+    caplog.set_level(logging.INFO)
+    monkeypatch.setattr(peerauth, "REFUSALS", Refusals(burst=2, interval_s=60.0, clock=_Clock()))
+    interceptor = peerauth.TokenInterceptor(SecurityConfig(auth_token_file=pki["token"]).token)
+    handler = grpc.unary_unary_rpc_method_handler(lambda request, context: b"")
+
+    async def continuation(details):
+        return handler
+
+    def call(metadata):
+        details = types.SimpleNamespace(method="/epd.encoder.v1.EncoderService/Encode", invocation_metadata=metadata)
+        return asyncio.run(interceptor.intercept_service(continuation, details))
+
+    before = _refused("no_token"), _refused("wrong_token")
+    for _ in range(20):
+        assert call(()) is not handler
+        assert call((("authorization", "Bearer wrong"),)) is not handler
+    assert call((("authorization", f"Bearer {SecurityConfig(auth_token_file=pki['token']).token}"),)) is handler
+    assert (_refused("no_token") - before[0], _refused("wrong_token") - before[1]) == (20, 20)
+    assert len(_refusal_lines(caplog)) == 2 and not [r for r in caplog.records if r.name == "peerauth"]

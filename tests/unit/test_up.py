@@ -12,9 +12,11 @@ import pytest
 from peerauth import is_loopback
 from services import up
 from services.child import _ephemeral_low
-from services.cli import build_parser
+from services.cli import build_parser, load_tenants
 from services.common.config import from_args
+from services.gateway.config import API_KEYS_ENV, GatewayConfig
 from services.lm.config import LMServiceConfig
+from services.startup_errors import StartupError
 from services.up import Deployment, Service, free_port, gateway_admitted, gateway_key_args, up_lms
 
 
@@ -135,8 +137,66 @@ def test_only_the_gateway_is_given_vllm_api_key(monkeypatch, tmp_path):
     assert envs["lm"]["PYTHONUNBUFFERED"] == "1"
 
 
-def test_epd_up_passes_its_key_flags_to_the_gateway_only_when_set():
-    assert gateway_key_args(None, "") == []
-    assert gateway_key_args(["a", "b"], "k.jsonl") == ["--api-key", "a", "b", "--api-keys-file", "k.jsonl"]
+def test_epd_up_passes_its_keys_file_flag_to_the_gateway_only_when_set():
+    assert gateway_key_args("") == []
     ns = build_parser().parse_args(["up", "--api-key", "a", "b", "--api-keys-file", "k.jsonl"])
-    assert gateway_key_args(ns.api_key, ns.api_keys_file) == ["--api-key", "a", "b", "--api-keys-file", "k.jsonl"]
+    assert gateway_key_args(ns.api_keys_file) == ["--api-keys-file", "k.jsonl"]
+
+
+def _started(monkeypatch, **kw) -> tuple[Deployment, dict[str, tuple[list[str], dict]]]:
+    """A Deployment started with ``kw``, every service's (argv, environment) recorded instead of run."""
+    seen: dict[str, tuple[list[str], dict]] = {}
+
+    def start(self, env=None):
+        seen[self.name] = (self.argv, env)
+        return self
+
+    monkeypatch.setattr(Service, "start", start)
+    monkeypatch.setattr(Deployment, "_wait", lambda self, checks, t0, timeout: None)
+    return Deployment(model="m", quiet=True, **kw).start(), seen
+
+
+def test_epd_ups_api_keys_reach_the_gateway_by_its_environment_and_no_command_line(monkeypatch, tmp_path):
+    monkeypatch.delenv(API_KEYS_ENV, raising=False)
+    dep, seen = _started(monkeypatch, log_dir=str(tmp_path), security="none", api_keys=["sk-one", "sk-two"])
+    for name, (argv, _) in seen.items():
+        assert not any("sk-one" in a or "sk-two" in a for a in argv) and "--api-key" not in argv, name
+    assert seen["gateway"][1][API_KEYS_ENV] == "sk-one\nsk-two"
+    assert API_KEYS_ENV not in seen["encoder"][1] and API_KEYS_ENV not in seen["lm"][1]
+    assert "sk-one" not in repr(dep)
+    # and the gateway takes them from there, as it would take --api-key's
+    cfg = from_args(GatewayConfig, build_parser().parse_args(["gateway", "--lms", "l:1"]))
+    tenants = load_tenants(cfg, {API_KEYS_ENV: seen["gateway"][1][API_KEYS_ENV], "VLLM_API_KEY": "sk-env"})
+    assert tenants.required and tenants.identify("Bearer sk-two") is not None
+    assert tenants.identify("Bearer sk-env") is None  # as --api-key, they win over VLLM_API_KEY
+
+
+def test_no_service_of_epd_up_carries_a_secret_on_its_command_line(monkeypatch, tmp_path):
+    """Every user of the host can read a command line (ps): the token, the TLS key and the API keys go
+    by files (0600) and the environment; only their paths may be on it."""
+    dep, seen = _started(monkeypatch, log_dir=str(tmp_path), security="tls", api_keys=["sk-secret-key"])
+    secrets = ["sk-secret-key", (tmp_path / "auth-token").read_text().strip(),
+               *(tmp_path / "tls" / "key.pem").read_text().splitlines()[1:-1]]
+    assert len(seen) == 3 and all(secrets)
+    for name, (argv, _) in seen.items():
+        line = " ".join(argv)
+        assert not [s for s in secrets if s in line], name
+    assert (tmp_path / "auth-token").stat().st_mode & 0o777 == 0o600
+    assert (tmp_path / "tls" / "key.pem").stat().st_mode & 0o777 == 0o600
+
+
+def test_epd_up_refuses_a_model_not_in_the_cache_before_it_starts_anything(monkeypatch):
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    def not_cached(cfg):
+        raise RuntimeError("while reading the model") from LocalEntryNotFoundError("no cached snapshot")
+
+    monkeypatch.setattr(up, "configure_process_env", lambda: None)
+    monkeypatch.setattr(up, "is_encoder_decoder", not_cached)
+    monkeypatch.setattr(up, "Deployment", lambda **kw: pytest.fail("a service was set up"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(StartupError) as e:
+        up.run_up("org/not-cached", "127.0.0.1", 0, "{}", security="none")
+    assert "huggingface-cli download org/not-cached" in str(e.value) and "HF_HUB_OFFLINE=0" in str(e.value)
+    with pytest.raises(StartupError, match="no such directory"):
+        up.run_up("/no/such/model/dir", "127.0.0.1", 0, "{}", security="none")
