@@ -128,6 +128,8 @@ class Deployment:
         self.security = check_security(h, self.security, self.insecure)
         self.port = self.port or free_port(h)
         self.gateway_grpc = f"{h}:{free_port(h)}"
+        self.gateway_metrics = free_port()
+        """The gateway's internal metrics port (every series, /health with the instances), on loopback."""
         self.log_dir = self.log_dir or tempfile.mkdtemp(prefix="epd-up-")
         sec = self._security_files()
         self.client_security = SecurityConfig(**sec)
@@ -156,6 +158,7 @@ class Deployment:
         facts = is_loopback(h) if self.epd_facts is None else self.epd_facts
         self.gateway = Service("gateway", ["gateway", "--host", h, "--port", str(self.port),
                                            "--grpc-port", self.gateway_grpc.split(":")[1],
+                                           "--metrics-port", str(self.gateway_metrics),
                                            "--encoders", ",".join(e.address for e in self.encoders),
                                            "--lms", ",".join(lm.address for lm in self.lms), *sec_args,
                                            *(["--epd-facts"] if facts else []), *self.gateway_args],
@@ -202,11 +205,6 @@ class Deployment:
         return Service(name, [command or role, "--host", h, "--port", str(port), "--metrics-port", str(metrics),
                               *args],
                        os.path.join(self.log_dir, f"{name}.log"), address=f"{h}:{port}", metrics_port=metrics)
-
-    @property
-    def gateway_metrics(self) -> int:
-        """The gateway serves /metrics on its HTTP port."""
-        return self.port
 
     @property
     def url(self) -> str:
@@ -268,7 +266,8 @@ class Deployment:
 
     def _admitted(self) -> bool:
         """Ready once the gateway has admitted every encoder and LM started here, not only the first LM."""
-        return gateway_admitted(self.url, [e.address for e in self.encoders], [lm.address for lm in self.lms])
+        return gateway_admitted(self.url, [e.address for e in self.encoders], [lm.address for lm in self.lms],
+                                metrics_url=f"http://127.0.0.1:{self.gateway_metrics}/metrics")
 
     def _wait(self, checks: dict, t0: float, timeout: float) -> None:
         tty = sys.stdout.isatty()

@@ -9,17 +9,19 @@ runs it (encode -> LM, failover: ``orchestrator``) and yields the LM's messages;
 relay them. ``Admitted.close`` releases what the request holds; its owner (the transport's handler)
 calls it once, in a ``finally``.
 
+A request about a stored response (``GET``/cancel, ``previous_response_id``) is pinned to the LM its id
+names, for its owner only; the core keeps no Responses state of its own (``responses``: the id carries it).
+
 The error mapping between HTTP statuses and gRPC codes is ``errors``', once, both ways (``STATUS``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
+import dataclasses
 import logging
 import re
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,8 +34,10 @@ from services.gateway.background import BackgroundWork
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import ApiError
 from services.gateway.fetch import MediaFetcher
+from services.gateway.lm_body import LMBody
 from services.gateway.orchestrator import Orchestrator
-from services.gateway.request import RESPONSE_ID_RE, OpenAICall, engine_request_id, load_media, parse_openai
+from services.gateway.request import OpenAICall, engine_request_id, load_media, parse_openai
+from services.gateway.responses import ResponseIds, named_response, response_id
 from services.gateway.tenants import ANONYMOUS, Tenant
 from services.gateway.values import Media, Timings
 
@@ -42,56 +46,6 @@ logger = logging.getLogger(__name__)
 REQUEST_ID_HEADER = "X-Request-Id"
 REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
 """A client's request id (REST's header, the gRPC API's field or metadata)."""
-
-
-class ResponseHomes:
-    """Which LM answered each Responses API response (its id), so that a later request about it
-    (``GET``/cancel ``/v1/responses/{id}``, ``previous_response_id``) goes to the LM whose vLLM
-    stored it (``VLLM_ENABLE_RESPONSES_API_STORE=1``: kept in memory, per LM). Bounded: the oldest
-    entries go first (their lookups then go to any LM, which answers not found). Only ids the gateway
-    minted (``RESPONSE_ID_RE``, 37 bytes) are kept or looked up, so the table is bounded in bytes too.
-    Each entry also names the tenant that made the response (``owner``): a stored response belongs to it."""
-
-    def __init__(self, capacity: int = 65536) -> None:
-        self.capacity = capacity
-        self._homes: OrderedDict[str, str] = OrderedDict()
-        self._owners: dict[str, str] = {}
-
-    def owner(self, response_id: str | None) -> str | None:
-        """The tenant that made ``response_id`` (None: not known here)."""
-        return self._owners.get(response_id) if isinstance(response_id, str) else None
-
-    def record(self, response_id: str, lm: str, tenant: str = ANONYMOUS) -> None:
-        if not RESPONSE_ID_RE.fullmatch(response_id):
-            return
-        self._homes[response_id] = lm
-        self._owners[response_id] = tenant
-        self._homes.move_to_end(response_id)
-        while len(self._homes) > self.capacity:
-            old, _ = self._homes.popitem(last=False)
-            self._owners.pop(old, None)
-
-    def get(self, response_id: str | None) -> str | None:
-        if not isinstance(response_id, str) or not RESPONSE_ID_RE.fullmatch(response_id):
-            return None
-        return self._homes.get(response_id)
-
-
-def response_id(first: lm_pb2.GenerateResponse) -> str | None:
-    """The id of a Responses API answer, from its first message: the JSON response, or a stream's
-    first event (``response.created``, carrying the response)."""
-    payload = first.openai
-    if first.content_type.startswith("text/event-stream"):
-        data = next((line[6:] for line in payload.split(b"\n") if line.startswith(b"data: ")), b"")
-        try:
-            return (json.loads(data).get("response") or {}).get("id")
-        except (ValueError, AttributeError):
-            return None
-    try:
-        out = json.loads(payload)
-    except ValueError:
-        return None
-    return out.get("id") if isinstance(out, dict) else None
 
 
 @dataclass
@@ -113,7 +67,7 @@ class Admitted:
     background: bool = False
     """A background Responses request: once its LM accepted it, ``close`` hands its place to ``_work``."""
     _orch: Orchestrator | None = field(default=None, repr=False)
-    _homes: ResponseHomes | None = field(default=None, repr=False)
+    _ids: ResponseIds | None = field(default=None, repr=False)  # mints a Responses answer's id per LM attempt
     _work: BackgroundWork | None = field(default=None, repr=False)
     _accepted: tuple[str, str] | None = field(default=None, repr=False)  # (response id, LM) of a background one
     _place: Any = field(default=None, repr=False)  # a background request's reserved place (BackgroundPlace)
@@ -121,21 +75,25 @@ class Admitted:
     async def generate(self):
         """The LM's messages for this request (``Orchestrator.generate``): encodes (for an API that
         encodes), then the LM call, with failover before the first token. A Responses answer's id
-        is remembered with the LM that gave it."""
+        names its LM and tenant itself (``responses``): nothing is recorded, but for a background
+        answer, whose place ``close`` hands over."""
         call, media = self.call, self.media
         first = True
         async with contextlib.aclosing(self._orch.generate(
                 self.req, media if self.api.encode or self.api.upload else [], self.timings, ticket=self.ticket, lm=self.pinned,
-                disaggregate=self.api.generates and call.one_engine_call(), body=call.for_lm(media))) as answer:
+                disaggregate=self.api.generates and call.one_engine_call(), body=self._lm_body())) as answer:
             async for resp in answer:
-                if first and self.api.name == "responses" and resp.http_status == 200 and self._homes is not None:
+                if first and self.background and resp.http_status == 200:
                     rid = response_id(resp)
                     if rid and self.timings.lm:
-                        self._homes.record(rid, self.timings.lm, self.tenant)
-                        if self.background:
-                            self._accepted = (rid, self.timings.lm)
+                        self._accepted = (rid, self.timings.lm)
                 first = False
                 yield resp
+
+    def _lm_body(self) -> LMBody:
+        """What each LM attempt's body is rendered from: the call's, with the id minter and the owner of
+        a response the LM stores."""
+        return dataclasses.replace(self.call.for_lm(self.media), response_ids=self._ids, owner=self.tenant)
 
     def close(self) -> None:
         if self._accepted is not None and self._work is not None:
@@ -153,17 +111,30 @@ class Admitted:
 
 class RequestCore:
     def __init__(self, cfg: GatewayConfig, orch: Orchestrator, fetcher: MediaFetcher | None = None,
-                 quota=Tenant) -> None:
+                 quota=Tenant, response_ids: ResponseIds | None = None) -> None:
         """``fetcher``: owned by ``server.serve``; without one http(s) media URLs are refused. ``quota``: a
-        tenant's quotas (``Tenants.quota``; by default none), for its background work."""
-        self.cfg, self.orch, self.fetcher = cfg, orch, fetcher
-        self.homes = ResponseHomes()
+        tenant's quotas (``Tenants.quota``; by default none), for its background work and its weight in an
+        LM's response store. ``response_ids``: the Responses ids' minter (default: from ``cfg``'s secret;
+        ValueError for one that will not do)."""
+        self.cfg, self.orch, self.fetcher, self.quota = cfg, orch, fetcher, quota
+        self.responses = response_ids or ResponseIds.from_config(cfg)
         self.background = BackgroundWork(lambda: orch.lms, cfg.lm_max_background, cfg.background_timeout_s,
                                          lambda: orch.generating_lms(), quota)
 
     async def close(self) -> None:
         """Gives back the places background requests hold (their LMs go on with the work)."""
         await self.background.close()
+
+    def _home(self, named: str | None, tenant: str) -> str | None:
+        """The LM a request about the stored response ``named`` goes to (None: it names none): the one its
+        id names, for its owner only. Raises ApiError 404 for another tenant's id, one this deployment did
+        not mint, or one whose LM is gone, as vLLM answers an id it has not stored, before any LM sees it."""
+        if named is None:
+            return None
+        home = self.responses.home(named, tenant, list(self.orch.lms.instances))
+        if home is None:
+            raise ApiError(404, f"Response with id '{named}' not found.", param="response_id")
+        return home
 
     async def admit(self, api: str, raw: bytes, *, client_id: str, id_given: bool, path: str = "",
                     media: list[bytes] | None = None, lease=None, arrival: float | None = None,
@@ -182,16 +153,12 @@ class RequestCore:
             call.request_id, call.id_given = client_id, id_given
             if tenant != ANONYMOUS:
                 call.salt_tenant = tenant  # each tenant its own prefix-cache namespace
-            # A request about a stored response goes to the LM that holds it, and only for its owner.
-            named = call.body.get("previous_response_id") if api == "responses" else \
-                path.rstrip("/").removesuffix("/cancel").rsplit("/", 1)[-1] if api.startswith("responses_") else None
-            if named is not None and tenant != ANONYMOUS and self.homes.owner(named) != tenant:
-                # Another tenant's, or one the gateway does not know: as vLLM answers an id it has not stored.
-                raise ApiError(404, f"Response with id '{named}' not found.", param="response_id")
+            pinned = self._home(named_response(api, call.body, path), tenant)
             why = self.orch.lm_wait_reason()
             if why is not None:  # before any media is loaded: nothing could take the request
                 raise ApiError(503, why, "server_error")
-            req = lm_pb2.GenerateRequest(request_id=engine_request_id(client_id, spec.prefix))
+            req = lm_pb2.GenerateRequest(request_id=engine_request_id(client_id, spec.prefix),
+                                         tenant_weight=self.quota(tenant).share)  # its share of the LM's response store
             req.openai.api = spec.lm_api
             if spec.lm_api == "http":
                 req.openai.method, req.openai.path = spec.method, path or spec.path
@@ -204,7 +171,7 @@ class RequestCore:
                     place = self.background.reserve(tenant)
                 ticket = await self.orch.admission.admit(
                     self.orch.encodes_remotely(len(call.parts) if spec.encode else int(spec.upload)), tenant,
-                    items=len(call.modalities))  # as counted against --max-images: its images_per_minute
+                    items=len(call.modalities) + int(spec.upload))  # its images_per_minute: media, an upload one
             except AdmissionRefused as e:
                 raise ApiError(e.status, e.message, "rate_limit_error" if e.status == 429 else "server_error",
                                retry_after=str(e.retry_after_s)) from None
@@ -221,8 +188,8 @@ class RequestCore:
                 lease.release()
             raise
         return Admitted(spec, call, req, loaded, Timings(start=arrival or time.perf_counter()), ticket, lease,
-                        tenant=tenant, pinned=self.homes.get(named), background=background, _orch=self.orch,
-                        _homes=self.homes, _work=self.background, _place=place)
+                        tenant=tenant, pinned=pinned, background=background, _orch=self.orch,
+                        _ids=self.responses, _work=self.background, _place=place)
 
 
 def epd_facts(timings: Timings, last: lm_pb2.GenerateResponse | None) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 (``request.OpenAICall.for_lm``) and what the attempt's encoders said of each item (``req.items``'
 sources): the client's body with each media part rewritten for the LM, the request's id and the
 tenant's ``cache_salt``. A value the orchestration renders once per attempt (the items of an attempt can
-differ: a re-encode, a failover to the LM's own encoder); it does no I/O and calls nothing back.
+differ: a re-encode, a failover to the LM's own encoder; so can the LM, which a Responses request's id
+names: ``services.gateway.responses``); it does no I/O and calls nothing back.
 
 The ``LMBody`` shares the request's body dict and parts (never changed here: a part rewrite works on a
 copy); the request owns them and frees them when it is answered."""
@@ -20,6 +21,7 @@ from epd.lm.v1 import lm_pb2
 from services.common.media_checks import sniff_audio_format, sniff_video_format
 from services.common.routes import API
 from services.gateway.parts import LM_PART, MediaPart
+from services.gateway.responses import ResponseIds
 from services.gateway.values import Media
 
 MIME = {"WAV": "audio/wav", "FLAC": "audio/flac", "OGG": "audio/ogg", "MP3": "audio/mpeg",
@@ -59,13 +61,18 @@ class LMBody:
     media: list[Media] = field(default_factory=list)
     """The request's media items, in order (the request's list: every API's, an API that encodes none
     included, whose parts still go to the LM as data: URLs)."""
+    response_ids: ResponseIds | None = None
+    """Mints the id of the response a Responses request stores (None: ``response_id`` as it is)."""
+    owner: str = ""
+    """The tenant whose response it is (its id verifies for it alone)."""
 
-    def render(self, req: lm_pb2.GenerateRequest, media: list[Media] | None = None) -> bytes:
+    def render(self, req: lm_pb2.GenerateRequest, media: list[Media] | None = None, home: str = "") -> bytes:
         """The body for one LM attempt: each item an encoder laid out becomes a uuid-only part (the
         LM never sees its bytes); any other item a data: URL of the bytes the gateway read (the LM
         never downloads), with its content hash as uuid when an encoder has its embedding. Audio goes
         as vLLM's ``audio_url`` part (an ``input_audio`` part too). An upload goes as it came.
-        ``media``: the request's items (default: ``self.media``)."""
+        ``media``: the request's items (default: ``self.media``). ``home``: the address of the LM that
+        answers (and stores) this attempt's response: a fresh id names it and ``owner``."""
         media = self.media if media is None else media
         if API[self.api].upload:
             return self.upload
@@ -74,7 +81,8 @@ class LMBody:
         if self.request_id and spec.lm_api != "http" and (self.id_given or not body.get("request_id")):
             body["request_id"] = self.request_id
         if self.response_id:
-            body["request_id"] = self.response_id
+            minted = self.response_ids is not None and home
+            body["request_id"] = self.response_ids.mint(home, self.owner) if minted else self.response_id
         if self.salt_tenant and spec.generates:
             body["cache_salt"] = tenant_salt(self.salt_tenant, body.get("cache_salt"))
         items = list(req.items) if spec.encode else [None] * len(media)

@@ -107,7 +107,8 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
                  decoder: MediaDecoder, stored: StoredResponses | None = None, holdings: Holdings | None = None) -> None:
         """``decoder``: the service's media limits and decode budget, for the media this LM decodes
         itself (data: URLs from the gateway; ``services.lm.media``); ``stored``: the bound on the
-        Responses vLLM stores here (``services.lm.response_store``), trimmed after each Responses call."""
+        Responses vLLM stores here, shared between tenants (``services.lm.response_store``), trimmed after
+        each Responses call."""
         self.engine = engine
         self.info = info
         self.peers = peers
@@ -287,7 +288,8 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
         finally:
             if responses and self.stored is not None:
                 await self.stored.forget_unstored(response_id)
-                await self.stored.trim()
+                # A response this call stored is its tenant's (the namespace), within the tenant's share.
+                await self.stored.trim(response_id, request.namespace, request.tenant_weight)
 
     async def _relay(self, request: lm_pb2.GenerateRequest, ctx: RequestContext, method: str, path: str,
                      raw: bytes, content_type: str):

@@ -13,6 +13,7 @@ import json
 import pytest
 
 from epd.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from services.gateway.responses import RESPONSE_ID_RE
 from tests.integration.gateway_fakes import FakeLM, World, serve_fake, wait_until
 from tests.integration.gateway_harness import Gateway, chat, metric
 
@@ -198,7 +199,7 @@ def test_a_client_cannot_choose_a_response_id_so_cannot_overwrite_anothers_store
         async with Gateway(lms=address) as gw:
             await gw.poll(lambda: gw.get("/health"), lambda r: r[0] == 200, 30, "the LM admitted")
             status, victim, _ = await gw.post("/v1/responses", {"input": "my secret"})
-            assert status == 200 and len(victim["id"]) == len("resp_") + 32, victim
+            assert status == 200 and RESPONSE_ID_RE.fullmatch(victim["id"]), victim
             status, refused, _ = await gw.post("/v1/responses", {"input": "not yours", "request_id": victim["id"]})
             assert status == 400 and refused["error"]["param"] == "request_id"
             assert [p for _, p, _ in world.log if p == "POST /v1/responses"] == ["POST /v1/responses"]

@@ -315,38 +315,69 @@ def test_building_vllms_app_leaves_the_services_logging_as_it_was(vllm_config, t
         root.setLevel(before)
 
 
-def test_stored_responses_past_the_bound_are_forgotten_oldest_first(vllm_config, tiny_model, monkeypatch):
-    """vLLM's own Responses serving class with its store on (services/lm/response_store.py): a third stored
-    response makes the LM forget the first (its GET is vLLM's 404); the two newest stay."""
+def _stored_responses_lm(vllm_config, tiny_model, monkeypatch, max_entries: int):
+    """An LM servicer over vLLM's own Responses serving class with its store on, bounded at ``max_entries``
+    (services/lm/response_store.py): its ``call(method, path, body, namespace)`` answers the HTTP status,
+    and the serving object and engine to shut down."""
     from services.lm.response_store import StoredResponses
 
     monkeypatch.setenv("VLLM_ENABLE_RESPONSES_API_STORE", "1")
     engine = _Engine(vllm_config)
 
-    def call(method: str, path: str, body: dict | None = None) -> int:
-        request = lm_pb2.GenerateRequest(request_id="r")
+    async def build():
+        frontend = await build_frontend(engine, FrontendConfig(), tiny_model)
+        return frontend, StoredResponses.of_app(frontend.app, max_entries=max_entries, max_bytes=1 << 30)
+
+    frontend, stored = asyncio.run(build())
+    servicer = LMServicer(engine, lm_pb2.LMInfo(), _Peers(), frontend, MediaDecoder(MediaConfig()), stored)
+
+    async def _collect(gen):
+        return [r async for r in gen]
+
+    def call(method: str, path: str, body: dict | None = None, namespace: str = "") -> int:
+        request = lm_pb2.GenerateRequest(request_id="r", namespace=namespace)
         request.openai.api, request.openai.method, request.openai.path = "http", method, path
         if body is not None:
             request.openai.body = json.dumps(body).encode()
             request.openai.content_type = "application/json"
         return asyncio.run(_collect(servicer.Generate(request, None)))[0].http_status
 
-    async def _collect(gen):
-        return [r async for r in gen]
+    return call, frontend.app.state.openai_serving_responses, engine
 
-    async def build():
-        frontend = await build_frontend(engine, FrontendConfig(), tiny_model)
-        return frontend, StoredResponses.of_app(frontend.app, max_entries=2, max_bytes=1 << 30)
 
+def _store_one(call, rid: str, namespace: str = "") -> None:
+    body = {"input": "Hello", "max_output_tokens": 4, "request_id": rid}
+    assert call("POST", "/v1/responses", body, namespace) == 200
+
+
+def test_stored_responses_past_the_bound_are_forgotten_oldest_first(vllm_config, tiny_model, monkeypatch):
+    """vLLM's own Responses serving class with its store on (services/lm/response_store.py): a third stored
+    response makes the LM forget the first (its GET is vLLM's 404); the two newest stay."""
+    call, serving, engine = _stored_responses_lm(vllm_config, tiny_model, monkeypatch, max_entries=2)
     try:
-        frontend, stored = asyncio.run(build())
-        servicer = LMServicer(engine, lm_pb2.LMInfo(), _Peers(), frontend, MediaDecoder(MediaConfig()), stored)
         ids = [f"resp_{i:032x}" for i in range(3)]
         for rid in ids:
-            assert call("POST", "/v1/responses", {"input": "Hello", "max_output_tokens": 4, "request_id": rid}) == 200
+            _store_one(call, rid)
         assert [call("GET", f"/v1/responses/{rid}") for rid in ids] == [404, 200, 200]
-        serving = frontend.app.state.openai_serving_responses
         assert list(serving.response_store) == ids[1:] and set(serving.msg_store) == set(ids[1:])
+    finally:
+        if hasattr(engine.renderer, "shutdown"):
+            engine.renderer.shutdown()
+
+
+def test_a_tenants_stored_response_survives_another_tenant_storing_past_the_bound(vllm_config, tiny_model,
+                                                                                  monkeypatch):
+    """vLLM's store shared by tenant (the request's namespace): bob's new responses evict his own oldest, and
+    alice's, within her share, stays."""
+    call, serving, engine = _stored_responses_lm(vllm_config, tiny_model, monkeypatch, max_entries=2)
+    try:
+        _store_one(call, "resp_alice", "alice:")
+        bobs = [f"resp_bob{i}" for i in range(3)]
+        for rid in bobs:
+            _store_one(call, rid, "bob:")
+        assert call("GET", "/v1/responses/resp_alice") == 200
+        assert [call("GET", f"/v1/responses/{rid}") for rid in bobs] == [404, 404, 200]
+        assert list(serving.response_store) == ["resp_alice", "resp_bob2"]
     finally:
         if hasattr(engine.renderer, "shutdown"):
             engine.renderer.shutdown()

@@ -1,6 +1,7 @@
 """The LM's bound on vLLM's stored Responses (services/lm/response_store.py): the oldest ended responses
-are forgotten past --responses-store-max / --responses-store-mib, work in progress never is, and input
-messages of a response vLLM never stored are dropped. The store's names are checked in vLLM's source."""
+are forgotten past --responses-store-max / --responses-store-mib, each tenant's within its share by weight
+(one tenant never evicts another's within its share), work in progress never is, and input messages of a
+response vLLM never stored are dropped. The store's names are checked in vLLM's source."""
 
 from __future__ import annotations
 
@@ -97,5 +98,95 @@ def test_without_vllms_store_nothing_is_touched():
         await stored.trim()
         assert serving.msg_store == {"resp_a": ["kept"]}
         await StoredResponses(None, 1, 1).trim()  # an LM that serves no Responses
+
+    asyncio.run(run())
+
+
+async def _store(stored, serving, tenant: str, rid: str, status: str = "completed", weight: float = 1.0,
+                 text: str = "x") -> None:
+    """One Responses call of ``tenant`` that stored ``rid``, and the trim the servicer runs after it."""
+    _put(serving, rid, status, text)
+    await stored.trim(rid, tenant, weight)
+
+
+def test_a_tenants_stored_response_survives_another_tenant_storing_many():
+    async def run():
+        serving = _serving()
+        stored = StoredResponses(serving, max_entries=6, max_bytes=1 << 30)
+        await _store(stored, serving, "alice:", "resp_alice")
+        for i in range(20):
+            await _store(stored, serving, "bob:", f"resp_bob{i}")
+        # Bob's new responses evicted his own oldest; alice's, within her share (half), stayed.
+        assert list(serving.response_store) == ["resp_alice", *(f"resp_bob{i}" for i in range(15, 20))]
+        assert "resp_alice" in serving.msg_store and stored.held("alice:") == 1 and stored.held("bob:") == 5
+
+    asyncio.run(run())
+
+
+def test_a_tenant_over_its_share_loses_its_own_oldest_to_a_newcomer_and_never_below_its_share():
+    async def run():
+        serving = _serving()
+        stored = StoredResponses(serving, max_entries=4, max_bytes=1 << 30)
+        for i in range(4):  # alone, bob may hold it all
+            await _store(stored, serving, "bob:", f"resp_bob{i}")
+        for i in range(4):
+            await _store(stored, serving, "alice:", f"resp_alice{i}")
+        # Each a share of two: bob's oldest went to make room for alice, then alice's own oldest went.
+        assert list(serving.response_store) == ["resp_bob2", "resp_bob3", "resp_alice2", "resp_alice3"]
+
+    asyncio.run(run())
+
+
+def test_shares_follow_the_tenants_weights():
+    async def run():
+        serving = _serving()
+        stored = StoredResponses(serving, max_entries=6, max_bytes=1 << 30)
+        for i in range(8):
+            await _store(stored, serving, "heavy:", f"resp_h{i}", weight=2.0)
+            await _store(stored, serving, "light:", f"resp_l{i}", weight=1.0)
+        assert (stored.held("heavy:"), stored.held("light:")) == (4, 2)
+
+    asyncio.run(run())
+
+
+def test_the_byte_bound_is_shared_too_so_a_few_large_responses_evict_only_their_own():
+    async def run():
+        serving = _serving()
+        big = "y" * 10_000
+        one = weigh(SimpleNamespace(status="completed", text=big)) + weigh([{"role": "user", "content": big}])
+        stored = StoredResponses(serving, max_entries=100, max_bytes=int(3.5 * one))
+        await _store(stored, serving, "alice:", "resp_alice", text=big)
+        for i in range(6):
+            await _store(stored, serving, "bob:", f"resp_bob{i}", text=big)
+        assert "resp_alice" in serving.response_store and stored.nbytes <= stored.max_bytes
+        assert stored.held("bob:") == 2
+
+    asyncio.run(run())
+
+
+def test_work_in_progress_counts_towards_its_tenants_share_but_is_never_forgotten():
+    async def run():
+        serving = _serving()
+        stored = StoredResponses(serving, max_entries=4, max_bytes=1 << 30)
+        for i in range(3):
+            await _store(stored, serving, "bob:", f"resp_busy{i}", status="in_progress")
+        await _store(stored, serving, "alice:", "resp_alice")
+        await _store(stored, serving, "alice:", "resp_alice2")
+        # Bob is over his share with nothing ended to forget, alice within hers: the store stays over.
+        assert len(serving.response_store) == 5 and stored.held("alice:") == 2
+        serving.response_store["resp_busy0"].status = "completed"
+        await stored.trim()
+        assert "resp_busy0" not in serving.response_store and stored.held("alice:") == 2
+
+    asyncio.run(run())
+
+
+def test_a_call_that_stored_nothing_records_nothing():
+    async def run():
+        serving = _serving()
+        stored = StoredResponses(serving, max_entries=6, max_bytes=1 << 30)
+        for i in range(10):  # store: false, or a failed call: vLLM kept no response under the id
+            await stored.trim(f"resp_unstored{i}", "alice:", 5.0)
+        assert stored.held("alice:") == 0
 
     asyncio.run(run())

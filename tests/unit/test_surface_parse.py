@@ -119,35 +119,6 @@ def test_anthropic_errors_have_anthropics_shape():
     assert API["messages"].anthropic and not API["responses"].anthropic
 
 
-def test_response_homes_remember_the_newest_ids_within_their_bound():
-    from services.gateway.core import ResponseHomes
-
-    a, b, c = (f"resp_{x * 32}" for x in "abc")
-    homes = ResponseHomes(capacity=2)
-    homes.record(a, "lm1:1")
-    homes.record(b, "lm2:1")
-    homes.record(a, "lm1:1")  # used again: the newest
-    homes.record(c, "lm2:1")
-    assert (homes.get(a), homes.get(b), homes.get(c)) == ("lm1:1", None, "lm2:1")
-    assert homes.get(None) is None and homes.get([a]) is None  # a body's odd value: no pin
-
-
-def test_response_homes_keep_only_ids_the_gateway_mints():
-    """Bounded in bytes, not only entries: an id the gateway did not mint (a client's, of any length) is
-    neither kept nor looked up."""
-    from services.gateway.core import ResponseHomes
-    from services.gateway.request import RESPONSE_ID_RE, mint_response_id
-
-    homes = ResponseHomes()
-    minted = mint_response_id()
-    assert RESPONSE_ID_RE.fullmatch(minted) and minted != mint_response_id()
-    for odd in ("resp_a", "resp_" + "a" * (1 << 20), minted.upper()):
-        homes.record(odd, "lm1:1")
-        assert homes.get(odd) is None
-    homes.record(minted, "lm1:1")
-    assert homes.get(minted) == "lm1:1" and len(homes._homes) == 1
-
-
 def test_a_responses_request_gets_an_id_the_gateway_minted_and_may_not_choose_one():
     from epd.lm.v1 import lm_pb2
     from services.gateway.request import RESPONSE_ID_RE
@@ -164,7 +135,7 @@ def test_a_responses_request_gets_an_id_the_gateway_minted_and_may_not_choose_on
 
 def test_a_responses_answers_id_is_read_from_its_body_or_its_first_event():
     from epd.lm.v1 import lm_pb2
-    from services.gateway.core import response_id
+    from services.gateway.responses import response_id
 
     whole = lm_pb2.GenerateResponse(openai=b'{"id": "resp_1", "object": "response"}', http_status=200,
                                     content_type="application/json")
@@ -173,49 +144,6 @@ def test_a_responses_answers_id_is_read_from_its_body_or_its_first_event():
         http_status=200, content_type="text/event-stream; charset=utf-8")
     assert response_id(whole) == "resp_1" and response_id(first_event) == "resp_2"
     assert response_id(lm_pb2.GenerateResponse(openai=b"not json")) is None
-
-
-def test_requests_about_a_stored_response_are_pinned_to_its_lm():
-    from services.gateway.core import RequestCore
-
-    class _Orch:
-        def lm_wait_reason(self):
-            return None
-
-        def encodes_remotely(self, n):
-            return False
-
-        class admission:
-            @staticmethod
-            async def admit(remote, tenant=None, items=0):
-                class _T:
-                    def release(self):
-                        pass
-
-                    def drop_encoder(self):
-                        pass
-                return _T()
-
-        lms = None
-
-        def generating_lms(self):
-            return 1
-
-    core = RequestCore(CFG, _Orch())
-    r9 = "resp_" + "9" * 32
-    core.homes.record(r9, "lm-b:1")
-
-    def pinned(api, body, path=""):
-        raw = json.dumps(body).encode() if body is not None else b""
-        admitted = asyncio.run(core.admit(api, raw, client_id="c", id_given=False, path=path))
-        admitted.close()
-        return admitted.pinned
-
-    assert pinned("responses", {"input": "hi", "previous_response_id": r9}) == "lm-b:1"
-    assert pinned("responses", {"input": "hi"}) is None
-    assert pinned("responses_get", None, f"/v1/responses/{r9}") == "lm-b:1"
-    assert pinned("responses_cancel", {}, f"/v1/responses/{r9}/cancel") == "lm-b:1"
-    assert pinned("responses_get", None, "/v1/responses/resp_other") is None
 
 
 def test_the_transports_import_the_core_and_not_each_other():
