@@ -47,7 +47,10 @@ def loads_strict(raw: bytes) -> Any:
 
 
 RESPONSE_ID_RE = re.compile(r"resp_[0-9a-f]{32}")
-"""The ids the gateway mints for Responses requests: 128 random bits, never a client's choice."""
+"""A Responses request's provisional id (128 random bits, never a client's choice): it marks the call as
+one whose id the gateway chooses. The id a client sees is rendered for each LM attempt by
+``services.gateway.responses.ResponseIds`` (its home LM and owner under an HMAC); this one stands only
+where no LM is named."""
 
 
 def mint_response_id() -> str:
@@ -104,7 +107,8 @@ class OpenAICall:
     own ``request_id``; else this one, made by the gateway."""
     id_given: bool = False
     response_id: str = ""
-    """A Responses request's id, minted by the gateway (``RESPONSE_ID_RE``): vLLM names and stores the
+    """A Responses request's provisional id (``RESPONSE_ID_RE``; each LM attempt renders the signed one,
+    ``services.gateway.responses``): vLLM names and stores the
     response under the body's ``request_id``, so a client that chose it could take over or overwrite
     another's stored response; a body that names one is refused (400)."""
     salt_tenant: str = ""
