@@ -192,12 +192,7 @@ class Orchestrator:
     async def _attempt(self, req, media, timings: Timings, deadline: float, excluded: dict[str, set[str]],
                        body: LMBody | None = None, ticket: Ticket | None = None, pinned: str | None = None,
                        disaggregate: bool = True, keys: Prefix = NONE):
-        if len(req.items) > len(media):  # an earlier attempt's speech windows past the upload's own item
-            del req.items[len(media):]
-        for item in req.items:
-            item.ClearField("source")
-        handoff.clear(req)
-        timings.encoders, timings.prefill_lm, timings.prefill_ms = [], "", 0.0  # this attempt's
+        _fresh_attempt(req, media, timings)
         handed: dict[str, bytes] = {}  # the prefill LM's params until the decode LM answers
         decode: Instance | None = None
         groups: list[EncodeGroup] = []
@@ -251,3 +246,14 @@ class Orchestrator:
                 # the call failed before reaching it): the prefill LM would pin the blocks to its lease.
                 self.releases.release(decode, req.request_id, handed["params"])
             self.encodes.settle(groups, answered)
+
+
+def _fresh_attempt(req, media, timings: Timings) -> None:
+    """Clears what an earlier attempt left on ``req`` and ``timings``: the speech windows past the upload's
+    own item, each item's source, the P/D hand-off, and the attempt's own timings."""
+    if len(req.items) > len(media):
+        del req.items[len(media):]
+    for item in req.items:
+        item.ClearField("source")
+    handoff.clear(req)
+    timings.encoders, timings.prefill_lm, timings.prefill_ms = [], "", 0.0
