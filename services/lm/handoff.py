@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from epd.lm.v1 import lm_pb2
 from peerauth import is_loopback
 from services.common.errors import BadInput, RoleMismatch
+from services.lm.kv_peers import EXTRA_KEY, PeerCheck, parse_peers
 
 if TYPE_CHECKING:
     from vllm.config import KVTransferConfig
@@ -46,6 +47,9 @@ REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False, "remote_e
 """What a prefill request asks vLLM's NixlConnector for (as vLLM's own disaggregation proxies send it):
 keep the prompt's blocks for a decode engine, and say where they are in the output's kv_transfer_params."""
 
+
+NIXL_CONNECTOR_MODULE = "services.lm.nixl_connector"
+"""Where vLLM's connector factory finds our ``NixlConnector`` (vLLM's, its handshake listener guarded)."""
 
 PREFILL_ONLY = {"store": False, "background": False}
 """What a Responses request's prefill call sets: its one-token answer is discarded, so nothing of it is
@@ -151,9 +155,11 @@ async def release(engine, rid: str, params: dict | None) -> None:
 def kv_transfer_config(cfg) -> KVTransferConfig | None:
     """A prefill or decode LM's KV connector (``cfg``: ``LMServiceConfig``): vLLM's NixlConnector (UCX:
     TCP or shared memory between CPU hosts, NVLink/RDMA between GPUs), the KV staged in host memory on a
-    CPU platform; None for role both. Its side channel (the NIXL handshake, unauthenticated) binds
-    ``--kv-host``:``--kv-port`` (loopback unless ``--insecure-kv-side-channel``: ``LMServiceConfig``):
-    vLLM reads both from the environment in the engine's worker, which this process starts next."""
+    CPU platform, with its handshake listener guarded (``services.lm.nixl_connector``: a bad frame is
+    dropped, and only the deployment's engines get an answer, ``services.lm.kv_peers``); None for role
+    both. Its side channel binds ``--kv-host``:``--kv-port`` (loopback unless
+    ``--insecure-kv-side-channel``: ``LMServiceConfig``): vLLM reads both from the environment in the
+    engine's worker, which this process starts next."""
     if not cfg.disaggregated:
         return None
     # vLLM only here: RequestContext (services.lm.context) holds a Handoff, and its importers stay light.
@@ -161,12 +167,15 @@ def kv_transfer_config(cfg) -> KVTransferConfig | None:
     from vllm.platforms import current_platform
 
     if not is_loopback(cfg.kv_host):
-        logger.warning("NIXL's side channel listens on %s:%d, unauthenticated (--insecure-kv-side-channel): "
-                       "anyone who reaches it can read this engine's KV blocks; keep all but the deployment's "
-                       "LMs off that port", cfg.kv_host, cfg.kv_port)
+        logger.warning("NIXL's side channel listens on %s:%d (--insecure-kv-side-channel), checked by address "
+                       "only (--kv-peers: %s): a host that reaches it from an admitted address can read this "
+                       "engine's KV blocks; keep all but the deployment's LMs off that port", cfg.kv_host,
+                       cfg.kv_port, cfg.kv_peers or "any")
     os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = cfg.kv_host
     os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(cfg.kv_port)
-    return KVTransferConfig(kv_connector="NixlConnector",
+    side_channel = PeerCheck(peers=parse_peers(cfg.kv_peers)).to_dict()
+    return KVTransferConfig(kv_connector="NixlConnector", kv_connector_module_path=NIXL_CONNECTOR_MODULE,
                             kv_role="kv_producer" if cfg.role == "prefill" else "kv_consumer",
                             kv_buffer_device="cpu" if current_platform.is_cpu() else "cuda",
-                            kv_connector_extra_config={"kv_lease_duration": cfg.kv_lease_s})
+                            kv_connector_extra_config={"kv_lease_duration": cfg.kv_lease_s,
+                                                       EXTRA_KEY: side_channel})

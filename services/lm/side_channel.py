@@ -1,10 +1,12 @@
 """NIXL's side channel, watched from a prefill LM's service process (decode LMs dial it).
 
 vLLM's NixlConnector answers handshakes (the engine's NIXL agent metadata) from one thread in the
-EngineCore process, ``nixl_handshake_listener``, on ``--kv-host``:``--kv-port``. Nothing guards its
-loop: a message it cannot decode ends the thread, its socket closes, and every later pairing with
-this LM fails while the engine, and so the LM's health, stay fine. The thread is in another process,
-but its port is not hidden: once the thread is gone nothing accepts a connection there.
+EngineCore process, ``nixl_handshake_listener``, on ``--kv-host``:``--kv-port``. Our connector runs a
+guarded loop there (``services.lm.nixl_listener``: a bad message is dropped, a failed socket bound
+again), so this watch is the second line: for a listener that stops anyway (its port cannot be bound
+again, the thread died of something no guard catches), when every later pairing with this LM would
+fail while the engine, and so the LM's health, stay fine. The thread is in another process, but its
+port is not hidden: once the thread is gone nothing accepts a connection there.
 
 ``SideChannelWatch`` connects to that port every ``interval_s`` (a TCP connect, closed at once: the
 listener's ZMQ socket drops a peer that never speaks, and the thread never sees it). After
@@ -84,10 +86,9 @@ class SideChannelWatch:
             await asyncio.sleep(self.interval_s)
         self.dead = reason
         UP.labels(self.address).set(0)
-        logger.error("NIXL's side channel %s stopped accepting connections (%s, %d probes in a row): vLLM's "
-                     "handshake listener is gone (a malformed message ends it) and no decode LM can pair "
-                     "with this LM any more; marking it NOT_SERVING (restart it)", self.address, reason,
-                     failed)
+        logger.error("NIXL's side channel %s stopped accepting connections (%s, %d probes in a row): the "
+                     "engine's handshake listener is gone and no decode LM can pair with this LM any more; "
+                     "marking it NOT_SERVING (restart it)", self.address, reason, failed)
         await self.on_dead(reason)
 
     def start(self) -> None:

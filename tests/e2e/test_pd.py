@@ -19,6 +19,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import msgspec
 import pytest
 
 from epd.gateway.v1 import gateway_pb2, gateway_pb2_grpc
@@ -232,6 +233,27 @@ def test_a_callers_kv_transfer_params_are_ignored(pd):
         out = _chat(dep, {**REQUESTS["text"], **extra})
         assert out["choices"][0]["token_ids"] == ref["text"], extra
         assert out.get("kv_transfer_params") is None
+
+
+def test_malformed_frames_on_the_prefill_lms_side_channel_leave_it_answering_handshakes_and_pairing(pd):
+    """The prefill engine's NIXL listener is ours (services.lm.nixl_connector): malformed messages of
+    several shapes are dropped, the next handshake on the same connection gets the engine's real payload,
+    and requests still go E -> P -> D."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlHandshakePayload
+
+    from tests.integration.nixl_peer import MALFORMED, dealer, request
+
+    dep, ref = pd
+    p, _ = _lms(dep)
+    kv_port = int(p.args[p.args.index("--kv-port") + 1])
+    with dealer("127.0.0.1", kv_port) as peer:
+        for frames in MALFORMED.values():
+            peer.send_multipart(frames)
+        peer.send_multipart([b"", request()])
+        reply = peer.recv_multipart()
+    payload = msgspec.msgpack.Decoder(NixlHandshakePayload).decode(reply[1])  # as a decode engine reads it
+    assert payload.compatibility_hash and payload.agent_metadata_bytes
+    assert_prefilled_then_decoded(dep, _chat(dep, REQUESTS["image"]), ref["image"])
 
 
 def test_the_other_generating_apis_go_e_p_d_and_tokenize_goes_to_one_lm(pd):
