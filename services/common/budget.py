@@ -83,7 +83,7 @@ class ByteBudget:
 
 class DecodeLease:
     """A request's share of the decode budget: ``release`` it once the decoded
-    images are handed on (idempotent)."""
+    media are handed on (idempotent); ``keep`` shrinks it once a decode's peak has passed."""
 
     def __init__(self, budget: ByteBudget, nbytes: int) -> None:
         self._budget = budget
@@ -93,3 +93,11 @@ class DecodeLease:
         if self.nbytes:
             self._budget.release(self.nbytes)
             self.nbytes = 0
+
+    def keep(self, nbytes: int) -> None:
+        """Gives back all but ``nbytes`` of the share at once: a decode charged for its peak keeps only what
+        its result holds (never more than the share)."""
+        nbytes = max(0, min(nbytes, self.nbytes))
+        if nbytes < self.nbytes:
+            self._budget.release(self.nbytes - nbytes)
+            self.nbytes = nbytes

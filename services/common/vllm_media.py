@@ -4,6 +4,7 @@ pulls in vLLM). Imported by the encoder's and the LM's modules, which the comman
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 from collections.abc import Callable
@@ -16,6 +17,10 @@ from vllm.multimodal.video_decoders import resolve_video_backend_kwargs
 from vllm.multimodal.video_decoders.base import VideoSourceMetadata, VideoTargetMetadata
 from vllm.transformers_utils.processor import get_video_processor_cls_name
 
+from services.common.budget import DecodeLease
+from services.common.decode_charge import AudioRefused, chat_charge
+from services.common.errors import BadInput
+from services.common.media import MediaDecoder
 from services.common.media_checks import MAX_SAMPLED_FRAMES, VideoHeader
 
 logger = logging.getLogger(__name__)
@@ -64,3 +69,56 @@ def frames_sampled_by(video_io) -> Callable[[VideoHeader], int]:
 
     return count
 
+
+
+def processor_audio_rate(renderer) -> int | None:
+    """The rate vLLM's processor behind ``renderer`` (an engine's) resamples audio to (its data parser's
+    ``target_sr``: the model's feature extractor's), or None for a model that takes no audio."""
+    try:
+        rate = renderer.get_mm_processor().data_parser.audio_resampler.target_sr
+    except Exception:  # no multimodal processor, or a vLLM that moved it: the charge assumes none
+        logger.info("cannot read the rate this model's processor resamples audio to", exc_info=True)
+        return None
+    return int(rate) if rate else None
+
+
+def audio_charges(decoder: MediaDecoder, datas: list[bytes], limit: int, target_rate: int | None) -> int:
+    """Header checks of one request's audio clips (``MediaDecoder.check_media``: their count, format and
+    length) and the peak their decode and the processor's resample to ``target_rate`` hold together
+    (``services.common.decode_charge.chat_charge``); blocking: run it on a decode thread. Raises BadInput
+    naming the clip: vLLM's refusal from its header, or a decode the whole budget cannot hold."""
+    import vllm.envs as envs
+
+    decoder.check_media("audio", datas, limit)
+    nbytes = 0
+    for i, data in enumerate(datas):
+        try:
+            charge = chat_charge(data, target_rate, decoder.cfg.max_audio_seconds, envs.VLLM_MAX_AUDIO_DECODE_BYTES)
+        except AudioRefused as e:
+            raise BadInput(f"audio {i}: {e}") from None
+        if (why := charge.refusal(decoder.budget.capacity, decoder.cfg.decode_budget_mib)) is not None:
+            raise BadInput(f"audio {i}: {why}")
+        nbytes += charge.nbytes
+    if nbytes > decoder.budget.capacity:
+        raise BadInput(f"the request's audio decodes to {nbytes >> 20} MiB at its peak, more than this service "
+                       f"decodes at once ({decoder.cfg.decode_budget_mib:g} MiB, --decode-budget-mib)")
+    return nbytes
+
+
+async def decode_audio(decoder: MediaDecoder, datas: list[bytes], limit: int, loader: Callable[[bytes], Any],
+                       target_rate: int | None, rid: str = "") -> tuple[list[Any], DecodeLease]:
+    """As ``MediaDecoder.decode_media`` for audio, charged ``audio_charges`` (the decode's peak at the
+    clips' own rates and the processor's resample) instead of the decoded samples alone. The caller
+    releases the lease once vLLM's processor has made its features."""
+    (nbytes,) = await decoder.run_all([functools.partial(audio_charges, decoder, datas, limit, target_rate)],
+                                      "audio header")
+    return await decoder.decode_under_budget(nbytes, "audio", rid,
+                                             [functools.partial(_load_clip, i, data, loader)
+                                              for i, data in enumerate(datas)])
+
+
+def _load_clip(i: int, data: bytes, loader: Callable[[bytes], Any]) -> Any:
+    try:
+        return loader(data)
+    except Exception as e:  # noqa: BLE001 - decoders raise many types for bad data
+        raise BadInput(f"audio {i} could not be decoded: {e}") from None

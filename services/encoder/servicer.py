@@ -9,7 +9,6 @@ connector inside the engine process owns.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import secrets
 import time
@@ -36,7 +35,7 @@ from services.common.errors import BadInput, Deadline, EPDError
 from services.common.layout import ItemLayout, item_layouts, placeholder_ranges
 from services.common.media import MediaDecoder, check_namespace, content_id, window_id
 from services.common.media_checks import VideoHeader
-from services.common.vllm_media import frames_sampled_by, video_io_for
+from services.common.vllm_media import decode_audio, frames_sampled_by, processor_audio_rate, video_io_for
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +76,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         self._resolver = None  # vLLM's PlaceholderMetadataResolver, made on first use
         self._loaders: dict[str, Callable[[bytes], Any]] = {}  # vLLM's media decoders, made on first use
         self._sampled: dict[str, Callable[[VideoHeader], int]] = {}  # video: frames its loader decodes per clip
+        self._rates: dict[str, int | None] = {}  # audio: the rate the processor resamples it to
 
     def _metadata_kwargs(self, feat) -> str:
         """The item's processed inputs the LM needs without the media (the fields this
@@ -150,6 +150,12 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
                 self._loaders[modality] = video_io.load_bytes
                 self._sampled[modality] = frames_sampled_by(video_io)
         return self._loaders[modality]
+
+    def _audio_rate(self) -> int | None:
+        """The rate this model's processor resamples audio to (read once), for the audio decode charge."""
+        if "audio" not in self._rates:
+            self._rates["audio"] = processor_audio_rate(self.engine.renderer)
+        return self._rates["audio"]
 
     def _prompt(self, modality: str, n: int) -> str:
         """The encode prompt: the model's placeholder for each of ``n`` items, in order (numbered where
@@ -246,6 +252,9 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         datas = [item.data for item in request.items]
         if modality == "image":
             media, lease = await self.decoder.decode(datas, self.limits[modality], rid)
+        elif modality == "audio":  # charged its decode's peak and the processor's resample (decode_charge)
+            media, lease = await decode_audio(self.decoder, datas, self.limits[modality], self._loader(modality),
+                                              self._audio_rate(), rid)
         else:
             loader = self._loader(modality)
             media, lease = await self.decoder.decode_media(modality, datas, self.limits[modality], loader, rid,
@@ -277,16 +286,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         upload vLLM's app would refuse gets one metadata event with no windows: the LM answers it."""
         item = request.items[0]
         audio = await self.speech.file_part(item.data, item.upload_content_type)
-        windows = None
-        lease = None
-        if audio is not None:
-            try:
-                # At most the whole budget: a bound set past it still lets one upload decode at a time.
-                nbytes = min(self.speech.decoded_bytes(), self.decoder.budget.capacity)
-                (windows,), lease = await self.decoder.decode_under_budget(
-                    nbytes, "audio", rid, [functools.partial(self.speech.cut, audio)])
-            except BadInput as e:  # the decode timed out: vLLM's app on the LM decodes it without one
-                logger.info("request %s: %s; the LM reads the upload itself", rid, e)
+        windows, lease = (None, None) if audio is None else await self.speech.read(audio, self.decoder, rid)
         del audio
         try:
             if windows is None or not windows.samples:

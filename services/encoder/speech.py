@@ -14,13 +14,19 @@ vLLM's code, so the windows the encoder encodes are the windows the LM's vLLM as
 - each window is named by its samples (``services.common.media.window_id``), the rule the LM names the
   window by before vLLM encodes it (``services.lm.frontend``).
 
-An upload this cannot read (not a form, no file, too big, not audio) gets no windows: the LM then reads it
-itself and answers as `vllm serve` does (its error included); the encoder never answers for vLLM. Windows
-are float32 arrays this module returns to the caller, who hands them to vLLM's processor and drops them.
+Before a sample is decoded, the decode's peak is read from the file's header
+(``services.common.decode_charge.speech_charge``: the file's own rate, channels and length, and the
+resampler's working memory) and taken from the encoder's decode budget. An upload this cannot read (not a
+form, no file, too big, not audio), one vLLM refuses from its header, or one whose decode would not fit the
+whole budget gets no windows: the LM then reads it itself, under its own budget, and answers as `vllm serve`
+does (its error included); the encoder never answers for vLLM. Windows are float32 arrays this module
+returns to the caller with the budget they hold (a ``DecodeLease``), who hands them to vLLM's processor,
+drops them and releases the lease.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -29,6 +35,11 @@ from starlette.datastructures import UploadFile
 from starlette.requests import Request
 from vllm.entrypoints.speech_to_text.base.serving import SpeechToTextBaseServing
 from vllm.entrypoints.speech_to_text.base.utils import read_upload_with_limit
+
+from services.common.budget import DecodeLease
+from services.common.decode_charge import AudioCharge, AudioRefused, speech_charge
+from services.common.errors import BadInput
+from services.common.media import MediaDecoder
 
 logger = logging.getLogger(__name__)
 
@@ -58,10 +69,36 @@ class SpeechWindows:
             max_audio_decode_bytes=envs.VLLM_MAX_AUDIO_DECODE_BYTES)
         self.rate = int(self._holder.asr_config.sample_rate)
 
-    def decoded_bytes(self) -> int:
-        """The most one upload's audio decodes to (float32 samples at the model's rate, as long as the decode
-        bound lets it be): what the caller takes from its decode budget while the windows are held."""
-        return int(self._holder.max_audio_decode_duration_s * self.rate * 4) or 1
+    def charge(self, audio: bytes) -> AudioCharge:
+        """The peak of ``cut(audio)``, from the file's header (blocking: run it on a decode thread). Raises
+        AudioRefused where vLLM's decoder refuses the file from its header."""
+        return speech_charge(audio, self.rate, self._holder.max_audio_decode_duration_s,
+                             self._holder.max_audio_decode_bytes)
+
+    async def read(self, audio: bytes, decoder: MediaDecoder, rid: str) -> tuple[Windows | None, DecodeLease | None]:
+        """``audio``'s windows, decoded under ``decoder``'s budget after its header charge was taken, and the
+        lease the caller releases once the windows are processed; (None, None), with nothing decoded, where
+        vLLM refuses the file from its header or its decode would not fit the whole budget, and where the
+        decode fails or outlives ``--decode-timeout-s`` (the LM reads the upload itself then). Raises
+        NoCapacity where the charge found no room in time."""
+        try:
+            (charge,) = await decoder.run_all([functools.partial(self.charge, audio)], "audio header")
+        except (AudioRefused, BadInput) as e:
+            logger.info("request %s: %s; the LM reads the upload itself", rid, str(e)[:200])
+            return None, None
+        if (why := charge.refusal(decoder.budget.capacity, decoder.cfg.decode_budget_mib)) is not None:
+            logger.info("request %s: %s; the LM reads the upload itself", rid, why)
+            return None, None
+        try:
+            (windows,), lease = await decoder.decode_under_budget(charge.nbytes, "audio", rid,
+                                                                  [functools.partial(self.cut, audio)])
+        except BadInput as e:  # the decode timed out: vLLM's app on the LM decodes it under its own bound
+            logger.info("request %s: %s; the LM reads the upload itself", rid, e)
+            return None, None
+        if windows is None:  # vLLM's decoder refused it: nothing is held
+            lease.release()
+            return None, None
+        return windows, lease
 
     async def file_part(self, body: bytes, content_type: str) -> bytes | None:
         """The upload's audio file as vLLM's app reads it, or None where it would refuse the request."""

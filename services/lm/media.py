@@ -9,10 +9,13 @@ part has):
   this process selects): vLLM hands every media URL of a request to the connector. Only data:
   URLs are loaded (the gateway sends the bytes of an item the LM encodes itself); each one's
   header is checked under the LM's ``MediaConfig`` (pixels per image and per request, audio and
-  video length, video frame rate and frame count), its decoded size is taken from the service's
+  video length, video frame rate and frame count), its decoded size (for audio, the decode's peak
+  and the processor's resample: ``services.common.decode_charge``) is taken from the service's
   decode budget, and vLLM's own decoder runs on an interruptible thread (``MediaDecoder``). The
   decoded object is recorded with the content hash of its bytes. http(s) and file URLs are
-  refused: no caller's input decides what the LM dials.
+  refused: no caller's input decides what the LM dials. A speech upload that vLLM's own
+  speech-to-text serving decodes (``services.lm.speech``) is charged the same way
+  (``decode_speech``).
 - The check (``check_items``), run by the renderer between vLLM's parsing and its processing:
   every parsed item must be one the gateway sent. A uuid-only item must be one whose source
   (encoder) the request names; an item with data must be one this request's connector loaded,
@@ -43,6 +46,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from services.common.budget import DecodeLease
+from services.common.decode_charge import AudioRefused, chat_charge, speech_charge
 from services.common.errors import BadInput, MediaError
 from services.common.media import MediaDecoder, content_id
 from services.common.media_checks import (
@@ -86,10 +90,11 @@ class RequestMedia:
     """One call's media decoded on this LM: per decoded object (by identity), the content hash of
     the bytes it came from, and the decode budget they hold."""
 
-    def __init__(self, decoder: MediaDecoder, rid: str = "", namespace: str = "") -> None:
+    def __init__(self, decoder: MediaDecoder, rid: str = "", namespace: str = "", audio_rate: int | None = None) -> None:
         """``namespace``: the request's embedding namespace (``GenerateRequest.namespace``), in which
-        every content hash here is computed."""
-        self.decoder, self.rid, self.namespace = decoder, rid, namespace
+        every content hash here is computed. ``audio_rate``: the rate the model's processor resamples
+        audio to, for the audio decode charge (None: a resample to at most a clip's own rate is charged)."""
+        self.decoder, self.rid, self.namespace, self.audio_rate = decoder, rid, namespace, audio_rate
         self.loaded: dict[int, tuple[Any, str]] = {}  # id(object) -> (object, content hash); holds the object
         self.pixels = 0
         self._leases: list[DecodeLease] = []
@@ -139,13 +144,33 @@ class RequestMedia:
                 _, w, h = check_image(data, cfg.max_image_pixels)
                 return w * h * BYTES_PER_PIXEL
             if modality == "audio":
-                return check_audio(data, cfg.max_audio_seconds)[2]
+                check_audio(data, cfg.max_audio_seconds)
+                return _chat_charge(data, self.audio_rate, cfg.max_audio_seconds)
             header = check_video(data, cfg.max_video_seconds, cfg.max_image_pixels, max_fps=cfg.max_video_fps,
                                  max_frames=cfg.max_video_frames)
             sampled = sampled_frames(header) if sampled_frames else min(header.frames, MAX_SAMPLED_FRAMES)
             return header.decoded_bytes(max(1, sampled))
         except MediaError as e:
             raise BadInput(f"{modality}: {e}") from None
+
+    async def decode_speech(self, data: bytes, cut: Callable[[bytes], Any], rate: int, max_seconds: float,
+                            max_decode_bytes: int) -> Any:
+        """``cut(data)`` (vLLM's speech-to-text serving's decode of an upload, to mono at the model's
+        ``rate``, cut into windows: ``(windows, seconds)``, the float32 arrays and the clip's length) after its peak, read from the file's header, was taken from the
+        decode budget, on an interruptible thread; the windows' own bytes stay charged until ``release``.
+        Raises AudioRefused (a ValueError, which vLLM's serving answers 400 as its own) where vLLM refuses
+        the file from its header or the peak would not fit the whole budget, BadInput where the decode
+        outlives ``--decode-timeout-s``, NoCapacity where the budget had no room in time."""
+        (charge,) = await self.decoder.run_all(
+            [functools.partial(speech_charge, data, rate, max_seconds, max_decode_bytes)], "audio header")
+        if (why := charge.refusal(self.decoder.budget.capacity, self.decoder.cfg.decode_budget_mib)) is not None:
+            raise AudioRefused(why)
+        (out,), lease = await self.decoder.decode_under_budget(charge.nbytes, "audio", self.rid,
+                                                               [functools.partial(cut, data)])
+        windows, _ = out
+        lease.keep(sum(w.nbytes for w in windows))
+        self._leases.append(lease)
+        return out
 
     def release(self) -> None:
         """Gives the call's decode budget back and drops the decoded media (they have been
@@ -154,6 +179,17 @@ class RequestMedia:
             lease.release()
         self._leases.clear()
         self.loaded.clear()
+
+
+def _chat_charge(data: bytes, audio_rate: int | None, max_seconds: float) -> int:
+    """A chat clip's decode peak (``decode_charge.chat_charge``, under vLLM's own decode bounds), or
+    MediaError where vLLM refuses it from its header."""
+    import vllm.envs as envs
+
+    try:
+        return chat_charge(data, audio_rate, max_seconds, envs.VLLM_MAX_AUDIO_DECODE_BYTES).nbytes
+    except AudioRefused as e:
+        raise MediaError(str(e)) from None
 
 
 def _load(modality: str, loader: Callable[[bytes], Any], data: bytes) -> Any:

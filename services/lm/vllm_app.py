@@ -5,7 +5,8 @@ by the code `vllm serve` runs, over the LM's ``ConsumerEngine`` (so its renderer
 ``LaidOutRenderer`` and its engine calls carry the gateway's ``ec_transfer_params``, as for chat).
 
 ``build_vllm_app`` makes the app as ``vllm serve`` does (``build_app`` + ``init_app_state``, with
-``vllm serve``'s own parsed arguments); ``call`` runs one request through it as ASGI, with no socket:
+``vllm serve``'s own parsed arguments; its speech-to-text servings then set up by
+``services.lm.speech.guard_servings``); ``call`` runs one request through it as ASGI, with no socket:
 the request's body goes in, the response's status, content type and body chunks come out as they
 are produced. The caller (``LMServicer.Generate``) owns the call: closing the generator ``call``
 returns cancels vLLM's handler, which aborts the engine request as a client hanging up on
@@ -31,6 +32,7 @@ from vllm.entrypoints.launchers.app import build_app
 
 from services.common.errors import BadInput
 from services.common.routes import lm_app_routes
+from services.lm.speech import guard_servings
 
 ROUTES: tuple[tuple[str, re.Pattern[str]], ...] = tuple((method, pattern) for method, pattern, _ in lm_app_routes())
 """The routes of vLLM's app the LM serves (method, full-match path): the endpoints of the one route table
@@ -87,6 +89,7 @@ async def build_vllm_app(engine_client, args):
         tasks = await engine_client.get_supported_tasks()
         app = build_app(args, tasks, engine_client.model_config)
         await init_app_state(engine_client, app.state, args, tasks)
+        guard_servings(app.state)  # speech uploads: decodes charged, windows named per tenant
     finally:
         root.setLevel(levels[0])
         for handler, level in levels[1]:

@@ -1,6 +1,6 @@
 """Issue 35's speech windows, piece by piece: the window's identifier (``services.common.media.window_id``),
-the encoder's reading of an upload (``services.encoder.speech``), the LM's naming of a window it is about
-to encode (``services.lm.speech.name_windows``) and the gateway's reading of the encoder's window
+the encoder's reading of an upload (``services.encoder.speech``), the LM's naming of every window in the
+request's namespace (``services.lm.speech``) and the gateway's reading of the encoder's window
 metadata (``services.gateway.encoding.Encodes._events``). The whole path is tests/e2e/test_transcriptions.py."""
 
 from __future__ import annotations
@@ -109,29 +109,72 @@ def test_the_encoder_cuts_the_windows_vllms_serving_cuts():
 
 # -- the LM's naming of the window it is about to encode ------------------------------------------------
 
-def test_the_lm_names_only_windows_an_encoder_of_the_request_cut():
+def _window_prompt(x):
+    return {"encoder_prompt": {"prompt": "", "multi_modal_data": {"audio": (x, 16000)}},
+            "decoder_prompt": {"prompt": "<|startoftranscript|>"}}
+
+
+def _tenant(namespace: str, sources=()):
+    from services.common.media import MediaConfig, MediaDecoder
     from services.lm.context import RequestContext
+    from services.lm.media import RequestMedia
+
+    ctx = RequestContext(media=RequestMedia(MediaDecoder(MediaConfig()), "r", namespace))
+    ctx.sources.update({ident: object() for ident in sources})
+    return ctx
+
+
+def test_the_lm_names_every_window_by_its_samples_in_the_requests_namespace():
     from services.lm.speech import mm_hashes, name_windows
 
     a, b = _samples(1.0, 1), _samples(1.0, 2)
-    ctx = RequestContext()
-    ctx.sources[window_id(a, 16000)] = object()
-
-    def prompt(x):
-        return {"encoder_prompt": {"prompt": "", "multi_modal_data": {"audio": (x, 16000)}},
-                "decoder_prompt": {"prompt": "<|startoftranscript|>"}}
-
-    named = name_windows(prompt(a), ctx)
-    assert named["encoder_prompt"]["multi_modal_uuids"] == {"audio": [window_id(a, 16000)]}
-    assert named["decoder_prompt"] == prompt(a)["decoder_prompt"]
-    assert "multi_modal_uuids" not in name_windows(prompt(b), ctx)["encoder_prompt"]  # encoded on the LM
+    ctx = _tenant("t:", [window_id(a, 16000, "t:")])
+    named = name_windows(_window_prompt(a), ctx)
+    assert named["encoder_prompt"]["multi_modal_uuids"] == {"audio": [window_id(a, 16000, "t:")]}  # the encoder's
+    assert named["decoder_prompt"] == _window_prompt(a)["decoder_prompt"]
+    # A window no encoder cut is encoded on the LM: still named in the tenant's namespace, never by vLLM's hash.
+    assert name_windows(_window_prompt(b), ctx)["encoder_prompt"]["multi_modal_uuids"] == \
+        {"audio": [window_id(b, 16000, "t:")]}
     assert name_windows({"prompt": "text"}, ctx) == {"prompt": "text"}
-    given = prompt(a)
+    given = _window_prompt(a)
     given["encoder_prompt"]["multi_modal_uuids"] = {"audio": ["x"]}
     assert name_windows(given, ctx) is given  # vLLM's own naming stands
     assert mm_hashes({"type": "enc_dec", "encoder_prompt": {"prompt_token_ids": []},
                        "decoder_prompt": {"mm_hashes": {"audio": ["h1"]}}}) == {"h1"}
     assert mm_hashes({"prompt": "x"}) == set()
+
+
+def test_two_tenants_same_clip_gets_two_window_identifiers_on_every_lm_path():
+    """The windows vLLM's serving renders and the language detection's first window, which it submits to the
+    engine unrendered: each named in its request's namespace before vLLM would hash its samples alone."""
+    from services.lm.context import CURRENT
+    from services.lm.speech import guard_servings
+
+    seen = []
+
+    class Renderer:
+        async def render_cmpl_async(self, prompts, *args, **kwargs):
+            seen.extend(p["encoder_prompt"]["multi_modal_uuids"]["audio"][0] for p in prompts)
+            return prompts
+
+    class Engine:
+        def generate(self, prompt, params, request_id):
+            seen.append(prompt["encoder_prompt"]["multi_modal_uuids"]["audio"][0])
+
+    serving = SimpleNamespace(asr_config=SimpleNamespace(sample_rate=16000), renderer=Renderer(),
+                              engine_client=Engine(), _decode_and_chunk_speech=None)
+    guard_servings(SimpleNamespace(openai_serving_transcription=serving))
+    clip = _samples(1.0, 3)
+
+    async def call(namespace):
+        CURRENT.set(_tenant(namespace))
+        serving.engine_client.generate(_window_prompt(clip), None, "lang")  # vLLM's _detect_language
+        await serving.renderer.render_cmpl_async([_window_prompt(clip)])
+
+    for namespace in ("tenant:a:", "tenant:b:"):
+        asyncio.run(call(namespace))
+    assert seen == [window_id(clip, 16000, "tenant:a:")] * 2 + [window_id(clip, 16000, "tenant:b:")] * 2
+    assert seen[0] != seen[2]
 
 
 # -- the gateway's reading of the encoder's window metadata ---------------------------------------------

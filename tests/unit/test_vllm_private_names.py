@@ -30,6 +30,9 @@ PRIVATE = [
      "ectransfer/connector/encoder_decoder.py EPDGPUWorker: builds our runner"),
     ("vllm.entrypoints.speech_to_text.base.serving", "SpeechToTextBaseServing._decode_and_chunk_speech",
      "services/encoder/speech.py: an upload's windows, cut as vLLM's serving cuts them"),
+    ("vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler",
+     "NixlBaseConnectorScheduler._nixl_handshake_listener",
+     "services/lm/nixl_connector.py GuardedNixlScheduler: the handshake thread's target, overridden (guarded)"),
 ]
 
 
@@ -45,6 +48,28 @@ def test_the_speech_windows_are_cut_from_what_the_encoder_gives_vllms_serving():
     src = inspect.getsource(SpeechToTextBaseServing._decode_and_chunk_speech)
     assert set(re.findall(r"self\.(\w+)", src)) == {"asr_config", "max_audio_decode_duration_s",
                                                      "max_audio_decode_bytes"}
+
+
+def test_the_lms_speech_servings_decode_render_and_detect_through_what_guard_servings_wraps():
+    """services/lm/speech.py guard_servings charges and names through three attributes of each vLLM 0.32
+    speech-to-text serving: ``_decode_and_chunk_speech_async`` (set in ``__init__`` from
+    ``_decode_and_chunk_speech``, awaited by ``_preprocess_speech_to_text``), ``renderer``
+    (``render_cmpl_async`` renders the windows' prompts) and ``engine_client`` (``_detect_language``
+    submits its prompt unrendered); and services/common/vllm_media.py processor_audio_rate reads the
+    processor's resampling rate from its data parser."""
+    import inspect
+
+    from vllm.entrypoints.speech_to_text.base.serving import SpeechToTextBaseServing
+    from vllm.multimodal.parse import MultiModalDataParser
+
+    init = inspect.getsource(SpeechToTextBaseServing.__init__)
+    assert "self._decode_and_chunk_speech_async = make_async_with_semaphore(\n" \
+           "            self._decode_and_chunk_speech," in init
+    pre = inspect.getsource(SpeechToTextBaseServing._preprocess_speech_to_text)
+    assert "await self._decode_and_chunk_speech_async(audio_data)" in pre
+    assert "await self.renderer.render_cmpl_async(parsed_prompts)" in pre
+    assert "self.engine_client.generate(" in inspect.getsource(SpeechToTextBaseServing._detect_language)
+    assert MultiModalDataParser(target_sr=16000).audio_resampler.target_sr == 16000
 
 
 def test_the_runner_step_reads_what_the_encoder_decoder_runner_gives_it():
