@@ -73,7 +73,9 @@ def frames_sampled_by(video_io) -> Callable[[VideoHeader], int]:
 
 def processor_audio_rate(renderer) -> int | None:
     """The rate vLLM's processor behind ``renderer`` (an engine's) resamples audio to (its data parser's
-    ``target_sr``: the model's feature extractor's), or None for a model that takes no audio."""
+    ``target_sr``: the model's feature extractor's), or None for a model that takes no audio (or no renderer)."""
+    if renderer is None:
+        return None
     try:
         rate = renderer.get_mm_processor().data_parser.audio_resampler.target_sr
     except Exception:  # no multimodal processor, or a vLLM that moved it: the charge assumes none

@@ -35,6 +35,7 @@ from epd.transfer.v1 import transfer_pb2
 from services.common.errors import BadInput, EPDError, PrefillKVUnavailable
 from services.common.layout import ItemLayout
 from services.common.media import MediaDecoder, check_namespace
+from services.common.vllm_media import processor_audio_rate
 from services.fleet_memory.holdings import Holdings
 from services.fleet_memory.prefix import KEY_PREFIX
 from services.lm import handoff
@@ -116,6 +117,8 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
         self.decoder = decoder
         self.stored = stored
         self.holdings = holdings
+        self.audio_rate = processor_audio_rate(getattr(engine, "renderer", None))
+        """The rate the model's processor resamples audio to: chat audio this LM decodes is charged for it."""
         """What the prefix cache holds, by media item (``services.fleet_memory.holdings``); None: not published."""
 
     async def GetInfo(self, request, context):
@@ -130,7 +133,8 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
         return transfer_pb2.HoldingsReply(epoch=epoch, generation=generation, changed=True, items=items)
 
     def _context(self, request: lm_pb2.GenerateRequest, kv: Handoff) -> RequestContext:
-        ctx = RequestContext(media=RequestMedia(self.decoder, request.request_id, check_namespace(request.namespace)))
+        ctx = RequestContext(media=RequestMedia(self.decoder, request.request_id, check_namespace(request.namespace),
+                                                      audio_rate=self.audio_rate))
         kv.check(self.info.role)  # the gateway's E -> P -> D phase: one this LM's role takes
         ctx.kv = kv
         if request.prefix_key.startswith(KEY_PREFIX) and len(request.prefix_key) <= 64:
