@@ -25,7 +25,11 @@ class EncoderServiceConfig(MediaConfig):
     transfer_port: int = 0
     """Transfer port (0 picks a free one)."""
     metrics_port: int = 0
-    """Prometheus /metrics HTTP port (0: disabled)."""
+    """Prometheus /metrics port (0: disabled)."""
+    metrics_host: str = "127.0.0.1"
+    """Address of --metrics-port, loopback whatever --host is: plain HTTP, open to this host. Any other address
+    needs what --host needs there (TLS and authenticated scrapers, or --insecure) and serves HTTPS with
+    --tls-cert, asking a client certificate (--tls-ca) and the token (--auth-token-file) where set."""
     outbound_pool_mib: float = ConnectorConfig.outbound_pool_bytes / (1 << 20)
     """Outbound pool size: encoder outputs held until an LM acks them."""
     host_tier_mib: float = -1.0

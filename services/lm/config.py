@@ -12,6 +12,7 @@ from ectransfer.connector.config import ConnectorConfig
 from peerauth import is_loopback
 from services.common.config import transport_list
 from services.common.media import MediaConfig
+from services.lm.kv_peers import parse_peers
 
 
 @dataclass
@@ -109,7 +110,11 @@ class LMServiceConfig(FrontendConfig, MediaConfig):
     port: int = 50061
     """API port (0 picks a free one)."""
     metrics_port: int = 0
-    """Prometheus /metrics HTTP port (0: disabled)."""
+    """Prometheus /metrics port (0: disabled)."""
+    metrics_host: str = "127.0.0.1"
+    """Address of --metrics-port, loopback whatever --host is: plain HTTP, open to this host. Any other address
+    needs what --host needs there (TLS and authenticated scrapers, or --insecure) and serves HTTPS with
+    --tls-cert, asking a client certificate (--tls-ca) and the token (--auth-token-file) where set."""
     staging_mib: float = ConnectorConfig.staging_bytes / (1 << 20)
     """Inbound staging for encoder outputs (transfers wait when it is full)."""
     transports: str = factory.AUTO
@@ -137,20 +142,26 @@ class LMServiceConfig(FrontendConfig, MediaConfig):
     insecure_kv_side_channel: bool = False
     """prefill/decode: allow a --kv-host that other hosts reach, for a prefill LM whose decode LMs run on
     other hosts. RISK: NIXL's side channel authenticates nobody: whoever reaches it gets this engine's NIXL
-    agent metadata, and with it (UCX) the KV blocks registered there, which are other users' prompts; one
-    malformed message stops vLLM's listener for good (a prefill LM then answers NOT_SERVING). Only where the
-    network lets nothing but the deployment's LMs reach the port (a NetworkPolicy, a private network)."""
+    agent metadata, and with it (UCX) the KV blocks registered there, which are other users' prompts; the
+    listener checks a remote peer by its address only (--kv-peers). Only where the network lets nothing but
+    the deployment's LMs reach the port (a NetworkPolicy, a private network)."""
     kv_port: int = 5600
     """prefill/decode: NIXL's side-channel port (vLLM's VLLM_NIXL_SIDE_CHANNEL_PORT); give LMs sharing a
     host different ones."""
+    kv_peers: str = ""
+    """prefill/decode: the other hosts' addresses whose decode LMs may handshake on this LM's NIXL side
+    channel, comma-separated addresses and CIDRs (e.g. 10.0.0.0/24). Empty: any host that reaches the port
+    (with --insecure-kv-side-channel the network must keep everyone else off it). On this host only
+    processes of this LM's own user get an answer, whatever the list says."""
 
     responses_store_max: int = 4096
-    """With VLLM_ENABLE_RESPONSES_API_STORE=1: stored Responses this LM keeps at most; past it the oldest ended
-    ones are forgotten (a GET, cancel or previous_response_id naming one is then 404). vLLM alone keeps every
-    one for the life of the process."""
+    """With VLLM_ENABLE_RESPONSES_API_STORE=1: stored Responses this LM keeps at most, shared between tenants by
+    weight; past it the oldest ended ones of the tenant furthest over its share are forgotten (a GET, cancel or
+    previous_response_id naming one is then 404). vLLM alone keeps every one for the life of the process."""
     responses_store_mib: float = 256.0
     """With VLLM_ENABLE_RESPONSES_API_STORE=1: what the ended stored Responses (each one's JSON and its input
-    messages, images included) may weigh; past it the oldest are forgotten."""
+    messages, images included) may weigh, shared between tenants as --responses-store-max; past it the oldest
+    of the tenant furthest over its share are forgotten."""
 
     holdings: bool = True
     """Publish what this LM's prefix cache holds, by media item, to the gateway (vLLM's KV cache events on a
@@ -177,6 +188,7 @@ class LMServiceConfig(FrontendConfig, MediaConfig):
             raise ValueError(f"kv_port must be 1-65535, got {self.kv_port}")
         if self.disaggregated:
             check_kv_host(self.kv_host, self.insecure_kv_side_channel)
+            parse_peers(self.kv_peers)
 
     @property
     def disaggregated(self) -> bool:
