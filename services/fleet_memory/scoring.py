@@ -5,7 +5,9 @@ longest of the request's prefix keys its prefix cache holds (``prefix``: the con
 included), plus ``ITEM_TOKENS`` for each media item after that prefix whose blocks it holds (a popular image
 another conversation sent). The LM with the highest score wins unless it has more than ``spill`` calls in
 flight beyond the least busy candidate: then load wins (no hot spot). No LM holding anything: least
-outstanding, as before. Each decision and its reason is a metric (``epd_gateway_lm_routing_total{decision}``)."""
+outstanding, as before. Ties go to the ``Picker`` with the request's routing key (the gateway's breaks them
+by rendezvous hashing of it: no process-local state). Each decision and its reason is a metric
+(``epd_gateway_lm_routing_total{decision}``)."""
 
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ class Holds(Protocol):
 
 
 class Picker(Protocol):
-    def pick(self, candidates: Sequence) -> Candidate | None: ...
+    def pick(self, candidates: Sequence, key: str = "") -> Candidate | None: ...
 
 
 def score(address: str, items: list[str], prefix: Prefix, directory: Holds) -> int:
@@ -49,21 +51,21 @@ def score(address: str, items: list[str], prefix: Prefix, directory: Holds) -> i
 
 
 def pick_lm(items: list[str], candidates: Sequence[Candidate], directory: Holds, policy: Picker,
-            spill: int, prefix: Prefix = NONE) -> tuple[Candidate | None, str]:
-    """The LM for a request with media ``items`` and prefix keys ``prefix`` among ``candidates``, and why
-    ("held", "spill", "load")."""
+            spill: int, prefix: Prefix = NONE, key: str = "") -> tuple[Candidate | None, str]:
+    """The LM for a request with media ``items``, prefix keys ``prefix`` and routing key ``key`` (what
+    ``policy`` breaks ties by) among ``candidates``, and why ("held", "spill", "load")."""
     if not candidates:
         return None, "load"
     held = {c.address: score(c.address, items, prefix, directory) for c in candidates} \
         if items or prefix.keys else {}
     best = max(held.values(), default=0)
     if best == 0:
-        return policy.pick(candidates), "load"
+        return policy.pick(candidates, key), "load"
     holders = [c for c in candidates if held[c.address] == best]
-    chosen = policy.pick([c for c in holders if c.outstanding == min(h.outstanding for h in holders)])
+    chosen = policy.pick([c for c in holders if c.outstanding == min(h.outstanding for h in holders)], key)
     least = min(c.outstanding for c in candidates)
     if chosen.outstanding - least > spill:
-        return policy.pick(candidates), "spill"
+        return policy.pick(candidates, key), "spill"
     return chosen, "held"
 
 

@@ -21,7 +21,6 @@ from services.gateway.config import GatewayConfig
 from services.gateway.failures import Failure, rpc_error
 from services.gateway.fleet import Fleet
 from services.gateway.instances import Instance
-from services.gateway.routing import pick_encoder
 from services.gateway.values import Media, Timings
 
 logger = logging.getLogger(__name__)
@@ -69,8 +68,7 @@ class Encodes:
             if not candidates:
                 return []
         for i, m in enumerate(media):
-            inst = pick_encoder(m.identifier, candidates, self.cfg.affinity_spill,
-                                self.fleet.encoder_holds(m.identifier), self.cfg.held_spill)
+            inst = self.fleet.pick_encoder(m.identifier, candidates)
             if inst is None:
                 if not self.cfg.local_encode_fallback:
                     out = "; ".join(f"{i.address}: " + ("failed this request" if i.healthy

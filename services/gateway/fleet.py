@@ -1,9 +1,11 @@
 """The gateway's fleet: its encoders and LMs (one ``InstancePool`` per role, with their health loops),
 what it takes to admit one (``GetInfo``: the served model, the LM's role, the encoder's protocol), what
-/health says of them, and which of them one attempt of a request uses (``pick_lms``, ``placement``;
-the scoring itself is ``routing``'s, pure).
+/health says of them, and which of them one attempt of a request uses (``pick_encoder``, ``pick_lms``,
+``placement``). Which encoder and which LM is the routing policies' choice (``services.gateway.policies``),
+each picked once by name here at start; the fleet never asks which one it holds.
 
-Owner: the ``Orchestrator`` makes one ``Fleet`` and closes it; the pools' channels are the fleet's."""
+Owner: the ``Orchestrator`` makes one ``Fleet`` and closes it; the pools' channels, the directories and the
+policy objects are the fleet's."""
 
 from __future__ import annotations
 
@@ -17,13 +19,14 @@ from epd.lm.v1 import lm_pb2, lm_pb2_grpc
 from epd.transfer.v1 import transfer_pb2
 from peerauth import SecurityConfig
 from services.common.protocol import encoder_protocol_problem
-from services.common.routes import API
-from services.fleet_memory import prefix, scoring
+from services.fleet_memory import prefix
 from services.fleet_memory.directory import Directory
 from services.gateway.config import GatewayConfig
 from services.gateway.failures import GONE, REFUSED, Failure, call_failed
 from services.gateway.instances import Instance, InstancePool
-from services.gateway.lm_body import LMBody, tenant_salt
+from services.gateway.lm_body import LMBody
+from services.gateway.policies.base import LMRequest, request_key
+from services.gateway.policies.factory import encoder_policy, lm_policy
 from services.gateway.routing import LeastOutstanding, pick_decode
 
 logger = logging.getLogger(__name__)
@@ -41,19 +44,24 @@ class Fleet:
                     security=security or SecurityConfig())
         self.encoder_memory = Directory()
         """What each encoder's outbound store and host tier hold, by item (``services.fleet_memory``)."""
+        self.encoder_policy = encoder_policy(cfg.encoder_routing, cfg, self.encoder_memory)
+        """Which encoder encodes an item (``--encoder-routing``)."""
         self.encoders = (InstancePool("encoder", cfg.encoder_list, encoder_pb2_grpc.EncoderServiceStub,
                                       verify=self._verify_encoder, removed=self.encoder_memory.forget,
-                                      watch=self._poller(self.encoder_memory) if cfg.encoder_routing == "held"
+                                      watch=self._poller(self.encoder_memory) if self.encoder_policy.watches
                                       else None, **pool)
                          if cfg.encoder_list else None)
         self.memory = Directory()
         """What each LM's prefix cache holds, by media item (``services.fleet_memory``)."""
+        self.lm_policy = lm_policy(cfg.lm_routing, cfg, self.memory)
+        """Which LM answers a request (``--lm-routing``)."""
         self.lms = InstancePool("lm", cfg.lm_list, lm_pb2_grpc.LMServiceStub, verify=self._verify_lm,
-                                watch=self._poller(self.memory) if cfg.lm_routing == "cache" else None,
+                                watch=self._poller(self.memory) if self.lm_policy.watches else None,
                                 removed=self.memory.forget, **pool)
         self.model: str | None = cfg.model_name or None
         """The served model name: ``--model-name``, else learned from the first LM admitted; None until then."""
-        self._lm_policy = LeastOutstanding()
+        self._least = LeastOutstanding()
+        """The least busy pick every policy shares: of a decode LM, and of a "both" LM to weigh a pair against."""
 
     def pools(self) -> list[InstancePool]:
         return [p for p in (self.encoders, self.lms) if p is not None]
@@ -103,33 +111,32 @@ class Fleet:
         return poll
 
     def prefix_of(self, body: LMBody | None) -> prefix.Prefix:
-        """A generating request's prefix keys (``services.fleet_memory.prefix``), with ``--lm-routing
-        cache``; else none."""
-        if self.cfg.lm_routing != "cache" or body is None or not API[body.api].generates or API[body.api].upload:
-            return prefix.NONE
-        media_at = {(p.container, p.message, p.key, p.part): m.identifier
-                    for p, m in zip(body.parts, body.media) if p.inner < 0}
-        salt = tenant_salt(body.salt_tenant, body.body.get("cache_salt")) if body.salt_tenant else None
-        return prefix.of_request(body.api, body.body, media_at, salt)
+        """A generating request's prefix keys (``services.fleet_memory.prefix``), where the LM policy routes
+        by them; else none."""
+        return self.lm_policy.prefix(body)
+
+    @staticmethod
+    def request_key(items: list[str], keys: prefix.Prefix, body: LMBody | None, sent: bytes = b"") -> str:
+        """The request's routing key (``policies.base.request_key``) from its prefix ``keys``, else the media
+        it encodes (``items``) or carries (``body.media``, known by their content hashes: never their bytes),
+        else its text: ``body``'s JSON, or the body bytes ``sent`` without one."""
+        if body is not None:
+            return request_key(items or [m.identifier for m in body.media], keys, body.body)
+        return request_key(items, keys, sent or None)
 
     def answered(self, lm: Instance, items: list[str], key: str = "") -> None:
         """``lm`` answered a request with media ``items`` and prefix key ``key``: it holds them until its next
         snapshot says."""
-        if self.cfg.lm_routing == "cache":
-            self.memory.sent(lm.address, items + [key] if key else items)
+        self.lm_policy.answered(lm, items, key)
 
     def encoded(self, encoder: Instance, items: list[str]) -> None:
         """``items`` are sent to ``encoder`` to encode: its store holds them (or will, once encoded) until its
         next snapshot says."""
-        if self.cfg.encoder_routing == "held":
-            self.encoder_memory.sent(encoder.address, items)
+        self.encoder_policy.sent(encoder, items)
 
-    def encoder_holds(self, key: str):
-        """For ``routing.pick_encoder``: whether the encoder at an address holds item ``key`` (None with
-        ``--encoder-routing affinity``)."""
-        if self.cfg.encoder_routing != "held":
-            return None
-        return lambda address: self.encoder_memory.held(address, [key]) > 0
+    def pick_encoder(self, key: str, candidates: list[Instance]) -> Instance | None:
+        """The encoder among ``candidates`` for the item whose content hash is ``key`` (``--encoder-routing``)."""
+        return self.encoder_policy.pick(key, candidates)
 
     async def _verify_encoder(self, inst: Instance) -> str | None:
         """The encoder pool's admission check (``InstancePool.verify``), for an encoder that passed its
@@ -206,24 +213,18 @@ class Fleet:
         return next((i for i in self.lms.healthy(excluded) + self.lms.ejected(excluded) if i.address == address),
                     None)
 
-    def _pick_lm(self, candidates: list[Instance], items: list[str], keys: prefix.Prefix) -> Instance | None:
-        """One LM among ``candidates`` for a request with media ``items`` and prefix ``keys`` (``--lm-routing``)."""
-        if self.cfg.lm_routing != "cache" or not (items or keys.keys):
-            return self._lm_policy.pick(candidates)
-        lm, why = scoring.pick_lm(items, candidates, self.memory, self._lm_policy, self.cfg.lm_spill, keys)
-        scoring.count(why)
-        return lm
-
     def pick_lms(self, excluded: set[str], disaggregate: bool = True, items: list[str] | None = None,
-                 keys: prefix.Prefix = prefix.NONE) -> tuple[Instance | None, Instance | None]:
+                 keys: prefix.Prefix = prefix.NONE, key: str = "") -> tuple[Instance | None, Instance | None]:
         """The LM(s) for one attempt: ``(lm, None)``, or ``(prefill, decode)`` for E -> P -> D. LMs of
         role "both" and prefill/decode pairs are one pool: a pair is used when a healthy prefill and a
         healthy decode LM exist and its decode LM is no busier than the least busy "both" LM; the decode LM
         is one on the prefill LM's host where it can be (``routing.pick_decode``). With only one half of a
         pair left, that LM serves whole requests itself (a prefill or decode engine can). ``items``: the
-        request's media identifiers, ``keys`` its prefix keys; the LM (or prefill LM) whose prefix cache holds
-        most of the prompt is preferred within ``--lm-spill`` of the least busy (``services.fleet_memory.scoring``)."""
+        request's media identifiers, ``keys`` its prefix keys, ``key`` its routing key (``request_key``; from
+        ``items`` and ``keys`` when not given): the LM (or prefill LM) is the LM policy's pick, and a tie
+        between equally busy LMs goes by rendezvous hashing of ``key``, the same on every gateway replica."""
         items = items or []
+        request = LMRequest(items, keys, key or request_key(items, keys))
         healthy = self.lms.healthy(excluded)
         if not healthy:  # all ejected (a health blip on a busy host): try the ejected ones rather than fail
             healthy = self.lms.ejected(excluded)
@@ -231,12 +232,12 @@ class Fleet:
         for inst in healthy:
             by_role[inst.lm_role].append(inst)
         if disaggregate and by_role["prefill"] and by_role["decode"]:
-            both = self._lm_policy.pick(by_role["both"])
+            both = self._least.pick(by_role["both"], request.key)
             if both is None or min(d.outstanding for d in by_role["decode"]) <= both.outstanding:
-                p = self._pick_lm(by_role["prefill"], items, keys)
-                return p, pick_decode(p, by_role["decode"], self._lm_policy)
-            return self._pick_lm(by_role["both"], items, keys), None
-        return self._pick_lm(healthy, items, keys), None
+                p = self.lm_policy.pick(by_role["prefill"], request)
+                return p, pick_decode(p, by_role["decode"], self._least, request.key)
+            return self.lm_policy.pick(by_role["both"], request), None
+        return self.lm_policy.pick(healthy, request), None
 
     def placement(self, excluded: dict[str, set[str]]) -> tuple[str, str]:
         """Where this attempt's images are encoded ("encoder" or "local": the LM encodes them

@@ -124,6 +124,8 @@ class Orchestrator:
         deadline = time.monotonic() + self.cfg.request_timeout_s
         excluded = {"encoder": set(), "lm": set()}
         keys = self.fleet.prefix_of(body) if lm is None else NONE  # a pinned request goes where it must
+        # What ties between equally busy LMs go by: the request's own, so every gateway replica agrees.
+        key = self.fleet.request_key([m.identifier for m in media], keys, body, req.openai.body) if lm is None else ""
         base_id = req.request_id
         try:
             why = self.fleet.lm_wait_reason()
@@ -135,7 +137,8 @@ class Orchestrator:
                 sent = False
                 try:
                     async with contextlib.aclosing(self._attempt(req, media, timings, deadline, excluded,
-                                                                 body, ticket, lm, disaggregate, keys)) as gen:
+                                                                 body, ticket, lm, disaggregate, keys,
+                                                                 key)) as gen:
                         async for resp in gen:
                             sent = True
                             yield resp
@@ -158,7 +161,7 @@ class Orchestrator:
             timings.total_ms = timings.since_start_ms()
 
     def _pick(self, excluded: dict[str, set[str]], pinned: str | None,
-              disaggregate: bool, items: list[str], keys: Prefix) -> tuple[Instance, Instance | None]:
+              disaggregate: bool, items: list[str], keys: Prefix, key: str) -> tuple[Instance, Instance | None]:
         """The attempt's LM, and its decode LM for E -> P -> D. Raises Failure when there is none."""
         if pinned is not None:
             lm = self.fleet.pinned_lm(pinned, excluded["lm"])
@@ -167,7 +170,7 @@ class Orchestrator:
                                                                      f"({pinned}) is not available"),
                               "lm", [], retryable=False)
             return lm, None
-        lm, decode = self.fleet.pick_lms(excluded["lm"], disaggregate, items, keys)
+        lm, decode = self.fleet.pick_lms(excluded["lm"], disaggregate, items, keys, key)
         if lm is None:
             why = self.fleet.lm_wait_reason() or "no healthy LM instance"
             raise Failure(rpc_error(grpc.StatusCode.UNAVAILABLE, why), "lm", [], retryable=False)
@@ -191,7 +194,7 @@ class Orchestrator:
 
     async def _attempt(self, req, media, timings: Timings, deadline: float, excluded: dict[str, set[str]],
                        body: LMBody | None = None, ticket: Ticket | None = None, pinned: str | None = None,
-                       disaggregate: bool = True, keys: Prefix = NONE):
+                       disaggregate: bool = True, keys: Prefix = NONE, key: str = ""):
         _fresh_attempt(req, media, timings)
         handed: dict[str, bytes] = {}  # the prefill LM's params until the decode LM answers
         decode: Instance | None = None
@@ -200,7 +203,7 @@ class Orchestrator:
         # Queued until the first attempt dispatches (planning below does no I/O).
         timings.queue_ms = timings.queue_ms or timings.since_start_ms()
         try:
-            lm, decode = self._pick(excluded, pinned, disaggregate, [m.identifier for m in media], keys)
+            lm, decode = self._pick(excluded, pinned, disaggregate, [m.identifier for m in media], keys, key)
             req.prefix_key = keys.last
             if media:
                 # E -> P -> D: the decode LM may need an item too (its recompute of the prompt's last

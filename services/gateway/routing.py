@@ -1,19 +1,23 @@
-"""Routing decisions, kept free of I/O so tests can drive them directly.
+"""Routing primitives, kept free of I/O so tests can drive them directly; the policies
+(``services.gateway.policies``) compose them with what the fleet remembers.
 
 Encoders: cache affinity by content hash with rendezvous (highest random
 weight) hashing, so a repeated image goes to the encoder that may still hold
 its output and only 1/N of the keys move when an instance joins or leaves. The
 affine encoder is skipped ("spill") when it has more than ``spill`` calls in
 flight beyond the least-loaded healthy encoder. LMs: least outstanding calls,
-ties broken round robin. E -> P -> D: the decode LM among the least busy ones is one on
-the prefill LM's host where there is one (the KV then moves within a host: shared memory
-or NVLink rather than the network).
+ties broken by rendezvous hashing of the request's key. E -> P -> D: the decode LM among the
+least busy ones is one on the prefill LM's host where there is one (the KV then moves within a
+host: shared memory or NVLink rather than the network).
+
+Every pick is a function of the request's key and the instances' addresses and outstanding calls
+alone (no process-local counter or randomness), so two gateway replicas with the same view of the
+fleet send the same request to the same instances.
 """
 
 from __future__ import annotations
 
 import hashlib
-import itertools
 from collections.abc import Callable, Sequence
 
 from prometheus_client import Counter
@@ -54,27 +58,26 @@ def pick_encoder(key: str, candidates: Sequence[Instance], spill: int,
 
 
 class LeastOutstanding:
-    """Least outstanding calls; a rotating start breaks ties round robin."""
+    """Least outstanding calls; ties broken by rendezvous hashing of the request's key: the same request
+    on the same view lands on the same instance (on every gateway replica), different requests spread over
+    the ties. Stateless: one object serves every request."""
 
-    def __init__(self) -> None:
-        self._turn = itertools.count()
-
-    def pick(self, candidates: Sequence[Instance]) -> Instance | None:
+    def pick(self, candidates: Sequence[Instance], key: str = "") -> Instance | None:
         if not candidates:
             return None
-        start = next(self._turn) % len(candidates)
-        rotated = list(candidates[start:]) + list(candidates[:start])
-        return min(rotated, key=lambda i: i.outstanding)
+        return min(candidates, key=lambda i: (i.outstanding, -_weight(key, i)))
 
 
-def pick_decode(prefill: Instance, decodes: Sequence[Instance], policy: LeastOutstanding) -> Instance | None:
-    """The decode LM for a request prefilled on ``prefill``: among the least busy decode LMs, one on the
-    prefill LM's host where there is one (NIXL then moves the KV over shared memory or NVLink; it says
-    nothing of where its peers are, so the address is what tells); ties broken by ``policy``."""
+def pick_decode(prefill: Instance, decodes: Sequence[Instance], policy: LeastOutstanding,
+                key: str = "") -> Instance | None:
+    """The decode LM for a request (routing key ``key``) prefilled on ``prefill``: among the least busy
+    decode LMs, one on the prefill LM's host where there is one (NIXL then moves the KV over shared memory
+    or NVLink; it says nothing of where its peers are, so the address is what tells); ties broken by
+    ``policy``."""
     if not decodes:
         return None
     least = min(d.outstanding for d in decodes)
     idle = [d for d in decodes if d.outstanding == least]
     host = split_host_port(prefill.address)[0]
     near = [d for d in idle if split_host_port(d.address)[0] == host]
-    return policy.pick(near or idle)
+    return policy.pick(near or idle, key)

@@ -22,7 +22,7 @@ from services.common.media import content_id
 from services.gateway.routing import pick_encoder
 from services.up import Deployment, grpc_serving
 from tests.e2e.conftest import REFERENCE_REQUESTS, stop_in_background
-from tests.e2e.helpers import image_bytes, metric, post, producer_stats, settled
+from tests.e2e.helpers import image_bytes, metric, post, producer_stats, settled, text_chat
 
 pytestmark = [pytest.mark.e2e]
 
@@ -60,6 +60,7 @@ def _affine(dep, name: str) -> int:
 
 def test_repeated_image_goes_to_the_same_encoder_and_lms_share_load(multi, reference):
     lm_before = [metric(lm.metrics_port, "epd_lm_requests_total") for lm in multi.lms]
+    answered_by = set()
     for name in ("multi0", "multi1"):
         want = _affine(multi, name)
         before = _encoder_calls(multi)
@@ -68,10 +69,18 @@ def test_repeated_image_goes_to_the_same_encoder_and_lms_share_load(multi, refer
             assert status == 200, body
             assert body["choices"][0]["token_ids"] == reference[name]
             assert body["epd"]["encoders"] == [multi.encoders[want].address]
+            answered_by.add(body["epd"]["lm"])
         after = _encoder_calls(multi)
         assert [a - b for a, b in zip(after, before)] == [3 if i == want else 0 for i in range(2)], name
-    # Sequential requests find both LMs idle; ties rotate, so both LMs served some (an LM counts a
-    # call as it ends, which can trail the answer).
+    # Sequential requests find both LMs idle; a tie goes by the request's key (rendezvous hashing, the same
+    # on every gateway replica), so different requests spread: if the two images' did not, a few different
+    # text requests do. Both LMs served some (an LM counts a call as it ends, which can trail the answer).
+    for n in range(32):
+        if len(answered_by) == len(multi.lms):
+            break
+        status, body = post(multi.url + "/v1/chat/completions", text_chat(f"Say {n}.", max_tokens=1))
+        assert status == 200, body
+        answered_by.add(body["epd"]["lm"])
     def lm_after():
         return [metric(lm.metrics_port, "epd_lm_requests_total") for lm in multi.lms]
     assert settled(lambda: all(a > b for a, b in zip(lm_after(), lm_before)), True), (lm_before, lm_after())

@@ -41,6 +41,14 @@ def test_one_name_per_role_finds_every_host_and_follows_its_addresses_while_traf
         assert epd["transports"] == [("shm" if epd["encoders"] == [c.encoder_addr(c.enc1)]
                                       and epd["lm"] == c.lm_addr(c.lm1) else "grpc")], epd
         used_lms.add(epd["lm"])
+    # A tie between idle LMs goes by the request's key (rendezvous hashing): if the four images' did not
+    # reach both LMs, a few different text requests do.
+    for n in range(32):
+        if len(used_lms) == len(both_lm):
+            break
+        status, body, _ = c.client.post(url, {"messages": [{"role": "user", "content": f"Say {n}."}], "max_tokens": 1})
+        assert status == 200, body
+        used_lms.add(body["epd"]["lm"])
     assert used_lms == {c.lm_addr(h) for h in both_lm}, used_lms
 
     # Traffic runs while the names change to one host each.

@@ -150,12 +150,15 @@ def test_least_outstanding_picks_the_minimum():
     assert policy.pick([]) is None
 
 
-def test_least_outstanding_rotates_among_ties():
+def test_least_outstanding_breaks_ties_by_the_requests_key():
+    """The same key always lands on the same tied instance (whichever process asks); different keys
+    spread over the ties."""
     policy = LeastOutstanding()
     cands = insts("a:1", "b:1", "c:1")
-    assert {policy.pick(cands).address for _ in range(3)} == {"a:1", "b:1", "c:1"}
+    assert all(policy.pick(cands, k).address == policy.pick(list(reversed(cands)), k).address for k in KEYS[:30])
+    assert {policy.pick(cands, k).address for k in KEYS[:30]} == {"a:1", "b:1", "c:1"}
     cands[1].outstanding = 1  # b is busier: a and c share the picks
-    picks = collections.Counter(policy.pick(cands).address for _ in range(30))
+    picks = collections.Counter(policy.pick(cands, k).address for k in KEYS[:30])
     assert set(picks) == {"a:1", "c:1"} and min(picks.values()) >= 5
 
 
