@@ -33,12 +33,16 @@ merged into that tenant's line, for the quota fields the gateway reads). The run
      ``rest-at-limit``: a Content-Length of exactly ``max_body_bytes``, sent fast (``--at-limit
      valid``, the default: a chat request with the two largest images the gateway accepts, real PNG
      headers, padded, and a text part that pads it to the byte; ``invalid``: that many bytes of
-     ``x``); ``rest-drip``: a 4 KiB body, one byte every ``--drip-s``.
+     ``x``); ``rest-drip``: a 4 KiB body, one byte every ``--drip-s``;
+   * ``upload-headers``: ``POST /v1/audio/transcriptions``, a multipart body whose one part has 4 MiB
+     of repeated ``content-disposition:`` header lines (the gateway reads part headers for a speech
+     upload's routing key, whatever the model).
 
    At the attack's end every attacker request still open is dropped (its connection reset, its
    call cancelled: those count as ``unanswered``) and the legit tenant pauses; the gateway's
-   /metrics are then watched until it holds no admission place, queued request, body budget or
-   background work (at most ``--recovery-s``), and after ``--settle-s`` the next attack begins.
+   internal /metrics (its ``--metrics-port``) are then watched until it holds no admission place,
+   queued request, body budget or background work (at most ``--recovery-s``), and after
+   ``--settle-s`` the next attack begins.
 
 Measured per attack: the legit tenant's success rate on REST (text and image) and on gRPC for the
 requests sent during the attack, its latency (send -> whole answer) p50 and p99 against the
@@ -87,6 +91,7 @@ from hostile_attacks import Hostile, hostile_client, note
 from machine import pct
 
 from epd.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from services.child import free_port
 from services.gateway.config import BODY_COPIES, GatewayConfig
 from services.up import Service
 
@@ -95,7 +100,7 @@ MANIFEST = os.path.join(ROOT, "docker", "k8s", "base", "gateway.yaml")
 LEGIT = ("rest", "rest-image", "grpc")
 KINDS = {"slow-body": 16, "stream-unread": 96, "answer-unread": 80, "grpc-unread": 96, "background": 32,
          "grpc-over": 8, "grpc-at-limit": 8, "grpc-stall": 16, "rest-declared": 8, "rest-chunked": 8,
-         "rest-at-limit": 8, "rest-drip": 16}
+         "rest-at-limit": 8, "rest-drip": 16, "upload-headers": 4}
 """Every attack kind, in the order the phases run, and its clients unless --clients says otherwise."""
 TENANTS = ("legit", "attacker")
 PROMPT = "Summarize in one sentence: the river runs past the stone bridge and the quiet market."
@@ -174,15 +179,16 @@ def k8s_bytes(quantity: str) -> int:
     return int(float(m.group(1)) * scale)
 
 
-def manifest_memory_limit(path: str = MANIFEST) -> int | None:
-    """The gateway container's memory limit in the kustomize base, in bytes (None: none set)."""
+def manifest_memory_limit(path: str = MANIFEST, container: str = "gateway") -> int | None:
+    """The memory limit of ``container`` (the gateway's by default) in the kustomize base's manifest
+    ``path``, in bytes (None: none set)."""
     import yaml
 
     with open(path) as f:
         for doc in yaml.safe_load_all(f):
             if doc and doc.get("kind") == "Deployment":
                 for c in doc["spec"]["template"]["spec"]["containers"]:
-                    if c["name"] == "gateway":
+                    if c["name"] == container:
                         limit = c.get("resources", {}).get("limits", {}).get("memory")
                         return None if limit is None else k8s_bytes(limit)
     return None
@@ -477,12 +483,14 @@ def run(args, cfg: GatewayConfig, flags: list[str], keys: dict[str, str]) -> dic
     try:
         lm, lm_addr = start_lm(False, logdir, ("--background-s", str(args.background_s)))
         procs.append(lm)
-        gw, port, gport = start_gateway(lm_addr, logdir, [*flags, "--api-keys-file", keys_path],
+        metrics_port = free_port()  # the internal port: the body budget and admission gauges are not public
+        gw, port, gport = start_gateway(lm_addr, logdir, [*flags, "--api-keys-file", keys_path,
+                                                          "--metrics-port", str(metrics_port)],
                                         log="hostile-bench-gateway.log")
         procs.append(gw)
         pin(gw.proc.pid, gw_cores)
         model = asyncio.run(warm_up(port, gport, keys["legit"]))
-        sampler = Sampler(gw.proc.pid, f"http://127.0.0.1:{port}/metrics").start()
+        sampler = Sampler(gw.proc.pid, f"http://127.0.0.1:{metrics_port}/metrics").start()
         time.sleep(2.0)
         idle = statistics.median(r for _, r, _ in sampler.rss[-20:])
         at = at_limit_body(cfg.max_body_bytes, cfg, args.at_limit == "valid", model)

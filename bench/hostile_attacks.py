@@ -27,6 +27,9 @@ from services.gateway.config import GatewayConfig
 METHOD = "/epd.gateway.v1.GatewayService/ChatCompletion"
 CHUNK = 1 << 20
 DRIP_BODY = 4096
+UPLOAD_HEADERS = 4 << 20
+"""An ``upload-headers`` body: one multipart part whose header block is this many bytes of repeated
+``content-disposition:`` lines (a routing-key scan that is quadratic in it takes hours)."""
 SLOW_BODY = 64 << 20
 """What a slow body declares (``Content-Length``); it drips just above --body-min-rate-kib."""
 SLOW_RATE = 1.25
@@ -68,6 +71,8 @@ class Hostile:
         self.unread_stream = json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}],
                                          "max_tokens": stream_tokens, "stream": True}).encode()
         self.grpc_unread = gateway_pb2.OpenAIRequest(body=self.unread_stream)
+        n = UPLOAD_HEADERS // len(b"content-disposition:")
+        self.upload = b"--XYZ\r\n" + b"content-disposition:" * n + b"\r\n\r\nabc\r\n--XYZ--\r\n"
         self.background = json.dumps({"model": model, "input": "hi", "background": True, "store": True}).encode()
         self.channels: list[grpc.aio.Channel] = []
         self.session: aiohttp.ClientSession | None = None
@@ -75,6 +80,7 @@ class Hostile:
         """The first answer's message for each (kind, outcome), as "kind outcome" -> text."""
         self.fns = {"rest-declared": self.rest_declared, "rest-chunked": self.rest_chunked,
                     "rest-at-limit": self.rest_at_limit, "rest-drip": self.rest_drip,
+                    "upload-headers": self.upload_headers,
                     "slow-body": self.slow_body,
                     "stream-unread": lambda _: self.unread("stream-unread", self.unread_stream),
                     "answer-unread": lambda _: self.unread("answer-unread", self.unread_whole),
@@ -95,9 +101,9 @@ class Hostile:
         self.channels.append(ch)
         return ch
 
-    def _head(self, length: str, path: str = "/v1/chat/completions") -> bytes:
+    def _head(self, length: str, path: str = "/v1/chat/completions", ctype: str = "application/json") -> bytes:
         return (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{self.port}\r\nAuthorization: Bearer {self.key}\r\n"
-                f"Content-Type: application/json\r\nConnection: close\r\n{length}\r\n\r\n").encode()
+                f"Content-Type: {ctype}\r\nConnection: close\r\n{length}\r\n\r\n").encode()
 
     async def _exchange(self, kind: str, head: bytes, feed) -> str:
         """Sends ``head`` then ``feed(writer)`` while waiting for the status line (and, the first time
@@ -163,6 +169,14 @@ class Hostile:
                 await w.drain()
                 await asyncio.sleep(self.drip_s)
         return await self._exchange("rest-drip", self._head(f"Content-Length: {DRIP_BODY}"), feed)
+
+    async def upload_headers(self, _=None) -> str:
+        """A speech upload (``/v1/audio/transcriptions``) whose one part has ``UPLOAD_HEADERS`` bytes of
+        ``content-disposition:`` header lines: whatever the model, the gateway reads the part headers for the
+        upload's routing key."""
+        n = len(self.upload)
+        head = self._head(f"Content-Length: {n}", "/v1/audio/transcriptions", "multipart/form-data; boundary=XYZ")
+        return await self._exchange("upload-headers", head, lambda w: self._send(w, memoryview(self.upload), n))
 
     async def slow_body(self, _=None) -> str:
         """Declares ``SLOW_BODY`` bytes and sends them at ``SLOW_RATE`` x --body-min-rate-kib, in 0.1 s steps."""
