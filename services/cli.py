@@ -34,6 +34,7 @@ from services.common.engine import EngineConfig, EngineDied, UnsupportedModel, c
 from services.encoder.config import EncoderServiceConfig
 from services.gateway.config import API_KEYS_ENV, GatewayConfig
 from services.gateway.tenants import Tenants
+from services.gateway.workers import WorkerSeat
 from services.lm.config import LMServiceConfig
 from services.startup_errors import ERROR_PREFIX, StartupError, check_model, check_port, explain
 
@@ -130,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("gateway", help="run the gateway")
     add_dataclass_args(g, GatewayConfig)
     add_dataclass_args(g.add_argument_group("security (the gateway's calls to encoders and LMs)"), SecurityConfig)
+    g.add_argument("--worker-of", default="", help=argparse.SUPPRESS)  # set by --workers' supervisor only
 
     h = sub.add_parser("health", help="exit 0 when the service at ADDRESS reports SERVING (a Kubernetes exec "
                                       "probe for services that speak TLS, which grpc probes cannot)")
@@ -166,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="client API keys for the gateway, as vllm serve's --api-key; the gateway gets them in its "
                         "environment, never its command line. Prefer VLLM_API_KEY (which only the gateway is "
                         "given) or --api-keys-file: this command's own line is visible in ps")
+    u.add_argument("--workers", type=int, default=1, help="gateway processes serving its ports (its --workers)")
     u.add_argument("--api-keys-file", default="", help="the gateway's --api-keys-file (tenants and their keys)")
     u.add_argument("--insecure", action="store_true",
                    help="pass --insecure to every service: --security token or none on a non-loopback --host, "
@@ -240,10 +243,13 @@ def run_service(ns: argparse.Namespace) -> int:
     try:  # configurations are refused here, before anything starts (exit 2)
         security = from_args(SecurityConfig, ns)
         cfg = from_args(SERVICE_CONFIGS[ns.cmd], ns)
-        for flag, host, port in listen_ports(ns.cmd, cfg):
+        seat = WorkerSeat.from_flag(ns.worker_of) if ns.cmd == "gateway" and ns.worker_of else None
+        for flag, host, port in listen_ports(ns.cmd, cfg) if seat is None else ():  # a worker's: shared
             check_port(flag, host, port)  # before minutes of engine start-up, not after
         if ns.cmd == "gateway":
-            run = service_module(ns.cmd).serve(cfg, security=security, tenants=load_tenants(cfg))
+            server = service_module(ns.cmd)
+            server.check(cfg, security)  # the internal metrics port's exposure, and the state secret's file
+            run = server.serve(cfg, security=security, tenants=load_tenants(cfg), worker=seat)
         else:
             configure_process_env()  # before the tiny model's build may import huggingface_hub
             engine_cfg = _engine_cfg(ns)
@@ -295,7 +301,9 @@ def _main(argv: list[str] | None = None) -> int:
             return run_up(model=ns.model or default_model(), host=ns.host, port=ns.port, engine_args=ns.vllm_args,
                           security=ns.security, encoder_args=shlex.split(ns.encoder_args),
                           lm_args=shlex.split(ns.lm_args),
-                          gateway_args=[*gateway_key_args(ns.api_keys_file), *shlex.split(ns.gateway_args)],
+                          gateway_args=[*gateway_key_args(ns.api_keys_file),
+                                        *([f"--workers={ns.workers}"] if ns.workers != 1 else []),
+                                        *shlex.split(ns.gateway_args)],
                           insecure=ns.insecure, prefills=ns.prefills, decodes=ns.decodes, lms=ns.lms,
                           api_keys=ns.api_key)
         except (ValueError, StartupError) as e:  # refused before anything started

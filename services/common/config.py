@@ -58,6 +58,27 @@ def from_args(cls, ns: argparse.Namespace, prefix: str = "") -> Any:
     return cls(**kw)
 
 
+def to_args(obj, prefix: str = "", skip: frozenset[str] = frozenset()) -> list[str]:
+    """The flags ``add_dataclass_args`` reads back as ``obj`` (``from_args``): one per field whose value is
+    not its default, fields named in ``skip`` left out (what must not show on a command line)."""
+    args: list[str] = []
+    for f in dataclasses.fields(obj):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        value = getattr(obj, f.name)
+        if not f.init or f.name in skip or value == default:
+            continue
+        flag = "--" + (prefix + f.name).replace("_", "-")
+        if isinstance(value, bool):
+            args.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, list) and f.metadata.get("nargs"):
+            args += [flag, *map(str, value)]
+        elif isinstance(value, list):
+            args.append(f"{flag}={','.join(map(str, value))}")
+        else:  # flag=value: a value that starts with "-" is not taken for a flag
+            args.append(f"{flag}={value if isinstance(value, (int, float, str)) else json.dumps(value)}")
+    return args
+
+
 def transport_list(value: str) -> list[str]:
     """A ``--transports`` value (comma-separated names) as the connector's list."""
     return [t.strip() for t in value.split(",") if t.strip()]

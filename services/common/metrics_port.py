@@ -89,10 +89,13 @@ def _bearer(token: str):
 
 class MetricsPort:
     """An aiohttp listener on ``host:port`` (port 0 picks a free one) guarded by ``exposure``
-    (``exposure_for``), serving ``/metrics`` (``registry_page``) and ``pages`` (path -> GET handler)."""
+    (``exposure_for``), serving ``/metrics`` (``registry_page``) and ``pages`` (path -> GET handler).
+    ``reuse_port``: bound with SO_REUSEPORT, beside the other processes of one service that serve this
+    port (the gateway's workers)."""
 
-    def __init__(self, host: str, port: int, exposure: Exposure, pages: dict[str, Page] | None = None) -> None:
-        self.host, self.port, self.exposure = host, port, exposure
+    def __init__(self, host: str, port: int, exposure: Exposure, pages: dict[str, Page] | None = None,
+                 reuse_port: bool = False) -> None:
+        self.host, self.port, self.exposure, self.reuse_port = host, port, exposure, reuse_port
         self.pages: dict[str, Page] = {"/metrics": registry_page, **(pages or {})}
         self._runner: web.AppRunner | None = None
 
@@ -103,7 +106,8 @@ class MetricsPort:
             app.router.add_get(path, page)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
-        await web.TCPSite(self._runner, self.host, self.port, ssl_context=self.exposure.ssl).start()
+        await web.TCPSite(self._runner, self.host, self.port, ssl_context=self.exposure.ssl,
+                          reuse_port=self.reuse_port or None).start()
         port = self._runner.addresses[0][1]
         logger.info("metrics on %s://%s:%d/metrics%s", "https" if self.exposure.ssl else "http", self.host, port,
                     " (the auth token required)" if self.exposure.token else "")

@@ -31,7 +31,19 @@ on failure or a client that goes away), so what the LMs and encoders have in
 flight stays bounded and every admitted request is served within the limits the
 engines were sized for. ``--lm-max-outstanding 0`` turns admission off.
 
-Owner: the orchestrator creates one ``Admission``; the REST and gRPC front ends
+Where the places are counted (``services.gateway.state``): an admitted request's places (an LM place,
+an encoder place when it encodes on an encoder, one of its tenant's ``max_in_flight``) are one
+``acquire`` on the orchestrator's ``SharedState``, under the names ``services.gateway.state.keys``
+gives them, held by its ``Ticket`` as one lease; its media items are taken from the state's rate. With
+one gateway process that is a ``LocalState``: every decision is made at once, in memory, as above.
+With several (``--workers``, replicas over ``--state-store``) it is the store they share, so each limit
+and quota holds for the whole front door; the queues stay in each process (its own waiters, in the
+order above among them), and a waiter is tried again when a place frees in any process (the state's
+word of it) and at least every ``POLL_S``. The places of a process that dies go back within the
+store's lease; a store that does not answer leaves each process its part of every limit
+(``services.gateway.state.redis_state``).
+
+Owner: the orchestrator creates one ``Admission`` (and closes it); the REST and gRPC front ends
 call ``admit`` before any image is fetched and release the ticket when the
 response is done. Everything runs on the gateway's event loop (no locks).
 """
@@ -40,127 +52,38 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import itertools
 import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from prometheus_client import Counter, Gauge
 
+from services.gateway.state import keys
+from services.gateway.state.base import Lease, SharedState
+from services.gateway.state.bucket import Buckets
+from services.gateway.state.local import LocalState
+from services.gateway.tickets import ANONYMOUS, NO_QUOTA, AdmissionRefused, Quota, Ticket
+
 ADMISSIONS = Counter("epd_gateway_admission_total", "Admission decisions",
                      ["outcome"])  # admitted | queued | refused_full | refused_wait | refused_quota
-WAITING = Gauge("epd_gateway_admission_waiting", "Requests waiting for admission")
-ADMITTED = Gauge("epd_gateway_admission_in_flight", "Admitted requests in flight, by what they hold", ["holds"])
+# With --workers: the whole gateway's (services.gateway.metrics).
+WAITING = Gauge("epd_gateway_admission_waiting", "Requests waiting for admission", multiprocess_mode="livesum")
+ADMITTED = Gauge("epd_gateway_admission_in_flight", "Admitted requests in flight, by what they hold", ["holds"],
+                 multiprocess_mode="livesum")
 
 
-class AdmissionRefused(Exception):
-    """The request was not admitted: ``status`` 429 (its tenant's queue is full, or the tenant is over a
-    quota) or 503 (it waited ``admission_wait_s`` in vain); ``retry_after_s`` goes into ``Retry-After``."""
-
-    def __init__(self, status: int, message: str, retry_after_s: int) -> None:
-        super().__init__(message)
-        self.status, self.message, self.retry_after_s = status, message, retry_after_s
+POLL_S = 1.0
+"""The longest a waiter waits without word of a freed place before it is tried again (capacity also grows
+when an instance is admitted, which no release announces)."""
 
 
-ANONYMOUS = "anonymous"  # services.gateway.tenants.ANONYMOUS (this module imports no service module)
-
-
-class Quota(Protocol):
-    """What admission reads of a tenant's quotas (``services.gateway.tenants.Tenant``; None: no limit)."""
-
-    max_in_flight: int | None
-    max_queue: int | None
-    images_per_minute: int | None
-
-    @property
-    def share(self) -> float: ...
-
-
-@dataclass(frozen=True)
-class NoQuota:
-    """A tenant without quotas (a gateway without a keys file)."""
-
-    max_in_flight: int | None = None
-    max_queue: int | None = None
-    images_per_minute: int | None = None
-    share: float = 1.0
-
-
-NO_QUOTA = NoQuota()
-
-
-class ItemRate:
-    """Media items admitted per minute, per tenant: a token bucket that holds ``per_minute`` items and
-    refills at ``per_minute`` a minute (so a tenant idle for a minute may send a minute's worth at once).
-    ``clock``: seconds, monotonic (tests pass their own). A bucket goes once it is full again, so
-    only tenants that sent items within the last minute are kept."""
-
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self._clock = clock
-        self._buckets: dict[str, tuple[float, float]] = {}  # tenant: (items left, when)
-
-    def _level(self, tenant: str, per_minute: int) -> float:
-        left, at = self._buckets.get(tenant, (per_minute, 0.0))
-        return min(float(per_minute), left + (self._clock() - at) * per_minute / 60.0)
-
-    def take(self, tenant: str, items: int, per_minute: int) -> float:
-        """Takes ``items`` from ``tenant``'s bucket: 0.0 if they were there, else (nothing taken) the
-        seconds until they will be (``math.inf``: more than a minute's worth, never)."""
-        if items > per_minute:
-            return math.inf
-        level = self._level(tenant, per_minute)
-        if level < items:
-            return (items - level) * 60.0 / per_minute
-        self._buckets[tenant] = (level - items, self._clock())
-        return 0.0
-
-    def charge(self, tenant: str, items: int, per_minute: int) -> None:
-        """Takes ``items`` a request delivered after it was admitted, whatever is left: the bucket may go below
-        empty, and the tenant's next items wait until it has refilled past them."""
-        self._buckets[tenant] = (self._level(tenant, per_minute) - items, self._clock())
-
-    def give_back(self, tenant: str, items: int, per_minute: int) -> None:
-        """Items of a request that was not admitted after all."""
-        level = min(float(per_minute), self._level(tenant, per_minute) + items)
-        if level >= per_minute:
-            self._buckets.pop(tenant, None)
-        else:
-            self._buckets[tenant] = (level, self._clock())
-
-
-@dataclass(eq=False)
-class Ticket:
-    """One admitted request's place: an LM slot, and an encoder slot if it encodes remotely; ``items``: the
-    media items charged against its tenant's ``images_per_minute``."""
-
-    admission: Admission
-    encoder: bool
-    tenant: str = ANONYMOUS
-    released: bool = False
-    items: int = 0
-
-    def count_items(self, items: int) -> None:
-        """The request carries ``items`` media items now: a speech upload, one item at admission, becomes one
-        item per window its encoder cut (the orchestrator calls this once an attempt's items have their
-        sources). Those beyond what was charged are charged now, never refused (the request is admitted and
-        they are encoded); a retry that cuts the same windows again charges nothing more."""
-        if items > self.items:
-            self.admission._charge(self.tenant, items - self.items)
-            self.items = items
-
-    def release(self) -> None:
-        if not self.released:
-            self.released = True
-            self.admission._release(self)
-
-    def drop_encoder(self) -> None:
-        """The request will not encode on an encoder after all (placement chose the LM, or no
-        encoder is healthy): its encoder slot goes back now."""
-        if self.encoder and not self.released:
-            self.encoder = False
-            self.admission._release_encoder()
+ItemRate = Buckets
+"""Media items admitted per minute, per tenant: a token bucket that holds ``per_minute`` items and refills
+at ``per_minute`` a minute (``services.gateway.state.bucket``; a ``LocalState``'s rates, and a store's
+while it is unreachable)."""
 
 
 @dataclass(eq=False)
@@ -171,32 +94,46 @@ class _Waiter:
     future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
+def _bound(capacity: float) -> int | None:
+    """A capacity as a state's limit (None: no limit)."""
+    return None if capacity == math.inf else int(capacity)
+
+
 class Admission:
     def __init__(self, lm_slots: int, encoder_slots: int, queue: int, wait_s: float,
                  healthy_lms: Callable[[], int], healthy_encoders: Callable[[], int],
                  quota: Callable[[str], Quota] = lambda tenant: NO_QUOTA,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, state: SharedState | None = None) -> None:
         """``lm_slots``/``encoder_slots``: admitted requests per healthy instance (0: no limit);
         ``healthy_*``: how many instances are admitted now (read at every decision); ``quota``: a
-        tenant's quotas (``Tenants.quota``), read at every decision; ``clock``: ``ItemRate``'s."""
+        tenant's quotas (``Tenants.quota``), read at every decision; ``state``: where places and rates are
+        counted (default: a ``LocalState`` of this process, its rates on ``clock``; a shared one is started
+        and closed by whoever made it)."""
         self.lm_slots, self.encoder_slots = lm_slots, encoder_slots
         self.queue, self.wait_s = queue, wait_s
         self._healthy_lms, self._healthy_encoders = healthy_lms, healthy_encoders
         self.in_flight = 0
         self.encoding = 0
-        self._held: collections.Counter[str] = collections.Counter()  # in flight, per tenant
+        self._held: collections.Counter[str] = collections.Counter()  # in flight from this process, per tenant
         self._waiting: dict[str, collections.deque[_Waiter]] = {}  # per tenant, FIFO; no empty queues
         self._seq = itertools.count()
         self._served: dict[str, int] = {}  # per tenant with requests in flight or waiting: its last admission
         self.quota = quota
-        self.items = ItemRate(clock)
+        self.state = state if state is not None else LocalState(clock)
+        # In memory: decided at once, in the caller's step. Else waiters are admitted by ``_run_pump``.
+        self._local = self.state if isinstance(self.state, LocalState) else None
+        self._pump: asyncio.Task | None = None
+        self._kick = asyncio.Event()
+        self._swaps: set[asyncio.Task] = set()
+        if self._local is None:
+            self.state.on_freed(lambda freed: self._wake())
 
     @property
     def waiting(self) -> int:
         return sum(len(q) for q in self._waiting.values())
 
     def held_by(self, tenant: str) -> int:
-        """Admitted requests of ``tenant`` in flight."""
+        """Admitted requests of ``tenant`` in flight from this process."""
         return self._held[tenant]
 
     @property
@@ -209,26 +146,47 @@ class Admission:
         encoders = (self.encoder_slots * max(1, self._healthy_encoders())) if self.encoder_slots else math.inf
         return lms, encoders
 
-    def _fits(self, encoder: bool) -> bool:
-        lms, encoders = self.capacity()
-        return self.in_flight < lms and (not encoder or self.encoding < encoders)
+    def _limits(self, encoder: bool, tenant: str, quota: Quota) -> dict[str, int | None]:
+        """What one admitted request takes, each with its limit now (admission off: only its tenant's)."""
+        lms, encoders = self.capacity() if self.enabled else (math.inf, math.inf)
+        limits = {keys.LM: _bound(lms)}
+        if encoder:
+            limits[keys.ENCODER] = _bound(encoders)
+        limits[keys.in_flight(tenant)] = quota.max_in_flight
+        return limits
 
     def _capped(self, tenant: str, quota: Quota | None = None) -> bool:
-        """Whether ``tenant`` has its ``max_in_flight`` requests in flight."""
+        """Whether ``tenant`` has its ``max_in_flight`` requests in flight from this process alone."""
         cap = (quota or self.quota(tenant)).max_in_flight
         return cap is not None and self._held[tenant] >= cap
+
+    async def _over_cap(self, tenant: str, quota: Quota) -> int | None:
+        """What ``tenant`` has in flight across the front door when that is its ``max_in_flight`` or more,
+        else None."""
+        cap = quota.max_in_flight
+        if cap is None:
+            return None
+        held = self._held[tenant]
+        if held < cap:
+            key = keys.in_flight(tenant)
+            held = (await self.state.counts([key]))[key]
+        return held if held >= cap else None
+
+    @staticmethod
+    def _quota_refused(tenant: str, held: int) -> AdmissionRefused:
+        ADMISSIONS.labels("refused_quota").inc()
+        return AdmissionRefused(429, f"tenant {tenant} has {held} requests in flight, its quota (max_in_flight); "
+                                     "retry later", 1)
 
     async def admit(self, encoder: bool, tenant: str = ANONYMOUS, items: int = 0) -> Ticket:
         """A ticket for a request of ``tenant`` (``encoder``: it will encode on an encoder; ``items``: the
         media items it carries), at once or after waiting its turn. Raises AdmissionRefused."""
         quota = self.quota(tenant)
         if self._capped(tenant, quota):
-            ADMISSIONS.labels("refused_quota").inc()
-            raise AdmissionRefused(429, f"tenant {tenant} has {self._held[tenant]} requests in flight, its quota "
-                                        "(max_in_flight); retry later", 1)
+            raise self._quota_refused(tenant, self._held[tenant])
         rate = quota.images_per_minute if items else None
         if rate is not None:
-            wait = self.items.take(tenant, items, rate)
+            wait = await self.state.take(keys.images(tenant), items, rate)
             if wait:
                 ADMISSIONS.labels("refused_quota").inc()
                 raise AdmissionRefused(429, f"tenant {tenant} may have {rate} media items a minute admitted, its "
@@ -240,15 +198,22 @@ class Admission:
             return ticket
         except BaseException:
             if rate is not None:
-                self.items.give_back(tenant, items, rate)
+                self.state.give_back(keys.images(tenant), items, rate)
             raise
 
     async def _admit(self, encoder: bool, tenant: str, quota: Quota) -> Ticket:
-        if not self.enabled:
-            return self._take(encoder, tenant)
-        if not self._waiting and self._fits(encoder):
-            ADMISSIONS.labels("admitted").inc()
-            return self._take(encoder, tenant)
+        if not self._waiting or not self.enabled:
+            lease = await self.state.acquire(self._limits(encoder, tenant, quota))
+            if lease is not None:
+                if self.enabled:
+                    ADMISSIONS.labels("admitted").inc()
+                return self._ticket(encoder, tenant, lease)
+        held = await self._over_cap(tenant, quota)
+        if held is not None or not self.enabled:  # admission off: only the tenant's quota refuses
+            raise self._quota_refused(tenant, quota.max_in_flight if held is None else held)
+        return await self._wait(encoder, tenant, quota)
+
+    async def _wait(self, encoder: bool, tenant: str, quota: Quota) -> Ticket:
         queue = self._waiting.get(tenant, ())
         limit, flag = (self.queue, "--admission-queue") if quota.max_queue is None else (quota.max_queue, "max_queue")
         if len(queue) >= limit:
@@ -268,7 +233,7 @@ class Admission:
             while True:
                 # Re-checked every second: capacity grows when an instance is admitted. (asyncio.wait,
                 # not wait_for: a cancel that meets an admission in the same tick is not lost.)
-                await asyncio.wait([waiter.future], timeout=max(0.0, min(1.0, deadline - loop.time())))
+                await asyncio.wait([waiter.future], timeout=max(0.0, min(POLL_S, deadline - loop.time())))
                 if waiter.future.done():
                     return waiter.future.result()
                 if loop.time() >= deadline:
@@ -295,13 +260,13 @@ class Admission:
         WAITING.set(self.waiting)
         return True
 
-    def _take(self, encoder: bool, tenant: str) -> Ticket:
+    def _ticket(self, encoder: bool, tenant: str, lease: Lease) -> Ticket:
         self.in_flight += 1
         self.encoding += encoder
         self._held[tenant] += 1
         self._served[tenant] = next(self._seq)
         self._gauges()
-        return Ticket(self, encoder, tenant)
+        return Ticket(self, encoder, tenant, lease=lease)
 
     def _release(self, ticket: Ticket) -> None:
         self.in_flight -= 1
@@ -312,38 +277,111 @@ class Admission:
             if ticket.tenant not in self._waiting:
                 self._served.pop(ticket.tenant, None)  # bounded by the tenants in flight or waiting
         self._gauges()
-        self._wake()
+        if ticket.lease is not None:
+            self.state.release(ticket.lease)  # a shared state's word of it wakes the waiters
+        if self._local is not None:
+            self._wake()
 
     def _charge(self, tenant: str, items: int) -> None:
         """``Ticket.count_items``'s charge, against the tenant's ``images_per_minute`` as it is now."""
         rate = self.quota(tenant).images_per_minute
         if rate is not None:
-            self.items.charge(tenant, items, rate)
+            self.state.charge(keys.images(tenant), items, rate)
 
-    def _release_encoder(self) -> None:
+    def _release_encoder(self, ticket: Ticket) -> None:
+        """The ticket's lease is swapped for one without the encoder place: the new one taken (``force``:
+        it holds these places already) before the old goes, so no process ever counts fewer places than
+        are held."""
         self.encoding -= 1
         self._gauges()
-        self._wake()
+        counted = {keys.LM: None, keys.in_flight(ticket.tenant): None}
+        if self._local is not None:
+            old, ticket.lease = ticket.lease, self._local.try_acquire(counted, force=True)
+            if old is not None:
+                self._local.release(old)
+            self._wake()
+            return
+        task = asyncio.get_running_loop().create_task(self._swap(ticket, counted), name="admission swap")
+        self._swaps.add(task)
+        task.add_done_callback(self._swaps.discard)
 
-    def _next(self) -> _Waiter | None:
+    async def _swap(self, ticket: Ticket, counted: dict[str, None]) -> None:
+        old = ticket.lease
+        new = await self.state.acquire(counted, force=True)
+        if new is None:
+            return  # the encoder place stays counted until the ticket's release: never fewer than held
+        if ticket.released or ticket.lease is not old:  # released meanwhile, with its old lease
+            self.state.release(new)
+            return
+        ticket.lease = new
+        if old is not None:
+            self.state.release(old)
+
+    def _next(self, passed: frozenset[str] | set[str] = frozenset()) -> _Waiter | None:
         """The head of the queue of the waiting tenant with the fewest requests in flight per unit of its
         ``weight`` (ties: the tenant admitted least recently, so tenants take turns; then the head that has
-        waited longest). A tenant at its ``max_in_flight`` is passed over: its waiters wait for one of its own
-        requests to end."""
-        heads = (q[0] for t, q in self._waiting.items() if not self._capped(t))
+        waited longest). A tenant at its ``max_in_flight`` (from this process, or ``passed``: across the front
+        door) is passed over: its waiters wait for one of its own requests to end."""
+        heads = (q[0] for t, q in self._waiting.items() if t not in passed and not self._capped(t))
         return min(heads, key=lambda w: (self._held[w.tenant] / self.quota(w.tenant).share,
                                          self._served.get(w.tenant, -1), w.seq), default=None)
 
     def _wake(self) -> None:
-        """Admits waiters while the next one (``_next``) fits; it is never passed over (a request that
-        needs an encoder slot is not overtaken by text requests behind it)."""
-        while (waiter := self._next()) is not None and self._fits(waiter.encoder):
+        """Admits waiters while the next one (``_next``) gets its places; it is never passed over (a request
+        that needs an encoder slot is not overtaken by text requests behind it). In memory at once; with a
+        shared state by ``_run_pump``, which this starts or nudges."""
+        if self._local is None:
+            self._kick.set()
+            if self._waiting and (self._pump is None or self._pump.done()):
+                self._pump = asyncio.get_running_loop().create_task(self._run_pump(), name="admission waiters")
+            return
+        while (waiter := self._next()) is not None:
+            lease = self._local.try_acquire(self._limits(waiter.encoder, waiter.tenant, self.quota(waiter.tenant)))
+            if lease is None:
+                return
             self._unqueue(waiter)
-            if not waiter.future.done():
-                ADMISSIONS.labels("admitted").inc()
-                waiter.future.set_result(self._take(waiter.encoder, waiter.tenant))
+            if waiter.future.done():
+                self._local.release(lease)
+                continue
+            ADMISSIONS.labels("admitted").inc()
+            waiter.future.set_result(self._ticket(waiter.encoder, waiter.tenant, lease))
+
+    async def _run_pump(self) -> None:
+        """While this process has waiters (shared state): admits them (``_pump_once``), then waits for word of a
+        freed place, a new waiter, or ``POLL_S``."""
+        while self._waiting:
+            self._kick.clear()
+            await self._pump_once()
+            if self._waiting and not self._kick.is_set():
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._kick.wait(), POLL_S)
+
+    async def _pump_once(self) -> None:
+        """``_wake`` on a shared state: each try is a round trip to the store, so a waiter may leave (its wait
+        ran out, its client went away) meanwhile; a place taken for it then goes back at once."""
+        passed: set[str] = set()  # tenants found at their max_in_flight across the front door
+        while (waiter := self._next(passed)) is not None:
+            quota = self.quota(waiter.tenant)
+            lease = await self.state.acquire(self._limits(waiter.encoder, waiter.tenant, quota))
+            if lease is None:
+                if await self._over_cap(waiter.tenant, quota) is None:
+                    return  # no room for the head, and nobody overtakes it
+                passed.add(waiter.tenant)
+                continue
+            if not self._unqueue(waiter) or waiter.future.done():
+                self.state.release(lease)
+                continue
+            ADMISSIONS.labels("admitted").inc()
+            waiter.future.set_result(self._ticket(waiter.encoder, waiter.tenant, lease))
+
+    async def close(self) -> None:
+        """Stops the waiters' pump and the lease swaps in flight (the tickets keep what they hold, and give it
+        back on release)."""
+        tasks = [t for t in (self._pump, *self._swaps) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def _gauges(self) -> None:
         ADMITTED.labels("lm").set(self.in_flight)
         ADMITTED.labels("encoder").set(self.encoding)
-

@@ -6,6 +6,8 @@ import ipaddress
 from dataclasses import dataclass, field
 
 from services.common.media_checks import MAX_AUDIO_SECONDS, MAX_IMAGE_PIXELS
+from services.gateway.policies.factory import ENCODER_POLICIES, LM_POLICIES, check
+from services.gateway.state.wiring import store_config
 
 DISPATCH_MODES = ("overlap", "sequential")
 BODY_COPIES = 8
@@ -15,6 +17,10 @@ them itself: a JSON string, its bytes, the protobuf field and its serialization)
 bench/hostile.py: 3 to 6 left the gateway's peak RSS up to 55 % over its budget with full-size valid
 bodies; 8 within about 10 %."""
 PLACEMENTS = ("auto", "encoder", "local")
+API_KEYS_ENV = "EPD_API_KEYS"
+"""The environment form of --api-key: the keys one per line. For whoever starts a gateway and must keep
+its keys off the command line, which every user of the host can read (``epd up`` does). --api-key wins
+over it, and it over VLLM_API_KEY (read by ``services.cli.load_tenants``)."""
 
 
 @dataclass
@@ -25,6 +31,18 @@ class GatewayConfig:
     """OpenAI-compatible HTTP port."""
     grpc_port: int = 0
     """Native gRPC API port (0: disabled)."""
+    workers: int = 1
+    """Gateway processes on this host, each a whole gateway serving --port, --grpc-port and --metrics-port
+    together (SO_REUSEPORT): a supervisor starts them, replaces one that dies, forwards SIGTERM, SIGINT and
+    SIGHUP, and their metrics are merged on every /metrics (services/gateway/workers.py). 1: one process,
+    no supervisor."""
+    metrics_port: int = 0
+    """Internal Prometheus port: every series (routing decisions, instances, stage times) on /metrics, and
+    /health with every instance's address and state (0: disabled). The public /metrics on --port shows
+    only request and refusal counts, unless --epd-facts."""
+    metrics_host: str = "127.0.0.1"
+    """Address of --metrics-port. Loopback: plain HTTP; any other address needs TLS and authenticated
+    scrapers, as the services' API ports (docs/configuration.md, "Metrics ports")."""
     encoders: str = ""
     """Encoder API addresses, comma-separated host:port. A host name that resolves to several addresses (a
     Kubernetes headless Service) counts as one instance per address, re-resolved every --dns-refresh-s.
@@ -92,7 +110,8 @@ class GatewayConfig:
     """Longest wait for admission; then 503 with Retry-After. An admitted request is never refused later."""
     lm_max_background: int = 16
     """Background Responses requests (``"background": true``) held per generating LM: each keeps its admission
-    place until its LM reports it ended, after its "queued" answer; one more is refused (429) (0: no limit)."""
+    place until its LM reports it ended, after its "queued" answer; one more is refused (429) (0: no limit).
+    With client keys a tenant holds at most its share of them by weight (``services.gateway.background``)."""
     background_timeout_s: float = 600.0
     """Longest a background Responses request may run: then the gateway cancels it on its LM and its place
     goes back."""
@@ -145,8 +164,9 @@ class GatewayConfig:
     previous answer (keep-alive); otherwise it is closed. vllm serve's uvicorn closes idle keep-alive
     connections after 5 s."""
     api_key: list[str] = field(default_factory=list, repr=False, metadata={"nargs": "+"})
-    """Client API keys, as vllm serve's --api-key (space-separated; unset: the VLLM_API_KEY environment
-    variable): a request to a path under /v1, /v2, /inference or /cohere (any method but OPTIONS) without
+    """Client API keys, as vllm serve's --api-key (space-separated; unset: the EPD_API_KEYS environment
+    variable, one key per line, else VLLM_API_KEY; prefer either, or --api-keys-file: a command line is
+    visible to every user of the host): a request to a path under /v1, /v2, /inference or /cohere (any method but OPTIONS) without
     "Authorization: Bearer <one of them>" is refused with 401 {"error": "Unauthorized"}, and so is a call on
     the gRPC API without that metadata (UNAUTHENTICATED). These keys are the tenant "default"."""
     api_keys_file: str = ""
@@ -156,6 +176,32 @@ class GatewayConfig:
     (its fair share, default 1); checked as
     --api-key, beside its keys, and read again on SIGHUP (a file that does not load leaves the keys and
     quotas as they were)."""
+    state_secret_file: str = ""
+    """File of the deployment's state secret (one per line, each at least 32 bytes; the first signs, every
+    one verifies, for rotation), shared by every gateway replica: the response ids a gateway mints carry
+    their home LM and owner tenant under it, so any replica, or this one after a restart, serves them
+    (services/gateway/responses.py). Unset: the EPD_STATE_SECRET environment variable, else a random
+    secret per process (its stored responses are then reachable only through the process that made them)."""
+    state_store: str = ""
+    """The Redis or Valkey store that holds the limits of the whole front door when several gateway replicas
+    serve one deployment (--lm-max-outstanding, --encoder-max-outstanding, --lm-max-background and every
+    tenant's max_in_flight, images_per_minute and background places): redis://host:port[/db], rediss://
+    (TLS) or unix:///path (no password in the URL). Empty: with --workers, the private store the supervisor
+    starts; else this process alone, in memory (services/gateway/state/)."""
+    state_store_password_file: str = ""
+    """File whose first line is --state-store's password (requirepass); empty: none."""
+    state_store_lease_s: float = 6.0
+    """How long the places of a gateway process that stopped (kill -9, frozen, cut off from the store) stay
+    held: they go back at most this long after its last heartbeat (one every third of it)."""
+    state_store_unreachable: str = "share"
+    """While the store does not answer (a call past 0.5 s): share (each process holds its 1/N part of every
+    limit, N = --state-store-replicas x --workers, with a log line and epd_gateway_state_store_shared 0) or
+    closed (whatever a limit governs is refused)."""
+    state_store_replicas: int = 1
+    """Gateway replicas (each of --workers processes) that share --state-store: how each process's part of a
+    limit is counted while the store is unreachable."""
+    state_store_replica: int = 0
+    """This replica's index among --state-store-replicas, 0 to N-1."""
     fetch_allow_networks: str = ""
     """Comma-separated CIDRs that image URLs may resolve to even though they are loopback, private,
     link-local or otherwise non-public (refused by default: SSRF guard), e.g. 10.1.0.0/16."""
@@ -171,6 +217,8 @@ class GatewayConfig:
                              "must be >= 0, admission_wait_s and background_timeout_s > 0")
         if self.dispatch not in DISPATCH_MODES:
             raise ValueError(f"dispatch must be one of {', '.join(DISPATCH_MODES)}, got {self.dispatch!r}")
+        if self.workers < 1:
+            raise ValueError(f"workers must be >= 1, got {self.workers}")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
         for name in ("request_timeout_s", "encode_timeout_s", "health_interval_s", "dns_refresh_s",
@@ -185,10 +233,9 @@ class GatewayConfig:
             raise ValueError(f"body_memory_mib ({self.body_memory_mib:g}) must hold {BODY_COPIES} copies of the largest "
                              f"body ({self.max_body_bytes >> 20} MiB, from --max-image-bytes, --max-audio-bytes and "
                              f"--max-video-bytes): at least {-(-BODY_COPIES * self.max_body_bytes >> 20)}")
-        if self.encoder_routing not in ("held", "affinity"):
-            raise ValueError(f"encoder_routing must be held or affinity, got {self.encoder_routing!r}")
-        if self.lm_routing not in ("cache", "load"):
-            raise ValueError(f"lm_routing must be cache or load, got {self.lm_routing!r}")
+        check("encoder_routing", self.encoder_routing, ENCODER_POLICIES)
+        store_config(self)  # --state-store*: raises ValueError
+        check("lm_routing", self.lm_routing, LM_POLICIES)
         if self.lm_spill < 0:
             raise ValueError(f"lm_spill must be >= 0, got {self.lm_spill}")
         if self.fetch_max_redirects < 0 or self.affinity_spill < 0 or self.held_spill < 0:

@@ -38,6 +38,7 @@ from services.gateway.lm_body import LMBody
 from services.gateway.orchestrator import Orchestrator
 from services.gateway.request import OpenAICall, engine_request_id, load_media, parse_openai
 from services.gateway.responses import ResponseIds, named_response, response_id
+from services.gateway.state import SharedState
 from services.gateway.tenants import ANONYMOUS, Tenant
 from services.gateway.values import Media, Timings
 
@@ -97,7 +98,7 @@ class Admitted:
 
     def close(self) -> None:
         if self._accepted is not None and self._work is not None:
-            self._work.hold(*self._accepted, self.ticket)  # the LM works on: the place stays taken
+            self._work.hold(*self._accepted, self.ticket, self._place)  # the LM works on: the place stays taken
         else:
             self.ticket.release()
         if self._place is not None:
@@ -111,15 +112,16 @@ class Admitted:
 
 class RequestCore:
     def __init__(self, cfg: GatewayConfig, orch: Orchestrator, fetcher: MediaFetcher | None = None,
-                 quota=Tenant, response_ids: ResponseIds | None = None) -> None:
+                 quota=Tenant, response_ids: ResponseIds | None = None, state: SharedState | None = None) -> None:
         """``fetcher``: owned by ``server.serve``; without one http(s) media URLs are refused. ``quota``: a
         tenant's quotas (``Tenants.quota``; by default none), for its background work and its weight in an
         LM's response store. ``response_ids``: the Responses ids' minter (default: from ``cfg``'s secret;
-        ValueError for one that will not do)."""
+        ValueError for one that will not do). ``state``: where background places are counted, the
+        orchestrator's admission's (default: this process alone, in memory)."""
         self.cfg, self.orch, self.fetcher, self.quota = cfg, orch, fetcher, quota
         self.responses = response_ids or ResponseIds.from_config(cfg)
         self.background = BackgroundWork(lambda: orch.lms, cfg.lm_max_background, cfg.background_timeout_s,
-                                         lambda: orch.generating_lms(), quota)
+                                         lambda: orch.generating_lms(), quota, state=state)
 
     async def close(self) -> None:
         """Gives back the places background requests hold (their LMs go on with the work)."""
@@ -168,7 +170,7 @@ class RequestCore:
             background = api == "responses" and bool(call.body.get("background"))
             try:
                 if background:
-                    place = self.background.reserve(tenant)
+                    place = await self.background.take_place(tenant)
                 ticket = await self.orch.admission.admit(
                     self.orch.encodes_remotely(len(call.parts) if spec.encode else int(spec.upload)), tenant,
                     items=len(call.modalities) + int(spec.upload))  # its images_per_minute: media, an upload one

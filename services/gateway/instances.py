@@ -40,9 +40,11 @@ from services.common.grpc_server import GRPC_OPTIONS
 
 logger = logging.getLogger(__name__)
 
-OUTSTANDING = Gauge("epd_gateway_instance_outstanding", "Calls in flight per instance", ["role", "instance"])
+# With --workers (services.gateway.metrics): the calls of every worker, and 1 only while every worker admits it.
+OUTSTANDING = Gauge("epd_gateway_instance_outstanding", "Calls in flight per instance", ["role", "instance"],
+                    multiprocess_mode="livesum")
 HEALTHY = Gauge("epd_gateway_instance_healthy", "1 while the instance is admitted, 0 while ejected",
-                ["role", "instance"])
+                ["role", "instance"], multiprocess_mode="livemin")
 CALLS = Counter("epd_gateway_instance_calls_total", "Calls sent to each instance", ["role", "instance"])
 EJECTIONS = Counter("epd_gateway_instance_ejections_total", "Times an instance was ejected", ["role", "instance"])
 
@@ -128,7 +130,9 @@ class Instance:
             self._outstanding.set(self.outstanding)
 
     def forget_metrics(self) -> None:
-        """Drops this address's metric children (it left DNS: pod IPs come and go)."""
+        """Drops this address's metric children (it left DNS: pod IPs come and go). With workers the
+        merged page keeps a dropped series at its last value (prometheus_client's files): 0, ejected."""
+        HEALTHY.labels(self.role, self.address).set(0)
         for metric in (OUTSTANDING, HEALTHY, CALLS, EJECTIONS):
             with contextlib.suppress(KeyError):
                 metric.remove(self.role, self.address)

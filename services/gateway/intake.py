@@ -82,8 +82,9 @@ FETCHED_COPIES = 2
 """Budget charged per fetched media byte: the bytes, and their base64 in an LM body."""
 
 REFUSED = Counter("epd_gateway_bodies_refused_total", "Request bodies refused before admission", ["reason"])
-HELD = Gauge("epd_gateway_body_bytes_held", "Budget held by request bodies (BODY_COPIES per byte)")
-READING = Gauge("epd_gateway_bodies_reading", "Request bodies being read")
+HELD = Gauge("epd_gateway_body_bytes_held", "Budget held by request bodies (BODY_COPIES per byte)",
+             multiprocess_mode="livesum")  # with --workers: the whole gateway's (services.gateway.metrics)
+READING = Gauge("epd_gateway_bodies_reading", "Request bodies being read", multiprocess_mode="livesum")
 SLOW_READERS = Counter("epd_gateway_slow_readers_total", "Answers cut off because the client did not read them "
                        "in time (--answer-timeout-s, --answer-min-rate-kib), REST and gRPC")
 

@@ -9,14 +9,25 @@ instance's address or load, or an encode time would tell a caller what another o
 routes "held", a cached image encodes faster). ``--epd-facts`` (which already puts the instances on
 ``/health`` and the timings in answers) shows it everything. The internal ``--metrics-host``:
 ``--metrics-port`` (``services.common.metrics_port``, loopback by default) always shows everything.
+
+With ``--workers N`` both readers show the whole gateway, whichever worker answers: each worker's
+supervisor (``services.gateway.workers``) sets ``PROMETHEUS_MULTIPROC_DIR`` in the worker's environment
+before it starts, so prometheus_client keeps every value in a file there, and a page is built from all
+the workers' files (``MultiProcessCollector``): counters and histograms summed over every worker that
+ever ran (a dead one's counts stay), gauges as each declares (``multiprocess_mode``: ``livesum`` for the
+gateway's counts in flight, ``livemin`` for an instance's health). The per-process ``process_*`` and
+``python_*`` series are not merged: a page with workers has none.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Iterator
 
-from prometheus_client import REGISTRY, Counter, Histogram, generate_latest
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.metrics_core import Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from services.gateway.values import Timings
 
@@ -29,6 +40,11 @@ STAGE = Histogram("epd_gateway_stage_seconds",
                   ["stage"], buckets=_BUCKETS)
 ITEMS = Counter("epd_gateway_items_total", "Media items by how they reached the LM "
                 "(a transport name, or LOCAL when the LM encoded them)", ["transport"])
+
+WORKER_STARTS = Counter("epd_gateway_worker_starts_total", "Gateway worker processes started (--workers N: N at "
+                        "start, one more for each worker replaced)")
+MULTIPROCESS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+"""prometheus_client's: set in a worker's environment before it starts, it makes every value a file there."""
 
 _STAGES = ("queue", "metadata", "encode", "transfer", "lm_queue", "ttft", "tpot", "total")
 
@@ -65,13 +81,29 @@ def _exposed_name(family: Metric) -> str:
     return f"{family.name}_total" if family.type == "counter" else family.name
 
 
+@functools.cache
+def registry() -> CollectorRegistry:
+    """Every series of the gateway: the process's own registry, or, in a worker (``MULTIPROCESS_DIR_ENV``
+    set), one that merges every worker's files at each scrape. Read, never registered into."""
+    if not os.environ.get(MULTIPROCESS_DIR_ENV):
+        return REGISTRY
+    merged = CollectorRegistry()
+    MultiProcessCollector(merged)
+    return merged
+
+
 class _PublicView:
-    """The process's registry, ``PUBLIC`` families only (``generate_latest`` reads any ``collect()``)."""
+    """The gateway's registry, ``PUBLIC`` families only (``generate_latest`` reads any ``collect()``)."""
 
     def collect(self) -> Iterator[Metric]:
-        return (family for family in REGISTRY.collect() if _exposed_name(family) in PUBLIC)
+        return (family for family in registry().collect() if _exposed_name(family) in PUBLIC)
 
 
 def page(facts: bool) -> bytes:
     """The public ``/metrics``: ``PUBLIC`` only, or (``facts``: ``--epd-facts``) every series."""
-    return generate_latest(REGISTRY if facts else _PublicView())
+    return generate_latest(registry() if facts else _PublicView())
+
+
+def everything() -> bytes:
+    """The internal port's ``/metrics``: every series."""
+    return generate_latest(registry())

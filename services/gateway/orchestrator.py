@@ -48,6 +48,7 @@ from services.gateway.fleet import Fleet
 from services.gateway.instances import Instance
 from services.gateway.lm_body import LMBody
 from services.gateway.lm_call import call_lm
+from services.gateway.state import SharedState
 from services.gateway.values import Media, Timings
 
 logger = logging.getLogger(__name__)
@@ -63,8 +64,11 @@ class Orchestrator:
     (``encoding``), its LM call (``lm_call``) or E -> P -> D hand-off (``handoff``), and the retries
     elsewhere that a failure allows (``failures``)."""
 
-    def __init__(self, cfg: GatewayConfig, security: SecurityConfig | None = None, quota=None) -> None:
-        """``quota``: a tenant's quotas (``Tenants.quota``), for admission; None: no tenant has any."""
+    def __init__(self, cfg: GatewayConfig, security: SecurityConfig | None = None, quota=None,
+                 state: SharedState | None = None) -> None:
+        """``quota``: a tenant's quotas (``Tenants.quota``), for admission; None: no tenant has any.
+        ``state``: where admission and background places are counted (``services.gateway.state``; default:
+        this process alone, in memory); its owner starts it before ``start`` and closes it after ``close``."""
         self.cfg = cfg
         self.fleet = Fleet(cfg, security)
         self.encodes = Encodes(cfg, self.fleet)
@@ -72,7 +76,7 @@ class Orchestrator:
         self.admission = Admission(
             cfg.lm_max_outstanding, cfg.encoder_max_outstanding if self.fleet.encoders is not None else 0,
             cfg.admission_queue, cfg.admission_wait_s, healthy_lms=self.fleet.generating_lms,
-            healthy_encoders=self.fleet.healthy_encoders, quota=quota or (lambda tenant: NO_QUOTA))
+            healthy_encoders=self.fleet.healthy_encoders, quota=quota or (lambda tenant: NO_QUOTA), state=state)
 
     # The fleet's, for the front ends (/health, /v1/models, admission).
     @property
@@ -106,6 +110,7 @@ class Orchestrator:
         await asyncio.gather(*(p.start() for p in self.fleet.pools()))
 
     async def close(self) -> None:
+        await self.admission.close()
         await self.encodes.close()
         await self.releases.close()
         await asyncio.gather(*(p.close() for p in self.fleet.pools()))

@@ -1,5 +1,6 @@
 """Gateway wiring and lifecycle: aiohttp (OpenAI REST, the public /metrics), the
-native gRPC API and the internal metrics port (``--metrics-port``) on one event loop."""
+native gRPC API and the internal metrics port (``--metrics-port``) on one event loop.
+With ``--workers N`` (N > 1) ``serve`` supervises N such processes instead (``workers``)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from epd.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from peerauth import SecurityConfig
 from services.common.grpc_server import GrpcServer
 from services.common.metrics_port import Exposure, MetricsPort, exposure_for
-from services.gateway import metrics
+from services.gateway import metrics, workers
 from services.gateway.auth import GrpcAuth
 from services.gateway.auth import middleware as authenticate
 from services.gateway.config import GatewayConfig
@@ -27,8 +28,11 @@ from services.gateway.grpc_intake import GrpcIntake
 from services.gateway.intake import Intake
 from services.gateway.openai_api import OpenAIRoutes, request_context
 from services.gateway.orchestrator import Orchestrator
+from services.gateway.responses import ResponseIds
 from services.gateway.servicer import GatewayServicer
+from services.gateway.state.wiring import open_for
 from services.gateway.tenants import Tenants
+from services.gateway.workers import WorkerSeat
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +60,11 @@ async def _public_metrics(request: web.Request, facts: bool) -> web.Response:
     return web.Response(body=metrics.page(facts), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
+async def _every_series(request: web.Request) -> web.Response:
+    """The internal port's /metrics: every series (every worker's, with workers)."""
+    return web.Response(body=metrics.everything(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
 async def _instances(request: web.Request, orch: Orchestrator) -> web.Response:
     """The internal port's /health: as the public one with --epd-facts (every instance's address and
     state, and why each one that is out is out), whatever --epd-facts says."""
@@ -66,23 +75,46 @@ async def _instances(request: web.Request, orch: Orchestrator) -> web.Response:
                              status=200 if ok else 503)
 
 
-def _internal_port(cfg: GatewayConfig, orch: Orchestrator, exposure: Exposure) -> MetricsPort:
+def _internal_port(cfg: GatewayConfig, orch: Orchestrator, exposure: Exposure, reuse_port: bool) -> MetricsPort:
     """The internal metrics port (--metrics-host:--metrics-port): every series, and /health with the
     instances. ``exposure``: the services' rule (``services.common.metrics_port``) with the gateway's own
-    credentials (its certificate, its CA for the scrapers' client certificates, its token)."""
-    return MetricsPort(cfg.metrics_host, cfg.metrics_port, exposure,
-                       pages={"/health": functools.partial(_instances, orch=orch)})
+    credentials (its certificate, its CA for the scrapers' client certificates, its token).
+    ``reuse_port``: a worker's, beside the other workers (each answers with the same merged series)."""
+    return MetricsPort(cfg.metrics_host, cfg.metrics_port, exposure, reuse_port=reuse_port,
+                       pages={"/metrics": _every_series, "/health": functools.partial(_instances, orch=orch)})
+
+
+def _grpc_api(cfg: GatewayConfig, servicer: GatewayServicer, interceptors: list, reuse_port: bool) -> GrpcServer:
+    """The native gRPC API, not started. ``interceptors``: the gateway's (authentication, intake), run
+    before the error boundary; ``reuse_port``: a worker's, beside the other workers."""
+    server = GrpcServer(cfg.host, cfg.grpc_port, public=True, interceptors=interceptors,
+                        options={"grpc.max_receive_message_length": cfg.max_body_bytes,
+                                 "grpc.max_concurrent_streams": PUBLIC_STREAMS_PER_CONNECTION,
+                                 **({"grpc.so_reuseport": 1} if reuse_port else {})})
+    server.add(gateway_pb2_grpc.add_GatewayServiceServicer_to_server, servicer,
+               gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name)
+    return server
+
+
+def _on_signals(stop: asyncio.Event, tenants: Tenants) -> None:
+    """SIGINT and SIGTERM stop the gateway; SIGHUP reloads its API keys."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, tenants.reload)
 
 
 def check(cfg: GatewayConfig, security: SecurityConfig | None = None) -> Exposure | None:
-    """Refuses (ValueError) an internal metrics port off loopback that the services' rule refuses
-    (``services.common.metrics_port.exposure_for``), before anything starts; returns its guard (None:
-    no internal port)."""
+    """Refuses (ValueError) before anything starts: an internal metrics port off loopback that the services'
+    rule refuses (``services.common.metrics_port.exposure_for``), and a state secret file that does not load
+    (``ResponseIds.from_config``); returns the metrics port's guard (None: no internal port)."""
+    ResponseIds.from_config(cfg)
     return exposure_for(cfg.metrics_host, security or SecurityConfig()) if cfg.metrics_port else None
 
 
 async def serve(cfg: GatewayConfig, stop: asyncio.Event | None = None, security: SecurityConfig | None = None,
-                on_listening: Callable[[int, int], None] | None = None, tenants: Tenants | None = None) -> None:
+                on_listening: Callable[[int, int], None] | None = None, tenants: Tenants | None = None,
+                worker: WorkerSeat | None = None) -> None:
     """``security``: how the gateway proves itself to encoders and LMs, and who may
     scrape its internal metrics port off loopback (its own REST and gRPC API are the
     public face and take no internal credentials).
@@ -90,28 +122,33 @@ async def serve(cfg: GatewayConfig, stop: asyncio.Event | None = None, security:
     bound, with the ports they hold: the one the OS chose for a ``cfg.port`` of
     0 (how tests run it without guessing a free port), 0 for a disabled gRPC API.
     ``tenants``: the clients' API keys (default: ``cfg``'s, loaded here); SIGHUP
-    reloads them."""
+    reloads them.
+    ``cfg.workers`` > 1 and no ``worker``: runs the workers' supervisor (``workers.supervise``) instead.
+    ``worker``: this process is one of them (``--worker-of``): its ports are shared (SO_REUSEPORT)."""
     bound_allocator()
     stop = stop or asyncio.Event()
     exposure = check(cfg, security)
+    if cfg.workers > 1 and worker is None:
+        await workers.supervise(cfg, security or SecurityConfig(), stop)
+        return
     tenants = tenants or Tenants.from_config(cfg)
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, tenants.reload)
-    orch = Orchestrator(cfg, security, quota=tenants.quota)  # quotas read at every decision: SIGHUP swaps them
+    _on_signals(stop, tenants)
+    state = await open_for(cfg, worker)  # where the limits are counted: a store shared by every process, or memory
+    orch = Orchestrator(cfg, security, quota=tenants.quota, state=state)  # quotas read at every decision: SIGHUP swaps them
     fetcher = MediaFetcher(cfg)  # http(s) image URLs; closed below, after the listeners stop
-    runner = grpc_server = core = internal = None
+    runner = grpc_server = core = internal = watch = None
     try:  # everything set up so far is torn down on the way out, also after a failed start
         # Resolves names, checks every instance once, then keeps checking. No peer need be up: until
         # an LM is admitted (its model learned) /health and every request answer 503.
         await orch.start()
+        await workers.ready_to_join(worker, lambda: orch.lm_wait_reason() is None)
         # Every body is read under the intake limits (size, readers, memory, deadline) before admission.
         intake = Intake(cfg, quota=tenants.quota)
         # Authentication first: a refused request is answered before anything else looks at it.
         app = web.Application(middlewares=[authenticate(tenants), request_context],
                               client_max_size=cfg.max_body_bytes)
-        core = RequestCore(cfg, orch, fetcher, quota=tenants.quota)  # one for both transports: they share what it remembers
+        # One for both transports: they share what it remembers (and its background places, counted in `state`).
+        core = RequestCore(cfg, orch, fetcher, quota=tenants.quota, state=state)
         OpenAIRoutes(cfg, orch, fetcher=fetcher, intake=intake, core=core).add_to(app)
         app.router.add_get("/metrics", functools.partial(_public_metrics, facts=cfg.epd_facts))
         # handler_cancellation: a client that disconnects cancels its handler, which
@@ -123,27 +160,27 @@ async def serve(cfg: GatewayConfig, stop: asyncio.Event | None = None, security:
         runner = web.AppRunner(app, access_log=None, handler_cancellation=True, lingering_time=0,
                                keepalive_timeout=cfg.idle_timeout_s)
         await runner.setup()
-        await web.TCPSite(runner, cfg.host, cfg.port).start()
+        await web.TCPSite(runner, cfg.host, cfg.port, reuse_port=True if worker else None).start()
         http_port, grpc_port = runner.addresses[0][1], 0
         if cfg.grpc_port:
-            grpc_server = GrpcServer(cfg.host, cfg.grpc_port, public=True, interceptors=[GrpcAuth(tenants), GrpcIntake(intake)],
-                                     options={"grpc.max_receive_message_length": cfg.max_body_bytes,
-                                              "grpc.max_concurrent_streams": PUBLIC_STREAMS_PER_CONNECTION})
-            grpc_server.add(gateway_pb2_grpc.add_GatewayServiceServicer_to_server,
-                            GatewayServicer(cfg, orch, fetcher=fetcher, core=core),
-                            gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name)
+            grpc_server = _grpc_api(cfg, GatewayServicer(cfg, orch, fetcher=fetcher, core=core),
+                                    [GrpcAuth(tenants), GrpcIntake(intake)], reuse_port=worker is not None)
             grpc_port = await grpc_server.start()
             await grpc_server.set_serving(True)
         if exposure is not None:
-            internal = _internal_port(cfg, orch, exposure)
+            internal = _internal_port(cfg, orch, exposure, reuse_port=worker is not None)
             await internal.start()
         if on_listening is not None:
             on_listening(http_port, grpc_port)
-        logger.info("gateway listening: http://%s:%d/v1 (model %s, %d encoder(s), %d LM(s)%s; API keys: %s)",
-                    cfg.host, http_port, orch.model or "not known yet", len(cfg.encoder_list), len(cfg.lm_list),
+        watch = workers.serving(worker, stop) if worker is not None else None
+        logger.info("gateway %slistening: http://%s:%d/v1 (model %s, %d encoder(s), %d LM(s)%s; API keys: %s)",
+                    "" if worker is None else f"worker {worker.index} ", cfg.host, http_port,
+                    orch.model or "not known yet", len(cfg.encoder_list), len(cfg.lm_list),
                     "" if orch.lm_wait_reason() is None else "; waiting for an LM", tenants.describe())
         await stop.wait()
     finally:
+        if watch is not None:
+            watch.cancel()
         if grpc_server is not None:
             await grpc_server.stop()
         if runner is not None:
@@ -154,3 +191,4 @@ async def serve(cfg: GatewayConfig, stop: asyncio.Event | None = None, security:
             await core.close()
         await fetcher.close()
         await orch.close()
+        await state.close()  # last: whatever held a place has given it back

@@ -14,6 +14,9 @@ from services.gateway.admission import Admission, AdmissionRefused, Ticket
 from services.gateway.config import GatewayConfig
 from services.gateway.instances import InstanceState
 from services.gateway.orchestrator import Orchestrator
+from services.gateway.state import keys
+from services.gateway.state.wiring import store_config
+from services.gateway.workers import WorkerSeat
 
 pytestmark = pytest.mark.unit
 
@@ -505,3 +508,37 @@ def test_orchestrator_admission_capacity_follows_healthy_instances():
 
     with_orchestrator(check, lm_max_outstanding=3, encoder_max_outstanding=2, admission_queue=7,
                       admission_wait_s=1.5)
+
+
+# --- where the places are counted ----------------------------------------------------------------------------------
+
+
+def test_an_admitted_requests_places_are_one_lease_on_the_state_and_drop_encoder_swaps_it_for_one_without():
+    async def go():
+        adm, _ = make(lm_slots=2, encoder_slots=1)
+        names = [keys.LM, keys.ENCODER, keys.in_flight("anonymous")]
+        ticket = await admit_now(adm, encoder=True)
+        assert await adm.state.counts(names) == dict.fromkeys(names, 1)
+        ticket.drop_encoder()
+        assert await adm.state.counts(names) == {keys.LM: 1, keys.ENCODER: 0, keys.in_flight("anonymous"): 1}
+        ticket.release()
+        assert await adm.state.counts(names) == dict.fromkeys(names, 0)
+
+    asyncio.run(go())
+
+
+def test_each_gateway_process_is_counted_among_replicas_times_workers_and_without_a_store_none_is_opened():
+    seat = WorkerSeat(supervisor=1, index=1, count=2, store="unix:///tmp/private.sock", store_password_file="/pw")
+    shared = GatewayConfig(lms="lm:1", state_store="redis://store:6379", state_store_replicas=3, state_store_replica=2,
+                           state_store_lease_s=9.0, state_store_unreachable="closed")
+    sc = store_config(shared, seat)  # --state-store wins over the supervisor's private store
+    assert (sc.url, sc.processes, sc.index, sc.lease_s, sc.heartbeat_s, sc.unreachable) == \
+        ("redis://store:6379", 6, 5, 9.0, 3.0, "closed")
+    private = store_config(GatewayConfig(lms="lm:1"), seat)
+    assert (private.url, private.password_file, private.processes, private.index) == \
+        ("unix:///tmp/private.sock", "/pw", 2, 1)
+    assert store_config(GatewayConfig(lms="lm:1")) is None
+    with pytest.raises(ValueError, match="state_store_replica"):
+        GatewayConfig(lms="lm:1", state_store="redis://store:6379", state_store_replicas=2, state_store_replica=2)
+    with pytest.raises(ValueError, match="unreachable"):
+        GatewayConfig(lms="lm:1", state_store_unreachable="open")

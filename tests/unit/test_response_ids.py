@@ -220,3 +220,13 @@ def test_the_named_response_is_a_previous_id_string_or_the_paths_id():
     assert named_response("responses_get", {}, "/v1/responses/resp_2") == "resp_2"
     assert named_response("responses_cancel", {}, "/v1/responses/resp_3/cancel") == "resp_3"
     assert named_response("chat", {"previous_response_id": "resp_1"}, "") is None
+
+
+def test_epd_gateway_refuses_a_secret_file_that_will_not_do_before_it_starts(tmp_path, capsys):
+    from services import cli
+
+    path = tmp_path / "secret"
+    path.write_bytes(b"short\n")
+    ns = cli.build_parser().parse_args(["gateway", "--lms", "127.0.0.1:1", "--state-secret-file", str(path)])
+    assert cli.run_service(ns) == 2
+    assert "secret 1 of" in capsys.readouterr().err

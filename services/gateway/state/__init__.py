@@ -1,6 +1,7 @@
 """State shared across gateway processes: the one owner of the counts that the front door's limits
-(places per LM and per encoder, a tenant's ``max_in_flight``, background places, body bytes, the
-``images_per_minute`` rate) are decided on when several gateway processes serve one deployment.
+(places per LM and per encoder, a tenant's ``max_in_flight``, background places, the
+``images_per_minute`` rate; ``keys`` names them) are decided on when several gateway processes serve
+one deployment. (The body budget is not among them: it bounds each process's own memory.)
 
 Where the truth lives, how fresh a reader's view is, and what happens when that place is unreachable:
 
@@ -13,7 +14,8 @@ Where the truth lives, how fresh a reader's view is, and what happens when that 
 
 Modules: ``base`` (the ``SharedState`` interface, every primitive with its contract), ``local``,
 ``redis_state``, ``scripts`` (the store's Lua), ``bucket`` (rates in memory), ``config``,
-``store_server``. Importing this package imports no Redis client; ``open_state`` does, for a store.
+``store_server``, ``keys`` (the names counted), ``wiring`` (flags to a started state). Importing this
+package imports no Redis client; ``open_state`` does, for a store.
 """
 
 from __future__ import annotations

@@ -20,6 +20,9 @@ Rates (``images_per_minute``):
 - ``take(bucket, items, per_minute) -> seconds``: takes ``items`` from a bucket that holds
   ``per_minute`` and refills at ``per_minute`` a minute: 0.0 when taken, else (nothing taken) the seconds
   until they will be there (``math.inf``: never, more than a minute's worth).
+- ``charge(bucket, items, per_minute)``: items a request delivered after it was admitted (a speech
+  upload's windows), taken whatever is left: the bucket may go below empty, and the next ``take`` waits
+  until it has refilled past them; never blocks and never raises.
 - ``give_back(bucket, items, per_minute)``: the items of a request that was not admitted after all;
   never blocks and never raises.
 
@@ -131,6 +134,10 @@ class SharedState(ABC):
 
     @abstractmethod
     async def take(self, bucket: str, items: int, per_minute: int) -> float:
+        ...
+
+    @abstractmethod
+    def charge(self, bucket: str, items: int, per_minute: int) -> None:
         ...
 
     @abstractmethod

@@ -32,6 +32,12 @@ class Buckets:
         self._buckets[name] = (level - items, self._clock())
         return 0.0
 
+    def charge(self, name: str, items: int, per_minute: int) -> None:
+        """Takes ``items`` whatever is left (items a request delivered after it was admitted): the bucket may go
+        below empty, and the next ``take`` waits until it has refilled past them."""
+        if per_minute > 0:
+            self._buckets[name] = (self._level(name, per_minute) - items, self._clock())
+
     def give_back(self, name: str, items: int, per_minute: int) -> None:
         if per_minute <= 0:
             return

@@ -56,6 +56,9 @@ class LocalState(SharedState):
     async def take(self, bucket: str, items: int, per_minute: int) -> float:
         return self._buckets.take(bucket, items, per_minute)
 
+    def charge(self, bucket: str, items: int, per_minute: int) -> None:
+        self._buckets.charge(bucket, items, per_minute)
+
     def give_back(self, bucket: str, items: int, per_minute: int) -> None:
         self._buckets.give_back(bucket, items, per_minute)
 

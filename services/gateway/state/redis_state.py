@@ -54,7 +54,8 @@ from services.gateway.state.config import StateStoreConfig
 logger = logging.getLogger(__name__)
 
 SHARED = Gauge("epd_gateway_state_store_shared", "1: limits are decided on the whole front door's counts in the "
-               "state store; 0: on this process's part of them (the store unreachable)")
+               "state store; 0: on this process's part of them (the store unreachable)",
+               multiprocess_mode="livemin")
 FALLBACKS = Counter("epd_gateway_state_store_fallbacks_total", "Times this process fell back to its part of the "
                     "limits, by why", ["why"])  # unreachable | lost
 STORE_ERRORS = (RedisError, OSError, asyncio.TimeoutError)
@@ -237,6 +238,12 @@ class RedisState(SharedState):
             if got is not None:
                 return float("inf") if got < 0 else got / 1000.0
         return self._buckets.take(bucket, items, self.cfg.part(per_minute))
+
+    def charge(self, bucket: str, items: int, per_minute: int) -> None:
+        if self.mode is Mode.SHARED:
+            self._spawn(self._call("RATE", [self._bucket + bucket], [self._now(), items, per_minute, "charge"]))
+        else:
+            self._buckets.charge(bucket, items, self.cfg.part(per_minute))
 
     def give_back(self, bucket: str, items: int, per_minute: int) -> None:
         if self.mode is Mode.SHARED:

@@ -128,16 +128,21 @@ return out
 """
 
 RATE = PRELUDE + """
--- KEYS: bucket; ARGV: now, items, per minute, 'take' or 'give'. Returns 0 taken (or given back), -1 never
--- (more than the bucket holds), else the ms until the items will be there (nothing taken).
+-- KEYS: bucket; ARGV: now, items, per minute, 'take', 'charge' (taken whatever is left: the level may go
+-- below 0) or 'give'. Returns 0 taken (or charged, or given back), -1 never (more than the bucket holds, or
+-- a bucket of nothing), else the ms until the items will be there (nothing taken). The bucket expires once
+-- it would be full again.
 local now = now_ms(ARGV[1])
 local items, per = tonumber(ARGV[2]), tonumber(ARGV[3])
+if per <= 0 then return -1 end
 local level = per
 local v = redis.call('HMGET', KEYS[1], 'left', 'at')
 if v[1] then level = math.min(per, tonumber(v[1]) + (now - tonumber(v[2])) * per / 60000) end
 if ARGV[4] == 'take' then
   if items > per then return -1 end
   if level < items then return math.max(1, math.ceil((items - level) * 60000 / per)) end
+  level = level - items
+elseif ARGV[4] == 'charge' then
   level = level - items
 else
   level = math.min(per, level + items)
@@ -146,7 +151,7 @@ if level >= per then
   redis.call('DEL', KEYS[1])
 else
   redis.call('HSET', KEYS[1], 'left', tostring(level), 'at', tostring(now))
-  redis.call('PEXPIRE', KEYS[1], 60000)
+  redis.call('PEXPIRE', KEYS[1], math.ceil((per - level) * 60000 / per))
 end
 return 0
 """

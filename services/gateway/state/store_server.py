@@ -15,6 +15,7 @@ The binary: ``redis-server`` (or ``valkey-server``) on PATH if there is one, els
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import logging
 import os
@@ -97,7 +98,8 @@ class StoreServer:
         self._write(conf, self._conf())
         with open(os.path.join(self.directory, "redis.log"), "ab") as log:
             self._proc = subprocess.Popen([self.executable, conf], stdin=subprocess.DEVNULL, stdout=log,
-                                          stderr=subprocess.STDOUT, start_new_session=True, env=child_env())
+                                          stderr=subprocess.STDOUT, start_new_session=True, env=child_env(),
+                                          preexec_fn=_die_with_parent())
         try:
             self._wait_ready()
         except BaseException:
@@ -166,3 +168,19 @@ class StoreServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent():
+    """A ``preexec_fn`` that asks Linux to send the store SIGTERM when the thread that started it ends
+    (``prctl(PR_SET_PDEATHSIG)``): a supervisor killed with SIGKILL runs no ``stop``, and the store must not
+    outlive it. libc is loaded here, in the parent, so the child runs one foreign call and nothing else.
+    The starting thread must live as long as the store: the supervisor starts it on its event loop's thread.
+    None where there is no prctl (not Linux)."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
