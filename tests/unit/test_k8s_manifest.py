@@ -35,7 +35,7 @@ OVERLAYS = ("cpu", "gpu-node", "multi-node", "pd-tiers")
 # on by default there), and the newest whose schemas kubernetes-validate bundles.
 K8S_VERSIONS = ("1.29", kv.latest_version())
 SECRET_DIR = "/etc/epd"
-ENGINE_SECRET, GATEWAY_SECRET = "epd-internal", "epd-gateway"
+ENGINE_SECRET, GATEWAY_SECRET, STATE_SECRET = "epd-internal", "epd-gateway", "epd-state"
 ANY = "any"  # a NetworkPolicy rule with no peers: every source or destination
 CLUSTER_DNS = "kube-system/kube-dns"  # the one peer outside the namespace the policies may name
 CLUSTER_DNS_PEER = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
@@ -73,12 +73,14 @@ def of_kind(docs: list[dict], kind: str) -> dict[str, dict]:
     return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
 
 
-def containers(docs: list[dict]):
-    """(deployment, pod spec, container) for every container of every Deployment."""
+def containers(docs: list[dict], every: bool = False):
+    """(deployment, pod spec, container) for every container of every Deployment that runs ``epd`` (the
+    epd-serve image); ``every``: the others too (the multi-node overlay's state store)."""
     for dep in of_kind(docs, "Deployment").values():
         pod = dep["spec"]["template"]["spec"]
         for c in pod["containers"]:
-            yield dep, pod, c
+            if every or c["image"].split(":")[0].endswith("epd-serve"):
+                yield dep, pod, c
 
 
 def parse(argv: list[str]):
@@ -294,8 +296,8 @@ def test_the_gateway_holds_a_credential_of_its_own_and_no_engine_credential(over
     for dep, pod, c in containers(docs):
         where = (dep["metadata"]["name"], c["name"])
         ns = parse(c["args"])
-        if ns.cmd == "gateway":
-            assert secrets_mounted(pod) == {GATEWAY_SECRET}, where
+        if ns.cmd == "gateway":  # and, where gateways share a state store, its password and state secret
+            assert secrets_mounted(pod) - {STATE_SECRET} == {GATEWAY_SECRET}, where
             assert ns.tls_cert and ns.tls_ca, where  # presents its own certificate (mutual TLS)
             assert ns.tls_server_name == "epd-internal", where  # and checks the engines' name
         else:
@@ -344,7 +346,7 @@ def test_lms_dial_only_encoders_on_the_pod_network(overlay):
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_every_container_runs_non_root_read_only_and_bounded(overlay):
-    for dep, pod, c in containers(render(overlay)):
+    for dep, pod, c in containers(render(overlay), every=True):
         where = (dep["metadata"]["name"], c["name"])
         assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] > 0, where
         # The Secret's files are root's, 0440: the pod's fsGroup is what lets the user read them.
@@ -354,7 +356,7 @@ def test_every_container_runs_non_root_read_only_and_bounded(overlay):
         assert sc["readOnlyRootFilesystem"] is True, where
         mounted = {m["mountPath"] for m in c["volumeMounts"]}
         assert "/tmp" in mounted, where
-        if c["name"] != "gateway":  # vLLM's caches under $HOME, its pools in /dev/shm
+        if c["name"] not in ("gateway", "state"):  # vLLM's caches under $HOME, its pools in /dev/shm
             assert {"/home/epd", "/dev/shm"} <= mounted, where
         requests, limits = c["resources"]["requests"], c["resources"]["limits"]
         assert {"cpu", "memory"} <= set(requests) and set(requests) == set(limits), where
@@ -391,6 +393,32 @@ def test_multi_node_spreads_encoders_and_lms_over_nodes_and_uses_grpc_between_po
         assert pods_selected(docs, spread["labelSelector"]) == {name}
     (lm,) = deployments["epd-lm"]["spec"]["template"]["spec"]["containers"]
     assert parse(lm["args"]).transports == "grpc"
+
+
+def test_multi_node_gateways_run_workers_over_one_state_store_that_only_gateways_reach():
+    """Both gateway replicas run two workers, decide places and quotas on the one state store (its password
+    and the state secret from the Secret ``epd-state``, never on a command line) and count themselves for
+    the store's fallback share; only gateway pods reach the store, and the store dials nothing."""
+    docs = render("multi-node")
+    deployments = of_kind(docs, "Deployment")
+    gateway = deployments["epd-gateway"]
+    (c,) = gateway["spec"]["template"]["spec"]["containers"]
+    ns = parse(c["args"])
+    cfg = from_args(GatewayConfig, ns)
+    assert cfg.workers == 2 and cfg.state_store == "redis://epd-state:6379/0"
+    assert cfg.state_store_replicas == gateway["spec"]["replicas"] == 2
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    for path in (cfg.state_store_password_file, cfg.state_secret_file):
+        assert mounts[os.path.dirname(path)] == "epd-state", path
+    volume = next(v for v in gateway["spec"]["template"]["spec"]["volumes"] if v["name"] == "epd-state")
+    assert volume["secret"]["secretName"] == "epd-state"
+    assert {i["key"] for i in volume["secret"]["items"]} == {"password", "state-secret"}  # not redis.conf
+    assert deployments["epd-state"]["spec"]["replicas"] == 1
+    assert allowed(docs, "epd-state", 6379, "ingress") == {"epd-gateway"}
+    assert allowed(docs, "epd-state", 6379, "egress") == set() and allowed(docs, "epd-state", 443, "egress") == set()
+    assert "epd-state" in allowed(docs, "epd-gateway", 6379, "egress")
+    service = of_kind(docs, "Service")["epd-state"]
+    assert pods_selected(docs, {"matchLabels": service["spec"]["selector"]}) == {"epd-state"}
 
 
 def test_pd_tiers_open_nixls_side_channel_only_where_another_node_dials_it_and_only_to_the_tiers():
