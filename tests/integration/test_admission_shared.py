@@ -16,33 +16,13 @@ from services.gateway.admission import Admission, AdmissionRefused, Ticket
 from services.gateway.background import BackgroundWork
 from services.gateway.state import keys
 from services.gateway.tenants import Tenant
-from tests.integration.redis_fixture import MsClock, holding_child, namespace, processes, started_store, until
+from tests.integration.redis_fixture import MsClock, holding_child, namespace, processes, run, until
 
 pytestmark = pytest.mark.integration
 
-TEST_LIMIT_S = 120.0
 SURE = {"call_timeout_s": 10.0}
 """A call timeout no busy machine reaches, so no process falls back where the test is about the shared counts."""
 ALICE = Tenant("alice", max_in_flight=1, images_per_minute=4)
-
-
-@pytest.fixture(scope="module")
-def store():
-    server = started_store()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def own_store():
-    """A store of the test's own, which it may freeze."""
-    server = started_store()
-    yield server
-    server.stop()
-
-
-def run(body) -> None:
-    asyncio.run(asyncio.wait_for(body(), TEST_LIMIT_S))
 
 
 def gateway(state, lm_slots: int = 8, queue: int = 8, wait_s: float = 60.0, encoder_slots: int = 0,

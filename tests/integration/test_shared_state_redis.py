@@ -15,35 +15,24 @@ import time
 import pytest
 
 from services.gateway.state.store_server import StoreServer
-from tests.integration.redis_fixture import MsClock, holding_child, namespace, peek, processes, started_store, until
+from tests.integration.redis_fixture import (
+    MsClock,
+    holding_child,
+    namespace,
+    peek,
+    processes,
+    run,
+    started_store,
+    until,
+)
 
 pytestmark = pytest.mark.integration
 
-TEST_LIMIT_S = 120.0
 SURE = {"call_timeout_s": 10.0}
 """For tests about the shared counts: a call timeout no busy machine reaches, so no process falls back."""
 STOPPED = {"heartbeat_s": 0.5, "lease_s": 5.0, **SURE}
 """For tests that stop the store: a stopped store's socket is gone, so a call fails at once (no timeout
 needed); the heartbeat tries it again every 0.5 s."""
-
-
-@pytest.fixture(scope="module")
-def store():
-    server = started_store()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def own_store():
-    """A store of the test's own, which it may freeze, stop and start again."""
-    server = started_store()
-    yield server
-    server.stop()
-
-
-def run(body) -> None:
-    asyncio.run(asyncio.wait_for(body(), TEST_LIMIT_S))
 
 
 # --- the private store ---------------------------------------------------------------------------------------------

@@ -39,6 +39,7 @@ gives back every lease still held). A state holds no locks: everything runs on o
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
@@ -71,6 +72,19 @@ def check_limits(limits: Mapping[str, int | None], amount: int) -> None:
 def fits(held: Mapping[str, int], limits: Mapping[str, int | None], amount: int) -> bool:
     """Whether ``amount`` more on every key of ``limits`` keeps each limited key within its limit."""
     return all(limit is None or held.get(key, 0) + amount <= limit for key, limit in limits.items())
+
+
+def count(held: collections.Counter, lease: Lease) -> None:
+    """Adds ``lease``'s units to a process's own ``held`` counts (what it decides on alone)."""
+    held.update(dict.fromkeys(lease.keys, lease.amount))
+
+
+def uncount(held: collections.Counter, lease: Lease) -> None:
+    """Takes ``lease``'s units out of ``held``; a key that holds nothing more is dropped."""
+    held.subtract(dict.fromkeys(lease.keys, lease.amount))
+    for key in lease.keys:
+        if held[key] <= 0:
+            del held[key]
 
 
 class FreedSignal:

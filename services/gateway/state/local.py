@@ -12,7 +12,7 @@ import itertools
 import time
 from collections.abc import Callable, Iterable, Mapping
 
-from services.gateway.state.base import Lease, SharedState, check_limits, fits
+from services.gateway.state.base import Lease, SharedState, check_limits, count, fits, uncount
 from services.gateway.state.bucket import Buckets
 
 
@@ -38,16 +38,13 @@ class LocalState(SharedState):
             return None
         lease = Lease(str(next(self._ids)), tuple(limits), amount)
         self._leases[lease.id] = lease
-        self._held.update(dict.fromkeys(lease.keys, amount))
+        count(self._held, lease)
         return lease
 
     def release(self, lease: Lease) -> None:
         if self._leases.pop(lease.id, None) is None:
             return
-        self._held.subtract(dict.fromkeys(lease.keys, lease.amount))
-        for key in lease.keys:
-            if self._held[key] <= 0:
-                del self._held[key]
+        uncount(self._held, lease)
         self.freed.notify(lease.keys)
 
     async def counts(self, keys: Iterable[str]) -> dict[str, int]:

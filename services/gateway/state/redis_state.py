@@ -47,7 +47,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import AuthenticationError, RedisError, ResponseError
 
 from services.gateway.state import scripts
-from services.gateway.state.base import Lease, SharedState, check_limits, fits
+from services.gateway.state.base import Lease, SharedState, check_limits, count, fits, uncount
 from services.gateway.state.bucket import Buckets
 from services.gateway.state.config import StateStoreConfig
 
@@ -202,15 +202,12 @@ class RedisState(SharedState):
 
     def _add(self, lease: Lease) -> None:
         self._leases[lease.id] = lease
-        self._held.update(dict.fromkeys(lease.keys, lease.amount))
+        count(self._held, lease)
 
     def release(self, lease: Lease) -> None:
         if self._leases.pop(lease.id, None) is None:
             return
-        self._held.subtract(dict.fromkeys(lease.keys, lease.amount))
-        for key in lease.keys:
-            if self._held[key] <= 0:
-                del self._held[key]
+        uncount(self._held, lease)
         if self.mode is Mode.SHARED:
             self._spawn(self._release_in_store(lease))
         else:
