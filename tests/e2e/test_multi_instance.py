@@ -1,13 +1,19 @@
 """Issue 5 must-show with 2 encoders and 2 LMs behind one gateway: repeated
 images go to the same encoder (cache affinity), LMs share the load, and an
 encoder killed mid-run costs retries, never a failed request or a hang, and its images go to the
-other; once restarted it is re-admitted and used again (slow tier)."""
+other; once restarted it is re-admitted and used again (slow tier).
+
+The same engines serve extra gateway processes (tests/e2e/replicas.py; no engine of their own): two
+replicas sharing one state store, secret and keys file, whose stored responses, places and
+--lm-max-outstanding hold for the whole front door (also with a replica killed and the store stopped),
+and a gateway with --workers 2 that answers every route as the deployment's own gateway does."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -20,9 +26,12 @@ from epd.lm.v1 import lm_pb2_grpc
 from epd.transfer.v1 import transfer_pb2
 from services.common.media import content_id
 from services.gateway.routing import pick_encoder
+from services.probe import gateway_admitted
 from services.up import Deployment, grpc_serving
 from tests.e2e.conftest import REFERENCE_REQUESTS, stop_in_background
-from tests.e2e.helpers import image_bytes, metric, post, producer_stats, settled, text_chat
+from tests.e2e.helpers import image_bytes, image_chat, metric, post, producer_stats, settled, text_chat
+from tests.e2e.replicas import LEASE_S, ExtraGateway, Replicas
+from tests.integration.gateway_processes import poll
 
 pytestmark = [pytest.mark.e2e]
 
@@ -196,6 +205,243 @@ def test_a_responses_follow_up_goes_to_the_lm_that_stored_it_and_is_answered_as_
     assert lms("epd_lm_local_encoder_runs_total") == local
     one = json.loads(urllib.request.urlopen(deployment.url + "/v1/models", timeout=30).read())["data"][0]["id"]
     assert [_texts(a) for a in (first, follow)] == [_texts(a) for a in _responses_turns(deployment.url, one, image)]
+
+
+# --- Two gateway replicas, and a gateway with --workers 2, in front of these engines ---------------------------
+# Extra gateway processes (tests/e2e/replicas.py) over this module's encoders and LMs: no engine of their own.
+# The replicas serve the first encoder and both LMs, share a private store, one state secret and one keys file
+# (alice: max_in_flight 1), and hold --lm-max-outstanding 2 for the whole front door.
+
+
+@pytest.fixture(scope="module")
+def replicas(multi, tmp_path_factory):
+    with Replicas(multi, tmp_path_factory.mktemp("replicas")) as pair:
+        yield pair
+
+
+def _model(dep) -> str:
+    return json.loads(urllib.request.urlopen(dep.url + "/v1/models", timeout=30).read())["data"][0]["id"]
+
+
+def _one_gateway_turns(dep, first: dict, follow: dict) -> tuple[dict, dict]:
+    """The deployment's own gateway's answers to ``first`` and to ``follow`` naming it (no keys there)."""
+    status, one = post(dep.url + "/v1/responses", first)
+    assert status == 200, one
+    status, two = post(dep.url + "/v1/responses", {**follow, "previous_response_id": one["id"]})
+    assert status == 200, two
+    return one, two
+
+
+def test_a_response_stored_through_one_replica_is_read_cancelled_and_continued_through_the_other_and_a_restarted_one(
+        multi, replicas):
+    """The id carries its home LM and its owner under the replicas' one secret: replica 1, and replica 0
+    after a kill -9 and a restart (no memory of what it minted), read the stored response, continue it on
+    its home LM and cancel a background one; every answer is the deployment's own gateway's for the same
+    conversation (greedy). Another tenant gets 404 through every replica."""
+    from tools.media import data_url, make_image
+
+    model, one, two = _model(multi), replicas.live(0), replicas.live(1)
+    first = {"model": model, "temperature": 0, "max_output_tokens": 6, "input": [{"role": "user", "content": [
+        {"type": "input_image", "image_url": data_url(make_image(641, (224, 224)))},
+        {"type": "input_text", "text": "Remember this picture. " + "Describe every shape and colour in it. " * 20}]}]}
+    follow = {"model": model, "temperature": 0, "max_output_tokens": 6, "input": "What was in it?"}
+    want_first, want_follow = _one_gateway_turns(multi, first, follow)
+    status, made = one.call("POST", "/v1/responses", first, "carol")
+    assert status == 200 and _texts(made) == _texts(want_first), made
+    # A background response, cancelled through replica 1 at once: vLLM's answer, from its home LM.
+    status, queued = one.call("POST", "/v1/responses", {"model": model, "temperature": 0, "max_output_tokens": 900,
+                                                         "ignore_eos": True, "background": True,
+                                                         "input": "Count the waves."}, "carol")
+    assert status == 200 and queued["status"] in ("queued", "in_progress"), queued
+    status, cancelled = two.call("POST", f"/v1/responses/{queued['id']}/cancel", {}, "carol")
+    if status == 200:
+        assert cancelled["id"] == queued["id"] and cancelled["status"] == "cancelled", cancelled
+    else:  # it ended before the cancel came (a fast host): vLLM's refusal, from the LM that holds it
+        assert status == 400 and "Cannot cancel" in json.dumps(cancelled), (status, cancelled)
+    ended = "cancelled" if status == 200 else "completed"
+
+    def served(replica) -> None:
+        status, read = replica.call("GET", f"/v1/responses/{made['id']}", None, "carol")
+        assert status == 200 and read["id"] == made["id"] and _texts(read) == _texts(made), read
+        status, cont = replica.call("POST", "/v1/responses", {**follow, "previous_response_id": made["id"]}, "carol")
+        assert status == 200 and _texts(cont) == _texts(want_follow), cont
+        assert cont["epd"]["lm"] == made["epd"]["lm"], (cont["epd"], made["epd"])  # its home LM
+        status, bg = poll(lambda: replica.call("GET", f"/v1/responses/{queued['id']}", None, "carol"),
+                          lambda r: r[0] != 200 or r[1]["status"] == ended, "the background response ended")
+        assert status == 200 and bg["status"] == ended, bg
+        for rid in (made["id"], queued["id"]):  # another tenant: as if it did not exist
+            status, answer = replica.call("GET", f"/v1/responses/{rid}", None, "bob")
+            assert status == 404, answer
+
+    served(two)
+    served(replicas.restart(0))
+
+
+def test_alice_holds_one_place_across_both_replicas_and_a_replica_killed_holding_it_gives_it_back(multi, replicas):
+    """alice's max_in_flight 1 is one place for the front door: while her image request waits on the (frozen)
+    encoder through replica 0, replica 1 refuses her at once, and her request is then answered as the
+    deployment's own gateway answers it: [200, 429]. Replica 0 killed with kill -9 while it holds her place:
+    replica 1 admits her again once its lease (``LEASE_S``) has run out; the poll's deadline is a hang guard."""
+    encoder = multi.encoders[0]
+    ask = text_chat("Say something.", max_tokens=2)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            body, first = _held_on_frozen_encoder(pool, replicas.live(0), encoder, 650)
+            status, refused = replicas.live(1).call("POST", "/v1/chat/completions", ask, "alice", timeout=60)
+            os.killpg(encoder.proc.pid, signal.SIGCONT)
+            got, want = first.result(), post(multi.url + "/v1/chat/completions", body)
+            assert [got[0], status] == [200, 429] and "max_in_flight" in json.dumps(refused), (got, refused)
+            assert got[1]["choices"][0]["token_ids"] == want[1]["choices"][0]["token_ids"]
+
+            _, doomed = _held_on_frozen_encoder(pool, replicas.live(0), encoder, 651)
+            replicas.live(0).kill()
+            os.killpg(encoder.proc.pid, signal.SIGCONT)
+            with pytest.raises(OSError):
+                doomed.result()
+            poll(lambda: replicas.live(1).call("POST", "/v1/chat/completions", ask, "alice")[0], lambda s: s == 200,
+                 "the killed replica's place back", timeout=LEASE_S + 60)
+    finally:
+        os.killpg(encoder.proc.pid, signal.SIGCONT)
+        # The tests after these need every instance admitted by the deployment's own gateway again.
+        poll(lambda: gateway_admitted(multi.url, [e.address for e in multi.encoders], [lm.address for lm in multi.lms],
+                                      metrics_url=f"http://127.0.0.1:{multi.gateway_metrics}/metrics"),
+             bool, "the deployment's gateway admitting every instance")
+
+
+def _held_on_frozen_encoder(pool, replica, encoder, seed: int):
+    """Freezes ``encoder`` (SIGSTOP; the caller sends SIGCONT) and sends alice's image chat through
+    ``replica`` on ``pool``; returns (its body, its future) once the replica has it encoding, so holding
+    her place."""
+    body = image_chat(seed, max_tokens=6)
+    os.killpg(encoder.proc.pid, signal.SIGSTOP)
+    future = pool.submit(replica.call, "POST", "/v1/chat/completions", body, "alice")
+    poll(lambda: replica.metric("epd_gateway_instance_outstanding", role="encoder"), lambda n: n >= 1,
+         "alice's request admitted and encoding")
+    return body, future
+
+
+def _queued_in_vllm(lm) -> float:
+    """What vLLM's own metrics on this LM count now: requests running plus waiting (one read of its page)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{lm.metrics_port}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name in ("vllm:num_requests_running", "vllm:num_requests_waiting"))
+
+
+def test_under_load_from_both_replicas_the_lms_run_no_more_than_the_front_doors_places(multi, replicas):
+    """12 chats at once, half through each replica: --lm-max-outstanding 2 is 2 places per healthy LM for
+    the whole front door, 4 here (without the store each replica would admit 4). vLLM's own gauges, read
+    throughout the load, never count more than those 4 on the two LMs together, plus 1 per LM for a request
+    the gateway has let go that vLLM's last step still counted. The places are pooled (one count, not one
+    per LM) and each replica routes on its own view, so one LM alone may run 3 of them."""
+    one, two = replicas.live(0), replicas.live(1)
+    bodies = [{**text_chat(f"Count to {n}.", max_tokens=96), "ignore_eos": True} for n in range(12)]
+    seen: list[list[float]] = []
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            seen.append([_queued_in_vllm(lm) for lm in multi.lms])
+
+    with ThreadPoolExecutor(len(bodies) + 1) as pool:
+        watcher = pool.submit(watch)
+        try:
+            answers = list(pool.map(lambda i: (one, two)[i % 2].call("POST", "/v1/chat/completions", bodies[i], "bob"),
+                                    range(len(bodies))))
+        finally:
+            done.set()
+            watcher.result()
+    assert [status for status, _ in answers] == [200] * len(bodies), answers
+    assert max(sum(s) for s in seen) >= 1, seen  # the watch saw the load
+    assert max(sum(s) for s in seen) <= 2 * len(multi.lms) + len(multi.lms), seen
+    status, want = post(multi.url + "/v1/chat/completions", bodies[0])
+    assert status == 200 and answers[0][1]["choices"][0]["token_ids"] == want["choices"][0]["token_ids"]
+
+
+def test_with_the_store_stopped_each_replica_decides_on_its_own_part_and_on_the_store_once_it_is_back(replicas):
+    """docs/design.md, "State shared across gateway processes": with the store unreachable each of the N = 2
+    processes holds its part of every limit and says so (epd_gateway_state_store_shared 0): alice's one place
+    is replica 0's part, so replica 1 holds her request in its queue; other tenants are served through both.
+    The store back (restarted empty), the replicas decide there again and her request is admitted."""
+    one, two = replicas.live(0), replicas.live(1)
+    replicas.store.stop(remove=False)
+    ask = text_chat("Say something.", max_tokens=2)
+    assert one.call("POST", "/v1/chat/completions", ask, "alice")[0] == 200
+    for replica in (one, two):
+        assert replica.call("POST", "/v1/chat/completions", ask, "bob")[0] == 200
+        assert poll(lambda r=replica: r.metric("epd_gateway_state_store_shared"), lambda v: v == 0,
+                    "the replica on its part") == 0
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(two.call, "POST", "/v1/chat/completions", ask, "alice")
+        poll(lambda: two.metric("epd_gateway_admission_waiting"), lambda n: n >= 1, "alice waiting on replica 1")
+        assert not waiting.done()  # replica 1's part of her one place is none: she waits (--admission-wait-s)
+        replicas.store.start()
+        assert waiting.result()[0] == 200
+    for replica in (one, two):
+        assert poll(lambda r=replica: r.metric("epd_gateway_state_store_shared"), lambda v: v == 1,
+                    "the replica on the store again") == 1
+
+
+def _streamed_text(sse: str) -> str:
+    return "".join(json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+                   for line in sse.splitlines()
+                   if line.startswith("data: ") and line != "data: [DONE]" and json.loads(line[6:])["choices"])
+
+
+def test_a_gateway_with_two_workers_over_these_engines_answers_every_route_as_the_deployments_own(multi, tmp_path):
+    """``--workers 2`` (two gateway processes on one port, their private store and state secret): chat with
+    an image, streamed chat, completions, Messages, tokenize, models, a stored response read and continued
+    on new connections (either worker), and the gRPC API: each answer is the deployment's own gateway's."""
+    from epd.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+    from services.child import free_port
+    from tools.media import data_url, make_image
+
+    grpc_port = free_port()
+    gw = ExtraGateway(multi, tmp_path, "workers", ["--workers", "2", "--grpc-port", str(grpc_port)]).start()
+    try:
+        gw.wait_ready()
+        model = _model(multi)
+        chat = image_chat(660)
+        for path, body, pick in [
+                ("/v1/chat/completions", chat, lambda a: a["choices"][0]["token_ids"]),
+                ("/v1/completions", {"model": model, "prompt": "Once upon a time", "max_tokens": 6, "temperature": 0},
+                 lambda a: a["choices"][0]["text"]),
+                ("/v1/messages", {"model": model, "max_tokens": 6, "temperature": 0,
+                                  "messages": [{"role": "user", "content": "Hello there."}]},
+                 lambda a: [c.get("text") for c in a["content"]]),
+                ("/tokenize", {"model": model, "prompt": "Hello world, again"}, lambda a: a["tokens"])]:
+            status, got = gw.call("POST", path, body)
+            want_status, want = post(multi.url + path, body)
+            assert status == want_status == 200 and pick(got) == pick(want), (path, got, want)
+        assert gw.call("GET", "/v1/models")[1]["data"][0]["id"] == model
+        status, streamed = gw.call("POST", "/v1/chat/completions", {**text_chat("Tell me a story."), "stream": True})
+        want = post(multi.url + "/v1/chat/completions", text_chat("Tell me a story."))[1]
+        assert status == 200 and _streamed_text(streamed) == want["choices"][0]["message"]["content"], streamed
+
+        first = {"model": model, "temperature": 0, "max_output_tokens": 6, "input": [{"role": "user", "content": [
+            {"type": "input_image", "image_url": data_url(make_image(661, (112, 112)))},
+            {"type": "input_text", "text": "Remember this picture."}]}]}
+        follow = {"model": model, "temperature": 0, "max_output_tokens": 6, "input": "What was in it?"}
+        want_first, want_follow = _one_gateway_turns(multi, first, follow)
+        status, made = gw.call("POST", "/v1/responses", first)
+        assert status == 200 and _texts(made) == _texts(want_first), made
+        for _ in range(4):  # each on a new connection: the kernel hands each to either worker
+            status, read = gw.call("GET", f"/v1/responses/{made['id']}")
+            assert status == 200 and _texts(read) == _texts(made), read
+            status, cont = gw.call("POST", "/v1/responses", {**follow, "previous_response_id": made["id"]})
+            assert status == 200 and _texts(cont) == _texts(want_follow), cont
+
+        import grpc
+
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as ch:
+            out = list(gateway_pb2_grpc.GatewayServiceStub(ch).ChatCompletion(
+                gateway_pb2.OpenAIRequest(body=json.dumps(chat).encode()), timeout=120))
+        assert json.loads(out[0].body)["choices"][0]["token_ids"] == post(multi.url + "/v1/chat/completions",
+                                                                        chat)[1]["choices"][0]["token_ids"]
+    finally:
+        gw.stop()
 
 
 def test_the_host_tier_evicting_under_load_costs_a_re_encode_never_an_error(multi, reference):
