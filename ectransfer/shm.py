@@ -13,6 +13,10 @@ SHM transport: the producer's outbound pool is a segment; an item travels as
 once per segment and caches. The producer's slot stays allocated until the
 consumer acks, so the bytes cannot change under the copy.
 
+This process's own segments are also listed (``unlink_created``): an engine
+whose service died (``ectransfer.connector.lifeline``) unlinks them at once,
+before its orderly stop, which may never finish.
+
 The consumer does not trust the names and ranges a producer sends: it maps
 only regular files (``O_NOFOLLOW``, ``S_ISREG``) whose name has the form this
 project creates (``validate_peer_segment``: ``epd-<role>-<pid>-<hex>``, never
@@ -49,6 +53,31 @@ _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 _OWNED = re.compile(r"^epd-[a-z]+-(\d+)-[0-9a-f]+$")
 _NOT_PEER_ROLES = frozenset({"staging"})  # an LM's inbound staging: other requests' embeddings, never a producer's
 MAX_PROBE_NBYTES = 4096  # a probe reads a nonce back, not data
+
+
+_created: set[str] = set()
+"""Names of the segments this process created and has not unlinked yet: added by
+``ShmSegment.create``, removed by the owner's ``unlink``; read by ``unlink_created``."""
+
+
+def unlink_created() -> list[str]:
+    """Unlinks every segment this process created and still owns, and returns their names. The
+    mappings stay valid (the memory goes when the last mapping does); only the names go, so no
+    other process can map them again and nothing is left in /dev/shm. Called by the engine's
+    lifeline thread once the service that started the engine is gone; safe beside a ``close`` on
+    another thread (a segment unlinked twice is skipped)."""
+    removed = []
+    for name in list(_created):
+        _created.discard(name)
+        try:
+            os.unlink(os.path.join(SHM_DIR, name))
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            logger.warning("cannot unlink %s/%s (%s)", SHM_DIR, name, e.strerror or e)
+            continue
+        removed.append(name)
+    return removed
 
 
 def validate_name(name: str) -> str:
@@ -180,6 +209,7 @@ class ShmSegment:
             os.close(fd)
             os.unlink(path)
             raise
+        _created.add(name)
         return cls(name, fd, nbytes, owner=True, readonly=False)
 
     @classmethod
@@ -205,6 +235,7 @@ class ShmSegment:
             self._fd = None
 
     def unlink(self) -> None:
+        _created.discard(self.name)
         try:
             os.unlink(os.path.join(SHM_DIR, self.name))
         except FileNotFoundError:

@@ -15,7 +15,8 @@ and role WORKER in each worker. This facade picks the matching half:
     consumer, scheduler: ConsumerScheduler  reserves staging, pulls items, defers requests
     consumer, worker:    ConsumerWorker     injects staged bytes into vLLM's encoder cache
 
-Every hook returns fast; network I/O runs on the halves' own threads.
+Every hook returns fast; network I/O runs on the halves' own threads. In the
+EngineCore, ``lifeline`` stops the engine once the service that started it is gone.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+import os
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from ectransfer import factory
@@ -113,6 +114,9 @@ class ConnectorConfig(ConnectorTuning):
     security: dict[str, Any] = field(default_factory=dict)
     """TLS and auth token for the Transfer link (``peerauth.SecurityConfig.to_dict``): the
     producer's server requires them, the consumer's client presents them."""
+    service_pid: int = 0
+    """The pid of the service that builds the engine (``ec_transfer_config`` sets it): the EngineCore
+    stops itself once that process is gone (``ectransfer.connector.lifeline``); 0: nothing watched."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -139,8 +143,10 @@ def ec_transfer_config(role: str, cfg: ConnectorConfig) -> dict[str, Any]:
     """vLLM's ``ec_transfer_config`` for an engine whose EC connector is ours, in ``role``
     (``"ec_producer"``: the encoder; ``"ec_consumer"``: the LM): the one bridge from the services'
     settings to the connector halves, which read ``cfg`` back with ``ConnectorConfig.from_extra``.
-    ``cfg`` is built (and so validated) in the service process, before an engine start is spent."""
+    ``cfg`` is built (and so validated) in the service process, before an engine start is spent;
+    ``service_pid`` is this process's unless ``cfg`` names one: the engine's lifeline watches it."""
     if role not in ("ec_producer", "ec_consumer"):
         raise ValueError(f"role must be ec_producer or ec_consumer, got {role!r}")
+    extra = asdict(replace(cfg, service_pid=cfg.service_pid or os.getpid()))
     return {"ec_connector": "EPDConnector", "ec_connector_module_path": "ectransfer.connector",
-            "ec_role": role, "ec_connector_extra_config": asdict(cfg)}
+            "ec_role": role, "ec_connector_extra_config": extra}

@@ -6,6 +6,7 @@ from typing import Any
 
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorBase, ECConnectorRole
 
+from ectransfer.connector import lifeline
 from ectransfer.connector.config import ConnectorConfig
 from ectransfer.connector.consumer import ConsumerScheduler, ConsumerWorker
 from ectransfer.connector.halves import (
@@ -26,6 +27,7 @@ class EPDConnector(ECConnectorBase):
         if ec.ec_role == "ec_both":
             raise ValueError("EPDConnector supports ec_role ec_producer or ec_consumer, not ec_both")
         cfg = ConnectorConfig.from_extra(dict(ec.ec_connector_extra_config))
+        lifeline.hold(cfg.service_pid)  # this engine process stops once its service is gone
         Sched, Worker = ((ProducerScheduler, ProducerWorker) if self.is_producer
                          else (ConsumerScheduler, ConsumerWorker))
         # Exactly one half per role (``ectransfer.connector.halves`` names what each offers).

@@ -7,16 +7,21 @@ in this order:
 1. (issue 3) kill -9 the encoder with items outstanding, start it again: no segment of the dead
    process remains, the LM stays up, the affected requests fail cleanly (no hang), and the next
    request is exact again;
-2. a service whose vLLM engine dies stops serving: kill -9 the EngineCore process of the LM, then of
+2. kill -9 the LM service alone (not its process group): within the engine lifeline's bound nothing
+   of it runs (its EngineCore, Python's resource tracker) and nothing it owned is left in /dev/shm;
+   the LM starts again for the tests after;
+3. a service whose vLLM engine dies stops serving: kill -9 the EngineCore process of the LM, then of
    the encoder; each turns NOT_SERVING within seconds and exits non-zero (so Docker or Kubernetes
    restarts it), and the gateway answers a server error for the dead LM instead of hanging. These
    end the deployment, so they come last."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
+import re
 import signal
 import time
 import urllib.error
@@ -26,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 import psutil
 import pytest
 
+from ectransfer.connector.lifeline import BOUND_S
 from services.up import Deployment, grpc_serving, wait_ready
 from tests.e2e.conftest import REFERENCE_REQUESTS, stop_in_background
 from tests.e2e.helpers import image_chat, metric, post
@@ -169,6 +175,63 @@ def test_kill_9_encoder_mid_flight_then_restart(serving, reference):
     status, body = post(dep.url + "/v1/chat/completions", REFERENCE_REQUESTS["image0"])
     assert status == 200, body
     assert body["choices"][0]["token_ids"] == reference["image0"]
+
+
+def _gone(p: psutil.Process) -> bool:
+    """Nothing of ``p`` runs: it exited (a zombie its new parent has not reaped holds no memory)."""
+    try:
+        return p.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _shm_of(tree: list[psutil.Process]) -> set[str]:
+    """The /dev/shm entries the processes of ``tree`` own: the epd segments named with one of their pids,
+    and every other entry one of them maps (a named semaphore, ``sem.mp-*``, is mapped under the
+    temporary name it was made with: matched by inode). A peer's epd segment they attached is the
+    peer's, not theirs."""
+    pids = {p.pid for p in tree}
+    inodes = set()
+    for p in tree:
+        with open(f"/proc/{p.pid}/maps") as maps:
+            fields = (line.split() for line in maps)
+            inodes |= {int(f[4]) for f in fields if len(f) > 5 and f[5].startswith("/dev/shm/")}
+    owned = set()
+    for name in os.listdir("/dev/shm"):
+        epd = re.fullmatch(r"epd-[a-z]+-(\d+)-[0-9a-f]+", name)
+        try:
+            if int(epd.group(1)) in pids if epd else os.stat(f"/dev/shm/{name}").st_ino in inodes:
+                owned.add(name)
+        except FileNotFoundError:
+            continue  # another process's entry, removed meanwhile
+    return owned
+
+
+def test_an_lm_killed_alone_leaves_no_engine_process_and_nothing_in_dev_shm(serving):
+    """What systemd's ``KillMode=process``, supervisord without ``killasgroup`` or a hand-run service do:
+    SIGKILL to the service's own pid, none to its engine. The engine's lifeline
+    (``ectransfer.connector.lifeline``) ends the engine within ``BOUND_S``; the wait allows a loaded host
+    three times that."""
+    lm = serving.lm
+    tree = psutil.Process(lm.proc.pid).children(recursive=True)
+    engine = _engine_core(lm)
+    owned = _shm_of([psutil.Process(lm.proc.pid), *tree])
+    assert _segments_of(engine) <= owned and _segments_of(engine), "the LM's engine owns its staging segment"
+    try:
+        os.kill(lm.proc.pid, signal.SIGKILL)  # the service alone, not its group
+        lm.proc.wait()
+        t0 = time.monotonic()
+        while (not all(map(_gone, tree)) or any(os.path.exists(f"/dev/shm/{n}") for n in owned)) and \
+                time.monotonic() - t0 < 3 * BOUND_S:
+            time.sleep(0.1)
+        assert all(map(_gone, tree)), [(p.pid, p.name()) for p in tree if not _gone(p)]
+        assert not {n for n in owned if os.path.exists(f"/dev/shm/{n}")}, "the LM's shared memory outlived it"
+    finally:
+        for p in tree:  # what outlived the service (a failure above), so the tests after start clean
+            if not _gone(p):
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    p.kill()
+        lm.start(dict(os.environ, PYTHONUNBUFFERED="1"))  # the next test's fixture waits until it is admitted
 
 
 def test_a_killed_lm_engine_turns_the_lm_not_serving_and_it_exits_non_zero(serving):
