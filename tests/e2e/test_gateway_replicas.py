@@ -2,7 +2,8 @@
 bench/stub_lm.py), sharing one state store (``--state-store``, a private redis-server the test starts) and
 one state secret, driven over HTTP as a client would: alice's ``max_in_flight: 1`` is one place across
 both replicas; a stored response minted through one is read through the other; and the places of a
-replica killed with ``kill -9`` come back within its lease.
+replica killed with ``kill -9`` come back within its lease. Slow (``make test-all``): the default run shows
+the same over real engines (``tests/e2e/test_multi_instance.py``); these need no engine, for a quick loop.
 
 alice's place is held by a background Responses request: the gateway holds its admission place until
 its LM reports it ended (the stub keeps it in progress for ``BACKGROUND_S``), so the test holds a place
@@ -25,7 +26,7 @@ from services.gateway.state.store_server import find_executable
 from tests.integration.gateway_processes import CHECKOUT, StubLM, poll
 from tests.integration.redis_fixture import started_store
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # the default run has the same over real engines (test_multi_instance)
 
 BACKGROUND_S = 20.0
 """How long the stub keeps a background response in progress: alice's place is held that long (the test's
