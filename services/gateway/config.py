@@ -100,7 +100,8 @@ class GatewayConfig:
     """--placement auto: an encoder with this many requests in flight counts as busy (one encoding, one
     queued behind it)."""
     lm_max_outstanding: int = 64
-    """Admission control: requests in flight per healthy LM; more wait for a place (0: no admission control)."""
+    """Admission control: requests in flight, this many per healthy LM, pooled over the LMs (routing spreads them;
+    one LM may hold more while another holds fewer); more wait for a place (0: no admission control)."""
     encoder_max_outstanding: int = 32
     """Admission control: requests encoding per healthy encoder; more wait for a place (0: no limit)."""
     admission_queue: int = 1024
