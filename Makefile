@@ -10,7 +10,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.epd-installed-$(EXTRA)
 PYTEST_ARGS ?=
 
-.PHONY: bench-fleet install protos model demo up test test-fast test-all test-unit bench-transfer bench-transfer-cuda bench-transfer-hosts bench-serving bench-capacity bench-gateway bench-hostile clean
+.PHONY: bench-fleet install protos model demo up test test-fast test-all test-unit bench-transfer bench-transfer-cuda bench-transfer-hosts bench-serving bench-capacity bench-gateway bench-gateway-workers bench-hostile bench-hostile-workers clean
 
 install: $(STAMP) protos
 
@@ -106,6 +106,17 @@ bench-hostile: install
 	$(PY) -m pip install -q "matplotlib>=3.8"
 	$(PY) bench/hostile.py --attacker-quota '{"max_in_flight": 16, "max_background": 8, "body_mib": 512}' \
 		--json bench/results/hostile-cpu-tenants.json --plot bench/results/hostile-cpu-tenants.png
+
+bench-hostile-workers: install  # --workers 1 against 2 under the big-body attacks, both runs on every core (about 5 min)
+	$(PY) -m pip install -q "matplotlib>=3.8"
+	$(PY) bench/hostile_workers.py --workers 1,2 --json bench/results/hostile-cpu-workers.json \
+		--plot bench/results/hostile-cpu-workers.png -- --phase-s 10
+
+bench-gateway-workers: install  # small text chats through --workers 1, 2 and 1 with a private state store, interleaved (about 5 min)
+	$(PY) -m pip install -q "matplotlib>=3.8"
+	$(PY) bench/gateway.py --workers 1,2 --state-store none,private --paths direct,direct-stream,rest,grpc \
+		--max-tokens 16 --concurrency 1,4,16,64,128 --requests 600 --grpc-channels 8 \
+		--json bench/results/gateway-cpu-workers.json --plot bench/results/gateway-cpu-workers.png
 
 clean:
 	rm -rf $(VENV) epd build *.egg-info .pytest_cache

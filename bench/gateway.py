@@ -32,6 +32,14 @@ tiny model behind it instead (its worker on one core), where vLLM's variance
 dominates. The services run as subprocesses in their own sessions and are
 always torn down (process groups killed).
 
+Gateways (``bench/gateway_arms.py``): ``--workers 1,2`` and ``--state-store none,private`` start one
+gateway per arm (``w1``, ``w2``, ``w1+store``: one process deciding its limits in a private Redis,
+``StoreServer``) in front of the same LM, and every round measures every arm's paths (``rest@w2``)
+beside the direct ones; the summary then gives each arm's throughput at an added p99 within 50 ms and
+what the store adds (``w1+store`` - ``w1``). With workers, ``--grpc-channels`` connections (the kernel
+spreads connections over the workers, not calls) and CPU counted for the whole supervisor's session
+and its store.
+
     python bench/gateway.py --quick --json bench/results/gateway-cpu.json --plot bench/results/gateway-cpu.png
 
 Target (issue 5): <= 1 ms p50 added on loopback.
@@ -53,7 +61,10 @@ import uuid
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import aiohttp
+import gateway_arms
 import grpc
+import psutil
+from gateway_arms import Arm
 from machine import machine_info, pct
 
 from epd.gateway.v1 import gateway_pb2, gateway_pb2_grpc
@@ -95,19 +106,51 @@ def start_lm(real: bool, logdir: str, stub_flags: tuple[str, ...] = ()) -> tuple
 
 
 def start_gateway(lm_addr: str, logdir: str, flags: list[str] | tuple[str, ...] = ("--epd-facts",),
-                  log: str = "gateway-bench-gateway.log") -> tuple[Service, int, int]:
-    """A gateway subprocess on loopback in front of ``lm_addr`` (no encoders), with ``flags``; returns
-    it, its HTTP port and its gRPC port once /health answers."""
+                  log: str = "gateway-bench-gateway.log", workers: int = 1,
+                  name: str = "gateway") -> tuple[Service, int, int]:
+    """A gateway subprocess on loopback in front of ``lm_addr`` (no encoders), with ``flags`` and
+    ``--workers workers``; returns it, its HTTP port and its gRPC port once /health answers and, with
+    workers, once every worker listens (a keep-alive pool opened earlier would reach the first only)."""
     port, gport = free_port(), free_port()
-    gw = Service("gateway", ["gateway", "--host", "127.0.0.1", "--port", str(port), "--grpc-port", str(gport),
-                             "--lms", lm_addr, "--encoders", "", *flags], os.path.join(logdir, log))
+    gw = Service(name, ["gateway", "--host", "127.0.0.1", "--port", str(port), "--grpc-port", str(gport),
+                        "--lms", lm_addr, "--encoders", "", "--workers", str(workers), *flags],
+                 os.path.join(logdir, log))
     gw.start()
+
+    def ready() -> bool:
+        return http_ok(f"http://127.0.0.1:{port}/health") and (
+            workers == 1 or listening_workers(gw.proc.pid, (port, gport)) >= workers)
+
     try:
-        wait_ready({gw: lambda: http_ok(f"http://127.0.0.1:{port}/health")}, time.monotonic() + 60.0, poll_s=0.2)
+        wait_ready({gw: ready}, time.monotonic() + 120.0, poll_s=0.2)
     except BaseException:
         gw.stop()
         raise
     return gw, port, gport
+
+
+def listening_workers(pid: int, ports: tuple[int, ...]) -> int:
+    """How many of ``pid``'s child processes listen on every one of ``ports`` (a supervisor's workers)."""
+    n = 0
+    for child in psutil.Process(pid).children(recursive=True):
+        try:
+            listening = {c.laddr.port for c in child.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+        except psutil.Error:
+            continue
+        n += set(ports) <= listening
+    return n
+
+
+def store_pids(pid: int) -> list[int]:
+    """The redis-server processes under ``pid`` (a supervisor's private state store)."""
+    out = []
+    for child in psutil.Process(pid).children(recursive=True):
+        try:
+            if "redis" in child.name():
+                out.append(child.pid)
+        except psutil.Error:
+            pass
+    return out
 
 
 class CpuMeter:
@@ -115,8 +158,10 @@ class CpuMeter:
     service's session (the service, its threads, and on the real LM its vLLM
     engine processes): ``snapshot()`` -> {"client": ns, name: ns, ...}."""
 
-    def __init__(self, procs: list[Service]) -> None:
-        self.sessions = {p.name: p.proc.pid for p in procs}
+    def __init__(self, procs: list[Service], more: dict[str, int] | None = None) -> None:
+        """``more``: other sessions to count, name -> session id (a state store started in a session of
+        its own)."""
+        self.sessions = {p.name: p.proc.pid for p in procs} | (more or {})
 
     @staticmethod
     def _task_ns(pid: int) -> int:
@@ -153,15 +198,19 @@ class Clients:
     the perf_counter time its last message (or byte) arrived, after checking
     that the answer is whole; checks run after that time is taken."""
 
-    def __init__(self, lm_addr: str, port: int, gport: int, max_tokens: int) -> None:
+    def __init__(self, lm_addr: str, port: int, gport: int, max_tokens: int, grpc_channels: int = 1) -> None:
         self.max_tokens = max_tokens
         # limit=0: as many keep-alive connections as there are concurrent requests.
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=300),
                                              timeout=aiohttp.ClientTimeout(total=120))
         self.lm_channel = grpc.aio.insecure_channel(lm_addr)
-        self.gw_channel = grpc.aio.insecure_channel(f"127.0.0.1:{gport}")
+        # Several channels, each its own connection: with --workers the kernel spreads connections, not calls.
+        opts = [("grpc.use_local_subchannel_pool", 1)] if grpc_channels > 1 else []
+        self.gw_channels = [grpc.aio.insecure_channel(f"127.0.0.1:{gport}", options=opts)
+                            for _ in range(grpc_channels)]
         self.lm = lm_pb2_grpc.LMServiceStub(self.lm_channel)
-        self.gw = gateway_pb2_grpc.GatewayServiceStub(self.gw_channel)
+        self.gws = [gateway_pb2_grpc.GatewayServiceStub(ch) for ch in self.gw_channels]
+        self.calls = 0
         self.url = f"http://127.0.0.1:{port}/v1/chat/completions"
         self.models_url = f"http://127.0.0.1:{port}/v1/models"
         self.fns = {"direct": self.direct, "direct-stream": self.direct_stream, "rest": self.rest,
@@ -181,7 +230,8 @@ class Clients:
     async def close(self) -> None:
         await self.session.close()
         await self.lm_channel.close()
-        await self.gw_channel.close()
+        for ch in self.gw_channels:
+            await ch.close()
 
     def _check(self, n: int, finish: str) -> None:
         if n != self.max_tokens or finish != "length":
@@ -242,7 +292,8 @@ class Clients:
 
     async def grpc(self) -> float:
         bodies, epd = [], b""
-        async for msg in self.gw.ChatCompletion(self.gw_req, timeout=120):
+        self.calls += 1
+        async for msg in self.gws[self.calls % len(self.gws)].ChatCompletion(self.gw_req, timeout=120):
             if msg.body:
                 bodies.append(msg.body)
             epd = msg.epd or epd
@@ -297,13 +348,14 @@ async def closed_loop(fn, concurrency: int, n: int) -> tuple[list[float], float,
 
 
 
-async def measure(clients: Clients, paths: list[str], concurrencies: list[int], n: int, rounds: int,
+async def measure(fns: dict, paths: list[str], concurrencies: list[int], n: int, rounds: int,
                   warmup: int, meter: CpuMeter) -> dict:
-    """{(path, concurrency): {"lat": [...], "wall": s, "errors": [...], "cpu_ns": {process: ns}}}"""
+    """{(path, concurrency): {"lat": [...], "wall": s, "errors": [...], "cpu_ns": {process: ns}}};
+    ``fns``: path label -> a coroutine function making one request (``Clients``' methods)."""
     acc = {(p, c): {"lat": [], "wall": 0.0, "errors": [], "cpu_ns": {}} for p in paths for c in concurrencies}
     for c in concurrencies:
         for p in paths:  # warm-up at this concurrency: connections opened, code paths hot
-            _, _, errs = await closed_loop(clients.fns[p], c, max(warmup, c))
+            _, _, errs = await closed_loop(fns[p], c, max(warmup, c))
             if errs:
                 raise RuntimeError(f"warm-up {p} at concurrency {c} failed: {errs[0]}")
         # Every round keeps at least `c` requests, or the concurrency would not be reached.
@@ -311,7 +363,7 @@ async def measure(clients: Clients, paths: list[str], concurrencies: list[int], 
         for r, k in enumerate([n // r_c + (1 if r < n % r_c else 0) for r in range(r_c)]):
             for p in paths[r % len(paths):] + paths[:r % len(paths)]:
                 before = meter.snapshot()
-                lat, wall, errs = await closed_loop(clients.fns[p], c, k)
+                lat, wall, errs = await closed_loop(fns[p], c, k)
                 after = meter.snapshot()
                 a = acc[(p, c)]
                 for name, ns in after.items():
@@ -328,10 +380,11 @@ def rows_from(acc: dict, paths: list[str], concurrencies: list[int], backend: st
     rows = []
     for c in concurrencies:
         for p in paths:
-            base = acc.get((BASELINE.get(p, p), c))
+            path, arm = gateway_arms.split_label(p)
+            base = acc.get((BASELINE.get(path, path), c))
             a = acc[(p, c)]
             lat = a["lat"]
-            row = {"path": p, "concurrency": c, "max_tokens": max_tokens, "n": len(lat),
+            row = {"path": path, "gateway": arm, "concurrency": c, "max_tokens": max_tokens, "n": len(lat),
                    "p50_us": us(statistics.median(lat)) if lat else None,
                    "p99_us": us(pct(lat, 0.99)) if lat else None, "mean_us": us(statistics.mean(lat)) if lat else None,
                    "rps": round(len(lat) / a["wall"], 1) if a["wall"] else None,
@@ -347,17 +400,35 @@ def rows_from(acc: dict, paths: list[str], concurrencies: list[int], backend: st
     return rows
 
 
+def gateway_name(arm: Arm, only: bool) -> str:
+    """The gateway's service name (and CPU column): ``gateway`` when it is the run's only one."""
+    return "gateway" if only else f"gateway-{arm.label}"
+
+
+def cpu_columns(row: dict) -> list[float]:
+    """The CPU per request shown for ``row``: the client's, the LM's, and its own gateway's and state store's
+    (a direct row: the client's and the LM's)."""
+    cpu, gw = row["cpu_us_per_req"], row.get("gateway")
+    out = [cpu.get("client"), cpu.get("stub-lm", cpu.get("lm"))]
+    if gw:
+        out.append(cpu.get(f"gateway-{gw}", cpu.get("gateway")))
+        if f"store-{gw}" in cpu:
+            out.append(cpu[f"store-{gw}"])
+    return out
+
+
 def print_table(rows: list[dict]) -> None:
-    hdr = (f"{'path':<14}{'tok':>4}{'conc':>5}{'n':>6}{'p50 us':>10}{'p99 us':>10}{'mean us':>10}{'req/s':>9}"
-           f"{'+p50 us':>10}{'+p99 us':>10}{'err':>5}   cpu us/req: client / lm / gateway")
+    hdr = (f"{'path':<20}{'tok':>4}{'conc':>5}{'n':>6}{'p50 us':>10}{'p99 us':>10}{'mean us':>10}{'req/s':>9}"
+           f"{'+p50 us':>10}{'+p99 us':>10}{'err':>5}   cpu us/req: client / lm / gateway / store")
     print(hdr)
     print("-" * len(hdr))
     fmt = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
     for r in rows:
-        print(f"{r['path']:<14}{r['max_tokens']:>4}{r['concurrency']:>5}{r['n']:>6}"
+        name = f"{r['path']}@{r['gateway']}" if r.get("gateway") else r["path"]
+        print(f"{name:<20}{r['max_tokens']:>4}{r['concurrency']:>5}{r['n']:>6}"
               f"{fmt(r['p50_us']):>10}{fmt(r['p99_us']):>10}"
               f"{fmt(r['mean_us']):>10}{fmt(r['rps']):>9}{fmt(r['added_p50_us']):>10}{fmt(r['added_p99_us']):>10}"
-              f"{r['errors']:>5}   {' / '.join(fmt(v) for v in r['cpu_us_per_req'].values())}")
+              f"{r['errors']:>5}   {' / '.join(fmt(v) for v in cpu_columns(r))}")
     print(f"tok = tokens per answer (streamed: LM messages per request, plus 4); latency = send -> last message (REST: last byte);\n"
           f"+p50/+p99 = path - its baseline (rest: direct; rest-stream, grpc: direct-stream) at the same "
           f"concurrency and tokens; target: +p50 <= {TARGET_US:.0f} us;\n"
@@ -415,6 +486,42 @@ def plot(rows: list[dict], path: str, info: dict, backend: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def start_arms(lm_addr: str, logdir: str, arms: list[Arm], procs: list[Service]) -> tuple[list[tuple], dict]:
+    """One gateway per arm in front of ``lm_addr`` (each appended to ``procs`` as it starts, for the caller
+    to stop), and a private state store if an arm names one (started here, on the main thread: it dies
+    with the thread that started it; the caller stops it). Returns [(arm, port, gport)] and the sessions
+    of the state stores for ``CpuMeter`` (each runs in a session of its own)."""
+    out, stores = [], {}
+    store = None
+    if any(a.store == "private" for a in arms):
+        from services.gateway.state.store_server import StoreServer
+
+        store = StoreServer().start()
+        procs.append(StoreService(store))
+    for arm in arms:
+        name = gateway_name(arm, len(arms) == 1)
+        flags = ["--epd-facts", *(arm.store_flags(store.url, store.password_file) if store else [])]
+        gw, port, gport = start_gateway(lm_addr, logdir, flags, f"gateway-bench-{arm.label}.log",
+                                        workers=arm.workers, name=name)
+        procs.append(gw)
+        pids = [store.pid] if arm.store == "private" else store_pids(gw.proc.pid)
+        stores.update({f"store-{arm.label}": pid for pid in pids})
+        out.append((arm, port, gport))
+    return out, stores
+
+
+class StoreService:
+    """A started ``StoreServer`` where the bench keeps its services: ``stop()`` ends it."""
+
+    name = "store"
+
+    def __init__(self, store) -> None:
+        self.store = store
+
+    def stop(self) -> None:
+        self.store.stop()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--real-lm", action="store_true", help="the real LM service on the tiny model instead of the stub")
@@ -430,6 +537,14 @@ def main() -> int:
     ap.add_argument("--max-tokens", default="1,16",
                     help="tokens per answer (streamed: an LM message each, plus 4), comma-separated: 1 isolates the per-request "
                          "cost, more adds the per-message relay")
+    ap.add_argument("--workers", default="1", help="comma-separated: one gateway per count (--workers N), "
+                                                   "measured in the same rounds")
+    ap.add_argument("--state-store", default="none",
+                    help="comma-separated, from none, private: a one-worker gateway also with a private Redis "
+                         "(--state-store); N > 1 workers always use their supervisor's")
+    ap.add_argument("--grpc-channels", type=int, default=1,
+                    help="gRPC connections to each gateway, used in turn (with workers: the kernel spreads "
+                         "connections, not calls)")
     ap.add_argument("--quick", action="store_true", help="fewer requests (about 2 minutes on 2 CPU cores)")
     ap.add_argument("--json", help="write rows here")
     ap.add_argument("--plot", help="write a PNG plot here")
@@ -439,6 +554,11 @@ def main() -> int:
     if any(p not in PATHS for p in paths) or any(BASELINE[p] not in paths for p in paths if p in BASELINE):
         ap.error(f"--paths must name only {', '.join(PATHS)}, with each path's baseline "
                  f"({', '.join(f'{p}: {b}' for p, b in BASELINE.items())})")
+    try:
+        arms = gateway_arms.arms([int(w) for w in args.workers.split(",") if w],
+                                 [x for x in args.state_store.split(",") if x])
+    except ValueError as e:
+        ap.error(f"--workers or --state-store: {e}")
     concurrencies = [int(c) for c in args.concurrency.split(",") if c]
     n = args.requests or {(False, False): 3000, (False, True): 1000, (True, False): 256, (True, True): 128}[
         (args.real_lm, args.quick)]
@@ -452,44 +572,60 @@ def main() -> int:
     token_counts = [int(k) for k in args.max_tokens.split(",") if k]
     # SIGTERM unwinds like Ctrl-C, so the finally below still stops the services.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    procs: list[Service] = []
+    procs: list = []
     rows: list[dict] = []
     try:
         lm, lm_addr = start_lm(args.real_lm, logdir)
         procs.append(lm)
-        gw, port, gport = start_gateway(lm_addr, logdir)
-        procs.append(gw)
-        print(f"{backend} at {lm_addr}, gateway http :{port} grpc :{gport}; {n} requests per (path, concurrency), "
-              f"{args.rounds} rounds", flush=True)
+        gateways, stores = start_arms(lm_addr, logdir, arms, procs)
+        labels = [p for p in paths if p not in BASELINE] + [gateway_arms.label(p, a) for a, _, _ in gateways
+                                                            for p in paths if p in BASELINE]
+        print(f"{backend} at {lm_addr}, gateways {', '.join(f'{a.label} http :{p} grpc :{g}' for a, p, g in gateways)}; "
+              f"{n} requests per (path, concurrency), {args.rounds} rounds", flush=True)
 
-        meter = CpuMeter(procs)
+        meter = CpuMeter([p for p in procs if isinstance(p, Service)], stores)
 
         async def run(max_tokens: int) -> dict:
-            clients = Clients(lm_addr, port, gport, max_tokens)
+            clients = [Clients(lm_addr, port, gport, max_tokens, args.grpc_channels) for _, port, gport in gateways]
             try:
-                await clients.setup()
-                return await measure(clients, paths, concurrencies, n, args.rounds, warmup, meter)
+                for c in clients:
+                    await c.setup()
+                fns = {gateway_arms.label(p, a if p in BASELINE else None): c.fns[p]
+                       for (a, _, _), c in zip(gateways, clients) for p in paths}
+                return await measure(fns, labels, concurrencies, n, args.rounds, warmup, meter)
             finally:
-                await clients.close()
+                for c in clients:
+                    await c.close()
 
         t0 = time.monotonic()
         for k in token_counts:
             print(f" {k} token(s) per answer", flush=True)
-            rows += rows_from(asyncio.run(run(k)), paths, concurrencies, backend, k)
+            rows += rows_from(asyncio.run(run(k)), labels, concurrencies, backend, k)
         info["measure_s"] = round(time.monotonic() - t0, 1)
     finally:
         for p in reversed(procs):
             p.stop()
     print_table(rows)
+    summary = {"p99_limit_ms": gateway_arms.P99_LIMIT_US / 1e3, "frontier": gateway_arms.frontier(rows),
+               "store": gateway_arms.store_cost(rows)}
+    if len(arms) > 1:
+        gateway_arms.print_summary(summary)
     setup = {"backend": backend, "max_tokens": token_counts, "requests": n, "rounds": args.rounds,
              "warmup": warmup, "prompt": PROMPT, "concurrency": concurrencies,
-             "services": {p.name: shlex.join([os.path.basename(p.argv[0]), *p.argv[1:]]) for p in procs},
+             "gateways": [a.label for a in arms], "grpc_channels": args.grpc_channels,
+             "services": {p.name: shlex.join([os.path.basename(p.argv[0]), *p.argv[1:]]) for p in procs
+                          if isinstance(p, Service)},
              "target_added_p50_us": TARGET_US}
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"machine": info, "setup": setup, "rows": rows}, f, indent=1)
+            json.dump({"machine": info, "setup": setup, "rows": rows,
+                       **({"summary": summary} if len(arms) > 1 else {})}, f, indent=1)
     if args.plot:
-        plot(rows, args.plot, info, backend)
+        if len(arms) > 1:
+            gateway_arms.plot(rows, summary, args.plot, f"epd-serve gateway workers and state store, LM back-end: "
+                              f"{backend}; {info['cpu']} ({info['cores']} cores), loopback, {info['date'][:10]}")
+        else:
+            plot(rows, args.plot, info, backend)
     return 1 if any(r["errors"] for r in rows) else 0
 
 

@@ -54,10 +54,15 @@ every 50 ms for the plot) against the gateway container's memory limit in
 attack's ``targets``): success >= 99 % on REST and on gRPC, p99 within 3x the baseline's, RSS
 within the limit, released within ``--release-target-s``.
 
-With two or more cores the gateway gets the last core to itself and every client (legitimate in
-a process of their own, hostile in this one, niced by ``--hostile-nice``) and the stub LM share
-the others, so the clients' own CPU (sending 86 MiB bodies) is not the gateway's. Everything runs
-on loopback. The first answer message of each kind of failure is kept (``answer_messages``).
+The gateway runs ``--workers`` processes (default 1). Its cores (``--gateway-cores``, ``gateway_cores``):
+by default, with two or more cores and one worker, the gateway gets the last core to itself and every
+client (legitimate in a process of their own, hostile in this one, niced by ``--hostile-nice``) and the
+stub LM share the others, so the clients' own CPU (sending 86 MiB bodies) is not the gateway's; with
+more workers every process shares every core (a worker per core is the point of them). ``all`` shares
+every core in either case: ``bench/hostile_workers.py`` compares worker counts so. With workers, RSS
+and CPU are summed over the supervisor, its workers and its state store, the peak (VmHWM) is the sum
+of each process's own, and /metrics (either worker's) shows every worker's gauges summed. Everything
+runs on loopback. The first answer message of each kind of failure is kept (``answer_messages``).
 
     python bench/hostile.py --json bench/results/hostile-cpu-tenants.json --plot bench/results/hostile-cpu-tenants.png
 """
@@ -106,7 +111,9 @@ TENANTS = ("legit", "attacker")
 PROMPT = "Summarize in one sentence: the river runs past the stone bridge and the quiet market."
 LEGIT_TIMEOUT_S = 60.0
 LEGIT_MAX_OUTSTANDING = 2000
-RSS_PERIOD_S, METRICS_PERIOD_S = 0.05, 0.1
+WARM_UP_CLIENTS = 16
+"""Clients (a connection each, per API) that warm the gateway up: enough that every worker gets some."""
+RSS_PERIOD_S, METRICS_PERIOD_S, CPU_PERIOD_S = 0.05, 0.1, 0.5
 RELEASE_GAUGES = ("in_flight", "waiting", "held", "background")
 MIB = 1 << 20
 
@@ -264,26 +271,63 @@ def summarize_hostile(events: list[tuple], counts: dict[str, int]) -> dict[str, 
     return out
 
 
+def gateway_cores(cores: list[int], workers: int, choice: str) -> tuple[set[int], set[int]]:
+    """The cores of the gateway and of everything else (clients, stub LM), from ``--gateway-cores``:
+    ``auto`` (one worker: the last core to itself, as a single event loop uses one; more workers: every
+    core, shared), ``all`` (every core, shared: the fair setting for comparing worker counts) or a count
+    ``k`` (the last k cores to itself). With one core, or with the gateway on every core, the others
+    share all of them."""
+    if choice == "auto":
+        k = 1 if workers == 1 else len(cores)
+    elif choice == "all":
+        k = len(cores)
+    else:
+        k = int(choice) if choice.isdigit() else 0
+        if not 1 <= k <= len(cores):
+            raise ValueError(f"--gateway-cores {k}: between 1 and {len(cores)} cores, or auto or all")
+    gw = set(cores[-k:]) if len(cores) > 1 else set(cores)
+    return gw, (set(cores) - gw) or set(cores)
+
+
 # -- the gateway and what it uses ------------------------------------------------------------
 
 
 def pin(pid: int, cpus: set[int]) -> None:
-    """Every thread of ``pid`` on ``cpus`` (threads started later inherit it)."""
-    for tid in os.listdir(f"/proc/{pid}/task"):
+    """Every thread of ``pid`` and of its child processes (a supervisor's workers and state store) on
+    ``cpus`` (threads and processes started later inherit it)."""
+    for proc in tree(psutil.Process(pid)):
         try:
-            os.sched_setaffinity(int(tid), cpus)
+            tids = os.listdir(f"/proc/{proc.pid}/task")
         except OSError:
-            pass  # the thread ended
+            continue  # the process ended
+        for tid in tids:
+            try:
+                os.sched_setaffinity(int(tid), cpus)
+            except OSError:
+                pass  # the thread ended
+
+
+def tree(proc: psutil.Process) -> list[psutil.Process]:
+    """``proc`` and its descendants (with --workers: the supervisor, its workers and its state store)."""
+    try:
+        return [proc, *proc.children(recursive=True)]
+    except psutil.Error:
+        return [proc]
 
 
 class Sampler:
     """The gateway's RSS every ``RSS_PERIOD_S`` and its intake metrics every ``METRICS_PERIOD_S``, on
     two threads of their own (the hostile clients' event loop must not delay them). ``mark()`` resets
-    the kernel's peak (VmHWM) and returns the peak since the last mark."""
+    the kernel's peak (VmHWM) and returns the peak since the last mark. Where the host's CPU went, every
+    ``CPU_PERIOD_S``: the gateway's processes, this benchmark's own (hostile clients, the legit
+    clients' process, the stub LM) and the host's whole busy time (so the rest: other users')."""
 
     def __init__(self, pid: int, metrics_url: str) -> None:
         self.proc, self.url = psutil.Process(pid), metrics_url
         self.rss: list[tuple[float, int, float]] = []  # (time, RSS, CPU seconds so far)
+        self.cpu: list[tuple[float, float, float, float, float]] = []
+        """(time, CPU seconds so far of: the gateway, this benchmark's processes, the host busy, the host's
+        steal)."""
         self.metrics: list[tuple[float, dict[str, float]]] = []
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=f, name=f"hostile-{f.__name__}", daemon=True)
@@ -300,13 +344,33 @@ class Sampler:
             t.join()
 
     def _rss_loop(self) -> None:
+        procs, found = [self.proc], 0.0
         while not self._stop.wait(RSS_PERIOD_S):
-            try:
-                rss = self.proc.memory_info().rss + sum(c.memory_info().rss for c in self.proc.children(True))
-                cpu = sum(self.proc.cpu_times()[:2])
-            except psutil.Error:
-                return  # the gateway is gone
-            self.rss.append((time.monotonic(), rss, cpu))
+            if time.monotonic() - found > 1.0:  # a worker replaced: looked for once a second
+                procs, found = tree(self.proc), time.monotonic()
+            rss = cpu = 0.0
+            for p in procs:
+                try:
+                    rss, cpu = rss + p.memory_info().rss, cpu + sum(p.cpu_times()[:2])
+                except psutil.Error:
+                    if p is self.proc:
+                        return  # the gateway is gone
+            self.rss.append((time.monotonic(), int(rss), cpu))
+            if not self.cpu or time.monotonic() - self.cpu[-1][0] >= CPU_PERIOD_S:
+                self.cpu.append(self._cpu_sample(cpu, {p.pid for p in procs}))
+
+    @staticmethod
+    def _cpu_sample(gateway: float, gateway_pids: set[int]) -> tuple[float, float, float, float, float]:
+        own = 0.0
+        for p in tree(psutil.Process()):
+            if p.pid not in gateway_pids:
+                try:
+                    own += sum(p.cpu_times()[:2])
+                except psutil.Error:
+                    pass  # it ended
+        h = psutil.cpu_times()
+        return (time.monotonic(), gateway, own, h.user + h.nice + h.system + h.irq + h.softirq,
+                getattr(h, "steal", 0.0))
 
     def _metrics_loop(self) -> None:
         while not self._stop.wait(METRICS_PERIOD_S):
@@ -323,15 +387,9 @@ class Sampler:
             return {}
 
     def mark(self) -> int:
-        """The peak RSS (VmHWM) since the last mark, in bytes; resets it (clear_refs 5)."""
-        try:
-            with open(f"/proc/{self.proc.pid}/status") as f:
-                hwm = next(int(line.split()[1]) << 10 for line in f if line.startswith("VmHWM"))
-            with open(f"/proc/{self.proc.pid}/clear_refs", "w") as f:
-                f.write("5")
-            return hwm
-        except (OSError, StopIteration):
-            return 0
+        """The peak RSS (VmHWM) since the last mark, in bytes, summed over the gateway's processes (with
+        --workers: each worker's own peak, so at least the peak of their sum); resets them (clear_refs 5)."""
+        return sum(mark_hwm(p.pid) for p in tree(self.proc))
 
     def window(self, t0: float, t1: float) -> dict:
         xs = [s for s in self.rss if t0 <= s[0] < t1]
@@ -339,7 +397,32 @@ class Sampler:
         return {"rss_peak_mib": round(max(rss) / MIB, 1) if xs else None,
                 "rss_steady_mib": round(statistics.median(rss) / MIB, 1) if xs else None,
                 "gateway_cpu_pct": round(100 * (xs[-1][2] - xs[0][2]) / (xs[-1][0] - xs[0][0]))
-                if len(xs) > 1 else None}
+                if len(xs) > 1 else None, **cpu_shares([c for c in self.cpu if t0 <= c[0] < t1])}
+
+
+def cpu_shares(samples: list[tuple]) -> dict[str, int | None]:
+    """Where the CPU went between the first and last of ``samples`` ((time, gateway, this benchmark's
+    processes, host busy, host steal), CPU seconds so far), in % of one core: ``bench_cpu_pct`` (clients
+    and stub LM), ``host_cpu_pct`` (every process), ``other_cpu_pct`` (the host's less the gateway's and
+    the benchmark's: other users of the host), ``steal_pct`` (the hypervisor's)."""
+    if len(samples) < 2:
+        return {"bench_cpu_pct": None, "host_cpu_pct": None, "other_cpu_pct": None, "steal_pct": None}
+    (t0, g0, b0, h0, s0), (t1, g1, b1, h1, s1) = samples[0], samples[-1]
+    pct_of = lambda v: round(100 * v / (t1 - t0))  # noqa: E731
+    return {"bench_cpu_pct": pct_of(b1 - b0), "host_cpu_pct": pct_of(h1 - h0),
+            "other_cpu_pct": pct_of(max(0.0, (h1 - h0) - (g1 - g0) - (b1 - b0))), "steal_pct": pct_of(s1 - s0)}
+
+
+def mark_hwm(pid: int) -> int:
+    """Process ``pid``'s peak RSS (VmHWM) since its last reset, in bytes; resets it (0: it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            hwm = next(int(line.split()[1]) << 10 for line in f if line.startswith("VmHWM"))
+        with open(f"/proc/{pid}/clear_refs", "w") as f:
+            f.write("5")
+        return hwm
+    except (OSError, StopIteration):
+        return 0
 
 
 # -- legitimate clients (a process of their own) ---------------------------------------------
@@ -390,12 +473,21 @@ class Legit:
         await self.channel.close()
 
 
-async def _legit_load(port, gport, model, key, tasks_per_kind, rate, start, stop, pause) -> tuple[list[tuple], dict]:
-    """Open loop from ``start`` until ``stop`` (a multiprocessing Event) is set, skipping its turns
+async def _legit_load(port, gport, model, key, tasks_per_kind, rate, begin, stop, pause) -> tuple[list[tuple], dict]:
+    """Open loop from ``begin`` until ``stop`` (a multiprocessing Event) is set, skipping its turns
     while ``pause`` is set: every task sends on its schedule whether or not its last request has been
     answered, so a gateway that stalls shows as slow or failed requests, not as fewer of them. More
-    than ``LEGIT_MAX_OUTSTANDING`` unanswered at once: the next is not sent ("not sent")."""
+    than ``LEGIT_MAX_OUTSTANDING`` unanswered at once: the next is not sent ("not sent"). ``begin``: a
+    shared value, 0 until the parent sets the start (monotonic) once this process said it is ready
+    (``begin`` set to -1 here): a start chosen before a slow import would put the schedule's first
+    seconds into one burst."""
     legit = Legit(port, gport, model, key)
+    for kind in LEGIT:  # its connections opened and its code paths run before the schedule starts
+        await legit.call(kind)
+    begin.value = -1.0
+    while begin.value <= 0:
+        await asyncio.sleep(0.01)
+    start = begin.value
     samples: list[tuple] = []
     flying: set[asyncio.Task] = set()
     interval = len(LEGIT) * tasks_per_kind / rate
@@ -442,14 +534,15 @@ async def warm_up(port: int, gport: int, key: str) -> str:
     async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{port}/v1/models",
                                                    headers={"Authorization": f"Bearer {key}"}) as r:
         model = (await r.json())["data"][0]["id"]
-    legit = Legit(port, gport, model, key)
-    try:
-        for _ in range(20):
-            for kind in LEGIT:
-                if (outcome := await legit.call(kind)) != "ok":
-                    raise RuntimeError(f"warm-up {kind} request failed: {outcome}")
-    finally:
-        await legit.close()
+    for _ in range(WARM_UP_CLIENTS):  # new connections each time: with --workers, the kernel spreads them over all
+        legit = Legit(port, gport, model, key)
+        try:
+            for _ in range(4):
+                for kind in LEGIT:
+                    if (outcome := await legit.call(kind)) != "ok":
+                        raise RuntimeError(f"warm-up {kind} request failed: {outcome}")
+        finally:
+            await legit.close()
     return model
 
 
@@ -475,9 +568,7 @@ def run(args, cfg: GatewayConfig, flags: list[str], keys: dict[str, str]) -> dic
     keys_path = os.path.join(logdir, "hostile-bench-keys.jsonl")
     with open(os.open(keys_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
         f.write("\n".join(keys_file_lines(keys, args.quotas)) + "\n")
-    cores = sorted(os.sched_getaffinity(0))
-    gw_cores = {cores[-1]} if args.pin and len(cores) > 1 else set(cores)
-    client_cores = set(cores) - gw_cores or set(cores)
+    gw_cores, client_cores = gateway_cores(sorted(os.sched_getaffinity(0)), args.workers, args.gateway_cores)
     pin(os.getpid(), client_cores)  # the stub LM and the legit process inherit it
     procs: list[Service] = []
     try:
@@ -486,7 +577,7 @@ def run(args, cfg: GatewayConfig, flags: list[str], keys: dict[str, str]) -> dic
         metrics_port = free_port()  # the internal port: the body budget and admission gauges are not public
         gw, port, gport = start_gateway(lm_addr, logdir, [*flags, "--api-keys-file", keys_path,
                                                           "--metrics-port", str(metrics_port)],
-                                        log="hostile-bench-gateway.log")
+                                        log="hostile-bench-gateway.log", workers=args.workers)
         procs.append(gw)
         pin(gw.proc.pid, gw_cores)
         model = asyncio.run(warm_up(port, gport, keys["legit"]))
@@ -499,17 +590,24 @@ def run(args, cfg: GatewayConfig, flags: list[str], keys: dict[str, str]) -> dic
         grpc_over = gateway_pb2.OpenAIRequest(body=bytes(grpc_body_len(cfg.max_body_bytes + 1))).SerializeToString()
         hostile = Hostile(port, gport, cfg, keys["attacker"], model, args.drip_s, at, grpc_at, grpc_over,
                           args.answer_mib, args.stream_tokens)
-        print(f"gateway pid {gw.proc.pid} on cpu {sorted(gw_cores)}, clients and stub LM on {sorted(client_cores)}; "
+        print(f"gateway pid {gw.proc.pid} ({args.workers} worker(s)) on cpu {sorted(gw_cores)}, clients and stub LM "
+              f"on {sorted(client_cores)}; "
               f"idle RSS {idle / MIB:.0f} MiB; attacks {args.counts}", flush=True)
 
-        t0 = time.monotonic() + 1.0
         ctx = multiprocessing.get_context("spawn")
         recv, send = ctx.Pipe(duplex=False)
-        stop, pause = ctx.Event(), ctx.Event()
+        stop, pause, begin = ctx.Event(), ctx.Event(), ctx.Value("d", 0.0)
         worker = ctx.Process(target=legit_worker, name="hostile-legit", daemon=True,
-                             args=(send, port, gport, model, keys["legit"], args.legit_tasks, args.legit_rate, t0,
+                             args=(send, port, gport, model, keys["legit"], args.legit_tasks, args.legit_rate, begin,
                                    stop, pause))
         worker.start()
+        deadline = time.monotonic() + LEGIT_TIMEOUT_S
+        while begin.value == 0 and worker.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)  # the legit process imports and builds its clients
+        if begin.value == 0:
+            raise RuntimeError("the legit clients' process did not start")
+        t0 = time.monotonic() + 0.5
+        begin.value = t0
         # The hostile clients yield the client cores to the legit clients and the stub LM: what the
         # legit latency shows is then the gateway's doing, not this process's 86 MiB copies.
         os.nice(args.hostile_nice)
@@ -746,12 +844,21 @@ def main() -> int:
         ap.add_argument(f"--{flag}", type=int if flag in ("max-body-readers", "lm-max-background") else float,
                         default=None, help="passed to the gateway (default: the gateway's own)")
     ap.add_argument("--hostile-nice", type=int, default=10, help="niceness of the hostile clients' process")
-    ap.add_argument("--no-pin", dest="pin", action="store_false", help="do not give the gateway a core of its own")
+    ap.add_argument("--workers", type=int, default=1, help="the gateway's --workers")
+    ap.add_argument("--gateway-cores", default="auto",
+                    help="auto (one worker: the last core to itself; more: every core, shared), all (every core, "
+                         "shared with the clients and the stub LM) or k (the last k cores to itself)")
+    ap.add_argument("--no-pin", dest="gateway_cores", action="store_const", const="all",
+                    help="the same as --gateway-cores all")
     ap.add_argument("--quick", action="store_true", help="4 s phases")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--plot", help="write a PNG plot here")
     args = ap.parse_args()
     args.kinds = [k for k in args.kinds.split(",") if k]
+    try:
+        gateway_cores(sorted(os.sched_getaffinity(0)), args.workers, args.gateway_cores)
+    except ValueError as e:
+        ap.error(str(e))
     if not args.kinds or any(k not in KINDS for k in args.kinds):
         ap.error(f"--kinds must name some of {', '.join(KINDS)}")
     try:
@@ -789,7 +896,8 @@ def main() -> int:
              "settle_s": args.settle_s, "release_target_s": args.release_target_s, "legit_rate": args.legit_rate,
              "legit_tasks_per_kind": args.legit_tasks, "drip_s": args.drip_s, "answer_mib": args.answer_mib,
              "stream_tokens": args.stream_tokens, "stub_background_s": args.background_s,
-             "hostile_nice": args.hostile_nice, "gateway_flags": flags,
+             "hostile_nice": args.hostile_nice, "gateway_flags": flags, "workers": args.workers,
+             "gateway_cores": args.gateway_cores,
              "max_body_bytes": cfg.max_body_bytes, "body_memory_mib": cfg.body_memory_mib,
              "max_body_readers": cfg.max_body_readers, "body_timeout_s": cfg.body_timeout_s,
              "body_min_rate_kib": cfg.body_min_rate_kib, "answer_timeout_s": cfg.answer_timeout_s,

@@ -151,3 +151,73 @@ def test_release_is_the_first_scrape_after_the_attack_that_holds_nothing(hostile
                (1.4, {}), (1.6, {**held, "held": 0.0})]
     assert hostile.released_at(metrics, 0.9) == 1.6  # a failed scrape ({}) is not a release
     assert hostile.released_at(metrics[:3], 0.9) is None
+
+
+@pytest.mark.parametrize("workers, choice, gateway, others", [
+    (1, "auto", {3}, {0, 1, 2}),  # one event loop: a core of its own
+    (2, "auto", {0, 1, 2, 3}, {0, 1, 2, 3}),  # workers: every core, shared
+    (1, "all", {0, 1, 2, 3}, {0, 1, 2, 3}),
+    (2, "2", {2, 3}, {0, 1}),
+])
+def test_gateway_cores_follow_the_choice_and_the_worker_count(hostile, workers, choice, gateway, others):
+    assert hostile.gateway_cores([0, 1, 2, 3], workers, choice) == (gateway, others)
+
+
+def test_on_one_core_everything_shares_it(hostile):
+    assert hostile.gateway_cores([5], 1, "auto") == ({5}, {5})
+
+
+@pytest.mark.parametrize("choice", ["0", "5", "two"])
+def test_a_gateway_core_count_the_host_does_not_have_is_refused(hostile, choice):
+    with pytest.raises(ValueError):
+        hostile.gateway_cores([0, 1, 2, 3], 1, choice)
+
+
+@pytest.fixture(scope="module")
+def workers_bench():
+    return load_bench("hostile_workers")
+
+
+def _run(p99_x: float, grpc: float) -> dict:
+    phase = {"rest_success": 1.0, "grpc_success": 1.0, "p50_ms": 4.0, "p99_ms": 40.0, "gateway_cpu_pct": 30}
+    return {"baseline": phase, "attacks": [dict(phase, attack="rest-at-limit", grpc_success=grpc, p99_ms=40.0 * p99_x,
+                                                p99_vs_baseline=p99_x, rss_hwm_mib=900.0, released_s=0.2)]}
+
+
+def test_worker_runs_are_compared_per_attack_against_each_runs_own_baseline(workers_bench):
+    rows = workers_bench.compare({1: _run(80.0, 0.8), 2: _run(4.9, 0.995)})
+    one, two = [r for r in rows if r["attack"] == "rest-at-limit"]
+    assert one["workers"] == 1 and one["met"] == {"success_99": False, "p99_5x": False}
+    assert two["workers"] == 2 and two["met"] == {"success_99": True, "p99_5x": True}
+    assert [r["attack"] for r in rows if r["workers"] == 1] == ["baseline", "rest-at-limit"]
+
+
+def test_comparison_table_has_a_row_per_phase_and_run_and_says_which_target_is_missed(workers_bench):
+    text = workers_bench.table(workers_bench.compare({1: _run(80.0, 1.0), 2: _run(2.0, 0.5)}))
+    lines = text.splitlines()
+    assert len(lines) == 6 and lines[2].startswith("| baseline | 1 |") and lines[3].startswith("| baseline | 2 |")
+    assert lines[4].endswith("| no (p99) |") and lines[5].endswith("| no (ok %) |")
+
+
+def test_p99_is_also_read_against_the_first_runs_baseline(workers_bench):
+    runs = {1: _run(80.0, 1.0), 2: _run(2.0, 1.0)}
+    runs[2]["baseline"] = dict(runs[2]["baseline"], p99_ms=400.0)  # a noisy baseline: 10x the first run's
+    two = [r for r in workers_bench.compare(runs) if r["workers"] == 2]
+    assert [r["p99_x_first"] for r in two] == [10.0, 2.0]
+
+
+def test_cpu_shares_split_the_hosts_busy_time_between_the_gateway_the_bench_and_others(hostile):
+    got = hostile.cpu_shares([(10.0, 1.0, 2.0, 100.0, 0.0), (12.0, 2.0, 3.0, 103.0, 0.2)])
+    assert got == {"bench_cpu_pct": 50, "host_cpu_pct": 150, "other_cpu_pct": 50, "steal_pct": 10}
+    assert hostile.cpu_shares([(10.0, 1.0, 2.0, 100.0, 0.0)])["host_cpu_pct"] is None
+
+
+def test_combined_json_keeps_every_run_and_writes_each_series_on_one_line(workers_bench, tmp_path):
+    doc = {"machine": {"cores": 2}, "comparison": [], "runs": {
+        1: {"baseline": {}, "legit_samples": [[0.1, "rest", 2.5, "ok"], [0.2, "grpc", 3.0, "ok"]]},
+        2: {"baseline": {}, "rss_samples": [[0.0, 252.1]]}}}
+    path = tmp_path / "w.json"
+    workers_bench.write_json(str(path), doc)
+    assert json.loads(path.read_text()) == json.loads(json.dumps(doc))
+    assert any(line.strip() == '"legit_samples": [[0.1,"rest",2.5,"ok"],[0.2,"grpc",3.0,"ok"]]'
+               for line in path.read_text().splitlines())
