@@ -31,6 +31,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from gateway import machine
 
+from services.common.spawn import child_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIG_BODY = ("grpc-over", "grpc-at-limit", "rest-declared", "rest-chunked", "rest-at-limit", "upload-headers")
 """The attacks compared by default: bodies at or over the gateway's size limit, and an upload's headers."""
@@ -104,7 +106,7 @@ def run_one(workers: int, args, extra: list[str]) -> dict:
            "--gateway-cores", args.gateway_cores, "--kinds", args.kinds, "--attacker-quota", args.attacker_quota,
            "--json", out, *extra]
     print(f"== {workers} worker(s): {' '.join(cmd[1:])}", flush=True)
-    subprocess.run(cmd, cwd=ROOT, check=True)
+    subprocess.run(cmd, cwd=ROOT, check=True, env=child_env())
     with open(out) as f:
         return json.load(f)
 
