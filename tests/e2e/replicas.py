@@ -29,6 +29,7 @@ from services.common.spawn import child_env
 from services.probe import gateway_admitted
 from services.up import Deployment
 from tests.e2e.helpers import metric
+from tests.integration.gateway_processes import call_json
 from tests.integration.redis_fixture import started_store
 
 DEADLINE_S = 120.0
@@ -90,18 +91,8 @@ class ExtraGateway:
     def call(self, method: str, path: str, body: dict | None = None, tenant: str = "",
              timeout: float = DEADLINE_S) -> tuple[int, Any]:
         """One request on a new connection, as ``tenant`` (none: no key); (status, JSON or text)."""
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
-        try:
-            conn.request(method, path, body=None if body is None else json.dumps(body),
-                         headers={"Content-Type": "application/json", **(bearer(tenant) if tenant else {})})
-            r = conn.getresponse()
-            text = r.read().decode()
-        finally:
-            conn.close()
-        try:
-            return r.status, json.loads(text)
-        except ValueError:
-            return r.status, text
+        return call_json(http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout), method, path, body,
+                         bearer(tenant) if tenant else {})
 
     def metric(self, name: str, **labels: str) -> float:
         return metric(self.metrics_port, name, **labels)

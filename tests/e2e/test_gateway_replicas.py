@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from services.gateway.state.store_server import find_executable
-from tests.integration.gateway_processes import CHECKOUT, StubLM, poll
+from tests.integration.gateway_processes import CHECKOUT, StubLM, call_json, poll
 from tests.integration.redis_fixture import started_store
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # the default run has the same over real engines (test_multi_instance)
@@ -85,18 +85,7 @@ class Replica:
         self.proc.wait()
 
     def call(self, method: str, path: str, body: dict | None = None, who: dict = ALICE) -> tuple[int, dict | str]:
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
-        try:
-            conn.request(method, path, body=json.dumps(body) if body is not None else None,
-                         headers={"Content-Type": "application/json", **who})
-            r = conn.getresponse()
-            text = r.read().decode()
-        finally:
-            conn.close()
-        try:
-            return r.status, json.loads(text)
-        except ValueError:
-            return r.status, text
+        return call_json(http.client.HTTPConnection("127.0.0.1", self.port, timeout=60), method, path, body, who)
 
 
 @pytest.fixture

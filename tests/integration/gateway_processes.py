@@ -168,20 +168,7 @@ class WorkersGateway:
     def call(self, method: str, path: str, body: dict | None = None,
              conn: http.client.HTTPConnection | None = None) -> tuple[int, Any]:
         """One request on ``conn`` (default: a new connection, closed after); (status, JSON or text)."""
-        own = conn is None
-        conn = conn or self.connect()
-        try:
-            conn.request(method, path, body=json.dumps(body) if body is not None else None,
-                         headers={"Content-Type": "application/json"})
-            r = conn.getresponse()
-            text = r.read().decode()
-        finally:
-            if own:
-                conn.close()
-        try:
-            return r.status, json.loads(text)
-        except ValueError:
-            return r.status, text
+        return call_json(conn or self.connect(), method, path, body, close=conn is None)
 
     def metric(self, name: str, **labels: str) -> float:
         """The sum of ``name``'s samples with ``labels`` on the internal port's (merged) /metrics."""
@@ -221,3 +208,20 @@ def exited(pid: int) -> bool:
 def reaped(pid: int) -> bool:
     """Its parent has reaped the process: every thread of it is gone, and every socket it held closed."""
     return not psutil.pid_exists(pid)
+
+
+def call_json(conn: http.client.HTTPConnection, method: str, path: str, body: dict | None = None,
+              headers: dict | None = None, close: bool = True) -> tuple[int, Any]:
+    """One JSON request on ``conn`` (closed after, unless ``close`` is False); (status, JSON or text)."""
+    try:
+        conn.request(method, path, body=json.dumps(body) if body is not None else None,
+                     headers={"Content-Type": "application/json", **(headers or {})})
+        r = conn.getresponse()
+        text = r.read().decode()
+    finally:
+        if close:
+            conn.close()
+    try:
+        return r.status, json.loads(text)
+    except ValueError:
+        return r.status, text
