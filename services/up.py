@@ -321,7 +321,7 @@ def run_up(model: str, host: str, port: int, engine_args: str, security: str = "
     for a model that no service could start with or a ``port`` in use (before any starts), and
     ``ServiceExited`` or TimeoutError when a service did not start (all of them stopped). An
     encoder-decoder model (Whisper-class) gets an encoder service where this vLLM runs its encoder apart
-    by the path issue 35 verified (``encoder_apart_verified``), else none: its LM then encodes the audio
+    by the verified encoder-apart path (``encoder_apart_verified``), else none: its LM then encodes the audio
     itself (docs/design.md, Encoder-decoder models). ``lms``: LMs that prefill and decode (default 1, or 0
     beside prefill and decode LMs; more than 0 beside them is a mixed deployment). ``api_keys``: the
     gateway's client keys (``Deployment.api_keys``: its environment, never its command line)."""

@@ -1,4 +1,4 @@
-"""An encoder-decoder model's (Whisper-class) encoder outputs from the EC connector: the worker side of issue 35.
+"""An encoder-decoder model's (Whisper-class) encoder outputs from the EC connector: the worker side of running its encoder apart.
 
 vLLM 0.32 hands such a model's encoder output to the decoder's cross-attention once, as
 ``encoder_outputs = self._execute_mm_encoder(scheduler_output)`` in the model runner's ``_preprocess``,

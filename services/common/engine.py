@@ -81,7 +81,7 @@ class EngineConfig:
     process), "mp" (vLLM's MultiprocExecutor: a worker process beside it) or "auto": "uni" on a CPU host
     for a one-worker engine, vLLM's own choice elsewhere (single-GPU engines are "uni" there already).
     On CPU vLLM picks "mp" by itself, whose worker busy-waits on a shared-memory queue for a second after
-    every step (issue 34: an LM whose requests wait for items burnt a core on it)."""
+    every step (an LM whose requests wait for items would burn a core on it)."""
     vllm_args: dict[str, Any] = field(default_factory=dict)
     """Extra vLLM engine arguments, e.g. {"tensor_parallel_size": 2} (JSON on the command line)."""
 
@@ -139,7 +139,7 @@ ENCODER_DECODER_GAP = (
 
 def encoder_apart_verified(cfg: EngineConfig) -> bool:
     """Whether this install's vLLM runs an encoder-decoder model's encoder apart by the path epd-serve
-    verified (issue 35; ``ectransfer.connector.encoder_decoder``): vLLM 0.32 with its V1 model runner,
+    verified (``ectransfer.connector.encoder_decoder``): vLLM 0.32 with its V1 model runner,
     whose ``_preprocess`` and ``_execute_mm_encoder`` our runner overrides (an engine that picks the V2 runner
 itself is refused by our worker). Read at start, never per request."""
     import vllm
@@ -149,7 +149,7 @@ itself is refused by our worker). Read at start, never per request."""
 
 
 def refuse_encoder_decoder(cfg: EngineConfig, role: str) -> None:
-    """Issue 25's guard, for the encoder service, where the path is not verified
+    """The encoder-decoder guard, for the encoder service, where the path is not verified
     (``encoder_apart_verified``): an encoder for an encoder-decoder model is refused at start (``role``:
     who refuses, for the message)."""
     if is_encoder_decoder(cfg) and not encoder_apart_verified(cfg):

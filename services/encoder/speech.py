@@ -1,4 +1,4 @@
-"""A speech-to-text upload cut into the windows vLLM's own serving cuts (issue 35): the encoder's half of
+"""A speech-to-text upload cut into the windows vLLM's own serving cuts: the encoder's half of
 ``POST /v1/audio/transcriptions`` and ``/translations`` for an encoder-decoder model (Whisper-class).
 
 The gateway hands the encoder the upload's whole body as the client sent it (``MediaItem.

@@ -1,4 +1,4 @@
-"""The fleet's memory: what each instance holds, and how routing weighs it (issue 33).
+"""The fleet's memory: what each instance holds, and how routing weighs it.
 
 One home for the three parts, each owned by one side:
 

@@ -54,9 +54,9 @@ def _ec_config(cfg: LMServiceConfig, engine_cfg: EngineConfig, security: Securit
 
 def ec_consumer(engine_cfg: EngineConfig) -> bool:
     """Whether this LM's engine is an EC consumer (takes encoder outputs over Transfer): every model but
-    an encoder-decoder one where the path issue 35 verified is not (``encoder_apart_verified``: vLLM by
+    an encoder-decoder one where the encoder-apart path is not verified (``encoder_apart_verified``: vLLM by
     itself would decode it without the audio), which this LM then serves as a plain engine, encoding its
-    audio itself (issue 25's guard). Read at start, never per request."""
+    audio itself (the encoder-decoder guard). Read at start, never per request."""
     return not is_encoder_decoder(engine_cfg) or encoder_apart_verified(engine_cfg)
 
 
@@ -82,7 +82,7 @@ def _engine(cfg: LMServiceConfig, engine_cfg: EngineConfig, security: SecurityCo
         raise UnsupportedModel(f"{engine_cfg.model} is an encoder-decoder model: it cannot run as a {cfg.role} LM "
                                "(vLLM 0.32 takes no KV connector for one); run it with --role both")
     if consumer and speech:
-        # Issue 35's path (ectransfer.connector.encoder_decoder): our worker's runner hands the decoder the
+        # The encoder-apart path (ectransfer.connector.encoder_decoder): our worker's runner hands the decoder the
         # transferred encoder outputs; vLLM's own encoder-decoder cache manager (the items carry their audio,
         # and vLLM allocates their cross-attention blocks as for a local encode).
         from vllm.platforms import current_platform

@@ -142,7 +142,7 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
         for item in request.items:
             if not item.identifier or not item.HasField("source"):
                 continue
-            if not self.peers.consumer_id:  # issue 25's guard: an encoder-decoder model's LM is no EC consumer
+            if not self.peers.consumer_id:  # the encoder-decoder guard: such a model's LM is no EC consumer
                 raise BadInput(f"item {item.identifier}: this LM takes no encoder outputs (it serves an "
                                "encoder-decoder model and encodes its media itself)")
             src = item.source
