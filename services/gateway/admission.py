@@ -3,9 +3,10 @@ with a status the client can act on; it never times out half-way through.
 
 The deployment takes at most ``--lm-max-outstanding`` admitted requests at once per
 healthy LM, and ``--encoder-max-outstanding`` per healthy encoder for requests that
-encode on one (``capacity``). The places are pooled, not tied to an instance: routing
-(least outstanding, or the cache policy's spill) spreads them, so one LM may hold more
-than its number while another holds fewer. A request that finds no room waits in its tenant's
+encode on one (``capacity``). These places are pooled, not tied to an instance (admission
+comes before routing); once routing has picked the LM, the request also holds a place on
+that LM (``services.gateway.lm_places``), so no LM holds more than its number either. A
+request that finds no room waits in its tenant's
 FIFO queue (at most ``--admission-queue`` requests per tenant, each at most
 ``--admission-wait-s``); a full queue is 429 (that tenant is over its share: the
 others' queues are untouched), a wait that runs out is 503 (the deployment as a

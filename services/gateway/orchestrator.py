@@ -48,7 +48,9 @@ from services.gateway.fleet import Fleet
 from services.gateway.instances import Instance
 from services.gateway.lm_body import LMBody
 from services.gateway.lm_call import call_lm
+from services.gateway.lm_places import LMPlaces
 from services.gateway.state import SharedState
+from services.gateway.state.base import Lease
 from services.gateway.values import Media, Timings
 
 logger = logging.getLogger(__name__)
@@ -77,6 +79,7 @@ class Orchestrator:
             cfg.lm_max_outstanding, cfg.encoder_max_outstanding if self.fleet.encoders is not None else 0,
             cfg.admission_queue, cfg.admission_wait_s, healthy_lms=self.fleet.generating_lms,
             healthy_encoders=self.fleet.healthy_encoders, quota=quota or (lambda tenant: NO_QUOTA), state=state)
+        self.places = LMPlaces(self.admission.state, cfg.lm_max_outstanding)
 
     # The fleet's, for the front ends (/health, /v1/models, admission).
     @property
@@ -181,6 +184,32 @@ class Orchestrator:
             raise Failure(rpc_error(grpc.StatusCode.UNAVAILABLE, why), "lm", [], retryable=False)
         return lm, decode
 
+    async def _place(self, excluded: dict[str, set[str]], pinned: str | None, disaggregate: bool,
+                     items: list[str], keys: Prefix, key: str) -> tuple[Instance, Instance | None, Lease | None]:
+        """``_pick``, and a place on the LM picked (``lm_places``): an LM full for the front door is passed over
+        for the policy's next pick among the healthy LMs; when every one is full, or the request is pinned to
+        its LM, the policy's own pick takes its place anyway (never refused once admitted). Returns the LM, its
+        decode LM for E -> P -> D, and the place the caller gives back when the attempt ends."""
+        if not self.places.enabled:
+            return *self._pick(excluded, pinned, disaggregate, items, keys, key), None
+        full: set[str] = set()
+        while pinned is None:
+            try:
+                lm, decode = self._pick({**excluded, "lm": excluded["lm"] | full}, pinned, disaggregate, items,
+                                        keys, key)
+            except Failure:
+                if not full:
+                    raise
+                break  # every LM is full
+            if full and lm.address not in {i.address for i in self.fleet.lms.healthy(excluded["lm"])}:
+                break  # past the healthy LMs (the fleet's fallback to ejected ones): every healthy one is full
+            place = await self.places.take(lm)
+            if place is not None:
+                return lm, decode, place
+            full.add(lm.address)
+        lm, decode = self._pick(excluded, pinned, disaggregate, items, keys, key)
+        return lm, decode, await self.places.take(lm, force=True)
+
     async def _encode(self, req, media, timings: Timings, deadline: float, excluded: dict[str, set[str]],
                       ticket: Ticket | None, readers: int, groups: list[EncodeGroup]) -> None:
         """Starts the attempt's encodes into ``groups`` (the caller's, so its cleanup sees them even when
@@ -205,10 +234,12 @@ class Orchestrator:
         decode: Instance | None = None
         groups: list[EncodeGroup] = []
         answered = False
-        # Queued until the first attempt dispatches (planning below does no I/O).
+        place: Lease | None = None  # the place held on the LM that runs the attempt (``lm_places``)
+        # Queued until the first attempt dispatches (planning below does no I/O but the place's).
         timings.queue_ms = timings.queue_ms or timings.since_start_ms()
         try:
-            lm, decode = self._pick(excluded, pinned, disaggregate, [m.identifier for m in media], keys, key)
+            lm, decode, place = await self._place(excluded, pinned, disaggregate, [m.identifier for m in media],
+                                                  keys, key)
             req.prefix_key = keys.last
             if media:
                 # E -> P -> D: the decode LM may need an item too (its recompute of the prompt's last
@@ -230,6 +261,10 @@ class Orchestrator:
                         yield resp
                     return
                 prefill, lm, req = lm, decode, handoff.decode_request(req, params)
+                # The decode LM's place for the prefill LM's: the decode LM is the prefill LM's pick, so taken
+                # past its limit if it must be (counted, never refused).
+                held, place = place, await self.places.take(lm) or await self.places.take(lm, force=True)
+                self.places.give_back(held)
                 timings.prefill_lm, timings.lm = timings.lm, lm.address
             # aclosing: a caller that stops early (client gone) cancels the LM call now,
             # not whenever the garbage collector finalizes the generator.
@@ -249,6 +284,7 @@ class Orchestrator:
                 if holder is not None:
                     self.fleet.answered(holder, [m.identifier for m in media], keys.last)
         finally:
+            self.places.give_back(place)
             if handed and decode is not None:
                 # Handed over and never answered by the decode LM (the client went away between the calls,
                 # the call failed before reaching it): the prefill LM would pin the blocks to its lease.

@@ -10,6 +10,8 @@ and its tenant's ``in_flight``):
 - ``LM``: admitted requests on the LMs (``--lm-max-outstanding`` per generating LM).
 - ``ENCODER``: admitted requests that encode on an encoder (``--encoder-max-outstanding`` per encoder).
 - ``in_flight(tenant)``: the tenant's admitted requests (its ``max_in_flight``).
+- ``lm(address)``: the requests running on that LM (``--lm-max-outstanding`` on each one; taken by routing
+  once it has picked the LM: ``services.gateway.lm_places``).
 - ``images(tenant)``: the tenant's ``images_per_minute`` bucket (``take``, ``charge``, ``give_back``).
 
 Background Responses requests (one ``acquire`` per place, from its reservation until its LM reports the
@@ -26,6 +28,10 @@ BACKGROUND = "background"
 
 def in_flight(tenant: str) -> str:
     return f"admission:tenant:{tenant}"
+
+
+def lm(address: str) -> str:
+    return f"admission:lm:{address}"
 
 
 def images(tenant: str) -> str:
