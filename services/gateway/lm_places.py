@@ -56,6 +56,13 @@ class LMPlaces:
                 OVERFLOW.inc()
         return lease
 
+    async def move(self, held: Lease | None, lm: Instance) -> Lease | None:
+        """A place on ``lm`` for ``held``, which is given back: for an LM the request must use (a prefill LM's
+        decode LM, fixed by the prefill LM), so taken past its limit if it must be (counted, never refused)."""
+        place = await self.take(lm) or await self.take(lm, force=True)
+        self.give_back(held)
+        return place
+
     def give_back(self, lease: Lease | None) -> None:
         if lease is not None:
             self.state.release(lease)

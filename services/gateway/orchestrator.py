@@ -233,8 +233,7 @@ class Orchestrator:
         handed: dict[str, bytes] = {}  # the prefill LM's params until the decode LM answers
         decode: Instance | None = None
         groups: list[EncodeGroup] = []
-        answered = False
-        place: Lease | None = None  # the place held on the LM that runs the attempt (``lm_places``)
+        answered, place = False, None  # place: the one held on the LM that runs the attempt (``lm_places``)
         # Queued until the first attempt dispatches (planning below does no I/O but the place's).
         timings.queue_ms = timings.queue_ms or timings.since_start_ms()
         try:
@@ -261,10 +260,7 @@ class Orchestrator:
                         yield resp
                     return
                 prefill, lm, req = lm, decode, handoff.decode_request(req, params)
-                # The decode LM's place for the prefill LM's: the decode LM is the prefill LM's pick, so taken
-                # past its limit if it must be (counted, never refused).
-                held, place = place, await self.places.take(lm) or await self.places.take(lm, force=True)
-                self.places.give_back(held)
+                place = await self.places.move(place, lm)  # the decode LM's place for the prefill LM's
                 timings.prefill_lm, timings.lm = timings.lm, lm.address
             # aclosing: a caller that stops early (client gone) cancels the LM call now,
             # not whenever the garbage collector finalizes the generator.
