@@ -28,6 +28,14 @@ same transports on loopback in the same run (rows labelled ``grpc (veth)`` and
     python bench/transfer.py --quick --hosts --no-ec-example --transports grpc \
         --json bench/results/transfer-cpu-hosts.json --plot bench/results/transfer-cpu-hosts.png
 
+NIXL (``--transports nixl,...``): on one host UCX picks its own wire (shared memory or CMA);
+with ``--hosts`` it crosses the veth link next to gRPC chunks, held to TCP with ``--ucx-tls tcp``
+(UCX would otherwise find the shared host). Every row has the CPU seconds per GB moved on
+each side (all threads but the benchmark's main one: the transfer threads, gRPC's, UCX's).
+
+    python bench/transfer.py --quick --hosts --no-ec-example --transports nixl,grpc --ucx-tls tcp \
+        --json bench/results/transfer-cpu-nixl-hosts.json --plot bench/results/transfer-cpu-nixl-hosts.png
+
 Targets (docs/benchmarks.md): shm >= 80% of memcpy from 4 MiB, gRPC chunks
 >= 1 GB/s at 16 MiB, CUDA IPC >= 80% of d2d from 8 MiB, <= 100 us p50 control
 overhead on shm/IPC, every transport >= 10x ec_example.
@@ -109,6 +117,11 @@ class ProducerPeer:
         self.proc.stdin.write("stamp\n")
         return float(self._reply())
 
+    def cpu(self) -> float:
+        """CPU seconds of the producer's threads but its main one (which publishes items)."""
+        self.proc.stdin.write("cpu\n")
+        return float(self._reply())
+
     def wait_released(self, ident: str) -> None:
         self.proc.stdin.write(f"released {ident}\n")
         self._reply()
@@ -127,6 +140,8 @@ def serve_producer(args) -> int:
     import threading
 
     torch.set_num_threads(1)
+    reply = sys.stdout  # the replies; anything else printed (NIXL's log lines) goes to stderr
+    sys.stdout = sys.stderr
     transports = tuple(t for t in args.transports.split(",") if t)
     # Plain gRPC on the private bridge too: every host there is this benchmark's own.
     security = None if args.peer_bind.startswith("127.") else SecurityConfig(insecure=True)
@@ -136,21 +151,24 @@ def serve_producer(args) -> int:
     loop = producer.server._loop
     sources: dict = {}
     last: list = [threading.Event(), [0.0]]  # the last put's (adopted, [perf_counter at adoption])
-    print(producer.endpoint, flush=True)
+    print(producer.endpoint, file=reply, flush=True)
     try:
         for line in sys.stdin:
             cmd, *rest = line.split()
             if cmd == "quit":
                 break
+            if cmd == "cpu":
+                print(f"{_cpu_not_main():.9f}", file=reply, flush=True)
+                continue
             if cmd == "stamp":
                 last[0].wait()  # waited for only now: no wake-up of this thread while the item travels
-                print(f"{last[1][0]:.9f}", flush=True)
+                print(f"{last[1][0]:.9f}", file=reply, flush=True)
                 continue
             if cmd == "released":
                 deadline = time.monotonic() + 10
                 while producer.store.contains(rest[0]) and time.monotonic() < deadline:
                     time.sleep(0.0002)
-                print("ok", flush=True)
+                print("ok", file=reply, flush=True)
                 continue
             ident, rows, width, dtype, wait = rest[0], int(rest[1]), int(rest[2]), getattr(torch, rest[3]), rest[4] == "1"
             src = sources.get((rows, width, dtype))
@@ -173,14 +191,19 @@ def serve_producer(args) -> int:
             last[:] = [done, stamp]
             if wait:
                 done.wait()
-                print("ok", flush=True)
+                print("ok", file=reply, flush=True)
     finally:
         producer.close()
     return 0
 
 
+def _cpu_not_main() -> float:
+    """CPU seconds of every thread of this process but the calling (main) one."""
+    return time.process_time() - time.thread_time()
+
+
 def time_transport(name: str, shape, iters: int, producer: ProducerPeer, consumer: Consumer,
-                   reserve_first: bool = False) -> list[float]:
+                   reserve_first: bool = False, cpu: dict | None = None) -> list[float]:
     """Per-item latency through the real protocol, producer in its own process.
 
     Default: the item is published first, timed from the consumer's fetch (the
@@ -189,10 +212,13 @@ def time_transport(name: str, shape, iters: int, producer: ProducerPeer, consume
     step; no wake-up of another thread is added). ``reserve_first``: the
     Reserve waits at the producer first (as in serving: the LM asks while the
     encoder runs), timed from the producer adopting the item to LANDED: the
-    per-item control overhead."""
+    per-item control overhead. ``cpu``: filled with the CPU seconds per GB moved,
+    on each side, over the timed items."""
     nbytes = shape[0] * shape[1] * 2
     lat = []
     for i in range(iters + 2):  # two warm-up items
+        if i == 2 and cpu is not None:
+            c0, p0 = _cpu_not_main(), producer.cpu()
         ident = f"{name}-{shape[0]}x{shape[1]}-{'push' if reserve_first else 'rtt'}-{i}"
         if reserve_first:
             transfer, _, slot = consumer.start(producer.endpoint, ident, nbytes)
@@ -212,6 +238,10 @@ def time_transport(name: str, shape, iters: int, producer: ProducerPeer, consume
         if i >= 2:
             lat.append(dt)
         producer.wait_released(ident)
+    if cpu is not None:
+        gb = nbytes * iters / 1e9
+        cpu["consumer"] = round((_cpu_not_main() - c0) / gb, 3)
+        cpu["producer"] = round((producer.cpu() - p0) / gb, 3)
     return lat
 
 
@@ -293,7 +323,8 @@ def main() -> int:
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cuda: the baseline is one device-to-device copy and the transports default to "
                          "cuda_ipc,shm,grpc (CUDA IPC lands in a GPU tensor; shm and grpc in host staging)")
-    ap.add_argument("--transports", default="", help="comma-separated (cuda_ipc, shm, grpc); default shm,grpc "
+    ap.add_argument("--ucx-tls", default="", help="UCX_TLS for NIXL on both sides (e.g. tcp: hold UCX to TCP)")
+    ap.add_argument("--transports", default="", help="comma-separated (cuda_ipc, shm, grpc, nixl); default shm,grpc "
                                                      "(cuda_ipc,shm,grpc with --device cuda)")
     ap.add_argument("--model", default="", help="model dir for the ECExampleConnector baseline (default: tiny)")
     ap.add_argument("--no-ec-example", action="store_true", help="skip vLLM's ECExampleConnector baseline")
@@ -309,6 +340,8 @@ def main() -> int:
     ap.add_argument("--peer-wrap", default="", help=argparse.SUPPRESS)
     ap.add_argument("--peer-bind", default="127.0.0.1", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.ucx_tls:  # before any NIXL agent: UCX reads it then (the producer peers inherit it)
+        os.environ["UCX_TLS"] = args.ucx_tls
     if args.producer_peer:
         return serve_producer(args)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -317,7 +350,7 @@ def main() -> int:
              .split(",") if t]
     if args.hosts:
         if "grpc" not in names:
-            ap.error("--hosts times grpc across hosts: include grpc in --transports")
+            ap.error("--hosts times grpc (and nixl) across hosts: include grpc in --transports")
         return run_in_hosts()
     # One thread per copy on both sides, so the baseline is one memcpy and the
     # numbers do not depend on OpenMP threads waking up.
@@ -329,7 +362,7 @@ def main() -> int:
     # (transport, link): every transport on loopback; grpc once more across hosts under --hosts.
     runs = [(name, "loopback") for name in names]
     if args.peer_wrap:
-        runs.append(("grpc", "veth"))
+        runs += [(name, "veth") for name in ("grpc", "nixl") if name in names]
     ec = None
     if not args.no_ec_example:
         try:
@@ -385,9 +418,11 @@ def main() -> int:
         for shape in shapes:
             nbytes = shape[0] * shape[1] * 2
             for label, name, link, producer, consumer in lanes:
-                lat = time_transport(name, shape, iters_for(nbytes, args.quick), producer, consumer)
+                cpu: dict = {}
+                lat = time_transport(name, shape, iters_for(nbytes, args.quick), producer, consumer, cpu=cpu)
                 floor = "d2d" if name == "cuda_ipc" else "memcpy"
-                rows.append(_row(label, nbytes, shape, lat, floor, base[floor, shape], link=link))
+                rows.append(_row(label, nbytes, shape, lat, floor, base[floor, shape], link=link,
+                                 cpu_s_per_gb=cpu))
     finally:
         for lane in lanes:
             lane[4].close()
@@ -402,6 +437,7 @@ def main() -> int:
             r["vs_ec_example"] = round(r["gbps"] / r["ec_example_gbps"], 1) if r["ec_example_gbps"] else None
     _print(rows)
     result = {"machine": machine(), "device": args.device, "quick": args.quick, "lane": not args.no_lane,
+              "ucx_tls": os.environ.get("UCX_TLS", ""),
               "method": "producer in its own process; latency = consumer fetch (or producer adoption, "
                         "control_push) -> LANDED recorded on the consumer's transfer thread", "rows": rows}
     if args.peer_wrap:
@@ -459,17 +495,20 @@ def _mtu(dev: str) -> int | None:
         return None
 
 
-def _row(transport, nbytes, shape, lat, baseline, baseline_gbps, kind="bandwidth", link=None) -> dict:
+def _row(transport, nbytes, shape, lat, baseline, baseline_gbps, kind="bandwidth", link=None,
+         cpu_s_per_gb=None) -> dict:
     p50 = statistics.median(lat)
     gbps = nbytes / p50 / 1e9
     return {"transport": transport, "link": link, "kind": kind, "nbytes": nbytes, "shape": list(shape), "iters": len(lat),
+            "cpu_s_per_gb": cpu_s_per_gb or None,
             "gbps": round(gbps, 3), "p50_us": round(p50 * 1e6, 1), "p99_us": round(pct(lat, 0.99) * 1e6, 1),
             "baseline": baseline, "baseline_gbps": round(baseline_gbps, 3) if baseline_gbps else None,
             "vs_baseline": round(gbps / baseline_gbps, 3) if baseline_gbps else None}
 
 
 def _print(rows: list[dict]) -> None:
-    hdr = f"{'transport':<16}{'size':>10}{'GB/s':>9}{'p50 us':>11}{'p99 us':>11}{'vs base':>9}{'vs ECEx':>9}"
+    hdr = (f"{'transport':<16}{'size':>10}{'GB/s':>9}{'p50 us':>11}{'p99 us':>11}{'vs base':>9}{'vs ECEx':>9}"
+           f"{'cpu s/GB p,c':>14}")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
@@ -480,7 +519,9 @@ def _print(rows: list[dict]) -> None:
             size += "**"
         vb = f"{r['vs_baseline']:.0%}" if r.get("vs_baseline") else ""
         ve = f"{r['vs_ec_example']:.0f}x" if r.get("vs_ec_example") else ""
-        print(f"{r['transport']:<16}{size:>10}{r['gbps']:>9.2f}{r['p50_us']:>11.1f}{r['p99_us']:>11.1f}{vb:>9}{ve:>9}")
+        cpu = f"{r['cpu_s_per_gb']['producer']:.2f},{r['cpu_s_per_gb']['consumer']:.2f}" if r.get("cpu_s_per_gb") else ""
+        print(f"{r['transport']:<16}{size:>10}{r['gbps']:>9.2f}{r['p50_us']:>11.1f}{r['p99_us']:>11.1f}{vb:>9}{ve:>9}"
+              f"{cpu:>14}")
     print("*  256-byte item, item ready before the Reserve: a full Reserve -> header round trip")
     print("** 256-byte item, Reserve outstanding (as in serving): item adopted by the producer -> landed "
           "= per-item control overhead")

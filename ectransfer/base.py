@@ -45,6 +45,9 @@ Consumer half (LM engine process, on the transfer client's thread):
     ``where(desc)``            (memory, offset) of an in-place item: the
                                producer's segment or pool it lies in.
     ``forget(memory)``         unmap that memory (its producer went away).
+    ``release(offer)``         the stream whose handshake chose ``offer`` ended:
+                               drop what its probe set up (NIXL: the producer's
+                               remote agent).
     ``shared_mappings``        the mappings are process-wide (CUDA IPC), so the
                                transfer client leaves ``forget`` to the
                                connector, after vLLM's worker read them.
@@ -203,6 +206,11 @@ class ConsumerTransport(ABC):
 
     def forget(self, memory: str) -> None:
         """Unmaps ``memory`` (a ``where`` name) of a producer that went away."""
+        return None
+
+    def release(self, offer: transfer_pb2.TransportOffer | None) -> None:
+        """The stream whose handshake chose ``offer`` (its proven offer) ended: drop what the
+        probe set up for it. Called once per stream by the transfer client, on its thread."""
         return None
 
     def locate(self, desc: transfer_pb2.TensorDescriptor) -> None:

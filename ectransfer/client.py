@@ -190,6 +190,8 @@ class TransferClient:
         # their next loads (``take_unmapped``), so a restarted producer's old
         # pool is not kept alive.
         transport = peer.transport
+        if transport is not None:
+            transport.release(peer.proven)  # what its probe set up for this stream (NIXL: the remote agent)
         if transport is not None and peer.mapped:
             if not transport.shared_mappings:
                 for memory in peer.mapped:

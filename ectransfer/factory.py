@@ -16,6 +16,8 @@ _REGISTRY: dict[str, tuple[str, str, str, int]] = {
     "cuda_ipc": ("ectransfer.cuda_ipc", "CudaIpcProducer", "CudaIpcConsumer", transfer_pb2.CUDA_IPC),
     "shm": ("ectransfer.shm", "ShmProducer", "ShmConsumer", transfer_pb2.SHM),
     "grpc": ("ectransfer.grpc_stream", "GrpcChunkProducer", "GrpcChunkConsumer", transfer_pb2.GRPC_CHUNKS),
+    # Opt-in (never in ``auto``): UCX's wire between hosts is the cluster's to set (docs/configuration.md).
+    "nixl": ("ectransfer.nixl", "NixlProducer", "NixlConsumer", transfer_pb2.NIXL),
 }
 NAMES = tuple(_REGISTRY)
 AUTO = "auto"

@@ -40,6 +40,7 @@ ENC_PORT, TRANSFER_PORT, ENC_METRICS = 50051, 50052, 9101
 LM_PORT, LM_METRICS = 50061, 9102
 GATEWAY_PORTS = {"dns": 8000, "three": 8001, "pod": 8002}
 ENCODERS_NAME, LMS_NAME = "encoders.epd", "lms.epd"
+NIXL_ENCODER_TRANSPORTS = "shm,grpc,nixl"  # enc2's: what auto resolves to on CPU, and NIXL for an LM that asks
 
 # Bounds the fault tests rely on (and state): an LM gives up on a silent encoder after
 # TRANSFER_TIMEOUT_S, a gateway on an Encode after ENCODE_TIMEOUT_S; an unacked encoder
@@ -135,10 +136,12 @@ class Cluster:
         enc_cores, lm_cores = split_cores()
         common = ["--model", self.model, *sec_args]
         for h in self.encoder_hosts:
+            # enc2 offers NIXL too, to an LM that asks for it (``use_nixl``); the LMs' ``auto`` never does.
+            nixl = ["--transports", NIXL_ENCODER_TRANSPORTS] if h is self.enc2 else []
             self._service(h.name, h, ["encoder", "--host", h.ip, "--port", str(ENC_PORT), "--transfer-host", h.ip,
                                       "--advertise-host", h.ip, "--transfer-port", str(TRANSFER_PORT),
                                       "--metrics-port", str(ENC_METRICS), "--metrics-host", h.ip,
-                                      "--cpu-cores", enc_cores, "--lease-s", str(LEASE_S), *common])
+                                      "--cpu-cores", enc_cores, "--lease-s", str(LEASE_S), *nixl, *common])
         for h in self.lm_hosts:
             self._service(h.name, h, ["lm", "--host", h.ip, "--port", str(LM_PORT), "--metrics-port", str(LM_METRICS),
                                       "--metrics-host", h.ip, "--cpu-cores", lm_cores,
@@ -213,6 +216,19 @@ class Cluster:
                                    "dns": (self.encoder_hosts, self.lm_hosts)}.items():
             self.wait_admitted(gname, encs, lms, timeout=max(60.0, t0 + timeout - time.monotonic()))
         return self
+
+    def use_nixl(self, lm: Host, timeout: float = 300) -> None:
+        """Restarts ``lm`` with ``--transports nixl`` and UCX held to TCP (UCX would otherwise find
+        the encoder's process on this machine and read it by CMA): its embeddings are READ over the
+        network, and it says so in the answer's facts. The LM stays so until the cluster stops."""
+        svc = self.services[lm.name]
+        svc.stop()
+        args = [*svc.args, "--transports", "nixl"]
+        argv = lm.wrap([sys.executable, "-m", "services.cli", *args])
+        self.services[lm.name] = new = Service(lm.name, args, svc.log_path, command=argv)
+        new.start({**self.env(), "UCX_TLS": "tcp"})
+        wait_ready({new: lambda: logged_ready(new) and self.client.health(self.lm_addr(lm))},
+                   time.monotonic() + timeout, poll_s=1.0)
 
     def restart(self, name: str) -> None:
         svc = self.services[name]

@@ -19,7 +19,7 @@ from tests.references import MULTIHOST, REFERENCE_REQUESTS
 REQUESTS = MULTIHOST  # the scenarios' requests (tests/references.py)
 
 # Test files in the order their scenarios must run: the shared deployment is hurt last.
-ORDER = ["test_three_hosts", "test_pod", "test_headless_names", "test_faults", "test_pd_hosts"]
+ORDER = ["test_three_hosts", "test_pod", "test_headless_names", "test_faults", "test_pd_hosts", "test_nixl_hosts"]
 
 
 def pytest_collection_modifyitems(config, items):
