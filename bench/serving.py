@@ -26,6 +26,15 @@ same cores (``--cores``, default: all of this machine):
   ``ec_consumer`` one on the other half, and ``bench/ec_proxy.py`` in front,
   which drives them sequentially as upstream's example proxy does. Same engine
   settings as our services (``services.common.engine.EngineConfig`` defaults).
+* ``vllm-mooncake``: vLLM's ``ECMooncakeConnector`` as vLLM's guide sets it up for 1E + 1PD: an
+  ``ec_producer`` server on half the cores, an ``ec_consumer`` one (``--enable-mm-embeds``, its Mooncake
+  control address ``ec_ip``/``ec_port``) on the other half, Mooncake's transfer engine over TCP
+  (``MC_FORCE_TCP=1``, buffers in host memory), behind ``bench/mooncake_proxy.py`` (upstream proxy's
+  choreography: encode with transfer ids and the consumer's address, then the request to the consumer
+  naming them). Needs ``make bench-mooncake-install`` (``mooncake-transfer-engine-non-cuda``). On CPU
+  (vLLM's V1 model runner) the consumer loads a push only in a step that has tokens to run: an image
+  request that finds it idle waits for ``push_wait_timeout_s`` (docs/benchmarks.md).
+* ``epd-nixl``: ``epd`` with ``--transports nixl`` on the encoder and the LM.
 
 For the gateway systems the benchmark reads the gateway's
 ``epd_gateway_stage_seconds`` histograms before and after each run and reports
@@ -77,7 +86,8 @@ from tools.media import data_url, make_image
 
 WORDS = ("the river light stone cloud north window garden silver market evening paper quiet "
          "engine summer letter mountain bridge winter forest harbor lantern orchard").split()
-SYSTEMS = ("colocated", "colocated-dp2", "epd", "epd-wait", "epd-seq", "epd-mp", "epd-auto", "vllm-ec", "epd-pd", "vllm-epd")
+SYSTEMS = ("colocated", "colocated-dp2", "epd", "epd-wait", "epd-seq", "epd-mp", "epd-auto", "vllm-ec", "epd-pd", "vllm-epd",
+           "vllm-mooncake", "epd-nixl")
 STAGES = ("queue", "metadata", "encode", "transfer", "lm_queue", "ttft", "tpot", "total")
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -180,8 +190,8 @@ def _halves(cores: list[int]) -> tuple[list[int], list[int]]:
 GPU_SHARES = {"colocated": {"lm": 0.85}, "colocated-dp2": {"lm0": 0.42, "lm1": 0.42},
               "epd": {"encoder": 0.2, "lm": 0.65}, "epd-wait": {"encoder": 0.2, "lm": 0.65},
               "epd-seq": {"encoder": 0.2, "lm": 0.65}, "epd-mp": {"encoder": 0.2, "lm": 0.65},
-              "epd-auto": {"encoder": 0.2, "lm": 0.65},
-              "vllm-ec": {"producer": 0.2, "consumer": 0.65},
+              "epd-auto": {"encoder": 0.2, "lm": 0.65}, "epd-nixl": {"encoder": 0.2, "lm": 0.65},
+              "vllm-ec": {"producer": 0.2, "consumer": 0.65}, "vllm-mooncake": {"producer": 0.2, "consumer": 0.65},
               "epd-pd": {"encoder": 0.15, "prefill": 0.35, "decode": 0.35},
               "vllm-epd": {"producer": 0.15, "prefill": 0.35, "decode": 0.35}}
 
@@ -238,6 +248,44 @@ def vllm_server_argv(model: str, port: int, vllm_args: dict, ec: dict | None, de
 
 # The environment the services run vLLM under (services.common.engine), for the vLLM servers of ``vllm-ec``.
 VLLM_ENV = dict(SERVICE_ENV)
+
+# vllm-mooncake: each side's registered buffer (ec_buffer_size; vLLM's default is 1e9). The consumer's
+# holds every reserved, not yet consumed encoder output (an image of the bench models is under 1 MiB).
+MOONCAKE_BUFFER_BYTES = 256 << 20
+# vllm-mooncake's proxy: upstream's --no-rewrite (the consumer gets the images as sent, with their transfer
+# ids). Upstream's default rewrites each image to metadata-only embeds, but only for a model whose parser
+# declares placeholder metadata (Qwen-VL's image_grid_thw); the bench models (Idefics3) declare none, so
+# that path sends the image without its uuid and without naming its transfer, and the consumer waits for
+# a push under its own hash of the image until push_wait_timeout_s (60 s) fails the request (measured).
+MOONCAKE_REWRITE = False
+# Where `make bench-mooncake` unpacks Debian's libibverbs1 (and libnl) when it cannot install them as
+# root: the transfer engine's extension links libibverbs.so.1 even for TCP.
+MOONCAKE_LIBS = os.environ.get("EPD_MOONCAKE_LIBS", os.path.join(os.path.dirname(BENCH_DIR), ".venv", "mooncake-libs"))
+
+
+def mooncake_ec_configs(device: str, control_port: int) -> tuple[dict, dict]:
+    """``--ec-transfer-config`` of the producer and the consumer of ``vllm-mooncake``, as vLLM's
+    ECMooncakeConnector guide writes them for 1E + 1PD, over TCP (the guide's no-RDMA path): the
+    consumer listens for reservations on ``ec_ip``:``ec_port``, the proxy names that address to the
+    producer. On CPU both buffers are host memory (``ec_buffer_device`` "cpu")."""
+    common = {"ec_connector": "ECMooncakeConnector", "ec_buffer_size": MOONCAKE_BUFFER_BYTES,
+              "ec_buffer_device": "cpu" if device == "cpu" else "cuda",
+              "ec_connector_extra_config": {"mooncake_protocol": "tcp"}}
+    return ({**common, "ec_role": "ec_producer"},
+            {**common, "ec_role": "ec_consumer", "ec_ip": "127.0.0.1", "ec_port": control_port})
+
+
+def mooncake_env(libs: str = MOONCAKE_LIBS) -> dict[str, str]:
+    """The environment of a ``vllm-mooncake`` server: TCP forced (the guide's TCP path: the engine could
+    pick RDMA where a device exists) and, where the libraries were unpacked without root, their folder
+    first on the library path."""
+    env = {"MC_FORCE_TCP": "1"}
+    dirs = sorted(d for d in (os.path.join(libs, sub) for sub in ("usr/lib/x86_64-linux-gnu", "usr/lib/aarch64-linux-gnu",
+                                                                 "lib/x86_64-linux-gnu", "lib/aarch64-linux-gnu"))
+                  if os.path.isdir(d))
+    if dirs:
+        env["LD_LIBRARY_PATH"] = os.pathsep.join([*dirs, *filter(None, [os.environ.get("LD_LIBRARY_PATH")])])
+    return env
 
 
 class System:
@@ -313,6 +361,25 @@ class System:
                 sys.executable, os.path.join(BENCH_DIR, "ec_proxy.py"), "--port", str(self.port),
                 "--producer", urls[0], "--consumer", urls[1], "--model", model])
             return
+        if name == "vllm-mooncake":
+            control = free_port()
+            urls = []
+            for role, cs, ec, extra in zip(("producer", "consumer"), (a, b), mooncake_ec_configs(device, control),
+                                           ([], ["--enable-mm-embeds"])):
+                port = free_port()
+                env = {**VLLM_ENV, **mooncake_env(),
+                       **({"VLLM_CPU_OMP_THREADS_BIND": _fmt(cs)} if device == "cpu" else {})}
+                svc = Command(role, [], log(role), extra_env=env, command=[*vllm_server_argv(
+                    model, port, engine_args_for(name, role, device, base_args), ec, device),
+                    "--enable-request-id-headers", *extra])
+                url = f"http://127.0.0.1:{port}"
+                self.engines.append((svc, (lambda u: lambda: http_ok(u + "/health"))(url)))
+                urls.append(url)
+            self.front = Command("proxy", [], log("proxy"), command=[
+                sys.executable, os.path.join(BENCH_DIR, "mooncake_proxy.py"), "--port", str(self.port),
+                "--encoder", urls[0], "--consumer", urls[1], "--consumer-zmq", f"tcp://127.0.0.1:{control}",
+                "--model", model, *([] if MOONCAKE_REWRITE else ["--no-rewrite"])])
+            return
         if name == "colocated":
             lms, encoders = [epd_service("lm", "lm", cores)], []
         elif name == "colocated-dp2":
@@ -323,8 +390,10 @@ class System:
                    for role, cs in (("prefill", p_cores), ("decode", d_cores))]
         else:  # epd, epd-auto (the gateway's --placement auto), epd-wait (the LM waits for every item), epd-seq
             # (the gateway's --dispatch sequential: the LM gets a request once its items are encoded), epd-mp
-            # (both engines with vLLM's CPU default executor: a worker process beside each EngineCore)
+            # (both engines with vLLM's CPU default executor: a worker process beside each EngineCore), epd-nixl
+            # (the NIXL transport forced on both ends)
             mp = ["--executor", "mp"] if name == "epd-mp" else []
+            mp += ["--transports", "nixl"] if name == "epd-nixl" else []
             wait = ["--no-connector-prefill-in-step"] if name == "epd-wait" else []
             encoders, lms = [epd_service("encoder", "encoder", a, mp)], [epd_service("lm", "lm", b, wait + mp)]
         self.front = Service("gateway", ["gateway", "--epd-facts", "--port", str(self.port), "--lms", ",".join(lms),
@@ -397,7 +466,7 @@ class System:
         """Cumulative per-stage (sum seconds, count): the gateway's histograms, or for ``vllm-ec`` and
         ``vllm-epd`` the proxy's producer round trips (its "encode" stage) and prefill round trips."""
         base = f"http://127.0.0.1:{self.port}"
-        if self.name in ("vllm-ec", "vllm-epd"):
+        if self.name in ("vllm-ec", "vllm-epd", "vllm-mooncake"):
             with urllib.request.urlopen(base + "/stats", timeout=5) as r:
                 s = json.load(r)
             return {stage: (s[f"{stage}_s_sum"], s[f"{stage}_count"]) for stage in ("encode", "prefill")

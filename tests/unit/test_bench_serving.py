@@ -81,3 +81,39 @@ def test_e_p_d_systems_place_their_three_engines_alike_and_vllms_follows_upstrea
     assert kv["kv_role"] == "kv_consumer" and kv["kv_buffer_device"] == "cpu"
     assert p.extra_env["VLLM_NIXL_SIDE_CHANNEL_PORT"] != d.extra_env["VLLM_NIXL_SIDE_CHANNEL_PORT"]
     assert _flag(vllm.front.argv, "--prefill") and _flag(vllm.front.argv, "--consumer")
+
+
+def test_vllm_mooncake_is_upstreams_1e1pd_over_tcp_with_the_consumers_control_address_named_to_the_proxy(
+        serving, tmp_path):
+    system = serving.System("vllm-mooncake", "/models/m", [0, 1], str(tmp_path), "{}")
+    (e, _), (pd, _) = system.engines
+    producer, consumer = (json.loads(_flag(s.argv, "--ec-transfer-config")) for s in (e, pd))
+    assert (producer["ec_connector"], consumer["ec_connector"]) == ("ECMooncakeConnector", "ECMooncakeConnector")
+    assert (producer["ec_role"], consumer["ec_role"]) == ("ec_producer", "ec_consumer")
+    assert producer["ec_connector_extra_config"] == consumer["ec_connector_extra_config"] == {"mooncake_protocol": "tcp"}
+    assert producer["ec_buffer_device"] == consumer["ec_buffer_device"] == "cpu"
+    assert "--enable-mm-embeds" in pd.argv and "--enable-mm-embeds" not in e.argv
+    assert all("--enable-request-id-headers" in s.argv for s in (e, pd))
+    assert [s.extra_env["VLLM_CPU_OMP_THREADS_BIND"] for s in (e, pd)] == ["0", "1"]
+    assert e.extra_env["MC_FORCE_TCP"] == pd.extra_env["MC_FORCE_TCP"] == "1"
+    proxy = system.front.argv
+    assert proxy[1].endswith("mooncake_proxy.py")
+    assert _flag(proxy, "--consumer-zmq") == f"tcp://{consumer['ec_ip']}:{consumer['ec_port']}"
+    assert _flag(proxy, "--encoder").startswith("http://") and _flag(proxy, "--consumer") != _flag(proxy, "--encoder")
+    assert ("--no-rewrite" in proxy) == (not serving.MOONCAKE_REWRITE)
+
+
+def test_vllm_mooncake_puts_unpacked_verbs_libraries_first_on_the_library_path(serving, tmp_path, monkeypatch):
+    assert "LD_LIBRARY_PATH" not in serving.mooncake_env(str(tmp_path / "none"))
+    libdir = tmp_path / "usr" / "lib" / "x86_64-linux-gnu"
+    libdir.mkdir(parents=True)
+    monkeypatch.setenv("LD_LIBRARY_PATH", "/opt/x")
+    assert serving.mooncake_env(str(tmp_path))["LD_LIBRARY_PATH"] == f"{libdir}{os.pathsep}/opt/x"
+
+
+def test_epd_nixl_forces_the_nixl_transport_on_both_ends_and_is_otherwise_epd(serving, tmp_path):
+    nixl = serving.System("epd-nixl", "/models/m", [0, 1], str(tmp_path), "{}")
+    plain = serving.System("epd", "/models/m", [0, 1], str(tmp_path), "{}")
+    assert [_flag(svc.argv, "--transports") for svc, _ in nixl.engines] == ["nixl", "nixl"]
+    assert [svc.args[0] for svc, _ in nixl.engines] == [svc.args[0] for svc, _ in plain.engines] == ["encoder", "lm"]
+    assert all("--transports" not in svc.argv for svc, _ in plain.engines)
