@@ -27,6 +27,7 @@ from collections.abc import Mapping
 
 from ectransfer.connector.config import ConnectorTuning
 from peerauth import SecurityConfig
+from services.autoscale.policy import Budget
 from services.certs import make_certs
 from services.child import ServiceExited
 from services.common.config import add_dataclass_args, from_args
@@ -173,8 +174,23 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--insecure", action="store_true",
                    help="pass --insecure to every service: --security token or none on a non-loopback --host, "
                         "with a warning (only where the network is trusted)")
-
+    u.add_argument("--encoders", type=int, default=1, help="encoder services at start (they share the encoder "
+                   "half of the cores); with --autoscale, the autoscaler adds and removes them")
+    _add_elastic_args(u)
     return p
+
+
+def _add_elastic_args(u: argparse.ArgumentParser) -> None:
+    """``epd up``'s flags for instances that leave and the local autoscaler."""
+    u.add_argument("--drain-grace-s", type=float, default=30.0,
+                   help="every encoder's and LM's --drain-grace-s: how long one that leaves (removed, or an "
+                        "autoscaler's scale-down) may take to finish what it holds")
+    u.add_argument("--autoscale", action="store_true",
+                   help="run the local autoscaler: add and remove encoders and LMs from their scaling signals, "
+                        "within the --autoscale-* budget (docs/design.md, \"Elastic fleet\")")
+    u.add_argument("--autoscale-interval-s", type=float, default=2.0,
+                   help="seconds between the autoscaler's scrapes of the instances' metrics ports")
+    add_dataclass_args(u.add_argument_group("autoscale (with --autoscale)"), Budget, prefix="autoscale_")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -305,7 +321,9 @@ def _main(argv: list[str] | None = None) -> int:
                                         *([f"--workers={ns.workers}"] if ns.workers != 1 else []),
                                         *shlex.split(ns.gateway_args)],
                           insecure=ns.insecure, prefills=ns.prefills, decodes=ns.decodes, lms=ns.lms,
-                          api_keys=ns.api_key)
+                          api_keys=ns.api_key, encoders=ns.encoders, drain_grace_s=ns.drain_grace_s,
+                          autoscale=from_args(Budget, ns, prefix="autoscale_") if ns.autoscale else None,
+                          autoscale_interval_s=ns.autoscale_interval_s)
         except (ValueError, StartupError) as e:  # refused before anything started
             say_error(e)
             return 2

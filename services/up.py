@@ -5,6 +5,12 @@ session, so its vLLM engine processes go down with it), shows progress until
 each is ready, and stops them on ``stop()``: the gateway first, then the
 encoders and LMs together (SIGTERM, then SIGKILL after a grace period). Shared-memory segments left by a killed child are
 removed at the end. The e2e tests and the demo use the same class.
+
+The fleet is elastic: ``add_encoder``/``add_lm`` start one more instance and ``remove`` lets one go
+(SIGTERM: it drains within ``--drain-grace-s``, then it is killed if still there). The gateway learns of
+both from its ``--fleet-file`` (``services.gateway.fleet_file``), which the deployment rewrites atomically
+on every change. ``run_up`` keeps serving when an encoder or LM exits (only the gateway's exit ends it), and
+with ``--autoscale`` runs the local autoscaler (``services.autoscale``) on the deployment.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from services.common.spawn import child_env
 from services.gateway.config import API_KEYS_ENV
 from services.probe import gateway_admitted, grpc_serving
 from services.startup_errors import check_model, check_port, explain
+from services.up_elastic import Elastic, watch
 
 KV_HOST = "127.0.0.1"
 """Where ``epd up``'s prefill and decode LMs bind NIXL's side channel: they all run on this host."""
@@ -87,7 +94,7 @@ def gateway_key_env(api_keys: list[str] | None) -> dict[str, str]:
 
 
 @dataclass
-class Deployment:
+class Deployment(Elastic):
     model: str
     host: str = "127.0.0.1"
     port: int = 0
@@ -122,6 +129,9 @@ class Deployment:
     api_keys: list[str] = field(default_factory=list, repr=False)
     """The gateway's client API keys (``epd up --api-key``): given to the gateway alone, through its
     environment (``gateway_key_env``), never its command line."""
+    drain_grace_s: float = 30.0
+    """Every encoder's and LM's ``--drain-grace-s``: how long one told to leave (``remove``, ``stop``) may
+    take to finish what it holds; ``remove`` kills what is left after this and a shutdown margin."""
 
     def __post_init__(self) -> None:
         h = self.host
@@ -138,8 +148,12 @@ class Deployment:
         """The security flags of this deployment's services (for a service a caller adds beside them)."""
         if self.insecure:
             sec_args.append("--insecure")
-        common = ["--model", self.model, "--vllm-args", self.engine_args, *sec_args]
-        enc_cores, lm_cores = split_cores()
+        self._elastic_init()
+        self.fleet_file = os.path.join(self.log_dir, "fleet.json")
+        """The gateway's ``--fleet-file``: every encoder and LM that serves or is starting (rewritten whole)."""
+        common = self._common = ["--model", self.model, "--vllm-args", self.engine_args, *sec_args,
+                                 "--drain-grace-s", str(self.drain_grace_s)]
+        enc_cores, lm_cores = self.enc_cores, self.lm_cores = split_cores()
         n_enc = self.n_encoders if self.with_encoder else 0
         self.encoders = [self._service("encoder", i, n_enc, ["--transfer-host", h, "--cpu-cores", enc_cores,
                                                              *common, *self.encoder_args]) for i in range(n_enc)]
@@ -160,10 +174,12 @@ class Deployment:
                                            "--grpc-port", self.gateway_grpc.split(":")[1],
                                            "--metrics-port", str(self.gateway_metrics),
                                            "--encoders", ",".join(e.address for e in self.encoders),
-                                           "--lms", ",".join(lm.address for lm in self.lms), *sec_args,
+                                           "--lms", ",".join(lm.address for lm in self.lms),
+                                           "--fleet-file", self.fleet_file, *sec_args,
                                            *(["--epd-facts"] if facts else []), *self.gateway_args],
                                os.path.join(self.log_dir, "gateway.log"))
         self.services = [*self.encoders, *self.lms, self.gateway]
+        self._write_fleet()
 
     def _security_files(self) -> dict[str, str]:
         """The token (and certificates) in this deployment's log directory, 0600."""
@@ -316,7 +332,8 @@ def up_lms(prefills: int, decodes: int, lms: int | None) -> int:
 def run_up(model: str, host: str, port: int, engine_args: str, security: str = "auto",
            encoder_args: list[str] | None = None, lm_args: list[str] | None = None,
            gateway_args: list[str] | None = None, insecure: bool = False, prefills: int = 0,
-           decodes: int = 0, lms: int | None = None, api_keys: list[str] | None = None) -> int:
+           decodes: int = 0, lms: int | None = None, api_keys: list[str] | None = None, encoders: int = 1,
+           drain_grace_s: float = 30.0, autoscale=None, autoscale_interval_s: float = 2.0) -> int:
     """``epd up``. Raises ValueError for a configuration refused before anything starts, StartupError
     for a model that no service could start with or a ``port`` in use (before any starts), and
     ``ServiceExited`` or TimeoutError when a service did not start (all of them stopped). An
@@ -324,9 +341,12 @@ def run_up(model: str, host: str, port: int, engine_args: str, security: str = "
     by the verified encoder-apart path (``encoder_apart_verified``), else none: its LM then encodes the audio
     itself (docs/design.md, Encoder-decoder models). ``lms``: LMs that prefill and decode (default 1, or 0
     beside prefill and decode LMs; more than 0 beside them is a mixed deployment). ``api_keys``: the
-    gateway's client keys (``Deployment.api_keys``: its environment, never its command line)."""
+    gateway's client keys (``Deployment.api_keys``: its environment, never its command line). ``autoscale``:
+    a ``services.autoscale.policy.Budget`` for the local autoscaler (None: a fixed fleet); ``watch`` waits."""
     check_security(host, security, insecure)  # refused before anything else is read
     lms = up_lms(prefills, decodes, lms)
+    if encoders < 1 or drain_grace_s < 0:
+        raise ValueError(f"--encoders must be >= 1 and --drain-grace-s >= 0; got {encoders}, {drain_grace_s}")
     check_port("--port", host, port)  # the one port chosen by the caller, not free_port
     check_model(model)
     configure_process_env()  # the check below reads the model's config as the services will
@@ -343,8 +363,8 @@ def run_up(model: str, host: str, port: int, engine_args: str, security: str = "
               "itself; /v1/audio/transcriptions and /v1/audio/translations)", flush=True)
     dep = Deployment(model=model, host=host, port=port, engine_args=engine_args, security=security,
                      encoder_args=encoder_args or [], lm_args=lm_args or [], gateway_args=gateway_args or [],
-                     insecure=insecure, with_encoder=not lm_alone, n_lms=lms,
-                     n_prefills=prefills, n_decodes=decodes, api_keys=api_keys or [])
+                     insecure=insecure, with_encoder=not lm_alone, n_lms=lms, n_encoders=encoders,
+                     n_prefills=prefills, n_decodes=decodes, api_keys=api_keys or [], drain_grace_s=drain_grace_s)
     stop = {"now": False}
 
     def on_signal(signum, frame):
@@ -352,18 +372,21 @@ def run_up(model: str, host: str, port: int, engine_args: str, security: str = "
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    scaler = None
     try:
         dep.start()
         print(json.dumps({"gateway": dep.url + "/v1", "encoder": dep.encoder_addr,
                           **{lm.name: lm.address for lm in dep.lms}}), flush=True)
+        if autoscale is not None:
+            from services.autoscale.loop import Autoscaler, lm_slots
+
+            slots = lm_slots(engine_args, lm_args, EngineConfig.max_num_seqs)
+            scaler = Autoscaler(dep, autoscale, interval_s=autoscale_interval_s, lm_slots=slots).start()
         print("Ctrl-C stops everything.", flush=True)
-        while not stop["now"]:
-            for svc in dep.services:
-                if not svc.alive():
-                    print(f"{svc.name} exited unexpectedly:\n{svc.log_tail()}", file=sys.stderr)
-                    return 1
-            time.sleep(0.5)
+        return watch(dep, stop)
     finally:
         print("epd up: shutting down", flush=True)
+        if scaler is not None:
+            scaler.stop()
         dep.stop()
-    return 0
+

@@ -43,6 +43,11 @@ class EncoderServiceConfig(MediaConfig):
     """An outbound item nobody acked within this time is freed."""
     encode_timeout_s: float = 60.0
     """An Encode that takes longer fails with DEADLINE_EXCEEDED."""
+    drain_grace_s: float = 30.0
+    """On SIGTERM: how long this instance may take to finish the work it holds before it stops (it turns
+    NOT_SERVING at once, so gateways route it nothing new; services/common/drain.py). What is still in flight
+    then is cut (the gateway retries it elsewhere before its first token). 0: stop at once. A supervisor's
+    kill timeout (Kubernetes' terminationGracePeriodSeconds) must be longer."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -51,6 +56,8 @@ class EncoderServiceConfig(MediaConfig):
         if not (self.host_tier_mib == -1 or 0 <= self.host_tier_mib <= self.outbound_pool_mib):
             raise ValueError(f"host_tier_mib must be -1 (a quarter of the pool) or 0 to outbound_pool_mib "
                              f"({self.outbound_pool_mib}), got {self.host_tier_mib}")
+        if self.drain_grace_s < 0:
+            raise ValueError(f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
 
     def host_tier_bytes(self) -> int:
         mib = self.outbound_pool_mib / 4 if self.host_tier_mib == -1 else self.host_tier_mib

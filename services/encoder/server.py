@@ -2,8 +2,11 @@
 
 Start: reserve the Transfer port (``reserve_port``), build the producer engine
 (its connector binds the Transfer server on that port in the engine process),
-then serve EncoderService + health + reflection. Stop: NOT_SERVING, stop gRPC,
-then shut the engine down (which stops the Transfer server and frees the pool).
+then serve EncoderService + health + reflection. Stop (SIGTERM): drain first
+(``services.common.drain``: NOT_SERVING, then wait within ``--drain-grace-s`` until
+no Encode is in flight and every output in the outbound pool was read and acked
+by its LM), then stop gRPC and shut the engine down (which stops the Transfer
+server and frees the pool, the host tier's kept outputs with it).
 
 vLLM is imported at the top: ``epd encoder`` imports this module after ``configure_process_env``
 (``services.cli.service_module``).
@@ -26,6 +29,7 @@ from ectransfer.shm import cleanup_orphans
 from epd.encoder.v1 import encoder_pb2, encoder_pb2_grpc
 from epd.transfer.v1 import transfer_pb2, transfer_pb2_grpc
 from peerauth import SecurityConfig
+from services.common.drain import InFlight, drain
 from services.common.engine import (
     EngineConfig,
     build_async_engine,
@@ -120,6 +124,21 @@ def check(cfg: EncoderServiceConfig, security: SecurityConfig) -> None:
         exposure_for(cfg.metrics_host, security)
 
 
+def _idle(inflight: InFlight, transfer: transfer_pb2_grpc.TransferServiceStub):
+    """The drain's check: no Encode in flight here, and no output in the engine's outbound pool that an
+    LM has yet to read (``items_held``: held for a claim or a reader; the host tier's kept copies are not
+    counted, they go with the engine) or that is reserved and not written yet."""
+    async def idle() -> bool:
+        if inflight.count:
+            return False
+        try:
+            values = (await transfer.Stats(transfer_pb2.StatsRequest(), timeout=5)).values
+        except grpc.aio.AioRpcError:
+            return False
+        return not values.get("items_held", 0) and not values.get("pending_reservations", 0)
+    return idle
+
+
 async def serve(cfg: EncoderServiceConfig, engine_cfg: EngineConfig, stop: asyncio.Event | None = None,
                 security: SecurityConfig | None = None, tuning: ConnectorTuning | None = None) -> None:
     """``security``: TLS and token for the API port and the engine's Transfer server;
@@ -173,7 +192,8 @@ async def serve(cfg: EncoderServiceConfig, engine_cfg: EngineConfig, stop: async
                                    dtype_enum(str(mc.dtype).removeprefix("torch.")), cfg.encode_timeout_s,
                                    decoder, layouts=layouts_context_free(engine), transfer=transfer,
                                    speech=SpeechWindows(mc) if mc.is_encoder_decoder else None)
-        server = GrpcServer(cfg.host, cfg.port, security)
+        inflight = InFlight()
+        server = GrpcServer(cfg.host, cfg.port, security, interceptors=[inflight])
         server.add(encoder_pb2_grpc.add_EncoderServiceServicer_to_server, servicer,
                    encoder_pb2.DESCRIPTOR.services_by_name["EncoderService"].full_name)
         port = await server.start()
@@ -184,6 +204,7 @@ async def serve(cfg: EncoderServiceConfig, engine_cfg: EngineConfig, stop: async
         logger.info("encoder ready: api %s:%d, transfer %s, model %s", cfg.host, port, transfer_endpoint,
                     engine_cfg.model)
         await serve_until_stopped(engine, server.set_serving, stop)  # EngineDied if the engine dies
+        await drain(server.set_serving, _idle(inflight, transfer), cfg.drain_grace_s, what="encoder")
     finally:
         if server is not None:
             await server.stop()

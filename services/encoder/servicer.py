@@ -36,6 +36,7 @@ from services.common.layout import ItemLayout, item_layouts, placeholder_ranges
 from services.common.media import MediaDecoder, check_namespace, content_id, window_id
 from services.common.media_checks import VideoHeader
 from services.common.vllm_media import decode_audio, frames_sampled_by, processor_audio_rate, video_io_for
+from services.encoder.signals import LOAD
 
 logger = logging.getLogger(__name__)
 
@@ -171,6 +172,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             ENCODE_SECONDS.observe(time.perf_counter() - t0)
 
         rid = request.request_id or uuid.uuid4().hex
+        pending = LOAD.admit(len(request.items))  # the queue depth, until they are encoded (a scaling signal)
         try:
             modality, idents = self._checked(request)
             # This call's claim on the copies its items get in the outbound pool (ectransfer.outbound):
@@ -181,6 +183,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             if request.items[0].upload_content_type:
                 async for event in self._upload(request, rid, claim, more, t0):
                     if event is None:  # every window is encoded: counted before the last events go out
+                        pending.done()
                         status = "ok"
                         record(status)
                         continue
@@ -192,6 +195,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             for index, feat in enumerate(features):
                 yield encoder_pb2.EncodeEvent(metadata=self._item_metadata(index, feat, layouts, claim, more))
             runs = await self._encode(engine_req, params, rid)
+            pending.done()
             encode_ms = (time.perf_counter() - t0) * 1e3
             # Counted and logged before the last events go out: a caller that has
             # every ItemEncoded may close the stream before this generator resumes.
@@ -209,6 +213,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             await self.engine.abort(rid)
             raise
         finally:
+            pending.done()
             if status != "ok":  # an ok one was counted before its last events
                 record(status)
 
@@ -361,8 +366,9 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         encoder runs (0: every item was in the encoder cache)."""
         final = None
         async with asyncio.timeout(self.timeout_s):
-            async for out in self.engine.generate(engine_req, params, rid):
-                final = out
+            with LOAD.running():  # the engine's busy seconds (a scaling signal)
+                async for out in self.engine.generate(engine_req, params, rid):
+                    final = out
         if final is None or not final.finished:
             raise EPDError(f"request {rid}: the encoder engine returned no result")
         if final.outputs and final.outputs[0].finish_reason not in (None, "stop", "length"):

@@ -43,12 +43,26 @@ class GatewayConfig:
     metrics_host: str = "127.0.0.1"
     """Address of --metrics-port. Loopback: plain HTTP; any other address needs TLS and authenticated
     scrapers, as the services' API ports (docs/configuration.md, "Metrics ports")."""
+    objective_window_s: float = 60.0
+    """The window of epd_gateway_objective_attainment (a scaling signal on --metrics-port): the share of the
+    successful requests finished in the last this many seconds that met --objective-ttft-ms and
+    --objective-tpot-ms (at least 1)."""
+    objective_ttft_ms: float = 2000.0
+    """The time-to-first-token objective, in ms, that epd_gateway_objective_attainment counts against."""
+    objective_tpot_ms: float = 200.0
+    """The time-per-output-token objective (after the first token), in ms, that epd_gateway_objective_attainment
+    counts against."""
     encoders: str = ""
     """Encoder API addresses, comma-separated host:port. A host name that resolves to several addresses (a
     Kubernetes headless Service) counts as one instance per address, re-resolved every --dns-refresh-s.
     None: colocated, the LMs encode media themselves."""
     lms: str = ""
     """LM API addresses, comma-separated host:port (host names as for --encoders)."""
+    fleet_file: str = ""
+    """A JSON file of the fleet, {"encoders": [host:port, ...], "lms": [...]}, read again whenever it changes
+    (checked every --health-interval-s): a role it lists takes its addresses from it instead of
+    --encoders/--lms, so instances join and leave while the gateway runs (epd up writes it, replacing it
+    atomically). A file that is missing or does not parse keeps the last good fleet."""
     model_name: str = ""
     """Name served on /v1/models (default: the model of the first LM admitted). Set, every LM must agree: its
     model is this name or a path ending in it."""
@@ -100,8 +114,8 @@ class GatewayConfig:
     """--placement auto: an encoder with this many requests in flight counts as busy (one encoding, one
     queued behind it)."""
     lm_max_outstanding: int = 64
-    """Admission control: requests in flight, this many per healthy LM, pooled over the LMs (routing spreads them;
-    one LM may hold more while another holds fewer); more wait for a place (0: no admission control)."""
+    """Admission control: requests in flight on each LM, for the whole front door (every worker and replica);
+    the deployment admits this many per healthy LM, more wait for a place (0: no admission control)."""
     encoder_max_outstanding: int = 32
     """Admission control: requests encoding per healthy encoder; more wait for a place (0: no limit)."""
     admission_queue: int = 1024
@@ -208,8 +222,8 @@ class GatewayConfig:
     link-local or otherwise non-public (refused by default: SSRF guard), e.g. 10.1.0.0/16."""
 
     def __post_init__(self) -> None:
-        if not self.lm_list:
-            raise ValueError("at least one LM address is needed (--lms host:port[,host:port])")
+        if not self.lm_list and not self.fleet_file:
+            raise ValueError("at least one LM address is needed (--lms host:port[,host:port], or --fleet-file)")
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}")
         if min(self.lm_max_outstanding, self.encoder_max_outstanding, self.admission_queue,
@@ -222,6 +236,8 @@ class GatewayConfig:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        if self.objective_window_s < 1 or self.objective_ttft_ms <= 0 or self.objective_tpot_ms <= 0:
+            raise ValueError("objective_window_s must be >= 1 and objective_ttft_ms, objective_tpot_ms > 0")
         for name in ("request_timeout_s", "encode_timeout_s", "health_interval_s", "dns_refresh_s",
                      "fetch_timeout_s"):
             if getattr(self, name) <= 0:

@@ -23,6 +23,7 @@ from services.fleet_memory import prefix
 from services.fleet_memory.directory import Directory
 from services.gateway.config import GatewayConfig
 from services.gateway.failures import GONE, REFUSED, Failure, call_failed
+from services.gateway.fleet_file import FleetFile
 from services.gateway.instances import Instance, InstancePool
 from services.gateway.lm_body import LMBody
 from services.gateway.policies.base import LMRequest, request_key
@@ -46,22 +47,36 @@ class Fleet:
         """What each encoder's outbound store and host tier hold, by item (``services.fleet_memory``)."""
         self.encoder_policy = encoder_policy(cfg.encoder_routing, cfg, self.encoder_memory)
         """Which encoder encodes an item (``--encoder-routing``)."""
-        self.encoders = (InstancePool("encoder", cfg.encoder_list, encoder_pb2_grpc.EncoderServiceStub,
+        # --fleet-file: a role the file lists takes its entries from it, then follows it (fleet_file.py).
+        self.fleet_file = FleetFile(cfg.fleet_file) if cfg.fleet_file else None
+        encoders, lms = (self._entries("encoder", cfg.encoder_list), self._entries("lm", cfg.lm_list))
+        self.encoders = (InstancePool("encoder", encoders, encoder_pb2_grpc.EncoderServiceStub,
                                       verify=self._verify_encoder, removed=self.encoder_memory.forget,
                                       watch=self._poller(self.encoder_memory) if self.encoder_policy.watches
-                                      else None, **pool)
-                         if cfg.encoder_list else None)
+                                      else None, entries_source=self._source("encoder"), **pool)
+                         if encoders or self._source("encoder") else None)
         self.memory = Directory()
         """What each LM's prefix cache holds, by media item (``services.fleet_memory``)."""
         self.lm_policy = lm_policy(cfg.lm_routing, cfg, self.memory)
         """Which LM answers a request (``--lm-routing``)."""
-        self.lms = InstancePool("lm", cfg.lm_list, lm_pb2_grpc.LMServiceStub, verify=self._verify_lm,
+        self.lms = InstancePool("lm", lms, lm_pb2_grpc.LMServiceStub, verify=self._verify_lm,
                                 watch=self._poller(self.memory) if self.lm_policy.watches else None,
-                                removed=self.memory.forget, **pool)
+                                removed=self.memory.forget, entries_source=self._source("lm"), **pool)
         self.model: str | None = cfg.model_name or None
         """The served model name: ``--model-name``, else learned from the first LM admitted; None until then."""
         self._least = LeastOutstanding()
         """The least busy pick every policy shares: of a decode LM, and of a "both" LM to weigh a pair against."""
+
+    def _entries(self, role: str, configured: list[str]) -> list[str]:
+        """``role``'s entries at start: the fleet file's where it lists the role, else the command line's."""
+        listed = self.fleet_file.entries(role) if self.fleet_file is not None else None
+        return configured if listed is None else listed
+
+    def _source(self, role: str):
+        """The pool's ``entries_source``: the fleet file's reader of ``role``, where the file lists it."""
+        if self.fleet_file is None or not self.fleet_file.has(role):
+            return None
+        return lambda: self.fleet_file.entries(role)
 
     def pools(self) -> list[InstancePool]:
         return [p for p in (self.encoders, self.lms) if p is not None]
@@ -185,7 +200,7 @@ class Fleet:
         """Why no request can be served yet: no LM was ever admitted (the message names every LM and
         what it waits for). None once one was, even while every LM is ejected (those are still tried)."""
         insts = list(self.lms.instances.values())
-        if any(i.healthy for i in insts) or self.lms.ejected():
+        if any(i.healthy for i in insts) or self.lms.ejected() or self.lms.draining():
             return None
         waiting = "; ".join(f"{i.address}: {i.reason}" for i in insts) or "no LM address resolved"
         return f"no LM is ready yet ({waiting})"
@@ -208,10 +223,11 @@ class Fleet:
     # -- which instances one attempt uses ------------------------------------------------------------
 
     def pinned_lm(self, address: str, excluded: set[str]) -> Instance | None:
-        """The LM at ``address`` (it holds state the request refers to), healthy or ejected; None if it is
-        not admitted or excluded. Never one that was not admitted yet: its model is unknown."""
-        return next((i for i in self.lms.healthy(excluded) + self.lms.ejected(excluded) if i.address == address),
-                    None)
+        """The LM at ``address`` (it holds state the request refers to), healthy, ejected or draining (its
+        stored responses are readable until it has left); None if it is not admitted or excluded. Never one
+        that was not admitted yet: its model is unknown."""
+        return next((i for i in self.lms.healthy(excluded) + self.lms.ejected(excluded)
+                     + self.lms.draining(excluded) if i.address == address), None)
 
     def pick_lms(self, excluded: set[str], disaggregate: bool = True, items: list[str] | None = None,
                  keys: prefix.Prefix = prefix.NONE, key: str = "") -> tuple[Instance | None, Instance | None]:
@@ -227,7 +243,7 @@ class Fleet:
         request = LMRequest(items, keys, key or request_key(items, keys))
         healthy = self.lms.healthy(excluded)
         if not healthy:  # all ejected (a health blip on a busy host): try the ejected ones rather than fail
-            healthy = self.lms.ejected(excluded)
+            healthy = self.lms.ejected(excluded) or self.lms.draining(excluded)  # then the leaving ones
         by_role: dict[str, list[Instance]] = {"both": [], "prefill": [], "decode": []}
         for inst in healthy:
             by_role[inst.lm_role].append(inst)

@@ -10,9 +10,12 @@ accepted it (the orchestrator's call ``GetInfo``, which, unlike the health
 check, needs the gateway's credentials; the LM pool's also checks the model), so
 peers may start in any order and one that would refuse every call is never
 routed to. A failed check, or a request that found the instance unreachable
-(or refused by it), ejects it; the next passing check (and ``verify``) re-admits it. The states
-and their transitions are ``InstanceState`` and ``_TRANSITIONS``. Routing reads
-``healthy()`` and each instance's ``outstanding`` count; the orchestrator
+(or refused by it), ejects it; the next passing check (and ``verify``) re-admits it. An admitted
+instance that answers NOT_SERVING is draining (it was told to leave: services/common/drain.py): no new
+work is routed to it while another instance can take it, and the calls it has go on. Entries come from the
+command line or, with ``--fleet-file``, from that file (``entries_source``), so instances join and leave
+while the gateway runs. The states and their transitions are ``InstanceState`` and ``TRANSITIONS``
+(``instance_state.py``). Routing reads ``healthy()`` and each instance's ``outstanding`` count; the orchestrator
 holds ``track()`` around every call so the count stays exact.
 """
 
@@ -20,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import ipaddress
 import logging
 import socket
@@ -37,6 +39,7 @@ from epd.encoder.v1 import encoder_pb2
 from epd.lm.v1 import lm_pb2
 from peerauth import SecurityConfig
 from services.common.grpc_server import GRPC_OPTIONS
+from services.gateway.instance_state import ON_FAILURE, ON_NOT_SERVING, TRANSITIONS, InstanceState
 
 logger = logging.getLogger(__name__)
 
@@ -60,30 +63,6 @@ SERVICE_NAMES = {"encoder": encoder_pb2.DESCRIPTOR.services_by_name["EncoderServ
                  "lm": lm_pb2.DESCRIPTOR.services_by_name["LMService"].full_name}
 
 
-class InstanceState(enum.Enum):
-    """Where an instance stands with the pool; only ``InstancePool`` moves it, along ``_TRANSITIONS``."""
-
-    PENDING = "pending"
-    """Not admitted since it was added: no passing check (and ``verify``) yet. Never routed to."""
-    ADMITTED = "admitted"
-    """Routed to."""
-    EJECTED = "ejected"
-    """Was admitted, then failed a check or a call. Still tried when every admitted instance is out
-    (a health blip on a busy host)."""
-    REFUSED = "refused"
-    """Answers its health check, but ``verify`` refused it (an LM serving another model, an instance that
-    refuses the gateway's credentials). Never routed to; verified again on each passing check."""
-
-
-_TRANSITIONS = {
-    InstanceState.PENDING: {InstanceState.PENDING, InstanceState.ADMITTED, InstanceState.REFUSED},
-    InstanceState.ADMITTED: {InstanceState.ADMITTED, InstanceState.EJECTED},
-    InstanceState.EJECTED: {InstanceState.EJECTED, InstanceState.ADMITTED, InstanceState.REFUSED},
-    InstanceState.REFUSED: {InstanceState.REFUSED, InstanceState.ADMITTED},
-}
-_ON_FAILURE = {InstanceState.ADMITTED: InstanceState.EJECTED}
-"""The state a failed check leads to (the same state where absent: a pending or refused instance
-stays as it is, with the new reason)."""
 
 
 @dataclass(eq=False)
@@ -183,7 +162,10 @@ class InstancePool:
     """Called by ``check`` after an admitted instance passed its health check (the fleet reads an LM's
     holdings then); runs on the pool's event loop; must not raise."""
     removed: Callable[[str], None] | None = None
-    """Called with an instance's address when it leaves the pool (no longer in DNS)."""
+    """Called with an instance's address when it leaves the pool (no longer in DNS or the fleet file)."""
+    entries_source: Callable[[], list[str] | None] | None = None
+    """The entries now (``--fleet-file``'s, ``services.gateway.fleet_file``), read at the start of each health
+    round; None from it keeps the current ones. The pool's entries follow it (``set_entries``)."""
     instances: dict[str, Instance] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -206,11 +188,11 @@ class InstancePool:
                                            reason="not checked yet")
         HEALTHY.labels(self.role, address).set(0)  # routed to once a check admits it
 
-    def _remove(self, address: str) -> None:
+    def _remove(self, address: str, why: str = "") -> None:
         inst = self.instances.pop(address)
         if self.removed is not None:
             self.removed(address)
-        logger.info("%s %s removed (no longer in DNS for %s)", self.role, address, inst.source)
+        logger.info("%s %s removed (%s)", self.role, address, why or f"no longer in DNS for {inst.source}")
         # Calls in flight keep their channel; close it once they are done. The pool
         # holds the task (the loop keeps only weak references) and close() ends it.
         task = asyncio.get_running_loop().create_task(self._close_when_idle(inst))
@@ -248,15 +230,49 @@ class InstancePool:
             for address in sorted(current - addresses):
                 self._remove(address)
 
+    def set_entries(self, entries: list[str]) -> None:
+        """Makes ``entries`` the pool's configured entries: instances of an entry that is gone leave (calls in
+        flight keep their channel until done), IP literals that are new are added (checked in this round),
+        host names are resolved in this round. Raises ValueError for an entry that is not host:port (the
+        entries are then unchanged). Runs on the pool's event loop."""
+        for entry in entries:
+            split_host_port(entry)
+        wanted = set(entries)
+        for address, inst in list(self.instances.items()):
+            if inst.source not in wanted:
+                self._remove(address, f"{inst.source} left the fleet")
+        self.entries = list(entries)
+        for entry in self.entries:
+            host, _ = split_host_port(entry)
+            if is_ip(host) and entry not in self.instances:
+                logger.info("%s %s joined the fleet", self.role, entry)
+                self._add(entry, entry)
+        self._resolved_at = 0.0  # host names: resolved in this round
+
+    def _follow_source(self) -> None:
+        if self.entries_source is None:
+            return
+        entries = self.entries_source()
+        if entries is None or entries == self.entries:
+            return
+        try:
+            self.set_entries(entries)
+        except ValueError as e:
+            logger.warning("%s: the fleet's entries are not usable (%s); keeping the current ones", self.role, e)
+
     def healthy(self, exclude: set[str] | frozenset[str] = frozenset()) -> list[Instance]:
         return [i for i in self.instances.values() if i.healthy and i.address not in exclude]
 
     def ejected(self, exclude: set[str] | frozenset[str] = frozenset()) -> list[Instance]:
-        """Instances that were admitted and are out now (never the pending or refused ones)."""
+        """Instances that were admitted and are out now (never the pending, refused or draining ones)."""
         return [i for i in self.instances.values() if i.state is InstanceState.EJECTED and i.address not in exclude]
 
+    def draining(self, exclude: set[str] | frozenset[str] = frozenset()) -> list[Instance]:
+        """Instances that are leaving (they answer NOT_SERVING) and still reachable for what they hold."""
+        return [i for i in self.instances.values() if i.state is InstanceState.DRAINING and i.address not in exclude]
+
     def _move(self, inst: Instance, state: InstanceState, reason: str) -> None:
-        if state not in _TRANSITIONS[inst.state]:
+        if state not in TRANSITIONS[inst.state]:
             raise AssertionError(f"{self.role} {inst.address}: no transition {inst.state.name} -> {state.name}")
         before, changed = inst.state, (inst.state, inst.reason) != (state, reason)
         inst.state, inst.reason = state, reason
@@ -273,10 +289,16 @@ class InstancePool:
             logger.warning("%s %s refused: %s", self.role, inst.address, reason)
         elif state is InstanceState.PENDING:
             logger.info("%s %s not ready yet: %s", self.role, inst.address, reason)
+        elif state is InstanceState.DRAINING:
+            logger.info("%s %s draining: no new work routed to it (%s)", self.role, inst.address, reason)
+
+    def drain(self, inst: Instance, reason: str) -> None:
+        """A NOT_SERVING answer: an admitted (or ejected) instance is draining; any other stays as it is."""
+        self._move(inst, ON_NOT_SERVING.get(inst.state, inst.state), reason)
 
     def eject(self, inst: Instance, reason: str) -> None:
         """A failed check or call: an admitted instance is ejected; a pending or refused one stays so."""
-        self._move(inst, _ON_FAILURE.get(inst.state, inst.state), reason)
+        self._move(inst, ON_FAILURE.get(inst.state, inst.state), reason)
 
     def admit(self, inst: Instance) -> None:
         """Routes requests to ``inst`` from now on (``check`` calls it after a passing check and ``verify``)."""
@@ -318,7 +340,7 @@ class InstancePool:
             if self.watch is not None:
                 await self.watch(inst)
         else:
-            self.eject(inst, "health check: not serving")
+            self.drain(inst, "health check: not serving")
 
     def recheck(self, insts: list[Instance]) -> None:
         """Checks these now, in the background (a call on them just failed): a
@@ -330,6 +352,7 @@ class InstancePool:
             task.add_done_callback(self._checks.discard)
 
     async def check_all(self) -> None:
+        self._follow_source()
         if time.monotonic() - self._resolved_at >= self.dns_refresh_s or not self.instances:
             await self.refresh_dns()
         await asyncio.gather(*(self.check(i) for i in list(self.instances.values())))

@@ -29,6 +29,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, g
 from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from services.gateway.objectives import OBJECTIVES
 from services.gateway.values import Timings
 
 REQUESTS = Counter("epd_gateway_requests_total", "Requests by API route and HTTP-style status", ["route", "status"])
@@ -54,6 +55,7 @@ def observe(route: str, status: int, timings: Timings, media: int) -> None:
     REQUESTS.labels(route, str(status)).inc()
     if status != 200:
         return
+    OBJECTIVES.observe(timings.ttft_ms, timings.tpot_ms)  # the attainment of the latency objectives
     for stage in _STAGES:
         value = getattr(timings, f"{stage}_ms")
         if value:  # a stage the request did not go through (a text request's encode) stays 0

@@ -18,7 +18,7 @@ from epd.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from peerauth import SecurityConfig
 from services.common.grpc_server import GrpcServer
 from services.common.metrics_port import Exposure, MetricsPort, exposure_for
-from services.gateway import metrics, workers
+from services.gateway import metrics, objectives, workers
 from services.gateway.auth import GrpcAuth
 from services.gateway.auth import middleware as authenticate
 from services.gateway.config import GatewayConfig
@@ -112,6 +112,15 @@ def check(cfg: GatewayConfig, security: SecurityConfig | None = None) -> Exposur
     return exposure_for(cfg.metrics_host, security or SecurityConfig()) if cfg.metrics_port else None
 
 
+def _rest_app(cfg: GatewayConfig, routes: OpenAIRoutes, tenants: Tenants) -> web.Application:
+    """The REST app: authentication first (a refused request is answered before anything else looks at it),
+    then the OpenAI routes and the public ``/metrics``."""
+    app = web.Application(middlewares=[authenticate(tenants), request_context], client_max_size=cfg.max_body_bytes)
+    routes.add_to(app)
+    app.router.add_get("/metrics", functools.partial(_public_metrics, facts=cfg.epd_facts))
+    return app
+
+
 async def serve(cfg: GatewayConfig, stop: asyncio.Event | None = None, security: SecurityConfig | None = None,
                 on_listening: Callable[[int, int], None] | None = None, tenants: Tenants | None = None,
                 worker: WorkerSeat | None = None) -> None:
@@ -137,6 +146,8 @@ async def serve(cfg: GatewayConfig, stop: asyncio.Event | None = None, security:
     orch = Orchestrator(cfg, security, quota=tenants.quota, state=state)  # quotas read at every decision: SIGHUP swaps them
     fetcher = MediaFetcher(cfg)  # http(s) image URLs; closed below, after the listeners stop
     runner = grpc_server = core = internal = watch = None
+    # The latency objectives' attainment (a scaling signal), published every second while the gateway serves.
+    published = objectives.keep_published(cfg.objective_window_s, cfg.objective_ttft_ms, cfg.objective_tpot_ms)
     try:  # everything set up so far is torn down on the way out, also after a failed start
         # Resolves names, checks every instance once, then keeps checking. No peer need be up: until
         # an LM is admitted (its model learned) /health and every request answer 503.
@@ -144,13 +155,9 @@ async def serve(cfg: GatewayConfig, stop: asyncio.Event | None = None, security:
         await workers.ready_to_join(worker, lambda: orch.lm_wait_reason() is None)
         # Every body is read under the intake limits (size, readers, memory, deadline) before admission.
         intake = Intake(cfg, quota=tenants.quota)
-        # Authentication first: a refused request is answered before anything else looks at it.
-        app = web.Application(middlewares=[authenticate(tenants), request_context],
-                              client_max_size=cfg.max_body_bytes)
         # One for both transports: they share what it remembers (and its background places, counted in `state`).
         core = RequestCore(cfg, orch, fetcher, quota=tenants.quota, state=state)
-        OpenAIRoutes(cfg, orch, fetcher=fetcher, intake=intake, core=core).add_to(app)
-        app.router.add_get("/metrics", functools.partial(_public_metrics, facts=cfg.epd_facts))
+        app = _rest_app(cfg, OpenAIRoutes(cfg, orch, fetcher=fetcher, intake=intake, core=core), tenants)
         # handler_cancellation: a client that disconnects cancels its handler, which
         # cancels the LM call (and with it the engine request).
         # lingering_time=0: a body the gateway refused unread (413 by its Content-Length, 408, 503) is not
@@ -179,6 +186,7 @@ async def serve(cfg: GatewayConfig, stop: asyncio.Event | None = None, security:
                     "" if orch.lm_wait_reason() is None else "; waiting for an LM", tenants.describe())
         await stop.wait()
     finally:
+        published.cancel()
         if watch is not None:
             watch.cancel()
         if grpc_server is not None:

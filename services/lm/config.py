@@ -125,6 +125,11 @@ class LMServiceConfig(FrontendConfig, MediaConfig):
     """An item with no data from its encoder within this time fails its request."""
     handshake_timeout_s: float = 5.0
     """Compatibility handshake with a new encoder endpoint."""
+    drain_grace_s: float = 30.0
+    """On SIGTERM: how long this instance may take to finish the work it holds before it stops (it turns
+    NOT_SERVING at once, so gateways route it nothing new; services/common/drain.py). What is still in flight
+    then is cut (the gateway retries it elsewhere before its first token). 0: stop at once. A supervisor's
+    kill timeout (Kubernetes' terminationGracePeriodSeconds) must be longer."""
     allowed_encoders: str = ""
     """Encoder Transfer endpoints this LM may fetch embeddings from, comma-separated: host:port, a host or
     address (any port), a CIDR such as 10.0.0.0/8, or * (any). Empty: any endpoint when callers must
@@ -179,6 +184,8 @@ class LMServiceConfig(FrontendConfig, MediaConfig):
             raise ValueError(f"kv_lease_s must be >= 1, got {self.kv_lease_s}")
         if self.staging_mib <= 0:
             raise ValueError(f"staging_mib must be > 0, got {self.staging_mib}")
+        if self.drain_grace_s < 0:
+            raise ValueError(f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
         if self.responses_store_max < 1 or self.responses_store_mib <= 0:
             raise ValueError("responses_store_max must be >= 1 and responses_store_mib > 0, got "
                              f"{self.responses_store_max} and {self.responses_store_mib}")

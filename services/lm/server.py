@@ -1,5 +1,10 @@
 """LM service wiring and lifecycle: consumer engine + LMService + health.
 
+Stop (SIGTERM): drain first (``services.common.drain``: NOT_SERVING, then wait within ``--drain-grace-s``
+until no call is in flight and the engine has no unfinished request, background responses included), then
+stop gRPC and the engine (which frees its staging and shared memory). Its stored responses go with it: once
+it has left, the gateway answers 404 for them, as vLLM answers for an id it does not hold.
+
 vLLM is imported at the top: ``epd lm`` imports this module after ``configure_process_env``
 (``services.cli.service_module``)."""
 
@@ -17,6 +22,7 @@ from ectransfer.connector.config import ConnectorConfig, ConnectorTuning, ec_tra
 from ectransfer.shm import cleanup_orphans
 from epd.lm.v1 import lm_pb2, lm_pb2_grpc
 from peerauth import SecurityConfig
+from services.common.drain import InFlight, drain
 from services.common.engine import (
     ENCODER_DECODER_GAP,
     EngineConfig,
@@ -146,7 +152,8 @@ async def serve(cfg: LMServiceConfig, engine_cfg: EngineConfig, stop: asyncio.Ev
                             cfg.handshake_timeout_s, security=security,
                             allowed=allowed)
         info = lm_pb2.LMInfo(model=frontend.models.model_name(), compat=compat, role=cfg.role)
-        server = GrpcServer(cfg.host, cfg.port, security)
+        inflight = InFlight()
+        server = GrpcServer(cfg.host, cfg.port, security, interceptors=[inflight])
         server.add(lm_pb2_grpc.add_LMServiceServicer_to_server,
                    LMServicer(engine, info, peers, frontend, MediaDecoder(cfg),
                               StoredResponses.of_app(frontend.app, cfg.responses_store_max,
@@ -165,6 +172,11 @@ async def serve(cfg: LMServiceConfig, engine_cfg: EngineConfig, stop: asyncio.Ev
             watch.start()
         logger.info("lm ready: api %s:%d, model %s", cfg.host, port, engine_cfg.model)
         await serve_until_stopped(engine, server.set_serving, stop)  # EngineDied if the engine dies
+
+        async def idle() -> bool:  # no call here, no request in the engine (a background one too)
+            return not inflight.count and not engine.get_num_unfinished_requests()
+
+        await drain(server.set_serving, idle, cfg.drain_grace_s, what="lm")
     finally:
         if watch is not None:
             await watch.stop()

@@ -45,6 +45,7 @@ from services.lm.handoff import DECODE, PREFILL, RELEASE, Handoff
 from services.lm.media import RequestMedia
 from services.lm.peers import PeerChecker
 from services.lm.response_store import StoredResponses
+from services.lm.signals import WAITING
 from services.lm.vllm_app import Started, call
 
 logger = logging.getLogger(__name__)
@@ -214,6 +215,7 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
         # Set in this call's own task (grpc runs each call in one), never reset: a generator closed
         # from another task could not reset it there.
         CURRENT.set(ctx)
+        WAITING.track(ctx)  # epd_lm_waiting_for_items (a scaling signal) counts it while it waits for its items
         try:
             for endpoint in {s.endpoint for s in ctx.sources.values()}:
                 await self.peers.check(endpoint)
@@ -239,6 +241,7 @@ class LMServicer(lm_pb2_grpc.LMServiceServicer):
             status = "cancelled"
             raise
         finally:
+            WAITING.forget(ctx)
             if ctx.media is not None:
                 ctx.media.release()  # normally done once the prompt was processed
             if kv.phase == DECODE and (not ctx.submitted or (status == "error" and ctx.final is None)):

@@ -5,7 +5,9 @@ each other: every container's args and probe commands parse with ``epd``'s
 parser, every internal link carries TLS and the token, the gateway holds a
 credential of its own, LMs dial only encoders on the pod network, the gateway
 finds the headless Services, Services, NetworkPolicies and PodDisruptionBudgets
-select the pods they mean, and DNS goes only to the cluster's resolver."""
+select the pods they mean, and DNS goes only to the cluster's resolver. The elastic overlay's autoscalers
+ask prometheus-adapter only for metrics its rules serve, and those rules read only series the services
+export; its pods drain before kubelet kills them (``tests/unit/test_k8s_elastic.py``)."""
 
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is i
 pytestmark = pytest.mark.unit
 
 K8S = os.path.join(os.path.dirname(__file__), "..", "..", "docker", "k8s")
-OVERLAYS = ("cpu", "gpu-node", "multi-node", "pd-tiers")
+OVERLAYS = ("cpu", "gpu-node", "multi-node", "pd-tiers", "elastic")
 # The oldest Kubernetes release the manifests are checked against (every field they use is GA or
 # on by default there), and the newest whose schemas kubernetes-validate bundles.
 K8S_VERSIONS = ("1.29", kv.latest_version())
@@ -135,7 +137,8 @@ def serving(docs: list[dict], cmd: str) -> set[str]:
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_every_overlay_renders_and_passes_the_strict_api_schemas_offline(overlay, monkeypatch):
     docs = render(overlay)
-    assert {d["kind"] for d in docs} == {"Deployment", "Service", "NetworkPolicy", "PodDisruptionBudget"}
+    autoscaled = {"HorizontalPodAutoscaler"} if overlay == "elastic" else set()
+    assert {d["kind"] for d in docs} == {"Deployment", "Service", "NetworkPolicy", "PodDisruptionBudget", *autoscaled}
 
     def no_network(*args, **kwargs):
         raise AssertionError("schema validation tried to reach the network")

@@ -1,0 +1,194 @@
+"""The local autoscaler (``epd up --autoscale``): every ``interval_s`` it scrapes each encoder's and LM's
+internal metrics port (the scaling signals, services/encoder/signals.py and services/lm/signals.py), builds
+a ``policy.Snapshot``, asks the ``policy.Policy`` what to do, and does it on the ``Deployment``
+(``add_encoder``, ``add_lm``, ``remove``: the instance drains first).
+
+An action runs on its own thread (an engine takes tens of seconds to start, a drain up to its grace), so
+scraping goes on meanwhile; while a role has an action in flight the policy is not asked about that role,
+and its cool-down starts again when the action is done. An instance whose metrics port does not answer
+yet (starting) or that drains is not counted as capacity. ``history`` keeps one sample per round (the
+instance counts, each role's load, the gateway's objective attainment where it exports one) and
+``events`` every action, for ``bench/autoscale.py``'s table and plot.
+
+Owner: whoever makes an ``Autoscaler`` stops it (``stop``) before stopping the deployment; its threads
+only call the deployment's own methods, which hold the deployment's lock.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import urllib.request
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import psutil
+from prometheus_client.parser import text_string_to_metric_families
+
+from services.autoscale.policy import ROLES, Action, Budget, InstanceSignals, Policy, Snapshot, role_load
+
+logger = logging.getLogger(__name__)
+
+SCRAPE_TIMEOUT_S = 2.0
+
+
+def scrape(port: int, host: str = "127.0.0.1") -> dict[str, float] | None:
+    """Every sample on ``host:port``'s /metrics, summed by sample name over labels; None when it does not
+    answer. ``objective`` labels are kept apart (``name{objective="both"}``): they are shares, not sums."""
+    try:
+        with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=SCRAPE_TIMEOUT_S) as r:
+            text = r.read().decode()
+    except OSError:
+        return None
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            name = s.name + (f'{{objective="{s.labels["objective"]}"}}' if "objective" in s.labels else "")
+            out[name] = out.get(name, 0.0) + s.value
+    return out
+
+
+def lm_slots(engine_args: str, lm_args: list[str] | None, default: int) -> int:
+    """Each LM's ``max_num_seqs`` (the LM load is requests over it): ``epd up --lm-args --max-num-seqs N``,
+    else ``--vllm-args``' ``max_num_seqs``, else ``default`` (``EngineConfig``'s)."""
+    args = lm_args or []
+    for i, a in enumerate(args):
+        if a.startswith("--max-num-seqs="):
+            return int(a.split("=", 1)[1])
+        if a == "--max-num-seqs" and i + 1 < len(args):
+            return int(args[i + 1])
+    return int(json.loads(engine_args or "{}").get("max_num_seqs", default))
+
+
+def tree_rss(pid: int) -> int:
+    """Resident memory of a process and its descendants (its engines), in bytes; 0 once it is gone."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return 0
+    total = 0
+    for p in procs:
+        try:
+            total += p.memory_info().rss
+        except psutil.Error:
+            continue
+    return total
+
+
+class Autoscaler:
+    """Scales ``dep``'s encoders and LMs within ``budget`` (module docstring). ``lm_slots``: each LM's
+    ``max_num_seqs`` (the engines' setting); ``start_timeout_s``: how long an added instance may take to be
+    routed to before it is given up (stopped; the next round may try again)."""
+
+    def __init__(self, dep, budget: Budget, interval_s: float = 2.0, lm_slots: int = 8,
+                 start_timeout_s: float = 600.0) -> None:
+        self.dep = dep
+        self.budget = budget
+        self.policy = Policy(budget)
+        self.interval_s = interval_s
+        self.lm_slots = lm_slots
+        self.start_timeout_s = start_timeout_s
+        self.history: list[dict] = []
+        self.events: list[dict] = []
+        self._busy: dict[str, tuple[float, float]] = {}  # encoder address -> (time, busy seconds) last round
+        self._last: dict[str, InstanceSignals] = {}  # address -> its last signals (a scrape that times out)
+        self._acting: dict[str, Future] = {}
+        self._pool = ThreadPoolExecutor(max_workers=len(ROLES), thread_name_prefix="epd-autoscale-act")
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.t0 = time.monotonic()
+
+    def start(self) -> Autoscaler:
+        self.t0 = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name="epd-autoscale", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stops deciding; waits for the actions in flight (a starting instance finishes starting)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self._pool.shutdown(wait=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.round()
+            except Exception:
+                logger.exception("autoscaler round failed")
+
+    def snapshot(self) -> Snapshot:
+        """Each serving encoder's and LM's signals (one that drains is marked so; one that never answered is
+        starting and left out; one alive that answered before and not now, a scrape that timed out on a busy
+        host, keeps its last signals: it is not gone)."""
+        encoders, lms, leaving = self.dep.members()
+        snap = Snapshot()
+        now = time.monotonic()
+        for role, services in (("encoder", encoders), ("lm", lms)):
+            for svc in services:
+                m = scrape(svc.metrics_port) if svc.alive() else None
+                if m is None:
+                    if svc.alive() and svc.address in self._last:
+                        snap.of(role).append(self._last[svc.address])
+                    continue
+                inst = InstanceSignals(svc.address, draining=svc in leaving or m.get("epd_instance_draining", 0) > 0,
+                                       memory_bytes=tree_rss(svc.proc.pid))
+                if role == "encoder":
+                    busy = m.get("epd_encoder_busy_seconds_total", 0.0)
+                    last = self._busy.get(svc.address)
+                    if last is not None and now > last[0]:
+                        inst.busy = min(1.0, max(0.0, (busy - last[1]) / (now - last[0])))
+                    self._busy[svc.address] = (now, busy)
+                    inst.queue = m.get("epd_encoder_queue_depth", 0.0)
+                else:
+                    inst.running = m.get("vllm:num_requests_running", 0.0)
+                    inst.waiting = m.get("vllm:num_requests_waiting", 0.0)
+                    inst.slots = self.lm_slots
+                snap.of(role).append(inst)
+                self._last[svc.address] = inst
+        return snap
+
+    def round(self) -> list[Action]:
+        """One scrape and decision; starts the actions it decided."""
+        snap = self.snapshot()
+        now = time.monotonic()
+        for role, fut in list(self._acting.items()):
+            if fut.done():
+                del self._acting[role]
+                self.policy.changed(role, now)  # the cool-down counts from when the change is done
+        actions = self.policy.decide(snap, now, skip=frozenset(self._acting))
+        gateway = scrape(self.dep.gateway_metrics) or {}
+        self.history.append({
+            "t": round(now - self.t0, 2),
+            "encoders": sum(not i.draining for i in snap.encoders), "lms": sum(not i.draining for i in snap.lms),
+            "encoder_load": role_load("encoder", snap, self.budget), "lm_load": role_load("lm", snap, self.budget),
+            "attainment": gateway.get('epd_gateway_objective_attainment{objective="both"}'),
+        })
+        for action in actions:
+            logger.info("autoscaler: %s %s%s (%s)", action.kind, action.role,
+                        f" {action.address}" if action.address else "", action.reason)
+            self._acting[action.role] = self._pool.submit(self._act, action)
+        return actions
+
+    def _act(self, action: Action) -> None:
+        started = time.monotonic()
+        event = {"t": round(started - self.t0, 2), "kind": action.kind, "role": action.role,
+                 "address": action.address, "reason": action.reason}
+        try:
+            if action.kind == "add":
+                add = self.dep.add_encoder if action.role == "encoder" else self.dep.add_lm
+                svc = add(timeout=self.start_timeout_s)
+                event["address"] = svc.address
+            else:
+                svc = next((s for s in [*self.dep.encoders, *self.dep.lms] if s.address == action.address), None)
+                if svc is not None:
+                    event["drained"] = self.dep.remove(svc)
+            event["ok"] = True
+        except Exception as e:  # noqa: BLE001 - reported in the events and the log; the next round goes on
+            logger.warning("autoscaler: %s %s failed: %s", action.kind, action.role, e)
+            event.update(ok=False, error=str(e)[:500])
+        event["took_s"] = round(time.monotonic() - started, 2)
+        self.events.append(event)
