@@ -10,7 +10,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.epd-installed-$(EXTRA)
 PYTEST_ARGS ?=
 
-.PHONY: bench-fleet install protos model demo up test test-fast test-all test-unit bench-transfer bench-transfer-cuda bench-transfer-hosts bench-serving bench-capacity bench-gateway bench-gateway-workers bench-hostile bench-hostile-workers clean
+.PHONY: bench-fleet bench-autoscale bench-sim install protos model demo up test test-fast test-all test-unit bench-transfer bench-transfer-cuda bench-transfer-hosts bench-transfer-nixl bench-serving bench-capacity bench-gateway bench-gateway-workers bench-hostile bench-hostile-workers bench-mooncake-install bench-mooncake clean
 
 install: $(STAMP) protos
 
@@ -73,6 +73,13 @@ bench-transfer-hosts: install  # needs root: two network namespaces joined by ve
 	$(PY) bench/transfer.py --quick --hosts --no-ec-example --transports grpc \
 		--json bench/results/transfer-cpu-hosts.json --plot bench/results/transfer-cpu-hosts.png
 
+bench-transfer-nixl: install  # needs root: NIXL across two namespaces held to TCP, then on one host against shm
+	$(PY) -m pip install -q "matplotlib>=3.8"
+	$(PY) bench/transfer.py --quick --hosts --no-ec-example --transports nixl,grpc --ucx-tls tcp \
+		--json bench/results/transfer-cpu-nixl-hosts.json --plot bench/results/transfer-cpu-nixl-hosts.png
+	$(PY) bench/transfer.py --quick --no-ec-example --transports nixl,shm \
+		--json bench/results/transfer-cpu-nixl.json --plot bench/results/transfer-cpu-nixl.png
+
 bench-capacity: model  # vllm bench serve against colocated, colocated-dp2, epd, epd-auto and vllm-ec; then E -> P -> D (epd-pd, vllm-epd) on long-short; then prefill in step (epd against epd-wait and vllm-ec) on multi-image; about 90 min on 2 cores
 	$(PY) -m pip install -q "matplotlib>=3.8"
 	$(PY) bench/capacity.py --systems colocated,colocated-dp2,epd,epd-auto,vllm-ec --rates 0.5,1,2,4,6,8 --workload random-mm \
@@ -84,9 +91,43 @@ bench-capacity: model  # vllm bench serve against colocated, colocated-dp2, epd,
 	$(PY) bench/capacity.py --systems epd,epd-wait,vllm-ec --rates 0.5,1,2 --workload multi-image \
 		--json bench/results/capacity-cpu-multi-image.json --plot bench/results/capacity-cpu-multi-image.png
 
+# vllm-mooncake (vLLM's ECMooncakeConnector): Mooncake's transfer engine is a bench-only extra, never a
+# project dependency. Its extension links libibverbs.so.1 even for TCP: Debian's libibverbs1 (with libnl)
+# by apt-get as root, else unpacked into MOONCAKE_LIBS, which bench/serving.py puts on its library path.
+MOONCAKE_LIBS ?= $(VENV)/mooncake-libs
+MOONCAKE_DEBS := libibverbs1 libnl-3-200 libnl-route-3-200
+MOONCAKE_SYSTEMS ?= epd,epd-nixl,vllm-ec,vllm-mooncake
+
+bench-mooncake-install: model  # the transfer engine without CUDA and its verbs library, then bench/probe_ec_mooncake.py
+	$(PY) -m pip install -q "matplotlib>=3.8" "mooncake-transfer-engine-non-cuda==0.3.13.post1"
+	if dpkg -s $(MOONCAKE_DEBS) >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ]; then apt-get update -q && apt-get install -y -q $(MOONCAKE_DEBS); \
+	else mkdir -p $(MOONCAKE_LIBS) && cd $(MOONCAKE_LIBS) && apt-get download $(MOONCAKE_DEBS) && \
+		for deb in *.deb; do dpkg -x $$deb .; done; fi
+	EPD_MOONCAKE_LIBS=$(abspath $(MOONCAKE_LIBS)) $(PY) bench/probe_ec_mooncake.py
+
+bench-mooncake: bench-mooncake-install  # capacity of MOONCAKE_SYSTEMS on multi-image, random-mm and mixed (hours on 2 cores)
+	EPD_MOONCAKE_LIBS=$(abspath $(MOONCAKE_LIBS)) $(PY) bench/capacity.py --systems $(MOONCAKE_SYSTEMS) --rates 0.5,1,2 \
+		--workload multi-image --json bench/results/capacity-cpu-multi-image-mooncake.json \
+		--plot bench/results/capacity-cpu-multi-image-mooncake.png
+	EPD_MOONCAKE_LIBS=$(abspath $(MOONCAKE_LIBS)) $(PY) bench/capacity.py --systems $(MOONCAKE_SYSTEMS) \
+		--rates 0.5,1,2,4,6,8 --workload random-mm --json bench/results/capacity-cpu-random-mm-mooncake.json \
+		--plot bench/results/capacity-cpu-random-mm-mooncake.png
+	EPD_MOONCAKE_LIBS=$(abspath $(MOONCAKE_LIBS)) $(PY) bench/capacity.py --systems $(MOONCAKE_SYSTEMS) --rates 1,2,4,8 \
+		--workload mixed --image-every 10 --json bench/results/capacity-cpu-mixed-mooncake.json \
+		--plot bench/results/capacity-cpu-mixed-mooncake.png
+
 bench-fleet: install  # multi-turn image conversations: routed by load, by what each LM holds, and with the encoders' host tier (#33)
 	$(PY) -m pip install -q "matplotlib>=3.8"
 	$(PY) bench/fleet.py --json bench/results/fleet-cpu.json --plot bench/results/fleet-cpu.png
+
+bench-sim:  # fleet simulator (bench/plan.py): checked against the capacity runs, then a 128-GPU day; no services, CPU only
+	$(PY) -m pip install -q "matplotlib>=3.8"
+	$(PY) bench/plan.py --split-step 4 --dense 18:32
+
+bench-autoscale: model  # epd up --autoscale against a static 1E+1LM fleet: text-heavy, image-heavy, text-heavy phases (about 12 min on 2 cores)
+	$(PY) -m pip install -q "matplotlib>=3.8"
+	$(PY) bench/autoscale.py --json bench/results/autoscale-cpu.json --plot bench/results/autoscale-cpu.png
 
 bench-serving: install
 	$(PY) -m pip install -q "matplotlib>=3.8"
