@@ -34,10 +34,10 @@ sys.path.insert(0, ROOT)
 
 import aiohttp  # noqa: E402
 import numpy as np  # noqa: E402
-import psutil  # noqa: E402
 
 from bench.hostile import manifest_memory_limit, write_json  # noqa: E402
 from bench.machine import machine_info, pct  # noqa: E402
+from services.autoscale.loop import tree_rss  # noqa: E402
 from services.cli import default_model  # noqa: E402
 from services.up import Deployment  # noqa: E402
 from tools.media import make_audio  # noqa: E402
@@ -54,22 +54,6 @@ def bomb_flac(seconds: float, rate: int) -> bytes:
     buf = io.BytesIO()
     soundfile.write(buf, np.zeros(int(seconds * rate), dtype=np.int16), rate, format="FLAC")
     return buf.getvalue()
-
-
-def tree_rss(pid: int) -> int:
-    """Resident bytes of ``pid`` and all its descendants (0 when it is gone)."""
-    try:
-        p = psutil.Process(pid)
-        procs = [p, *p.children(recursive=True)]
-    except psutil.Error:
-        return 0
-    total = 0
-    for q in procs:
-        try:
-            total += q.memory_info().rss
-        except psutil.Error:
-            pass
-    return total
 
 
 class Sampler(threading.Thread):

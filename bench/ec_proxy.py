@@ -124,7 +124,13 @@ def main() -> None:
                                                   "E -> P -> D, the consumer then being a kv_consumer")
     ap.add_argument("--model", required=True, help="model name both servers serve")
     args = ap.parse_args()
-    proxy = Proxy(args.producer.rstrip("/"), args.consumer.rstrip("/"), args.model, args.prefill.rstrip("/"))
+    serve(Proxy(args.producer.rstrip("/"), args.consumer.rstrip("/"), args.model, args.prefill.rstrip("/")),
+          args.host, args.port)
+
+
+def serve(proxy, host: str, port: int) -> None:
+    """Serves a proxy's routes (``chat``, ``models``, ``stats``, ``health``, ``start``/``stop`` around them)
+    until interrupted: this one's, and ``mooncake_proxy``'s."""
     app = web.Application(client_max_size=64 << 20)
     app.on_startup.append(proxy.start)
     app.on_cleanup.append(proxy.stop)
@@ -132,7 +138,7 @@ def main() -> None:
     app.router.add_get("/v1/models", proxy.models)
     app.router.add_get("/stats", proxy.stats)
     app.router.add_get("/health", proxy.health)
-    web.run_app(app, host=args.host, port=args.port, print=None)
+    web.run_app(app, host=host, port=port, print=None)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ import uuid
 
 import aiohttp
 from aiohttp import web
+from ec_proxy import serve
 
 MM_TYPES = ("image_url", "audio_url", "input_audio", "video_url")
 # What each media item becomes once its encoder output travels out of band (upstream's EMBEDS_TYPES).
@@ -247,16 +248,8 @@ def main() -> None:
     ap.add_argument("--no-rewrite", action="store_true", help="send images to the consumer unchanged")
     ap.add_argument("--decode-retries", type=int, default=1, help="re-encode and resend on a consumer 500")
     args = ap.parse_args()
-    proxy = Proxy(args.encoder.rstrip("/"), args.consumer.rstrip("/"), args.consumer_zmq, args.model,
-                  rewrite=not args.no_rewrite, retries=max(0, args.decode_retries))
-    app = web.Application(client_max_size=64 << 20)
-    app.on_startup.append(proxy.start)
-    app.on_cleanup.append(proxy.stop)
-    app.router.add_post("/v1/chat/completions", proxy.chat)
-    app.router.add_get("/v1/models", proxy.models)
-    app.router.add_get("/stats", proxy.stats)
-    app.router.add_get("/health", proxy.health)
-    web.run_app(app, host=args.host, port=args.port, print=None)
+    serve(Proxy(args.encoder.rstrip("/"), args.consumer.rstrip("/"), args.consumer_zmq, args.model,
+                rewrite=not args.no_rewrite, retries=max(0, args.decode_retries)), args.host, args.port)
 
 
 if __name__ == "__main__":
