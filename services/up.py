@@ -329,6 +329,24 @@ def up_lms(prefills: int, decodes: int, lms: int | None) -> int:
     return lms
 
 
+def _lm_alone(model: str, engine_args: str) -> bool:
+    """Whether ``model`` gets no encoder service (an encoder-decoder model whose encoder this vLLM cannot run
+    apart); says so. Raises the services' own start-up error where every one would fail on the model."""
+    configure_process_env()  # the check below reads the model's config as the services will
+    try:
+        engine_cfg = EngineConfig(model=model, vllm_args=engine_args)
+        lm_alone = is_encoder_decoder(engine_cfg) and not encoder_apart_verified(engine_cfg)
+    except Exception as e:  # noqa: BLE001 - a model vLLM cannot read: the services report it, with its reason
+        why = explain(e, model)
+        if why is not None:  # one the services would all fail on, for a reason we can name: say it now
+            raise why from None
+        lm_alone = False
+    if lm_alone:
+        print(f"epd up: {model} is an encoder-decoder model: no encoder service (the LM encodes the audio "
+              "itself; /v1/audio/transcriptions and /v1/audio/translations)", flush=True)
+    return lm_alone
+
+
 def run_up(model: str, host: str, port: int, engine_args: str, security: str = "auto",
            encoder_args: list[str] | None = None, lm_args: list[str] | None = None,
            gateway_args: list[str] | None = None, insecure: bool = False, prefills: int = 0,
@@ -349,18 +367,7 @@ def run_up(model: str, host: str, port: int, engine_args: str, security: str = "
         raise ValueError(f"--encoders must be >= 1 and --drain-grace-s >= 0; got {encoders}, {drain_grace_s}")
     check_port("--port", host, port)  # the one port chosen by the caller, not free_port
     check_model(model)
-    configure_process_env()  # the check below reads the model's config as the services will
-    try:
-        engine_cfg = EngineConfig(model=model, vllm_args=engine_args)
-        lm_alone = is_encoder_decoder(engine_cfg) and not encoder_apart_verified(engine_cfg)
-    except Exception as e:  # noqa: BLE001 - a model vLLM cannot read: the services report it, with its reason
-        why = explain(e, model)
-        if why is not None:  # one the services would all fail on, for a reason we can name: say it now
-            raise why from None
-        lm_alone = False
-    if lm_alone:
-        print(f"epd up: {model} is an encoder-decoder model: no encoder service (the LM encodes the audio "
-              "itself; /v1/audio/transcriptions and /v1/audio/translations)", flush=True)
+    lm_alone = _lm_alone(model, engine_args)
     dep = Deployment(model=model, host=host, port=port, engine_args=engine_args, security=security,
                      encoder_args=encoder_args or [], lm_args=lm_args or [], gateway_args=gateway_args or [],
                      insecure=insecure, with_encoder=not lm_alone, n_lms=lms, n_encoders=encoders,

@@ -21,7 +21,9 @@ from services.up import Deployment
 from tests.e2e.conftest import REFERENCE_REQUESTS
 from tests.e2e.helpers import metric, post, settled
 
-pytestmark = pytest.mark.e2e
+# A deployment of its own and four engine starts: minutes on 2 cores, so in the slow tier (make test-all).
+# Every e2e deployment's stop still runs the drain path (SIGTERM, NOT_SERVING, stop once idle).
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
 def _with_text(images: list[str]) -> list[str]:
