@@ -8,6 +8,8 @@ has no destroy; it goes with the process). ``Progress`` is owned by ``NixlProduc
 
 from __future__ import annotations
 
+import atexit
+import ctypes
 import logging
 import os
 import secrets
@@ -69,8 +71,21 @@ def process_agent(role: str) -> Agent:
     half a second: UCX's initialisation)."""
     with _agent_lock:
         if role not in _agents:
+            if not _agents:
+                atexit.register(_kept_at_exit)
             _agents[role] = Agent(role)
         return _agents[role]
+
+
+def _kept_at_exit() -> None:
+    """At interpreter exit the process's agents are left to the operating system, never destroyed: NIXL's
+    agent destructor, run while the interpreter finalizes its modules (after UCX has lost a peer, say), can
+    end the whole process with "terminate called without an active exception" (a C++ thread destroyed
+    unjoined), turning a clean exit into SIGABRT. The memory, sockets and registrations of an exiting process
+    go with it anyway. One more reference each, taken at exit, is what keeps them."""
+    with _agent_lock:
+        for agent in _agents.values():
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(agent.nixl))
 
 
 class Progress:
