@@ -45,21 +45,22 @@ class LMPlaces:
         return self.slots > 0
 
     async def take(self, lm: Instance, force: bool = False) -> Lease | None:
-        """A place on ``lm``; None when it has ``slots`` held across the front door (never with ``force``,
-        or when places are not counted: then nothing is held either)."""
+        """A place on ``lm``; None when it has ``slots`` held across the front door. With ``force`` never None
+        while places are counted: past the limit it is taken anyway, and ``OVERFLOW`` counts it. Nothing is
+        held when places are not counted."""
         if not self.enabled:
             return None
-        lease = await self.state.acquire({keys.lm(lm.address): self.slots}, force=force)
-        if force and lease is not None:
-            held = (await self.state.counts([keys.lm(lm.address)])).get(keys.lm(lm.address), 0)
-            if held > self.slots:
-                OVERFLOW.inc()
+        limits = {keys.lm(lm.address): self.slots}
+        lease = await self.state.acquire(limits)
+        if lease is None and force:
+            OVERFLOW.inc()
+            lease = await self.state.acquire(limits, force=True)
         return lease
 
     async def move(self, held: Lease | None, lm: Instance) -> Lease | None:
         """A place on ``lm`` for ``held``, which is given back: for an LM the request must use (a prefill LM's
         decode LM, fixed by the prefill LM), so taken past its limit if it must be (counted, never refused)."""
-        place = await self.take(lm) or await self.take(lm, force=True)
+        place = await self.take(lm, force=True)
         self.give_back(held)
         return place
 
