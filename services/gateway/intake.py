@@ -107,9 +107,10 @@ class BodyShares:
     """Each tenant's part of the body budget (the module docstring's rule): what it holds, how many leases
     it has open, and who waits for room. Owned by ``Intake``; its leases report to it, on the event loop."""
 
-    def __init__(self, capacity: int, quota: Callable[[str], Tenant] = Tenant) -> None:
-        """``quota``: a tenant's quotas (``Tenants.quota``: its ``body_mib``), read at every decision."""
-        self.capacity, self._quota = capacity, quota
+    def __init__(self, capacity: int, quota: Callable[[str], Tenant] = Tenant, parts: int = 1) -> None:
+        """``quota``: a tenant's quotas (``Tenants.quota``: its ``body_mib``), read at every decision;
+        ``parts``: the processes the budget and each ``body_mib`` are split among (``Intake``)."""
+        self.capacity, self._quota, self.parts = capacity, quota, parts
         self.held: collections.Counter[str] = collections.Counter()
         self.leases: collections.Counter[str] = collections.Counter()
         self.waiting: collections.Counter[str] = collections.Counter()
@@ -122,7 +123,8 @@ class BodyShares:
         """What ``tenant`` may hold now, and why (for its refusal)."""
         own = self._quota(tenant).body_bytes
         if own is not None:
-            return own, "its body_mib quota"
+            return own // self.parts, "its body_mib quota" if self.parts == 1 else \
+                f"this worker's 1/{self.parts} of its body_mib quota"
         active = {tenant, *(+self.held), *(+self.waiting)}
         if len(active) == 1:
             return self.capacity, "the whole --body-memory-mib, alone"
@@ -212,8 +214,10 @@ class BodyLease:
             finally:
                 shares.count(shares.waiting, self.tenant, -1)
         if not got:
-            raise BodyRefused(503, f"the gateway holds {self._budget.used >> 20} MiB of requests, its limit "
-                                   "(--body-memory-mib); retry later", "memory")
+            whose = "its limit (--body-memory-mib)" if self._shares.parts == 1 else \
+                f"this worker's limit (1/{self._shares.parts} of --body-memory-mib)"
+            raise BodyRefused(503, f"the gateway holds {self._budget.used >> 20} MiB of requests, {whose}; "
+                                   "retry later", "memory")
         self._add(nbytes)
 
     def _add(self, nbytes: int) -> None:
@@ -249,12 +253,15 @@ class BodyLease:
 class Intake:
     """The limits above, shared by the REST and gRPC front ends."""
 
-    def __init__(self, cfg: GatewayConfig, quota: Callable[[str], Tenant] = Tenant) -> None:
-        """``quota``: a tenant's quotas (``Tenants.quota``; by default none), for its share of the budget."""
+    def __init__(self, cfg: GatewayConfig, quota: Callable[[str], Tenant] = Tenant, parts: int = 1) -> None:
+        """``quota``: a tenant's quotas (``Tenants.quota``; by default none), for its share of the budget.
+        ``parts``: the worker processes on this host that split ``--body-memory-mib`` (``--workers``): the
+        budget bounds the memory of one host's gateway, so each worker holds 1/``parts`` of it and of each
+        tenant's ``body_mib``."""
         self.cfg = cfg
         self.max_body = cfg.max_body_bytes
-        self.budget = ByteBudget(int(cfg.body_memory_mib * (1 << 20)), fifo=False)
-        self.shares = BodyShares(self.budget.capacity, quota)
+        self.budget = ByteBudget(int(cfg.body_memory_mib * (1 << 20)) // parts, fifo=False)
+        self.shares = BodyShares(self.budget.capacity, quota, parts)
         self.reading = 0
         self.grpc_reading = 0
         self._grpc_slots = asyncio.Semaphore(GRPC_READERS)

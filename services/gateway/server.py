@@ -154,7 +154,8 @@ async def serve(cfg: GatewayConfig, stop: asyncio.Event | None = None, security:
         await orch.start()
         await workers.ready_to_join(worker, lambda: orch.lm_wait_reason() is None)
         # Every body is read under the intake limits (size, readers, memory, deadline) before admission.
-        intake = Intake(cfg, quota=tenants.quota)
+        # A worker holds its part of --body-memory-mib: the budget bounds this host's gateway, whatever N.
+        intake = Intake(cfg, quota=tenants.quota, parts=worker.count if worker is not None else 1)
         # One for both transports: they share what it remembers (and its background places, counted in `state`).
         core = RequestCore(cfg, orch, fetcher, quota=tenants.quota, state=state)
         app = _rest_app(cfg, OpenAIRoutes(cfg, orch, fetcher=fetcher, intake=intake, core=core), tenants)
