@@ -15,6 +15,7 @@ import os
 import secrets
 import threading
 import time
+import weakref
 
 logger = logging.getLogger(__name__)
 
@@ -71,18 +72,29 @@ def process_agent(role: str) -> Agent:
     half a second: UCX's initialisation)."""
     with _agent_lock:
         if role not in _agents:
-            if not _agents:
-                atexit.register(_kept_at_exit)
             _agents[role] = Agent(role)
         return _agents[role]
 
 
+_running: weakref.WeakSet[Progress] = weakref.WeakSet()
+"""Every started ``Progress`` not yet stopped: ``_kept_at_exit`` stops them."""
+
+
 def _kept_at_exit() -> None:
-    """At interpreter exit the process's agents are left to the operating system, never destroyed: NIXL's
-    agent destructor, run while the interpreter finalizes its modules (after UCX has lost a peer, say), can
-    end the whole process with "terminate called without an active exception" (a C++ thread destroyed
-    unjoined), turning a clean exit into SIGABRT. The memory, sockets and registrations of an exiting process
-    go with it anyway. One more reference each, taken at exit, is what keeps them."""
+    """Makes the interpreter's exit safe with NIXL in the process (an atexit hook: it runs before the
+    interpreter starts to finalize, while every thread can still run):
+
+    - Every ``Progress`` thread still running is stopped and joined. A daemon thread inside a NIXL call
+      (which releases the GIL) when finalization begins is ended by Python with ``pthread_exit`` as it
+      takes the GIL back; that unwinds through the binding's C++ frames, whose GIL guard's destructor is
+      ``noexcept``, and the C++ runtime ends the whole process: "terminate called without an active
+      exception", SIGABRT after a clean run. A producer its owner never closed would otherwise leave one.
+    - The process's agents are left to the operating system, never destroyed: NIXL's agent destructor,
+      run while the interpreter finalizes its modules (after UCX has lost a peer, say), could end the
+      process the same way. The memory, sockets and registrations of an exiting process go with it
+      anyway. One more reference each, taken here, is what keeps them."""
+    for progress in list(_running):
+        progress.stop()
     with _agent_lock:
         for agent in _agents.values():
             ctypes.pythonapi.Py_IncRef(ctypes.py_object(agent.nixl))
@@ -107,6 +119,7 @@ class Progress:
         self.completed = 0  # notifications that ended an outstanding read (tests, stats)
 
     def start(self) -> None:
+        _running.add(self)
         self._thread.start()
 
     def expect(self, token: bytes) -> None:
@@ -146,3 +159,7 @@ class Progress:
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
+        _running.discard(self)
+
+
+atexit.register(_kept_at_exit)

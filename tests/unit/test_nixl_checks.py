@@ -79,3 +79,21 @@ def test_a_malformed_offer_is_refused_before_any_agent_is_made(offer, match):
     with pytest.raises(ProtocolError, match=match):
         consumer.probe(offer)
     assert consumer._agent is None
+
+
+def test_a_progress_thread_its_owner_never_stopped_is_stopped_at_exit_before_the_interpreter_finalizes():
+    # A daemon thread inside a NIXL call when the interpreter finalizes is ended by pthread_exit through the
+    # binding's noexcept C++ frames, which aborts the process; the atexit hook stops every one first.
+    from types import SimpleNamespace
+
+    from ectransfer import nixl_agent
+
+    calls = []
+    agent = SimpleNamespace(nixl=SimpleNamespace(get_new_notifs=lambda: calls.append(1) or {}))
+    progress = nixl_agent.Progress(agent)
+    progress.start()
+    while not calls:
+        pass
+    assert progress in nixl_agent._running
+    nixl_agent._kept_at_exit()
+    assert not progress._thread.is_alive() and progress not in nixl_agent._running
