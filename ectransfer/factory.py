@@ -120,3 +120,15 @@ def make_producers(names: list[str], pool_bytes: int, chunk_nbytes: int, role: s
         t = classes[name].build(pool, chunk_nbytes)
         transports[t.kind] = t
     return pool, transports, offered
+
+
+def close_producers(pool, transports: dict) -> None:
+    """Closes what ``make_producers`` made, once its server has stopped: each transport (a NIXL producer's
+    progress thread and its registration), then the pool. A transport that fails to close is logged and
+    the rest are still closed."""
+    for t in transports.values():
+        try:
+            t.close()
+        except Exception:  # closing: the others and the pool still go
+            logger.exception("closing the %s producer transport failed", t.name)
+    pool.close()

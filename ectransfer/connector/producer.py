@@ -114,6 +114,7 @@ class ProducerScheduler:
         # else shared memory); those that cannot describe it are not offered.
         self.pool, transports, names = factory.make_producers(
             factory.resolve(cfg.transports, "producer"), cfg.outbound_pool_bytes, cfg.chunk_nbytes)
+        self._transports = transports  # closed with the pool in shutdown
         self.cuda_pool = self.pool if isinstance(self.pool, CudaPool) else None
         self.store = OutboundStore(self.pool, ttl_s=cfg.lease_s, max_settled_claims=cfg.max_settled_claims,
                                    keep_bytes=cfg.host_tier_bytes)
@@ -346,7 +347,7 @@ class ProducerScheduler:
     def shutdown(self) -> None:
         if self._started:
             self.server.stop()
-        self.pool.close()
+        factory.close_producers(self.pool, self._transports)
 
 
 def _claims_of(request) -> tuple[str, ...]:

@@ -31,6 +31,7 @@ class Producer:
                  max_settled_claims: int = 16384) -> None:
         # As the encoder's connector does: CUDA IPC puts the pool on the GPU, else it is shared memory.
         self.pool, ts, _ = factory.make_producers(list(transports), pool_bytes, chunk_nbytes, role="test")
+        self.transports = ts
         self.store = OutboundStore(self.pool, ttl_s=ttl_s, max_settled_claims=max_settled_claims)
         self.servicer = TransferServicer(self.store, compat_info or compat(), "producer-1", ts, item_wait_s=item_wait_s,
                                          lane=lane, limits=limits)
@@ -39,7 +40,7 @@ class Producer:
 
     def close(self) -> None:
         self.server.stop()
-        self.pool.close()
+        factory.close_producers(self.pool, self.transports)
 
 
 class Consumer:
