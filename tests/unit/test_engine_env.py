@@ -42,12 +42,22 @@ def test_the_command_imports_neither_vllm_nor_huggingface_hub():
 
 
 def test_the_command_sets_the_environment_before_a_service_module_loads_vllm():
-    # One service module is enough (the LM's and the gateway's come through the same service_module), and
-    # each is one more load of vLLM's stack in a fresh process.
-    out = _run("import json, sys; import services.cli as cli; cli.service_module('encoder'); "
-               "import huggingface_hub.constants as c; vllm_loaded = 'vllm' in sys.modules; "
-               "print(json.dumps([vllm_loaded, c.HF_HUB_OFFLINE]))")
-    assert out == [True, True]
+    # The encoder's and the LM's server modules import vLLM at their top, which imports huggingface_hub,
+    # which reads its offline flag once, then. The module's import is replaced by that first import of
+    # huggingface_hub (loading vLLM's stack in a fresh process takes 15-30 s here and proves no more): what
+    # it reads at that moment is what vLLM would.
+    out = _run("import importlib, json, sys\n"
+               "import services.cli as cli\n"
+               "seen = {}\n"
+               "def first_import(name):\n"
+               "    loaded = 'huggingface_hub' in sys.modules\n"
+               "    import huggingface_hub.constants as c\n"
+               "    seen[name] = [loaded, c.HF_HUB_OFFLINE]\n"
+               "    return c\n"
+               "cli.importlib = type(sys)('importlib'); cli.importlib.import_module = first_import\n"
+               "cli.service_module('encoder'); cli.service_module('lm')\n"
+               "print(json.dumps(seen))")
+    assert out == {"services.encoder.server": [False, True], "services.lm.server": [True, True]}
 
 
 def test_configure_process_env_sets_what_is_unset_and_keeps_the_operators_values():
