@@ -183,7 +183,8 @@ async def serve(cfg: GatewayConfig, stop: asyncio.Event | None = None, security:
         watch = workers.serving(worker, stop) if worker is not None else None
         logger.info("gateway %slistening: http://%s:%d/v1 (model %s, %d encoder(s), %d LM(s)%s; API keys: %s)",
                     "" if worker is None else f"worker {worker.index} ", cfg.host, http_port,
-                    orch.model or "not known yet", len(cfg.encoder_list), len(cfg.lm_list),
+                    orch.model or "not known yet",  # the instances known now: flags, names resolved, fleet file
+                    len(orch.encoders.instances) if orch.encoders is not None else 0, len(orch.lms.instances),
                     "" if orch.lm_wait_reason() is None else "; waiting for an LM", tenants.describe())
         await stop.wait()
     finally:
