@@ -7,9 +7,11 @@
    different seeds, and reports the median TTFT p50/p99 over those runs (and the 10-90 % band) beside
    the measured ones. A row is within tolerance if both are within 20 %.
 2. 128 GPUs. The H100 profile, one day (``day`` in the inputs): colocated (every GPU an LM that
-   encodes in its steps), every static split E:LM of the fleet, and the autoscaler moving GPUs between
-   the roles within the same budget (so at most the statics' GPU-hours), starting from the best static
-   split. Goodput is the requests per second that met both objectives (TTFT, TPOT), over the day.
+   encodes in its steps), every static split E:LM of the fleet, and two autoscalers (the simulator's
+   own, ``sim.autoscale``, and the project's, ``services/autoscale/policy.py``) moving GPUs between the
+   roles within the same budget (so at most the statics' GPU-hours), each started from the best static
+   split and from the median one. Goodput is the requests per second that met both objectives (TTFT,
+   TPOT), over the day.
 
     python bench/plan.py --split-step 4 --dense 18:32   # every 4th split and 18..32 (make bench-sim)
     python bench/plan.py                      # every split: about 4x that
@@ -144,43 +146,67 @@ def fleet_day(gpus: int, split_step: int, seed: int, scale: float, start_enc: in
         log(f"  {s['system']}: goodput {s['goodput']} attainment {s['attainment']} ({time.time() - t1:.0f} s)")
     ranked = sorted(statics, key=lambda s: s["goodput"])
     best, median = ranked[-1], ranked[(len(ranked) - 1) // 2]
-    if start_enc is None:  # the autoscaler starts from the best static split: can it improve on it?
-        start_enc = best["encoders"]
+    # Both autoscalers from the best static split (can they improve on it?) and from another one (the median
+    # static split unless --start-encoders names one): can they find a good split from a bad one?
+    other = median["encoders"] if start_enc is None else start_enc
+    runs = {}
+    for start in (best["encoders"], other):
+        runs[start] = (_sim_autoscaler_day(profile, trace, cfg, slo, length, gpus, start, log),
+                       _local_policy_day(profile, trace, cfg, slo, length, gpus, start, log))
+    (auto, local), (auto_o, local_o) = runs[best["encoders"]], runs[other]
+    return {"setup": {**setup, "requests": len(trace), "length_s": length, "split_step": split_step,
+                      "dense": [dense.start, dense.stop - 1] if len(dense) else None,
+                      "splits_simulated": len(statics)},
+            "colocated": out["colocated"], "statics": statics, "best_static": best["system"],
+            "median_static": median["system"], "autoscaler": auto, "autoscaler_local": local,
+            "other_start": {"autoscaler": auto_o, "autoscaler_local": local_o},
+            "autoscaler_vs_best": round(auto["goodput"] / max(best["goodput"], 1e-9), 3),
+            "autoscaler_vs_median": round(auto["goodput"] / max(median["goodput"], 1e-9), 3),
+            "local_vs_best": round(local["goodput"] / max(best["goodput"], 1e-9), 3),
+            "local_vs_median": round(local["goodput"] / max(median["goodput"], 1e-9), 3),
+            "local_other_start_vs_best": round(local_o["goodput"] / max(best["goodput"], 1e-9), 3),
+            "colocated_vs_best": round(out["colocated"]["goodput"] / max(best["goodput"], 1e-9), 3)}
+
+
+def _timeline(res) -> list:
+    return [[round(t, 2), e, m, h] for t, e, m, h in res.timeline]
+
+
+def _sim_autoscaler_day(profile, trace, cfg: dict, slo, length: float, gpus: int, start_enc: int, log) -> dict:
+    """The simulator's own autoscaler (``sim.autoscale``), a budget and a floor of ``gpus``."""
     scaler = Autoscaler(AutoscaleConfig(tick_s=cfg["provision_s"] / 2, budget=gpus, min_gpus=gpus,
                                         cooldown_s=cfg["provision_s"] * 2, max_step=max(1, gpus // 32)))
     t1 = time.time()
     res = Fleet(profile, n_enc=start_enc, n_lm=gpus - start_enc, autoscaler=scaler,
                 provision_s=cfg["provision_s"]).run(trace)
     auto = _summary("autoscaler", res, cfg, slo, length, start_encoders=start_enc, actions=len(scaler.actions),
-                    timeline=[[round(t, 2), e, m, h] for t, e, m, h in res.timeline])
-    log(f"  autoscaler: goodput {auto['goodput']} avg GPUs {auto['avg_gpus']} ({time.time() - t1:.0f} s)")
-    local = _local_policy_day(profile, trace, cfg, slo, length, gpus, start_enc)
-    log(f"  local policy: goodput {local['goodput']} avg GPUs {local['avg_gpus']}")
-    return {"setup": {**setup, "requests": len(trace), "length_s": length, "split_step": split_step,
-                      "dense": [dense.start, dense.stop - 1] if len(dense) else None,
-                      "splits_simulated": len(statics)},
-            "colocated": out["colocated"], "statics": statics, "best_static": best["system"],
-            "median_static": median["system"], "autoscaler": auto, "autoscaler_local": local,
-            "autoscaler_vs_best": round(auto["goodput"] / max(best["goodput"], 1e-9), 3),
-            "autoscaler_vs_median": round(auto["goodput"] / max(median["goodput"], 1e-9), 3),
-            "colocated_vs_best": round(out["colocated"]["goodput"] / max(best["goodput"], 1e-9), 3)}
+                    timeline=_timeline(res))
+    log(f"  autoscaler from {start_enc}: goodput {auto['goodput']} avg GPUs {auto['avg_gpus']} "
+        f"({time.time() - t1:.0f} s)")
+    return auto
 
 
-def _local_policy_day(profile, trace, cfg: dict, slo, length: float, gpus: int, start_enc: int) -> dict:
+def _local_policy_day(profile, trace, cfg: dict, slo, length: float, gpus: int, start_enc: int, log) -> dict:
     """The project's own policy (``services/autoscale/policy.py``) on the same day, its GPU budget as its
-    memory budget; its timers scaled to the compressed day with the provisioning delay (rise 1x, fall
-    3x, cool-down 2x ``provision_s``)."""
+    memory budget, its objectives the day's, up to ``gpus // 32`` instances a step (as the simulator's own);
+    its timers scaled to the compressed day with the provisioning delay (rise 1x, fall 3x, cool-down 2x
+    ``provision_s``); every other setting its default."""
     from sim.local_policy import LocalPolicy
 
     from services.autoscale.policy import Budget
 
     prov = cfg["provision_s"]
     budget = Budget(min_encoders=1, max_encoders=gpus - 1, min_lms=1, max_lms=gpus - 1, max_memory_gib=gpus,
+                    ttft_s=slo[0], tpot_s=slo[1], max_step=max(1, gpus // 32),
                     up_after_s=prov, down_after_s=3 * prov, cooldown_s=2 * prov)
     scaler = LocalPolicy(budget, tick_s=prov / 2)
+    t1 = time.time()
     res = Fleet(profile, n_enc=start_enc, n_lm=gpus - start_enc, autoscaler=scaler, provision_s=prov).run(trace)
-    return _summary("local policy", res, cfg, slo, length, start_encoders=start_enc, actions=len(scaler.actions),
-                    timeline=[[round(t, 2), e, m, h] for t, e, m, h in res.timeline])
+    local = _summary("local policy", res, cfg, slo, length, start_encoders=start_enc,
+                     actions=sum(k for _, _, k in scaler.actions), timeline=_timeline(res))
+    log(f"  local policy from {start_enc}: goodput {local['goodput']} avg GPUs {local['avg_gpus']} "
+        f"({time.time() - t1:.0f} s)")
+    return local
 
 
 def main() -> int:
@@ -192,7 +218,8 @@ def main() -> int:
     p.add_argument("--scale", type=float, default=1.0, help="multiply the day's rate")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--start-encoders", type=int, default=None,
-                   help="the autoscaler's first split (default: the best static split's encoders)")
+                   help="the autoscalers' second start (encoders; default: the median static split's); "
+                        "the first is always the best static split")
     p.add_argument("--dense", default="", help="LO:HI: also every split with LO..HI encoders")
     p.add_argument("--reuse", default=None,
                    help="an earlier sim-128gpu.json of the same day: its static rows are not simulated again")

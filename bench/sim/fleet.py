@@ -65,6 +65,7 @@ class Encoder:
         self.batch: list = []
         self.busy_since = math.nan
         self.busy_total = 0.0
+        self.waited = [0.0, 0]  # this encoder's item queue seconds and count, ever
 
     @property
     def load(self) -> int:
@@ -87,10 +88,10 @@ class Encoder:
         n = min(len(self.queue), cost.max_batch)
         self.batch = [self.queue.popleft() for _ in range(n)]
         self.busy_since = now
-        waits = self.fleet.waits["encoder"]
-        for _, _, t in self.batch:
-            waits[0] += now - t
-            waits[1] += 1
+        for waits in (self.fleet.waits["encoder"], self.waited):
+            for _, _, t in self.batch:
+                waits[0] += now - t
+                waits[1] += 1
         dt = cost.batch_s(n, sum(tok for _, tok, _ in self.batch)) * self.fleet.slowdown
         self.fleet.push(now + dt, self._done, None)
 
@@ -133,6 +134,7 @@ class LM:
         self.k = 0
         self.version = 0
         self.just_prefilled: list = []
+        self.ttfts, self.tpots = [], []  # TTFTs (from routed here) and TPOTs since a reader last took them
 
     @property
     def load(self) -> int:
@@ -219,6 +221,7 @@ class LM:
             self.steps += 1
             for r in self.just_prefilled:
                 r.t_first = now
+                self.ttfts.append(now - r.t_lm)
                 self.n_run += 1
                 heapq.heappush(self.finishing, (self.steps + r.out - 1, r.i, r))
             self.just_prefilled = []
@@ -227,6 +230,8 @@ class LM:
         while self.finishing and self.finishing[0][0] <= self.steps:
             _, _, r = heapq.heappop(self.finishing)
             r.t_done = now
+            if r.out > 1:
+                self.tpots.append((now - r.t_first) / (r.out - 1))
             self.n_run -= 1
             self.kv_used -= r.kv
             self.fleet.finished += 1

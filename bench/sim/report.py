@@ -25,12 +25,22 @@ def print_fleet(day: dict) -> None:
     if "autoscaler_local" in day:
         rows.append(day["autoscaler_local"])
         names.append("local policy")
-    print(f"{'':<14} {'system':<16} {'avg GPUs':>8} {'goodput':>8} {'attain':>7} {'TTFT p50/p99 s':>15} {'TPOT p50/p99 ms':>16}")
+    for key, name in (("autoscaler", "autoscaler"), ("autoscaler_local", "local policy")):
+        if key in day.get("other_start", {}):
+            r = day["other_start"][key]
+            rows.append(r)
+            names.append(f"{name} @{r['start_encoders']}")
+    names = [n if "@" in n or n not in ("autoscaler", "local policy") else
+             f"{n} @{r['start_encoders']}" for n, r in zip(names, rows)]
+    print(f"{'':<18} {'system':<16} {'avg GPUs':>8} {'goodput':>8} {'attain':>7} {'TTFT p50/p99 s':>15} {'TPOT p50/p99 ms':>16}")
     for n, r in zip(names, rows):
-        print(f"{n:<14} {r['system']:<16} {r['avg_gpus']:>8.1f} {r['goodput']:>8.1f} {r['attainment']:>7.3f} "
+        print(f"{n:<18} {r['system']:<16} {r['avg_gpus']:>8.1f} {r['goodput']:>8.1f} {r['attainment']:>7.3f} "
               f"{r['ttft_p50_s']:>7.2f}/{r['ttft_p99_s']:<7.2f} {r['tpot_p50_ms']:>7.1f}/{r['tpot_p99_ms']:<8.1f}")
     print(f"autoscaler / best static {day['autoscaler_vs_best']}x, / median static {day['autoscaler_vs_median']}x; "
           f"colocated / best static {day['colocated_vs_best']}x")
+    if "local_vs_best" in day:
+        print(f"local policy / best static {day['local_vs_best']}x, / median static {day['local_vs_median']}x; "
+              f"from the other start / best static {day['local_other_start_vs_best']}x")
 
 
 def plot_validation(rows: list[dict], path: str) -> None:
@@ -96,6 +106,11 @@ def plot_fleet(day: dict, path: str) -> None:
     a3.axhline(day["colocated"]["goodput"], color="tab:red", ls="--", label="colocated")
     if "autoscaler_local" in day:
         a3.axhline(day["autoscaler_local"]["goodput"], color="tab:orange", ls=":", label="local policy")
+    for key, color in (("autoscaler", "tab:green"), ("autoscaler_local", "tab:orange")):
+        r = day.get("other_start", {}).get(key)
+        if r is not None:
+            a3.plot([r["start_encoders"]], [r["goodput"]], "o", color=color,
+                    label=f"{'autoscaler' if key == 'autoscaler' else 'local policy'} from {r['start_encoders']}")
     a3.set_xlabel(f"encoders of {s['gpus']} GPUs (static)")
     a3.set_ylabel("goodput req/s")
     a3.set_title("goodput over the day")

@@ -3,11 +3,18 @@ internal metrics port (the scaling signals, services/encoder/signals.py and serv
 a ``policy.Snapshot``, asks the ``policy.Policy`` what to do, and does it on the ``Deployment``
 (``add_encoder``, ``add_lm``, ``remove``: the instance drains first).
 
+Each signal is read over the last interval, from the change of a counter or histogram since the previous
+scrape of that instance: an encoder's busy share (``epd_encoder_busy_seconds_total``) and the mean time its
+items waited before their batch started (its engine's ``vllm:request_queue_time_seconds``, sum over count);
+an LM's TTFT and TPOT p90 (``vllm:time_to_first_token_seconds`` and
+``vllm:request_time_per_output_token_seconds``, interpolated in the buckets as Prometheus'
+``histogram_quantile`` does). The first scrape of an instance gives no reading (nothing to subtract).
+
 An action runs on its own thread (an engine takes tens of seconds to start, a drain up to its grace), so
 scraping goes on meanwhile; while a role has an action in flight the policy is not asked about that role,
 and its cool-down starts again when the action is done. An instance whose metrics port does not answer
 yet (starting) or that drains is not counted as capacity. ``history`` keeps one sample per round (the
-instance counts, each role's load, the gateway's objective attainment where it exports one) and
+instance counts, each role's lateness, the gateway's objective attainment where it exports one) and
 ``events`` every action, for ``bench/autoscale.py``'s table and plot.
 
 Owner: whoever makes an ``Autoscaler`` stops it (``stop``) before stopping the deployment; its threads
@@ -26,16 +33,21 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.autoscale.policy import ROLES, Action, Budget, InstanceSignals, Policy, Snapshot, role_load
+from services.autoscale.policy import ROLES, Action, Budget, InstanceSignals, Policy, Snapshot, role_lateness
 
 logger = logging.getLogger(__name__)
 
 SCRAPE_TIMEOUT_S = 2.0
+QUEUE_TIME = "vllm:request_queue_time_seconds"
+TTFT = "vllm:time_to_first_token_seconds"
+TPOT = "vllm:request_time_per_output_token_seconds"
+QUANTILE = 0.9
 
 
 def scrape(port: int, host: str = "127.0.0.1") -> dict[str, float] | None:
     """Every sample on ``host:port``'s /metrics, summed by sample name over labels; None when it does not
-    answer. ``objective`` labels are kept apart (``name{objective="both"}``): they are shares, not sums."""
+    answer. ``objective`` labels are kept apart (``name{objective="both"}``): they are shares, not sums; so
+    are a histogram's ``le`` (``name_bucket{le="0.5"}``), summed over its other labels (engines)."""
     try:
         with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=SCRAPE_TIMEOUT_S) as r:
             text = r.read().decode()
@@ -44,9 +56,34 @@ def scrape(port: int, host: str = "127.0.0.1") -> dict[str, float] | None:
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            name = s.name + (f'{{objective="{s.labels["objective"]}"}}' if "objective" in s.labels else "")
+            kept = next((k for k in ("objective", "le") if k in s.labels), None)
+            name = s.name + (f'{{{kept}="{s.labels[kept]}"}}' if kept else "")
             out[name] = out.get(name, 0.0) + s.value
     return out
+
+
+def buckets(m: dict[str, float], family: str) -> list[tuple[float, float]]:
+    """``family``'s cumulative histogram buckets in a ``scrape``: (upper bound, count), by bound."""
+    prefix = f'{family}_bucket{{le="'
+    return sorted((float(k[len(prefix):-2]), v) for k, v in m.items() if k.startswith(prefix))
+
+
+def histogram_quantile(q: float, now: list[tuple[float, float]], before: list[tuple[float, float]]) -> float | None:
+    """The ``q`` quantile of the observations between two scrapes of one histogram's buckets (``now`` less
+    ``before``), interpolated linearly in its bucket as Prometheus does (past the last finite bound: that
+    bound); None when nothing was observed in between."""
+    old = dict(before)
+    cum = [(le, max(0.0, c - old.get(le, 0.0))) for le, c in now]
+    if not cum or cum[-1][1] <= 0:
+        return None
+    rank, lo, below = q * cum[-1][1], 0.0, 0.0
+    for le, c in cum:
+        if c >= rank:
+            if le == float("inf"):
+                return lo
+            return lo + (le - lo) * (rank - below) / (c - below) if c > below else le
+        lo, below = le, c
+    return lo
 
 
 def lm_slots(engine_args: str, lm_args: list[str] | None, default: int) -> int:
@@ -79,8 +116,9 @@ def tree_rss(pid: int) -> int:
 
 class Autoscaler:
     """Scales ``dep``'s encoders and LMs within ``budget`` (module docstring). ``lm_slots``: each LM's
-    ``max_num_seqs`` (the engines' setting); ``start_timeout_s``: how long an added instance may take to be
-    routed to before it is given up (stopped; the next round may try again)."""
+    ``max_num_seqs`` (the engines' setting), only for the history's ``lm_held`` (requests held over it; the
+    policy reads lateness, not this); ``start_timeout_s``: how long an added instance may take to be routed
+    to before it is given up (stopped; the next round may try again)."""
 
     def __init__(self, dep, budget: Budget, interval_s: float = 2.0, lm_slots: int = 8,
                  start_timeout_s: float = 600.0) -> None:
@@ -92,10 +130,11 @@ class Autoscaler:
         self.start_timeout_s = start_timeout_s
         self.history: list[dict] = []
         self.events: list[dict] = []
-        self._busy: dict[str, tuple[float, float]] = {}  # encoder address -> (time, busy seconds) last round
+        self._seen: dict[str, tuple[float, dict[str, float]]] = {}  # address -> (time, its last scrape)
         self._last: dict[str, InstanceSignals] = {}  # address -> its last signals (a scrape that times out)
-        self._acting: dict[str, Future] = {}
-        self._pool = ThreadPoolExecutor(max_workers=len(ROLES), thread_name_prefix="epd-autoscale-act")
+        self._held: dict[str, float] = {}  # LM address -> requests running and waiting at its last scrape
+        self._acting: dict[str, list[Future]] = {}
+        self._pool = ThreadPoolExecutor(max_workers=2 * len(ROLES), thread_name_prefix="epd-autoscale-act")
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.t0 = time.monotonic()
@@ -136,41 +175,55 @@ class Autoscaler:
                     continue
                 inst = InstanceSignals(svc.address, draining=svc in leaving or m.get("epd_instance_draining", 0) > 0,
                                        memory_bytes=tree_rss(svc.proc.pid))
-                if role == "encoder":
-                    busy = m.get("epd_encoder_busy_seconds_total", 0.0)
-                    last = self._busy.get(svc.address)
-                    if last is not None and now > last[0]:
-                        inst.busy = min(1.0, max(0.0, (busy - last[1]) / (now - last[0])))
-                    self._busy[svc.address] = (now, busy)
-                    inst.queue = m.get("epd_encoder_queue_depth", 0.0)
-                else:
-                    inst.running = m.get("vllm:num_requests_running", 0.0)
-                    inst.waiting = m.get("vllm:num_requests_waiting", 0.0)
-                    inst.slots = self.lm_slots
+                t_before, before = self._seen.get(svc.address, (now, None))
+                if before is not None:
+                    self._read(role, inst, m, before, now - t_before)
+                if role == "lm":
+                    self._held[svc.address] = m.get("vllm:num_requests_running", 0.0) + m.get(
+                        "vllm:num_requests_waiting", 0.0)
+                self._seen[svc.address] = (now, m)
                 snap.of(role).append(inst)
                 self._last[svc.address] = inst
         return snap
+
+    @staticmethod
+    def _read(role: str, inst: InstanceSignals, m: dict[str, float], before: dict[str, float], dt: float) -> None:
+        """``inst``'s signals over the ``dt`` seconds between two scrapes, ``before`` and ``m``."""
+        if role == "encoder":
+            if dt > 0:
+                busy = m.get("epd_encoder_busy_seconds_total", 0.0) - before.get("epd_encoder_busy_seconds_total", 0.0)
+                inst.busy = min(1.0, max(0.0, busy / dt))
+            n = m.get(f"{QUEUE_TIME}_count", 0.0) - before.get(f"{QUEUE_TIME}_count", 0.0)
+            if n > 0:
+                inst.queue_wait_s = max(0.0, m.get(f"{QUEUE_TIME}_sum", 0.0) - before.get(f"{QUEUE_TIME}_sum", 0.0)) / n
+            return
+        inst.ttft_s = histogram_quantile(QUANTILE, buckets(m, TTFT), buckets(before, TTFT))
+        inst.tpot_s = histogram_quantile(QUANTILE, buckets(m, TPOT), buckets(before, TPOT))
 
     def round(self) -> list[Action]:
         """One scrape and decision; starts the actions it decided."""
         snap = self.snapshot()
         now = time.monotonic()
-        for role, fut in list(self._acting.items()):
-            if fut.done():
+        for role, futs in list(self._acting.items()):
+            if all(f.done() for f in futs):
                 del self._acting[role]
                 self.policy.changed(role, now)  # the cool-down counts from when the change is done
         actions = self.policy.decide(snap, now, skip=frozenset(self._acting))
         gateway = scrape(self.dep.gateway_metrics) or {}
+        lms = [i for i in snap.lms if not i.draining]
         self.history.append({
             "t": round(now - self.t0, 2),
-            "encoders": sum(not i.draining for i in snap.encoders), "lms": sum(not i.draining for i in snap.lms),
-            "encoder_load": role_load("encoder", snap, self.budget), "lm_load": role_load("lm", snap, self.budget),
+            "encoders": sum(not i.draining for i in snap.encoders), "lms": len(lms),
+            "encoder_lateness": role_lateness("encoder", snap, self.budget),
+            "lm_lateness": role_lateness("lm", snap, self.budget),
+            "lm_held": sum(self._held.get(i.address, 0.0) for i in lms) / (len(lms) * self.lm_slots) if lms else None,
             "attainment": gateway.get('epd_gateway_objective_attainment{objective="both"}'),
         })
         for action in actions:
-            logger.info("autoscaler: %s %s%s (%s)", action.kind, action.role,
+            logger.info("autoscaler: %s %s%s%s (%s)", action.kind, action.role,
+                        f" x{action.count}" if action.count > 1 else "",
                         f" {action.address}" if action.address else "", action.reason)
-            self._acting[action.role] = self._pool.submit(self._act, action)
+            self._acting.setdefault(action.role, []).append(self._pool.submit(self._act, action))
         return actions
 
     def _act(self, action: Action) -> None:
@@ -180,8 +233,7 @@ class Autoscaler:
         try:
             if action.kind == "add":
                 add = self.dep.add_encoder if action.role == "encoder" else self.dep.add_lm
-                svc = add(timeout=self.start_timeout_s)
-                event["address"] = svc.address
+                event["address"] = ",".join(add(timeout=self.start_timeout_s).address for _ in range(action.count))
             else:
                 svc = next((s for s in [*self.dep.encoders, *self.dep.lms] if s.address == action.address), None)
                 if svc is not None:

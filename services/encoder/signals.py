@@ -9,6 +9,11 @@ prometheus-adapter) reads from this service's internal metrics port (``--metrics
   at each scrape), not only when one ends.
 - ``epd_encoder_items_total`` (counter, beside the handlers): ``rate()`` is items per second.
 - ``epd_instance_draining`` (gauge 0/1, ``services.common.signals``): 1 once the instance drains.
+- vLLM's own ``vllm:request_queue_time_seconds`` (histogram), from the ``PrometheusStatLogger`` the encoder
+  engine's ``AsyncLLM`` makes in this process (unless ``--disable-log-stats`` is in ``--vllm-args``): the
+  seconds each Encode request's items waited in the engine's scheduler before their batch started. Its
+  ``_sum`` over ``_count`` between two scrapes is the mean queueing time, the local autoscaler's encoder
+  signal: an encoder's busy share can stay near 1 while it keeps up, its queueing time cannot.
 
 ``LOAD`` is the process's one ``EncoderLoad``; the servicer's handlers feed it and a scrape reads it, both on
 the service's event loop (``services.common.metrics_port``), so it takes no lock.

@@ -4,7 +4,10 @@ prometheus-adapter) reads from this service's internal metrics port (``--metrics
 - vLLM's own series, from its ``PrometheusStatLogger``, which ``AsyncLLM`` makes in this process whenever
   the engine keeps stats (vLLM's default; ``--disable-log-stats`` in ``--vllm-args`` would remove them):
   ``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc`` (0..1),
-  labelled ``model_name`` and ``engine``. They sit in the process's default registry, which
+  labelled ``model_name`` and ``engine``; and its histograms ``vllm:time_to_first_token_seconds`` (from the
+  request reaching the engine) and ``vllm:request_time_per_output_token_seconds`` (each finished request's
+  mean), whose buckets' change between two scrapes gives the TTFT and TPOT p90 the local autoscaler reads
+  against the objectives. They sit in the process's default registry, which
   ``services.common.metrics_port`` serves, so nothing here re-makes them.
 - ``epd_lm_waiting_for_items`` (gauge): requests that carry encoder outputs, are in the engine and have no
   first token yet: waiting for their embeddings to land (or, in their last moments, for their prefill). A

@@ -119,3 +119,22 @@ def test_the_projects_own_policy_driven_in_the_simulator_stays_within_its_gpu_bu
     assert fleet.finished == len(trace)
     assert max(h for _, _, _, h in res.timeline) <= budget
     assert any(what == "add encoder" for _, what, _ in scaler.actions)  # 90 % images: encoders grow
+
+
+def test_the_local_policy_reads_queueing_time_and_latencies_as_deltas_between_ticks():
+    from sim.local_policy import LocalPolicy
+
+    from services.autoscale.policy import Budget
+
+    fleet = Fleet(PROFILE, n_enc=2, n_lm=2)
+    res = fleet.run(_trace(n=300, rate=200.0, share=0.9))
+    waited = [e.waited for e in fleet.encoders]
+    assert sum(n for _, n in waited) == fleet.waits["encoder"][1] > 0  # every item's wait, on its encoder
+    assert sum(len(m.ttfts) for m in fleet.lms) == len(res.ttft)  # one TTFT per request, on its LM
+    scaler = LocalPolicy(Budget(max_encoders=4, max_lms=4), tick_s=0.1)
+    snap, _ = scaler.snapshot(fleet, res.end_s)
+    assert all(i.ttft_s is not None for i in snap.lms) and all(not m.ttfts for m in fleet.lms)  # taken
+    assert [i.queue_wait_s for i in snap.encoders] == [pytest.approx(t / n) for t, n in waited]
+    again, _ = scaler.snapshot(fleet, res.end_s + 1)
+    assert all(i.ttft_s is None and i.tpot_s is None for i in again.lms)  # nothing new since
+    assert all(i.queue_wait_s is None for i in again.encoders)
