@@ -56,6 +56,10 @@ from services.common.media_checks import (
 
 logger = logging.getLogger(__name__)
 
+OFF_LOOP_BYTES = 1 << 20
+"""An item this large is hashed (``content_id``), or its data: URL decoded (the gateway's pybase64), on a
+thread rather than on an event loop: hashlib and pybase64 release the GIL while they work, so the loop
+answers others meanwhile. A smaller one costs less than the thread hop."""
 MAX_NAMESPACE_LEN = 128
 """The longest embedding namespace a service takes (UTF-8 bytes): a tenant's is its name (at most 64) and ``:``."""
 _NAMESPACE_TAG = b"epd-embedding-namespace\0"

@@ -161,10 +161,16 @@ class GatewayConfig:
     body_memory_mib: float = 1536.0
     """Memory all request bodies may hold together, from their first byte until their answer ends, counted
     eight times per body byte (the text, what is parsed from it, the media decoded, the LM's body and its
-    encodings), and twice the media a request fetched; a request that does not fit is refused (503). With
-    --workers N, each worker holds 1/N of it (and of each tenant's body_mib): it bounds the memory of the
-    gateway on one host, however many processes serve it. At least eight times the largest body
-    (--max-*-bytes), times N."""
+    encodings), and twice the media a request fetched; a request that does not fit is refused (503). Per
+    process: with --workers N each worker holds its own (size the host's memory for N of them; a worker's
+    budget must leave room for a gRPC call's pre-read share beside a limit-size body). At least eight
+    times the largest body (--max-*-bytes)."""
+    parse_offload_mib: float = 1.0
+    """Request bodies of at least this many MiB are parsed (their JSON read, their media parts found) in a
+    helper process at a lower CPU priority, one per gateway process, rather than on the event loop: a
+    limit-size body holds a loop for hundreds of ms, and every other request with it
+    (services/gateway/parse_pool.py). Smaller bodies are parsed on the loop, in a few ms. 0: every body
+    on the loop, and no helper."""
     body_timeout_s: float = 30.0
     """A request body must arrive within this (a slow upload is cut off: 408)."""
     body_min_rate_kib: float = 64.0
@@ -244,16 +250,15 @@ class GatewayConfig:
                      "fetch_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
-        if self.max_body_readers < 1 or self.body_timeout_s <= 0 or self.body_min_rate_kib < 0:
-            raise ValueError("max_body_readers must be >= 1, body_timeout_s > 0 and body_min_rate_kib >= 0")
+        if self.max_body_readers < 1 or self.body_timeout_s <= 0 or min(self.body_min_rate_kib, self.parse_offload_mib) < 0:
+            raise ValueError("max_body_readers must be >= 1, body_timeout_s > 0, body_min_rate_kib and "
+                             "parse_offload_mib >= 0")
         if self.answer_timeout_s <= 0 or self.answer_min_rate_kib <= 0 or self.idle_timeout_s <= 0:
             raise ValueError("answer_timeout_s, answer_min_rate_kib and idle_timeout_s must be > 0")
-        if self.body_memory_mib * (1 << 20) / self.workers < BODY_COPIES * self.max_body_bytes:
-            each = "" if self.workers == 1 else f" in each of its {self.workers} workers' parts"
+        if self.body_memory_mib * (1 << 20) < BODY_COPIES * self.max_body_bytes:
             raise ValueError(f"body_memory_mib ({self.body_memory_mib:g}) must hold {BODY_COPIES} copies of the largest "
-                             f"body{each} ({self.max_body_bytes >> 20} MiB, from --max-image-bytes, --max-audio-bytes "
-                             f"and --max-video-bytes): at least "
-                             f"{-(-BODY_COPIES * self.max_body_bytes * self.workers >> 20)}")
+                             f"body ({self.max_body_bytes >> 20} MiB, from --max-image-bytes, --max-audio-bytes and "
+                             f"--max-video-bytes): at least {-(-BODY_COPIES * self.max_body_bytes >> 20)}")
         check("encoder_routing", self.encoder_routing, ENCODER_POLICIES)
         store_config(self)  # --state-store*: raises ValueError
         check("lm_routing", self.lm_routing, LM_POLICIES)

@@ -36,6 +36,7 @@ from services.gateway.errors import ApiError
 from services.gateway.fetch import MediaFetcher
 from services.gateway.lm_body import LMBody
 from services.gateway.orchestrator import Orchestrator
+from services.gateway.parse_pool import ParsePool
 from services.gateway.request import OpenAICall, engine_request_id, load_media, parse_openai
 from services.gateway.responses import ResponseIds, named_response, response_id
 from services.gateway.state import SharedState
@@ -112,13 +113,16 @@ class Admitted:
 
 class RequestCore:
     def __init__(self, cfg: GatewayConfig, orch: Orchestrator, fetcher: MediaFetcher | None = None,
-                 quota=Tenant, response_ids: ResponseIds | None = None, state: SharedState | None = None) -> None:
-        """``fetcher``: owned by ``server.serve``; without one http(s) media URLs are refused. ``quota``: a
+                 quota=Tenant, response_ids: ResponseIds | None = None, state: SharedState | None = None,
+                 parser: ParsePool | None = None) -> None:
+        """``fetcher``: owned by ``server.serve``; without one http(s) media URLs are refused. ``parser``: the
+        helper that parses large bodies off the loop (``parse_pool``; owned by ``server.serve``), else every
+        body is parsed on the loop. ``quota``: a
         tenant's quotas (``Tenants.quota``; by default none), for its background work and its weight in an
         LM's response store. ``response_ids``: the Responses ids' minter (default: from ``cfg``'s secret;
         ValueError for one that will not do). ``state``: where background places are counted, the
         orchestrator's admission's (default: this process alone, in memory)."""
-        self.cfg, self.orch, self.fetcher, self.quota = cfg, orch, fetcher, quota
+        self.cfg, self.orch, self.fetcher, self.quota, self.parser = cfg, orch, fetcher, quota, parser
         self.responses = response_ids or ResponseIds.from_config(cfg)
         self.background = BackgroundWork(lambda: orch.lms, cfg.lm_max_background, cfg.background_timeout_s,
                                          lambda: orch.generating_lms(), quota, state=state)
@@ -138,6 +142,13 @@ class RequestCore:
             raise ApiError(404, f"Response with id '{named}' not found.", param="response_id")
         return home
 
+    async def _parse(self, api: str, raw: bytes, media: list[bytes] | None, content_type: str) -> OpenAICall:
+        """``parse_openai``'s call: a large body's decided in the parse helper (the same call, or the same
+        ApiError; 503 if the helper died holding it), a small one's here, on the loop."""
+        if self.parser is not None and self.parser.wants(api, raw):
+            return await self.parser.parse(api, raw, media, content_type)
+        return parse_openai(api, raw, self.cfg, media, content_type)
+
     async def admit(self, api: str, raw: bytes, *, client_id: str, id_given: bool, path: str = "",
                     media: list[bytes] | None = None, lease=None, arrival: float | None = None,
                     content_type: str = "", tenant: str = ANONYMOUS) -> Admitted:
@@ -150,7 +161,7 @@ class RequestCore:
         spec = API[api]
         ticket = place = None
         try:
-            call = parse_openai(api, raw, self.cfg, media, content_type)
+            call = await self._parse(api, raw, media, content_type)
             del raw  # parsed: the text goes
             call.request_id, call.id_given = client_id, id_given
             if tenant != ANONYMOUS:

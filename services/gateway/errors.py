@@ -23,6 +23,11 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.retry_after = status, message, type_, param, retry_after
 
+    def __reduce__(self):
+        """Pickled whole (the parse pool's helper raises it in another process): an Exception pickles only
+        its ``args``, here the message alone, which this ``__init__`` could not take back."""
+        return type(self), (self.status, self.message, self.type, self.param, self.retry_after)
+
 
 def media_api_error(e: MediaError) -> ApiError:
     """A refused media item as the REST API answers it: 400 or 413, param image_url (audio_url)."""

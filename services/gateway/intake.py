@@ -107,10 +107,9 @@ class BodyShares:
     """Each tenant's part of the body budget (the module docstring's rule): what it holds, how many leases
     it has open, and who waits for room. Owned by ``Intake``; its leases report to it, on the event loop."""
 
-    def __init__(self, capacity: int, quota: Callable[[str], Tenant] = Tenant, parts: int = 1) -> None:
-        """``quota``: a tenant's quotas (``Tenants.quota``: its ``body_mib``), read at every decision;
-        ``parts``: the processes the budget and each ``body_mib`` are split among (``Intake``)."""
-        self.capacity, self._quota, self.parts = capacity, quota, parts
+    def __init__(self, capacity: int, quota: Callable[[str], Tenant] = Tenant) -> None:
+        """``quota``: a tenant's quotas (``Tenants.quota``: its ``body_mib``), read at every decision."""
+        self.capacity, self._quota = capacity, quota
         self.held: collections.Counter[str] = collections.Counter()
         self.leases: collections.Counter[str] = collections.Counter()
         self.waiting: collections.Counter[str] = collections.Counter()
@@ -123,8 +122,7 @@ class BodyShares:
         """What ``tenant`` may hold now, and why (for its refusal)."""
         own = self._quota(tenant).body_bytes
         if own is not None:
-            return own // self.parts, "its body_mib quota" if self.parts == 1 else \
-                f"this worker's 1/{self.parts} of its body_mib quota"
+            return own, "its body_mib quota"
         active = {tenant, *(+self.held), *(+self.waiting)}
         if len(active) == 1:
             return self.capacity, "the whole --body-memory-mib, alone"
@@ -214,10 +212,8 @@ class BodyLease:
             finally:
                 shares.count(shares.waiting, self.tenant, -1)
         if not got:
-            whose = "its limit (--body-memory-mib)" if self._shares.parts == 1 else \
-                f"this worker's limit (1/{self._shares.parts} of --body-memory-mib)"
-            raise BodyRefused(503, f"the gateway holds {self._budget.used >> 20} MiB of requests, {whose}; "
-                                   "retry later", "memory")
+            raise BodyRefused(503, f"the gateway holds {self._budget.used >> 20} MiB of requests, its limit "
+                                   "(--body-memory-mib); retry later", "memory")
         self._add(nbytes)
 
     def _add(self, nbytes: int) -> None:
@@ -253,15 +249,12 @@ class BodyLease:
 class Intake:
     """The limits above, shared by the REST and gRPC front ends."""
 
-    def __init__(self, cfg: GatewayConfig, quota: Callable[[str], Tenant] = Tenant, parts: int = 1) -> None:
-        """``quota``: a tenant's quotas (``Tenants.quota``; by default none), for its share of the budget.
-        ``parts``: the worker processes on this host that split ``--body-memory-mib`` (``--workers``): the
-        budget bounds the memory of one host's gateway, so each worker holds 1/``parts`` of it and of each
-        tenant's ``body_mib``."""
+    def __init__(self, cfg: GatewayConfig, quota: Callable[[str], Tenant] = Tenant) -> None:
+        """``quota``: a tenant's quotas (``Tenants.quota``; by default none), for its share of the budget."""
         self.cfg = cfg
         self.max_body = cfg.max_body_bytes
-        self.budget = ByteBudget(int(cfg.body_memory_mib * (1 << 20)) // parts, fifo=False)
-        self.shares = BodyShares(self.budget.capacity, quota, parts)
+        self.budget = ByteBudget(int(cfg.body_memory_mib * (1 << 20)), fifo=False)
+        self.shares = BodyShares(self.budget.capacity, quota)
         self.reading = 0
         self.grpc_reading = 0
         self._grpc_slots = asyncio.Semaphore(GRPC_READERS)
@@ -309,21 +302,21 @@ class Intake:
             start = time.monotonic()
             while True:
                 try:
-                    chunk = await asyncio.wait_for(request.content.read(CHUNK), 0.5)
+                    parts = [await asyncio.wait_for(request.content.read(CHUNK), 0.5)]
                 except asyncio.TimeoutError:
-                    chunk = None  # nothing came for 0.5 s: judge the pace below
-                if chunk:
-                    # What else has arrived, before the pace is judged: an event loop that stalled
-                    # while the body arrived is not the client's slowness.
-                    while more := request.content.read_nowait(CHUNK):
-                        chunk += more
-                if chunk == b"":
+                    parts = []  # nothing came for 0.5 s: judge the pace below
+                if parts == [b""]:
                     break
-                if chunk:
-                    if len(buf) + len(chunk) > (declared if declared is not None else self.max_body):
-                        raise self._too_large(len(buf) + len(chunk))
-                    await lease.grow(len(chunk))  # what arrived, once: the buffer holds it
-                    buf += chunk
+                # What else has arrived, before the pace is judged: an event loop that stalled while the
+                # body arrived is not the client's slowness. Each piece is copied once, into the buffer.
+                while parts and (more := request.content.read_nowait(CHUNK)):
+                    parts.append(more)
+                if got := sum(map(len, parts)):
+                    if len(buf) + got > (declared if declared is not None else self.max_body):
+                        raise self._too_large(len(buf) + got)
+                    await lease.grow(got)  # what arrived, once: the buffer holds it
+                    for part in parts:
+                        buf += part
                     if request.content.at_eof():
                         break
                 elapsed = time.monotonic() - start

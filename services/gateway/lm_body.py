@@ -10,12 +10,14 @@ copy); the request owns them and frees them when it is answered."""
 
 from __future__ import annotations
 
-import base64
 import copy
 import hashlib
 import json
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
+
+import pybase64
 
 from epd.lm.v1 import lm_pb2
 from services.common.media_checks import sniff_audio_format, sniff_video_format
@@ -85,12 +87,12 @@ class LMBody:
             body["request_id"] = self.response_ids.mint(home, self.owner) if minted else self.response_id
         if self.salt_tenant and spec.generates:
             body["cache_salt"] = tenant_salt(self.salt_tenant, body.get("cache_salt"))
-        items = list(req.items) if spec.encode else [None] * len(media)
+        items, splice = list(req.items) if spec.encode else [None] * len(media), Splice()
         # The LM lays a prompt out from the encoders' layouts only when every item has one; else its
         # processor lays the whole prompt out and needs every item's bytes.
         laid_out = spec.encode and all(item.source.placeholder_token_ids for item in req.items)
         for p, item, m in zip(self.parts, items, media):
-            data_url = None if laid_out else _data_url(m)
+            data_url = None if laid_out else splice.add(*_data_url(m))
             ident = item.identifier if item is not None and (laid_out or item.HasField("source")) else None
             if spec.media == "anthropic":
                 # vLLM's converter drops any uuid: the LM knows an encoder's image by its content hash.
@@ -98,7 +100,7 @@ class LMBody:
                 if p.inner >= 0:
                     block = block["content"][p.inner]
                 block["source"] = {"type": "base64", "media_type": "image/png",
-                                   "data": base64.b64encode(m.data).decode()}
+                                   "data": splice.add(pybase64.b64encode(m.data))}
                 continue
             if spec.media == "input":
                 # The bytes go too, even for an item an encoder laid out (the LM knows it by its hash
@@ -106,26 +108,56 @@ class LMBody:
                 # (previous_response_id) renders it again, with no encoder named for it then. The part
                 # keeps its kind: vLLM's request model takes a chat part only where it took the client's.
                 if p.kind == "input_image":
-                    part: dict[str, Any] = {"type": "input_image", "image_url": _data_url(m)}
+                    part: dict[str, Any] = {"type": "input_image", "image_url": splice.add(*_data_url(m))}
                     given = body[p.container][p.message][p.key][p.part]
                     if isinstance(given, dict) and "detail" in given:
                         part["detail"] = given["detail"]  # vLLM requires it of a tool output's image
                 else:
                     kind = p.kind if p.kind != "input_audio" else "audio_url"
-                    part = {"type": kind, kind: {"url": _data_url(m)}}
+                    part = {"type": kind, kind: {"url": splice.add(*_data_url(m))}}
             else:
                 kind = LM_PART[m.modality]
                 part = {"type": kind, kind: None if data_url is None else {"url": data_url}}
             if ident is not None:
                 part["uuid"] = ident  # else the LM encodes it itself and hashes it as vLLM does
             body[p.container][p.message][p.key][p.part] = part
-        return json.dumps(body, ensure_ascii=False).encode()
+        return splice.join(json.dumps(body, ensure_ascii=False).encode())
 
 
-def _data_url(m: Media) -> str:
+def _data_url(m: Media) -> tuple[bytes, bytes]:
+    """``m`` as a data: URL, in two pieces: its header and its base64 (``pybase64``: the same text as
+    ``base64``'s, in a fraction of the time)."""
     if m.modality == "image":
         mime = "image/png"  # the LM's image decoder sniffs the format
     else:
         sniffed = sniff_audio_format(m.data) if m.modality == "audio" else sniff_video_format(m.data)
         mime = MIME.get(sniffed or "", f"{m.modality}/octet-stream")
-    return f"data:{mime};base64," + base64.b64encode(m.data).decode()
+    return f"data:{mime};base64,".encode(), pybase64.b64encode(m.data)
+
+
+class Splice:
+    """Media put into a rendered body after ``json.dumps``, not through it. ``add`` returns a token that
+    stands for the item's text in the body (``prefix``, 128 random bits no client can write, its number
+    and a dot); ``join`` puts the item's bytes in each token's place. A data: URL and base64 are
+    characters JSON never escapes, so the bytes are exactly what ``json.dumps`` would have written, but
+    without it scanning tens of MiB character by character on the event loop (hundreds of ms for a
+    limit-size body), and without the base64 ever being a str."""
+
+    def __init__(self) -> None:
+        self.prefix = f"epd-splice-{uuid.uuid4().hex}-"
+        self.items: list[tuple[bytes, ...]] = []
+
+    def add(self, *chunks: bytes) -> str:
+        self.items.append(chunks)
+        return f"{self.prefix}{len(self.items) - 1}."
+
+    def join(self, rendered: bytes) -> bytes:
+        if not self.items:
+            return rendered
+        view, key, pieces, start = memoryview(rendered), self.prefix.encode(), [], 0
+        while (at := rendered.find(key, start)) >= 0:
+            dot = rendered.index(b".", at + len(key))
+            pieces += (view[start:at], *self.items[int(rendered[at + len(key):dot])])
+            start = dot + 1
+        pieces.append(view[start:])
+        return b"".join(pieces)

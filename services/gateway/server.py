@@ -28,6 +28,7 @@ from services.gateway.grpc_intake import GrpcIntake
 from services.gateway.intake import Intake
 from services.gateway.openai_api import OpenAIRoutes, request_context
 from services.gateway.orchestrator import Orchestrator
+from services.gateway.parse_pool import ParsePool
 from services.gateway.responses import ResponseIds
 from services.gateway.servicer import GatewayServicer
 from services.gateway.state.wiring import open_for
@@ -121,6 +122,30 @@ def _rest_app(cfg: GatewayConfig, routes: OpenAIRoutes, tenants: Tenants) -> web
     return app
 
 
+async def _rest_site(cfg: GatewayConfig, app: web.Application, worker: WorkerSeat | None) -> web.AppRunner:
+    """The REST API's runner, set up and listening (the caller cleans it up).
+    handler_cancellation: a client that disconnects cancels its handler, which cancels the LM call (and
+    with it the engine request). lingering_time=0: a body the gateway refused unread (413 by its
+    Content-Length, 408, 503) is not read and thrown away for 10 s (aiohttp's default); the connection
+    closes instead. keepalive_timeout: aiohttp arms it when a connection opens and after each answer, and
+    closes the connection if no complete request head came by then: the deadline for headers and idling."""
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True, lingering_time=0,
+                           keepalive_timeout=cfg.idle_timeout_s)
+    await runner.setup()
+    await web.TCPSite(runner, cfg.host, cfg.port, reuse_port=True if worker else None).start()
+    return runner
+
+
+def _log_listening(cfg: GatewayConfig, worker: WorkerSeat | None, http_port: int, orch: Orchestrator,
+                   tenants: Tenants) -> None:
+    """The start-up line, with the instances known now (flags, names resolved, the fleet file)."""
+    logger.info("gateway %slistening: http://%s:%d/v1 (model %s, %d encoder(s), %d LM(s)%s; API keys: %s)",
+                "" if worker is None else f"worker {worker.index} ", cfg.host, http_port,
+                orch.model or "not known yet", len(orch.encoders.instances) if orch.encoders is not None else 0,
+                len(orch.lms.instances), "" if orch.lm_wait_reason() is None else "; waiting for an LM",
+                tenants.describe())
+
+
 async def serve(cfg: GatewayConfig, stop: asyncio.Event | None = None, security: SecurityConfig | None = None,
                 on_listening: Callable[[int, int], None] | None = None, tenants: Tenants | None = None,
                 worker: WorkerSeat | None = None) -> None:
@@ -146,6 +171,8 @@ async def serve(cfg: GatewayConfig, stop: asyncio.Event | None = None, security:
     orch = Orchestrator(cfg, security, quota=tenants.quota, state=state)  # quotas read at every decision: SIGHUP swaps them
     fetcher = MediaFetcher(cfg)  # http(s) image URLs; closed below, after the listeners stop
     runner = grpc_server = core = internal = watch = None
+    # Large bodies parsed in a helper process, off this loop; stopped below, after the listeners.
+    parser = ParsePool(cfg, int(cfg.parse_offload_mib * (1 << 20))) if cfg.parse_offload_mib > 0 else None
     # The latency objectives' attainment (a scaling signal), published every second while the gateway serves.
     published = objectives.keep_published(cfg.objective_window_s, cfg.objective_ttft_ms, cfg.objective_tpot_ms)
     try:  # everything set up so far is torn down on the way out, also after a failed start
@@ -154,21 +181,13 @@ async def serve(cfg: GatewayConfig, stop: asyncio.Event | None = None, security:
         await orch.start()
         await workers.ready_to_join(worker, lambda: orch.lm_wait_reason() is None)
         # Every body is read under the intake limits (size, readers, memory, deadline) before admission.
-        # A worker holds its part of --body-memory-mib: the budget bounds this host's gateway, whatever N.
-        intake = Intake(cfg, quota=tenants.quota, parts=worker.count if worker is not None else 1)
+        intake = Intake(cfg, quota=tenants.quota)
+        if parser is not None:
+            await parser.start()
         # One for both transports: they share what it remembers (and its background places, counted in `state`).
-        core = RequestCore(cfg, orch, fetcher, quota=tenants.quota, state=state)
-        app = _rest_app(cfg, OpenAIRoutes(cfg, orch, fetcher=fetcher, intake=intake, core=core), tenants)
-        # handler_cancellation: a client that disconnects cancels its handler, which
-        # cancels the LM call (and with it the engine request).
-        # lingering_time=0: a body the gateway refused unread (413 by its Content-Length, 408, 503) is not
-        # read and thrown away for 10 s (aiohttp's default); the connection closes instead.
-        # keepalive_timeout: aiohttp arms it when a connection opens and after each answer, and closes the
-        # connection if no complete request head came by then: the deadline for headers and for idling.
-        runner = web.AppRunner(app, access_log=None, handler_cancellation=True, lingering_time=0,
-                               keepalive_timeout=cfg.idle_timeout_s)
-        await runner.setup()
-        await web.TCPSite(runner, cfg.host, cfg.port, reuse_port=True if worker else None).start()
+        core = RequestCore(cfg, orch, fetcher, quota=tenants.quota, state=state, parser=parser)
+        runner = await _rest_site(cfg, _rest_app(cfg, OpenAIRoutes(cfg, orch, fetcher=fetcher, intake=intake,
+                                                                   core=core), tenants), worker)
         http_port, grpc_port = runner.addresses[0][1], 0
         if cfg.grpc_port:
             grpc_server = _grpc_api(cfg, GatewayServicer(cfg, orch, fetcher=fetcher, core=core),
@@ -181,11 +200,7 @@ async def serve(cfg: GatewayConfig, stop: asyncio.Event | None = None, security:
         if on_listening is not None:
             on_listening(http_port, grpc_port)
         watch = workers.serving(worker, stop) if worker is not None else None
-        logger.info("gateway %slistening: http://%s:%d/v1 (model %s, %d encoder(s), %d LM(s)%s; API keys: %s)",
-                    "" if worker is None else f"worker {worker.index} ", cfg.host, http_port,
-                    orch.model or "not known yet",  # the instances known now: flags, names resolved, fleet file
-                    len(orch.encoders.instances) if orch.encoders is not None else 0, len(orch.lms.instances),
-                    "" if orch.lm_wait_reason() is None else "; waiting for an LM", tenants.describe())
+        _log_listening(cfg, worker, http_port, orch, tenants)
         await stop.wait()
     finally:
         published.cancel()
@@ -199,6 +214,8 @@ async def serve(cfg: GatewayConfig, stop: asyncio.Event | None = None, security:
             await internal.stop()
         if core is not None:
             await core.close()
+        if parser is not None:
+            await parser.close()
         await fetcher.close()
         await orch.close()
         await state.close()  # last: whatever held a place has given it back

@@ -352,38 +352,6 @@ def test_a_tenants_body_mib_caps_what_it_holds_but_its_first_body_always_fits():
     asyncio.run(main())
 
 
-def test_each_of_n_workers_holds_its_part_of_the_budget_and_of_a_tenants_body_mib():
-    # --workers 2 on one host: the two processes together hold at most --body-memory-mib (it bounds the host's
-    # memory), so each takes half of it and half of each body_mib; one worker stays as before.
-    cfg = GatewayConfig(lms="lm:1", max_image_bytes=512 << 10, max_audio_bytes=1 << 20, max_video_bytes=1 << 20,
-                        body_memory_mib=64, workers=2)
-
-    async def main():
-        it = Intake(cfg, quota=quotas(a=Tenant("a", body_mib=8)), parts=2)
-        assert it.budget.capacity == 32 * MIB
-        leases = [it.lease() for _ in range(3)]
-        for lease in leases[:2]:
-            await lease.grow(16 * MIB)
-        with pytest.raises(BodyRefused) as e:
-            await leases[2].grow(MIB)
-        assert e.value.status == 503 and "1/2 of --body-memory-mib" in e.value.message
-        for lease in leases:
-            lease.release()
-        first, second = it.lease("a"), it.lease("a")
-        await first.grow(3 * MIB)
-        with pytest.raises(BodyRefused) as e:  # 4 MiB of its 8 here: the other worker holds the other 4
-            await second.grow(2 * MIB)
-        assert e.value.status == 429 and "1/2 of its body_mib" in e.value.message
-        for lease in (first, second):
-            lease.release()
-        assert it.budget.used == 0
-
-    asyncio.run(main())
-    assert Intake(GatewayConfig(lms="lm:1", body_memory_mib=1536)).budget.capacity == 1536 * MIB
-    with pytest.raises(ValueError, match="each of its 4 workers' parts"):  # 384 MiB cannot hold 8 of the largest
-        GatewayConfig(lms="lm:1", workers=4)
-
-
 # --- the gRPC readers --------------------------------------------------------------------------------------------
 
 
