@@ -166,7 +166,8 @@ def run_system(name: str, model: str, args) -> dict:
         if name == "autoscaled":
             budget = Budget(max_encoders=args.max_encoders, max_lms=args.max_lms, up_threshold=args.up_threshold,
                             down_threshold=args.down_threshold, up_after_s=args.up_after_s,
-                            down_after_s=args.down_after_s, cooldown_s=args.cooldown_s)
+                            down_after_s=args.down_after_s, cooldown_s=args.cooldown_s,
+                            ttft_s=args.ttft_ms / 1000, tpot_s=args.tpot_ms / 1000)
             scaler = Autoscaler(dep, budget, interval_s=args.interval_s).start()
         records = asyncio.run(drive(dep.url, args, args.seed))
     finally:
@@ -244,8 +245,8 @@ def main() -> int:
     p.add_argument("--tpot-ms", type=float, default=200.0)
     p.add_argument("--max-encoders", type=int, default=2)
     p.add_argument("--max-lms", type=int, default=1)
-    p.add_argument("--up-threshold", type=float, default=0.6)
-    p.add_argument("--down-threshold", type=float, default=0.2)
+    p.add_argument("--up-threshold", type=float, default=0.75, help="lateness (the policy's Budget)")
+    p.add_argument("--down-threshold", type=float, default=0.4, help="lateness (the policy's Budget)")
     p.add_argument("--up-after-s", type=float, default=6.0)
     p.add_argument("--down-after-s", type=float, default=12.0)
     p.add_argument("--cooldown-s", type=float, default=15.0)

@@ -5,7 +5,9 @@ a ``policy.Snapshot``, asks the ``policy.Policy`` what to do, and does it on the
 
 Each signal is read over the last interval, from the change of a counter or histogram since the previous
 scrape of that instance: an encoder's busy share (``epd_encoder_busy_seconds_total``) and the mean time its
-items waited before their batch started (its engine's ``vllm:request_queue_time_seconds``, sum over count);
+items waited before their batch started (in front of the engine, ``epd_encoder_service_wait_seconds_total``
+over ``epd_encoder_engine_requests_total``, plus in its engine's scheduler, ``vllm:request_queue_time_seconds``,
+sum over count);
 an LM's TTFT and TPOT p90 (``vllm:time_to_first_token_seconds`` and
 ``vllm:request_time_per_output_token_seconds``, interpolated in the buckets as Prometheus'
 ``histogram_quantile`` does). The first scrape of an instance gives no reading (nothing to subtract).
@@ -39,6 +41,14 @@ logger = logging.getLogger(__name__)
 
 SCRAPE_TIMEOUT_S = 2.0
 QUEUE_TIME = "vllm:request_queue_time_seconds"
+SERVICE_WAIT = "epd_encoder_service_wait_seconds_total"
+STARTED = "epd_encoder_engine_requests_total"
+
+
+def mean_change(m: dict[str, float], before: dict[str, float], total: str, count: str) -> float | None:
+    """The mean of what ``total`` grew by per unit ``count`` grew by between two scrapes (None: no count)."""
+    n = m.get(count, 0.0) - before.get(count, 0.0)
+    return max(0.0, m.get(total, 0.0) - before.get(total, 0.0)) / n if n > 0 else None
 TTFT = "vllm:time_to_first_token_seconds"
 TPOT = "vllm:request_time_per_output_token_seconds"
 QUANTILE = 0.9
@@ -193,9 +203,12 @@ class Autoscaler:
             if dt > 0:
                 busy = m.get("epd_encoder_busy_seconds_total", 0.0) - before.get("epd_encoder_busy_seconds_total", 0.0)
                 inst.busy = min(1.0, max(0.0, busy / dt))
-            n = m.get(f"{QUEUE_TIME}_count", 0.0) - before.get(f"{QUEUE_TIME}_count", 0.0)
-            if n > 0:
-                inst.queue_wait_s = max(0.0, m.get(f"{QUEUE_TIME}_sum", 0.0) - before.get(f"{QUEUE_TIME}_sum", 0.0)) / n
+            # The time an item waited before its batch started: in front of the engine (this service's own
+            # wait), then in the engine's scheduler (vLLM's queue time); each a mean over the interval.
+            waits = [mean_change(m, before, f"{QUEUE_TIME}_sum", f"{QUEUE_TIME}_count"),
+                     mean_change(m, before, SERVICE_WAIT, STARTED)]
+            if any(w is not None for w in waits):
+                inst.queue_wait_s = sum(w or 0.0 for w in waits)
             return
         inst.ttft_s = histogram_quantile(QUANTILE, buckets(m, TTFT), buckets(before, TTFT))
         inst.tpot_s = histogram_quantile(QUANTILE, buckets(m, TPOT), buckets(before, TPOT))

@@ -8,8 +8,9 @@ encoder can be busy all the time and keep up; an LM can hold few of its ``max_nu
 TPOT). Its *lateness* is that signal over its objective: 0 on time with nothing waiting, 1 at the
 objective, averaged over the instances that serve and have a reading (a draining one is not capacity):
 
-- encoder: the mean time an item waited before its batch started, over the last interval (the encoder
-  engine's ``vllm:request_queue_time_seconds``), over ``encoder_wait_s``;
+- encoder: the mean time an item waited before its batch started, over the last interval (in front of the
+  engine, ``epd_encoder_service_wait_seconds_total``, plus in the encoder engine's scheduler,
+  ``vllm:request_queue_time_seconds``), over ``encoder_wait_s``;
 - LM: the larger of its TTFT p90 over ``ttft_s`` and its TPOT p90 over ``tpot_s``, over the last interval
   (vLLM's ``vllm:time_to_first_token_seconds`` and ``vllm:request_time_per_output_token_seconds``); set
   ``ttft_s``/``tpot_s`` to the gateway's ``--objective-ttft-ms``/``--objective-tpot-ms``.

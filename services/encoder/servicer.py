@@ -194,6 +194,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             layouts = await self._layouts(modality, len(idents), engine_req.prompt_token_ids, features)
             for index, feat in enumerate(features):
                 yield encoder_pb2.EncodeEvent(metadata=self._item_metadata(index, feat, layouts, claim, more))
+            pending.started()  # its wait in front of the engine ends (a scaling signal)
             runs = await self._encode(engine_req, params, rid)
             pending.done()
             encode_ms = (time.perf_counter() - t0) * 1e3

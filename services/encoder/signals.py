@@ -8,12 +8,19 @@ prometheus-adapter) reads from this service's internal metrics port (``--metrics
   ``rate()`` of it is the busy share 0..1, the encoder's utilisation. It moves while a request runs (read
   at each scrape), not only when one ends.
 - ``epd_encoder_items_total`` (counter, beside the handlers): ``rate()`` is items per second.
+- ``epd_encoder_service_wait_seconds_total`` and ``epd_encoder_engine_requests_total`` (counters): the
+  seconds Encode calls waited in this service from admission until their engine request was submitted
+  (fetching nothing, but decoding, the processor, the limits), summed, and how many calls got that far.
+  The change of one over the other between two scrapes is the mean wait in front of the engine.
 - ``epd_instance_draining`` (gauge 0/1, ``services.common.signals``): 1 once the instance drains.
 - vLLM's own ``vllm:request_queue_time_seconds`` (histogram), from the ``PrometheusStatLogger`` the encoder
   engine's ``AsyncLLM`` makes in this process (unless ``--disable-log-stats`` is in ``--vllm-args``): the
   seconds each Encode request's items waited in the engine's scheduler before their batch started. Its
-  ``_sum`` over ``_count`` between two scrapes is the mean queueing time, the local autoscaler's encoder
-  signal: an encoder's busy share can stay near 1 while it keeps up, its queueing time cannot.
+  ``_sum`` over ``_count`` between two scrapes is the mean queueing time. With the wait in front of the
+  engine it is the local autoscaler's encoder signal, the time an item waited before its batch started:
+  an encoder's busy share can stay near 1 while it keeps up, its queueing time cannot. Either half alone
+  misses a shortage: on a CPU host the items waited in front of the engine (the processor) while the
+  engine's own queue time read about 0 (bench/autoscale.py).
 
 ``LOAD`` is the process's one ``EncoderLoad``; the servicer's handlers feed it and a scrape reads it, both on
 the service's event loop (``services.common.metrics_port``), so it takes no lock.
@@ -36,11 +43,19 @@ __all__ = ["DRAINING", "LOAD", "EncoderLoad", "Pending"]
 
 class Pending:
     """One Encode call's items in the queue depth, from admission until ``done`` (idempotent: the call's
-    ``finally`` gives back whatever an early ``done`` did not)."""
+    ``finally`` gives back whatever an early ``done`` did not); ``started`` once its engine request is
+    submitted counts the call's wait in this service (decoding, the processor, the limits) to then."""
 
     def __init__(self, load: EncoderLoad, n: int) -> None:
         self._load, self._n = load, n
+        self._admitted: float | None = load._clock()
         load.depth += n
+
+    def started(self) -> None:
+        """The call's engine request is submitted: the seconds since admission join the wait (once)."""
+        if self._admitted is not None:
+            self._load.waited(self._load._clock() - self._admitted)
+            self._admitted = None
 
     def done(self) -> None:
         self._load.depth -= self._n
@@ -54,9 +69,16 @@ class EncoderLoad:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self.depth = 0
+        self.wait_seconds = 0.0  # summed over the calls started: admission -> engine request submitted
+        self.started = 0
         self._running = 0
         self._busy = 0.0
         self._since = 0.0
+
+    def waited(self, seconds: float) -> None:
+        """One call's wait in this service before its engine request (``Pending.started``)."""
+        self.wait_seconds += max(0.0, seconds)
+        self.started += 1
 
     def admit(self, n: int) -> Pending:
         """``n`` items entered: they count in the depth until the returned handle's ``done``."""
@@ -91,6 +113,11 @@ class _LoadCollector(Collector):
                                 "(waiting plus running)", value=self._load.depth)
         yield CounterMetricFamily("epd_encoder_busy_seconds", "Seconds the encoder engine had at least one "
                                   "request; its rate is the busy share, 0 to 1", value=self._load.busy_seconds())
+        yield CounterMetricFamily("epd_encoder_service_wait_seconds", "Seconds Encode calls waited in this service "
+                                  "from admission until their engine request was submitted, summed",
+                                  value=self._load.wait_seconds)
+        yield CounterMetricFamily("epd_encoder_engine_requests", "Encode calls whose engine request was submitted",
+                                  value=self._load.started)
 
 
 LOAD = EncoderLoad()

@@ -84,9 +84,13 @@ class FakeDeployment:
             svc.proc.wait()
 
 
-def encoder_page(busy: float, depth: float, draining: int = 0, waited: float = 0.0, started: int = 0) -> str:
-    """``waited`` seconds over ``started`` requests: the encoder engine's vLLM queue-time histogram."""
+def encoder_page(busy: float, depth: float, draining: int = 0, waited: float = 0.0, started: int = 0,
+                 front: tuple[float, int] = (0.0, 0)) -> str:
+    """``waited`` seconds over ``started`` requests: the encoder engine's vLLM queue-time histogram; ``front``:
+    the seconds and calls of the service's own wait in front of the engine."""
     return (f"# TYPE epd_encoder_busy_seconds_total counter\nepd_encoder_busy_seconds_total {busy}\n"
+            f"# TYPE epd_encoder_service_wait_seconds_total counter\nepd_encoder_service_wait_seconds_total {front[0]}\n"
+            f"# TYPE epd_encoder_engine_requests_total counter\nepd_encoder_engine_requests_total {front[1]}\n"
             f"# TYPE epd_encoder_queue_depth gauge\nepd_encoder_queue_depth {depth}\n"
             f"# TYPE epd_instance_draining gauge\nepd_instance_draining {draining}\n"
             "# TYPE vllm:request_queue_time_seconds histogram\n"
@@ -128,18 +132,20 @@ def test_the_loop_reads_the_signals_leaves_draining_instances_out_and_acts_throu
         assert snap.encoders[0].memory_bytes > 0
         assert snap.encoders[0].queue_wait_s is None and snap.lms[0].ttft_s is None  # nothing to subtract yet
         time.sleep(0.2)
-        PAGES[servers[0]] = encoder_page(10.1, 0, waited=5.2, started=14)  # 0.1 s busy; 4 more waited 0.2 s
+        # 0.1 s busy; 4 more waited 0.2 s in the engine and 0.4 s in front of it
+        PAGES[servers[0]] = encoder_page(10.1, 0, waited=5.2, started=14, front=(0.4, 4))
         # 10 more first tokens, all between 0.5 and 1 s; 10 more requests at 50-100 ms a token
         PAGES[servers[2]] = lm_page({"0.5": 10, "1.0": 20, "+Inf": 20}, {"0.05": 10, "0.1": 20, "+Inf": 20})
         snap = scaler.snapshot()
         assert 0.05 < snap.encoders[0].busy < 0.9
-        assert snap.encoders[0].queue_wait_s == pytest.approx(0.05)
+        assert snap.encoders[0].queue_wait_s == pytest.approx(0.05 + 0.1)  # before its batch: both waits
         assert (snap.lms[0].ttft_s, snap.lms[0].tpot_s) == (pytest.approx(0.95), pytest.approx(0.095))
         live_port, dep.lms[0].metrics_port = dep.lms[0].metrics_port, _closed_port()  # a scrape that fails
         assert [i.tpot_s for i in scaler.snapshot().lms] == [pytest.approx(0.095)]  # alive: its last signals
         dep.lms[0].metrics_port = live_port
 
-        PAGES[servers[0]] = encoder_page(20.0, 8, waited=9.2, started=18)  # 4 more waited 1 s each: late
+        # 4 more waited 1 s each in the engine, none in front of it: late
+        PAGES[servers[0]] = encoder_page(20.0, 8, waited=9.2, started=18, front=(0.4, 8))
         actions = scaler.round()
         assert [(a.kind, a.role) for a in actions] == [("add", "encoder")]
         scaler.stop()  # waits for the action

@@ -126,6 +126,19 @@ def test_the_queue_depth_counts_admitted_items_until_each_call_is_done_once():
     assert load.depth == 0
 
 
+def test_a_calls_wait_in_front_of_the_engine_is_counted_once_when_its_engine_request_starts():
+    clock = Clock()
+    load = EncoderLoad(clock=clock)
+    a, b, never = load.admit(2), load.admit(1), load.admit(1)
+    clock.now += 0.3
+    a.started()
+    clock.now += 0.5
+    b.started()
+    a.started()  # once
+    never.done()  # refused before its engine request: no wait counted
+    assert (load.wait_seconds, load.started) == (pytest.approx(0.3 + 0.8), 2)
+
+
 def test_busy_seconds_grow_while_any_request_runs_and_overlaps_count_once():
     clock = Clock()
     load = EncoderLoad(clock=clock)
@@ -145,9 +158,13 @@ def test_busy_seconds_grow_while_any_request_runs_and_overlaps_count_once():
 
 def test_the_encoder_scrape_reads_the_process_load():
     before = sample("epd_encoder_busy_seconds_total")
+    started = sample("epd_encoder_engine_requests_total")
     pending = LOAD.admit(2)
     try:
         assert sample("epd_encoder_queue_depth") == 2
+        pending.started()
+        assert sample("epd_encoder_engine_requests_total") == started + 1
+        assert sample("epd_encoder_service_wait_seconds_total") >= 0
         with LOAD.running():
             mid = sample("epd_encoder_busy_seconds_total")
         assert before <= mid <= sample("epd_encoder_busy_seconds_total")
