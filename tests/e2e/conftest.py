@@ -17,7 +17,7 @@ import pytest
 from services.up import Deployment
 from tests import early
 from tests.conftest import MULTIPROCESS_ENGINES
-from tests.e2e.helpers import perturbable
+from tests.e2e.helpers import TEARDOWN_DRAIN_S, perturbable
 from tests.references import REFERENCE_REQUESTS  # noqa: F401 - the e2e tests import it from here
 
 _stopping: list[threading.Thread] = []
@@ -46,7 +46,7 @@ def session_deployment(model: str) -> Deployment:
     engine processes on CPU (``--executor mp``: the worker in its own process, as `vllm serve` runs it), kept
     covered here: the services' own default on CPU, and every other deployment's, is one process
     (``--executor auto``, services/common/engine.py)."""
-    return perturbable(Deployment(model=model, quiet=True, security="tls", env=dict(MULTIPROCESS_ENGINES),
+    return perturbable(Deployment(model=model, quiet=True, drain_grace_s=TEARDOWN_DRAIN_S, security="tls", env=dict(MULTIPROCESS_ENGINES),
                                   encoder_args=["--executor", "mp"],
                                   lm_args=["--executor", "mp", "--enable-auto-tool-choice", "--tool-call-parser",
                                            "hermes"]))

@@ -19,6 +19,12 @@ from services.common.spawn import child_env
 from services.up import free_port
 from tools.media import data_url, make_image
 
+TEARDOWN_DRAIN_S = 0.0
+"""The suite's deployments' ``--drain-grace-s``: none of their tests asks an instance to drain, and at
+teardown ``Deployment.stop`` stops the gateway first, so the quiet period an instance waits for calls
+still on their way (``services.common.drain.QUIET_S``, 2 s a deployment) is waiting for nothing. The
+drain itself is tested where it is the subject (tests/unit/test_autoscale_fleet.py; tests/e2e/test_elastic.py, slow)."""
+
 
 def perturb_chat(seed: int) -> dict:
     """A request for the perturbation check: a 224x224 image, 12 greedy tokens."""

@@ -13,7 +13,7 @@ import pytest
 
 from services.up import Deployment
 from tests.e2e.conftest import stop_in_background
-from tests.e2e.helpers import metric, post, producer_stats, settled
+from tests.e2e.helpers import TEARDOWN_DRAIN_S, metric, post, producer_stats, settled
 from tests.references import BURST, BURST_DISTINCT, REFERENCE_REQUESTS
 
 pytestmark = pytest.mark.e2e
@@ -26,7 +26,7 @@ POOL_MIB = str(4.5 * ITEM_MIB)       # about four items (plus the shm probe slot
 def test_a_burst_with_pools_for_4_items_completes_exactly_and_drains(tiny_model, reference_run, n):
     names = [f"burst{i % BURST_DISTINCT}" for i in range(n)]
     bodies = [BURST[name] for name in names]
-    dep = Deployment(model=tiny_model, quiet=True, encoder_args=["--outbound-pool-mib", POOL_MIB],
+    dep = Deployment(model=tiny_model, quiet=True, drain_grace_s=TEARDOWN_DRAIN_S, encoder_args=["--outbound-pool-mib", POOL_MIB],
                      lm_args=["--staging-mib", POOL_MIB])
     dep.start()
     try:  # plain vLLM's answers (the session's run, tests/references.py), computed while it started

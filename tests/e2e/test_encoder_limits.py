@@ -26,7 +26,7 @@ from PIL import Image
 from epd.transfer.v1 import transfer_pb2, transfer_pb2_grpc
 from services.up import Deployment, grpc_serving
 from tests.e2e.conftest import stop_in_background
-from tests.e2e.helpers import encodes_done, image_chat, metric, post, producer_stats
+from tests.e2e.helpers import TEARDOWN_DRAIN_S, encodes_done, image_chat, metric, post, producer_stats
 from tests.e2e.test_transports import forced_transport_is_exact
 from tools.media import data_url, make_image
 
@@ -40,7 +40,7 @@ land in (with 8, a busy 2-core host sometimes let the tiny model finish all of t
 @pytest.fixture(scope="module")
 def dep(tiny_model):
     engine = json.dumps({"max_num_batched_tokens": 96})  # one 224x224 image (5 tiles of 16 tokens) per step
-    d = Deployment(model=tiny_model, quiet=True,
+    d = Deployment(model=tiny_model, quiet=True, drain_grace_s=TEARDOWN_DRAIN_S,
                    encoder_args=["--vllm-args", engine, "--max-images-per-prompt", str(CANCELLED_IMAGES)],
                    lm_args=["--transports", "grpc"]).start()
     yield d

@@ -34,7 +34,7 @@ import pytest
 from ectransfer.connector.lifeline import BOUND_S
 from services.up import Deployment, grpc_serving, wait_ready
 from tests.e2e.conftest import REFERENCE_REQUESTS, stop_in_background
-from tests.e2e.helpers import image_chat, metric, post
+from tests.e2e.helpers import TEARDOWN_DRAIN_S, image_chat, metric, post
 
 pytestmark = pytest.mark.e2e
 
@@ -43,7 +43,7 @@ pytestmark = pytest.mark.e2e
 def dep(tiny_model):
     """Every service started at the same moment (the start-order test checks what that looks like);
     the tests after it wait until the deployment serves (``_serving``)."""
-    d = Deployment(model=tiny_model, quiet=True)
+    d = Deployment(model=tiny_model, quiet=True, drain_grace_s=TEARDOWN_DRAIN_S)
     try:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         for svc in [d.gateway, *d.lms, *d.encoders]:  # all at once; none waits for another

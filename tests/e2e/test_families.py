@@ -20,6 +20,7 @@ from services.up import Deployment
 from tests.e2e.conftest import stop_in_background
 from tests.e2e.helpers import (
     LATE_S,
+    TEARDOWN_DRAIN_S,
     check_perturbation_changes_tokens,
     late_items,
     metric,
@@ -175,7 +176,7 @@ def family(request):
 
     start_references([request.param])  # no-op when the session started it
     model = default_model(family=request.param)
-    dep = Deployment(model=model, quiet=True)
+    dep = Deployment(model=model, quiet=True, drain_grace_s=TEARDOWN_DRAIN_S)
     try:
         start_perturbable(dep)  # the perturbation hook, off until its test turns it on
         reference, prompts = _REFERENCES[request.param].result()

@@ -29,7 +29,16 @@ from services.gateway.routing import pick_encoder
 from services.probe import gateway_admitted
 from services.up import Deployment, grpc_serving
 from tests.e2e.conftest import REFERENCE_REQUESTS, stop_in_background
-from tests.e2e.helpers import image_bytes, image_chat, metric, post, producer_stats, settled, text_chat
+from tests.e2e.helpers import (
+    TEARDOWN_DRAIN_S,
+    image_bytes,
+    image_chat,
+    metric,
+    post,
+    producer_stats,
+    settled,
+    text_chat,
+)
 from tests.e2e.replicas import LEASE_S, ExtraGateway, Replicas
 from tests.integration.gateway_processes import poll
 
@@ -43,7 +52,7 @@ def multi(tiny_model):
     # does not eject a working one.
     # A host tier of 8 KiB per encoder (a tiny-model image's output is 4 KiB): a few images evict it.
     # Stored responses on (previous_response_id), as the session's deployment and the parity module's `vllm serve`.
-    dep = Deployment(model=tiny_model, quiet=True, n_encoders=2, n_lms=2, encoder_args=["--host-tier-mib", "0.008"],
+    dep = Deployment(model=tiny_model, quiet=True, drain_grace_s=TEARDOWN_DRAIN_S, n_encoders=2, n_lms=2, encoder_args=["--host-tier-mib", "0.008"],
                      gateway_args=["--health-interval-s", "3"], env={"VLLM_ENABLE_RESPONSES_API_STORE": "1"})
     dep.start()  # ready once the gateway has admitted all four (routing by affinity needs both encoders)
     yield dep

@@ -26,7 +26,7 @@ from epd.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from epd.lm.v1 import lm_pb2, lm_pb2_grpc
 from services.up import Deployment
 from tests.e2e.conftest import stop_in_background
-from tests.e2e.helpers import image_chat, metric, post, producer_stats, settled, text_chat
+from tests.e2e.helpers import TEARDOWN_DRAIN_S, image_chat, metric, post, producer_stats, settled, text_chat
 from tools.media import data_url, make_image
 from tools.reference import run_subprocess
 
@@ -85,7 +85,7 @@ def pd(tiny_model, tmp_path_factory):
               for b in REQUESTS.values()]
     with ThreadPoolExecutor(1) as pool:
         reference = pool.submit(run_subprocess, tiny_model, bodies)
-        dep = Deployment(model=tiny_model, quiet=True, n_lms=0, n_prefills=1, n_decodes=1,
+        dep = Deployment(model=tiny_model, quiet=True, drain_grace_s=TEARDOWN_DRAIN_S, n_lms=0, n_prefills=1, n_decodes=1,
                          lm_args=["--chat-template", str(template)])
         try:
             dep.start()

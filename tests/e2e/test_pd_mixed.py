@@ -15,7 +15,7 @@ import pytest
 
 from services.up import Deployment
 from tests.e2e.conftest import stop_in_background
-from tests.e2e.helpers import image_chat, metric, producer_stats, settled, text_chat
+from tests.e2e.helpers import TEARDOWN_DRAIN_S, image_chat, metric, producer_stats, settled, text_chat
 from tests.e2e.test_pd import _chat, _chat_events
 from tools.reference import run_subprocess
 
@@ -31,7 +31,7 @@ REQUESTS = {
 def mixed(tiny_model):
     with ThreadPoolExecutor(1) as pool:
         reference = pool.submit(run_subprocess, tiny_model, list(REQUESTS.values()))
-        dep = Deployment(model=tiny_model, quiet=True, n_lms=1, n_prefills=1, n_decodes=1)
+        dep = Deployment(model=tiny_model, quiet=True, drain_grace_s=TEARDOWN_DRAIN_S, n_lms=1, n_prefills=1, n_decodes=1)
         try:
             dep.start()
             yield dep, dict(zip(REQUESTS, reference.result()))

@@ -16,7 +16,7 @@ import pytest
 from services.cli import default_model
 from services.up import Deployment
 from tests.e2e.conftest import stop_in_background
-from tests.e2e.helpers import image_chat, metric, producer_stats, settled, text_chat
+from tests.e2e.helpers import TEARDOWN_DRAIN_S, image_chat, metric, producer_stats, settled, text_chat
 from tests.e2e.test_families import _video_chat
 from tests.e2e.test_pd import (
     _chat,
@@ -53,7 +53,7 @@ def qwen_pd():
         bodies = [{k: v for k, v in b.items() if k not in ("stream", "stream_options")}
                   for b in {**REQUESTS, **MORE}.values()]
         reference = pool.submit(run_subprocess, model, bodies)
-        dep = Deployment(model=model, quiet=True, n_lms=0, n_prefills=1, n_decodes=1)
+        dep = Deployment(model=model, quiet=True, drain_grace_s=TEARDOWN_DRAIN_S, n_lms=0, n_prefills=1, n_decodes=1)
         try:
             dep.start()
             yield dep, dict(zip({**REQUESTS, **MORE}, reference.result()))

@@ -23,7 +23,7 @@ from epd.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from services.cli import default_model
 from services.up import Deployment
 from tests.e2e.conftest import stop_in_background
-from tests.e2e.helpers import metric, perturbable, settled, vllm_serve
+from tests.e2e.helpers import TEARDOWN_DRAIN_S, metric, perturbable, settled, vllm_serve
 from tools.media import make_audio
 
 pytestmark = pytest.mark.e2e
@@ -45,7 +45,7 @@ def pair(whisper, tmp_path_factory):
     """(epd-serve's gateway URL, the deployment, vllm serve's URL) on the tiny Whisper."""
     # One decode bound for both (a minute, so that a clip past it stays small): the LM's flag, vLLM's variable.
     bound = ["--max-audio-seconds", str(MAX_S)]
-    dep = perturbable(Deployment(model=whisper, quiet=True, lm_args=bound, encoder_args=bound))
+    dep = perturbable(Deployment(model=whisper, quiet=True, drain_grace_s=TEARDOWN_DRAIN_S, lm_args=bound, encoder_args=bound))
     with ThreadPoolExecutor(1) as pool:
         started = pool.submit(dep.start)
         with vllm_serve(whisper, tmp_path_factory.mktemp("vllm-serve-whisper") / "server.log",
