@@ -50,12 +50,15 @@ def one_token(body: dict) -> dict:
     return out
 
 
-class Proxy:
-    def __init__(self, producer: str, consumer: str, model: str, prefill: str = "") -> None:
-        self.producer, self.consumer, self.model, self.prefill = producer, consumer, model, prefill
+class ProxyBase:
+    """What this proxy and ``mooncake_proxy``'s share: the HTTP session to the servers (made on the app's
+    start, closed on its cleanup: its only resource), the consumer's model list and the health route.
+    A subclass adds ``chat`` and ``stats`` (``serve`` routes them)."""
+
+    def __init__(self, consumer: str) -> None:
+        self.consumer = consumer
         self.session: aiohttp.ClientSession | None = None
         self.encode_s: list[float] = []
-        self.prefill_s: list[float] = []
         self.failed = 0
 
     async def start(self, app: web.Application) -> None:
@@ -66,6 +69,21 @@ class Proxy:
     async def stop(self, app: web.Application) -> None:
         if self.session is not None:
             await self.session.close()
+
+    async def models(self, request: web.Request) -> web.Response:
+        """The consumer's model list: what a client (``vllm bench serve``) asks first."""
+        async with self.session.get(f"{self.consumer}/v1/models") as r:
+            return web.Response(status=r.status, body=await r.read(), content_type="application/json")
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+
+class Proxy(ProxyBase):
+    def __init__(self, producer: str, consumer: str, model: str, prefill: str = "") -> None:
+        super().__init__(consumer)
+        self.producer, self.model, self.prefill = producer, model, prefill
+        self.prefill_s: list[float] = []
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -99,18 +117,10 @@ class Proxy:
             await out.write_eof()
             return out
 
-    async def models(self, request: web.Request) -> web.Response:
-        """The consumer's model list: what a client (``vllm bench serve``) asks first."""
-        async with self.session.get(f"{self.consumer}/v1/models") as r:
-            return web.Response(status=r.status, body=await r.read(), content_type="application/json")
-
     async def stats(self, request: web.Request) -> web.Response:
         return web.json_response({"encode_s_sum": sum(self.encode_s), "encode_count": len(self.encode_s),
                                   "prefill_s_sum": sum(self.prefill_s), "prefill_count": len(self.prefill_s),
                                   "failed": self.failed})
-
-    async def health(self, request: web.Request) -> web.Response:
-        return web.Response(text="ok")
 
 
 def main() -> None:

@@ -43,9 +43,8 @@ import json
 import time
 import uuid
 
-import aiohttp
 from aiohttp import web
-from ec_proxy import serve
+from ec_proxy import ProxyBase, serve
 
 MM_TYPES = ("image_url", "audio_url", "input_audio", "video_url")
 # What each media item becomes once its encoder output travels out of band (upstream's EMBEDS_TYPES).
@@ -159,25 +158,15 @@ def consumer_body(body: dict, item_meta: dict[int, dict], encoder_params: dict, 
     return {**body, "messages": messages, **({"ec_transfer_params": params} if params else {})}
 
 
-class Proxy:
-    """One encoder, one consumer (E + PD). Owns its HTTP session (closed on cleanup) and nothing else."""
+class Proxy(ProxyBase):
+    """One encoder, one consumer (E + PD). Owns its HTTP session (``ProxyBase``) and nothing else."""
 
     def __init__(self, encoder: str, consumer: str, consumer_zmq: str, model: str, rewrite: bool = True,
                  retries: int = 1) -> None:
-        self.encoder, self.consumer, self.consumer_zmq, self.model = encoder, consumer, consumer_zmq, model
+        super().__init__(consumer)
+        self.encoder, self.consumer_zmq, self.model = encoder, consumer_zmq, model
         self.rewrite, self.retries = rewrite, retries
-        self.session: aiohttp.ClientSession | None = None
-        self.encode_s: list[float] = []
-        self.failed = self.retried = 0
-
-    async def start(self, app: web.Application) -> None:
-        # No total limit: the client owns the deadline (as in upstream's proxy).
-        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None),
-                                             connector=aiohttp.TCPConnector(limit=0))
-
-    async def stop(self, app: web.Application) -> None:
-        if self.session is not None:
-            await self.session.close()
+        self.retried = 0
 
     async def prepare(self, body: dict) -> dict:
         """Encode (when the request has media) and build the consumer's body; EncoderError on failure."""
@@ -223,17 +212,9 @@ class Proxy:
                 return out
         raise AssertionError("unreachable")
 
-    async def models(self, request: web.Request) -> web.Response:
-        """The consumer's model list: what a client (``vllm bench serve``) asks first."""
-        async with self.session.get(f"{self.consumer}/v1/models") as r:
-            return web.Response(status=r.status, body=await r.read(), content_type="application/json")
-
     async def stats(self, request: web.Request) -> web.Response:
         return web.json_response({"encode_s_sum": sum(self.encode_s), "encode_count": len(self.encode_s),
                                   "failed": self.failed, "retried": self.retried})
-
-    async def health(self, request: web.Request) -> web.Response:
-        return web.Response(text="ok")
 
 
 def main() -> None:
