@@ -161,6 +161,17 @@ def producers():
         peer.close()
 
 
+def _landed_then_frozen(consumer: Peer, producer: Peer, ident: str) -> str:
+    """One small item ``ident`` landed from ``producer`` (the stream and the remote agent are up), then the
+    producer frozen: no progress on it, so the next READ over TCP stays in flight. Returns its endpoint."""
+    endpoint = producer.hello["endpoint"]
+    assert producer.ask("put", ident, 4096, 1)["ok"]
+    consumer.ask("fetch", endpoint, ident, 4096)
+    assert consumer.ask("wait", ident)["state"] == "LANDED"
+    producer.ask("freeze")
+    return endpoint
+
+
 def _in_flight(consumer: Peer, ident: str) -> None:
     """The consumer's READ of ``ident`` is posted (its header checked, the item RECEIVING)."""
     _until(lambda: consumer.ask("state", ident)["state"] == "RECEIVING", f"{ident} in flight")
@@ -170,11 +181,7 @@ def test_a_producer_killed_mid_read_fails_the_item_and_the_consumer_goes_on_with
         consumer_peer, producers):
     consumer = consumer_peer
     first = producers()
-    endpoint = first.hello["endpoint"]
-    assert first.ask("put", "small", 4096, 1)["ok"]
-    consumer.ask("fetch", endpoint, "small", 4096)
-    assert consumer.ask("wait", "small")["state"] == "LANDED"
-    first.ask("freeze")  # no progress on the producer: the next READ over TCP stays in flight
+    endpoint = _landed_then_frozen(consumer, first, "small")
     assert first.ask("put", "big", 1 << 20, 2)["ok"]
     consumer.ask("fetch", endpoint, "big", 1 << 20)
     _in_flight(consumer, "big")
@@ -197,11 +204,7 @@ def test_staging_freed_while_its_read_is_in_flight_is_never_reused_under_it_and_
         consumer_peer, producers):
     consumer = consumer_peer
     producer = producers()
-    endpoint = producer.hello["endpoint"]
-    assert producer.ask("put", "warm", 4096, 1)["ok"]
-    consumer.ask("fetch", endpoint, "warm", 4096)
-    assert consumer.ask("wait", "warm")["state"] == "LANDED"
-    producer.ask("freeze")
+    endpoint = _landed_then_frozen(consumer, producer, "warm")
     assert producer.ask("put", "early", 1 << 20, 2)["ok"]
     assert producer.ask("put", "next", 1 << 20, 3)["ok"]
     consumer.ask("fetch", endpoint, "early", 1 << 20)
