@@ -92,7 +92,6 @@ class LMBody:
         # processor lays the whole prompt out and needs every item's bytes.
         laid_out = spec.encode and all(item.source.placeholder_token_ids for item in req.items)
         for p, item, m in zip(self.parts, items, media):
-            data_url = None if laid_out else splice.add(*_data_url(m))
             ident = item.identifier if item is not None and (laid_out or item.HasField("source")) else None
             if spec.media == "anthropic":
                 # vLLM's converter drops any uuid: the LM knows an encoder's image by its content hash.
@@ -116,8 +115,8 @@ class LMBody:
                     kind = p.kind if p.kind != "input_audio" else "audio_url"
                     part = {"type": kind, kind: {"url": splice.add(*_data_url(m))}}
             else:
-                kind = LM_PART[m.modality]
-                part = {"type": kind, kind: None if data_url is None else {"url": data_url}}
+                kind = LM_PART[m.modality]  # the bytes only where the LM's processor lays the prompt out
+                part = {"type": kind, kind: None if laid_out else {"url": splice.add(*_data_url(m))}}
             if ident is not None:
                 part["uuid"] = ident  # else the LM encodes it itself and hashes it as vLLM does
             body[p.container][p.message][p.key][p.part] = part
