@@ -33,7 +33,7 @@ from services.common.spawn import child_env
 from services.gateway.config import API_KEYS_ENV
 from services.probe import gateway_admitted, grpc_serving
 from services.startup_errors import check_model, check_port, explain
-from services.up_elastic import Elastic, watch
+from services.up_elastic import SHUTDOWN_MARGIN_S, Elastic, watch
 
 KV_HOST = "127.0.0.1"
 """Where ``epd up``'s prefill and decode LMs bind NIXL's side channel: they all run on this host."""
@@ -298,9 +298,10 @@ class Deployment(Elastic):
         except TimeoutError as e:
             raise TimeoutError(f"not ready after {timeout:.0f}s (logs in {self.log_dir}): {e}") from None
 
-    def stop(self, grace: float = 15.0) -> None:
-        """The gateway first (no new requests reach the engines), then every encoder and LM together:
-        each stops its own engine, in parallel (SIGKILL for what is left after ``grace``)."""
+    def stop(self, grace: float | None = None) -> None:
+        """The gateway first (no new requests reach the engines), then every encoder and LM together, in
+        parallel (SIGKILL for what is left after ``grace``; default: drain grace + ``SHUTDOWN_MARGIN_S``)."""
+        grace = self.drain_grace_s + SHUTDOWN_MARGIN_S if grace is None else grace
         self.gateway.stop(grace)
         engines = [svc for svc in self.services if svc is not self.gateway]
         for svc in engines:

@@ -21,9 +21,13 @@ from services.child import Service, wait_ready
 from services.gateway.fleet_file import write_fleet_file
 from services.probe import gateway_admitted, grpc_serving
 
+SHUTDOWN_MARGIN_S = 15.0
+"""What an encoder or LM told to stop may take past its ``--drain-grace-s`` (its engine's and server's
+shutdown) before it is killed: ``Deployment.stop`` and ``remove``."""
+
 
 class Elastic:
-    """What ``Deployment`` provides: ``encoders``, ``lms``, ``services`` (the gateway last), ``with_encoder``,
+    """What ``Deployment`` provides: ``encoders``, ``lms``, ``n_encoders``/``n_lms`` (how many it started), ``services`` (the gateway last), ``with_encoder``,
     ``enc_cores``/``lm_cores``, ``encoder_args``/``lm_args`` and ``_common`` (every engine's flags),
     ``drain_grace_s``, ``gateway_metrics``, ``url``, ``client_security``, ``fleet_file``, and ``_service``,
     ``_envs``, ``_wait``, ``_say``. ``_elastic_init`` sets up the lock and counters."""
@@ -53,9 +57,10 @@ class Elastic:
 
     def _add(self, role: str, args: list[str], timeout: float) -> Service:
         with self._lock:
-            n = len(self.encoders if role == "encoder" else self.lms) + self._added[role]
+            # Named role + index after the started ones, one more each time: never a name (a log) taken before.
+            n = (self.n_encoders if role == "encoder" else self.n_lms) + self._added[role]
             self._added[role] += 1
-            svc = self._service(role, n, 2, args)  # named role + index, never a name taken before
+            svc = self._service(role, n, 2, args)
             svc.start(self._envs()[1])
             (self.encoders if role == "encoder" else self.lms).append(svc)
             self.services.insert(-1, svc)  # the gateway stays last
@@ -91,7 +96,7 @@ class Elastic:
                 raise ValueError(f"{svc.name} is not an encoder or LM of this deployment")
             self._leaving.add(svc)  # not reported by exited() while it goes
         svc.terminate()
-        svc.finish(time.monotonic() + (self.drain_grace_s + 15.0 if grace is None else grace))
+        svc.finish(time.monotonic() + (self.drain_grace_s + SHUTDOWN_MARGIN_S if grace is None else grace))
         clean = svc.proc is not None and svc.proc.returncode == 0
         self._forget(svc)
         self._say(f"  {svc.name} left ({'drained' if clean else 'killed'})")
