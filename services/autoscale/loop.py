@@ -184,7 +184,8 @@ class Autoscaler:
                         snap.of(role).append(self._last[svc.address])
                     continue
                 inst = InstanceSignals(svc.address, draining=svc in leaving or m.get("epd_instance_draining", 0) > 0,
-                                       memory_bytes=tree_rss(svc.proc.pid))
+                                       # a process-tree walk, only where a memory budget reads it
+                                       memory_bytes=tree_rss(svc.proc.pid) if self.budget.max_memory_gib else 0)
                 t_before, before = self._seen.get(svc.address, (now, None))
                 if before is not None:
                     self._read(role, inst, m, before, now - t_before)

@@ -126,7 +126,8 @@ def test_the_loop_reads_the_signals_leaves_draining_instances_out_and_acts_throu
                              'epd_gateway_objective_attainment{objective="both"} 0.5\n'
                              'epd_gateway_objective_attainment{objective="ttft"} 0.9\n')
         assert scrape(servers[3])['epd_gateway_objective_attainment{objective="both"}'] == 0.5
-        scaler = Autoscaler(dep, Budget(up_after_s=0, cooldown_s=0, max_encoders=3, tpot_s=0.1), lm_slots=4)
+        scaler = Autoscaler(dep, Budget(up_after_s=0, cooldown_s=0, max_encoders=3, tpot_s=0.1, max_memory_gib=1000),
+                            lm_slots=4)
         snap = scaler.snapshot()
         assert [i.draining for i in snap.encoders] == [False, True]
         assert snap.encoders[0].memory_bytes > 0
