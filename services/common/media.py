@@ -60,6 +60,14 @@ OFF_LOOP_BYTES = 1 << 20
 """An item this large is hashed (``content_id``), or its data: URL decoded (the gateway's pybase64), on a
 thread rather than on an event loop: hashlib and pybase64 release the GIL while they work, so the loop
 answers others meanwhile. A smaller one costs less than the thread hop."""
+
+
+async def off_loop(nbytes: int, fn, *args):
+    """``fn(*args)`` for an item of ``nbytes``: on a thread from ``OFF_LOOP_BYTES`` (``fn`` must release the
+    GIL: hashlib, pybase64), else here, where the thread hop would cost more than the work."""
+    return await asyncio.to_thread(fn, *args) if nbytes >= OFF_LOOP_BYTES else fn(*args)
+
+
 MAX_NAMESPACE_LEN = 128
 """The longest embedding namespace a service takes (UTF-8 bytes): a tenant's is its name (at most 64) and ``:``."""
 _NAMESPACE_TAG = b"epd-embedding-namespace\0"

@@ -52,7 +52,7 @@ from aiohttp.abc import AbstractResolver
 from yarl import URL
 
 from services.common.errors import MediaError
-from services.common.media import OFF_LOOP_BYTES
+from services.common.media import off_loop
 from services.common.media_checks import IMAGE_FORMATS, check_audio, check_image, sniffed_format
 from services.gateway.config import GatewayConfig
 
@@ -319,7 +319,7 @@ def decode_data_url(url: str, max_bytes: int, modality: str = "image") -> bytes:
     """The bytes of a ``data:[<type>];base64,`` URL, or MediaError (413 when over ``max_bytes``).
 
     Decoded as vLLM decodes it (``pybase64.b64decode(..., validate=True)``: the same refusals, in tens of
-    ms for a limit-size image); ``_load`` runs it on a thread from ``OFF_LOOP_BYTES``.
+    ms for a limit-size image); ``_load`` runs it on a thread for a large item (``off_loop``).
     An image's or an audio clip's declared media type is not read, as vLLM does not read it
     (``vllm/multimodal/media``: ``ImageMediaIO.load_base64`` and ``AudioMediaIO.load_base64`` decode
     the bytes whatever the type; an Anthropic image's ``media_type`` becomes this type): the bytes'
@@ -356,8 +356,7 @@ async def _load(source: str | bytes, cfg: GatewayConfig, fetcher: MediaFetcher |
     if isinstance(source, bytes):
         data = source
     elif source.startswith("data:"):
-        data = (await asyncio.to_thread(decode_data_url, source, limit, modality) if len(source) >= OFF_LOOP_BYTES
-                else decode_data_url(source, limit, modality))
+        data = await off_loop(len(source), decode_data_url, source, limit, modality)
     elif source[:8].lower().startswith(("http://", "https://")):
         if fetcher is None:
             raise MediaError(f"http(s) {modality} URLs cannot be fetched: this gateway has no media fetcher")

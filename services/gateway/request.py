@@ -17,7 +17,7 @@ from typing import Any
 
 from epd.lm.v1 import lm_pb2
 from services.common.errors import MediaError
-from services.common.media import OFF_LOOP_BYTES, content_id
+from services.common.media import content_id, off_loop
 from services.common.routes import API
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import ApiError
@@ -257,8 +257,7 @@ async def load_media(call: OpenAICall, req: lm_pb2.GenerateRequest, cfg: Gateway
     req.namespace = call.namespace  # the encoders and the LM compute and check identifiers in it
     for data, modality in zip(datas, call.modalities):
         # A large item is hashed on a thread (hashlib releases the GIL): the loop answers others meanwhile.
-        ident = (await asyncio.to_thread(content_id, data, call.namespace) if len(data) >= OFF_LOOP_BYTES
-                 else content_id(data, call.namespace))
+        ident = await off_loop(len(data), content_id, data, call.namespace)
         if API[call.api].encode:  # else the LM lays the prompt out itself, from the bytes in its body
             req.items.add(modality=modality, identifier=ident)
         media.append(Media(data, ident, modality))
