@@ -57,14 +57,16 @@ from services.common.media_checks import (
 logger = logging.getLogger(__name__)
 
 OFF_LOOP_BYTES = 1 << 20
-"""An item this large is hashed (``content_id``), or its data: URL decoded (the gateway's pybase64), on a
-thread rather than on an event loop: hashlib and pybase64 release the GIL while they work, so the loop
-answers others meanwhile. A smaller one costs less than the thread hop."""
+"""An item this large is hashed (``content_id``), or its data: URL decoded (the gateway's pybase64), or a
+body this large has its prefix keys derived, on a thread rather than on an event loop: hashlib and
+pybase64 release the GIL while they work, so the loop answers others meanwhile. A smaller one costs less
+than the thread hop."""
 
 
 async def off_loop(nbytes: int, fn, *args):
-    """``fn(*args)`` for an item of ``nbytes``: on a thread from ``OFF_LOOP_BYTES`` (``fn`` must release the
-    GIL: hashlib, pybase64), else here, where the thread hop would cost more than the work."""
+    """``fn(*args)`` for an item of ``nbytes``: on a thread from ``OFF_LOOP_BYTES`` (``fn`` must spend its
+    time with the GIL released: hashlib, pybase64), else here, where the thread hop would cost more than
+    the work."""
     return await asyncio.to_thread(fn, *args) if nbytes >= OFF_LOOP_BYTES else fn(*args)
 
 

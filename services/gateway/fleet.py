@@ -130,6 +130,13 @@ class Fleet:
         by them; else none."""
         return self.lm_policy.prefix(body)
 
+    def route_keys(self, items: list[str], body: LMBody | None, sent: bytes = b"") -> tuple[prefix.Prefix, str]:
+        """A request's prefix keys (``prefix_of``) and routing key (``request_key``): one call, which the
+        orchestrator runs on a thread for a large body (both spend its size in hashes, which release the
+        GIL)."""
+        keys = self.prefix_of(body)
+        return keys, self.request_key(items, keys, body, sent)
+
     @staticmethod
     def request_key(items: list[str], keys: prefix.Prefix, body: LMBody | None, sent: bytes = b"") -> str:
         """The request's routing key (``policies.base.request_key``) from its prefix ``keys``, else the media

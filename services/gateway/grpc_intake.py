@@ -26,12 +26,13 @@ other way to hand its handler a value (the tenant crosses the same way: ``auth.C
 handler reads it once and passes it on explicitly (``RequestCore.admit(lease=...)``); nothing else reads it."""
 
 
-def message_nbytes(request) -> int:
-    """The size of a GatewayService request's payload (its body and media; protobuf's
-    ``ByteSize`` walks the whole message, 0.1 s for 86 MB)."""
-    if not hasattr(request, "media"):  # a ResponseRef: an id
-        return request.ByteSize()
-    return len(request.body) + sum(len(m) for m in request.media)
+def sized(deserializer):
+    """``deserializer`` that also says how many bytes the message had on the wire: what the client
+    delivered, known without reading the message again (protobuf's ``ByteSize`` walks the whole message,
+    0.1 s for 86 MB, and each read of a ``bytes`` field copies it)."""
+    def deserialize(raw: bytes):
+        return len(raw), (deserializer(raw) if deserializer is not None else raw)
+    return deserialize
 
 
 class GrpcIntake(grpc.aio.ServerInterceptor):
@@ -66,15 +67,16 @@ class GrpcIntake(grpc.aio.ServerInterceptor):
             try:
                 lease = await intake.reserve_message(tenant, peer)
                 try:
-                    request = await asyncio.wait_for(anext(aiter(request_iterator), None), intake.cfg.body_timeout_s)
+                    message = await asyncio.wait_for(anext(aiter(request_iterator), None), intake.cfg.body_timeout_s)
                 except asyncio.TimeoutError:
                     raise BodyRefused(408, "the request message did not arrive within "
                                            f"{intake.cfg.body_timeout_s:g} s (--body-timeout-s)", "timeout") from None
                 finally:
                     intake.done_grpc_reading(tenant, peer)
-                if request is None:
+                if message is None:
                     raise BodyRefused(408, "no request message", "timeout")
-                await lease.resize(BODY_COPIES * message_nbytes(request))
+                nbytes, request = message
+                await lease.resize(BODY_COPIES * nbytes)
                 GRPC_LEASE.set(lease)
                 answer = inner(request, context)
                 try:
@@ -103,5 +105,5 @@ class GrpcIntake(grpc.aio.ServerInterceptor):
             if status is not None:
                 await context.abort(*status)
 
-        return grpc.stream_stream_rpc_method_handler(call, request_deserializer=handler.request_deserializer,
+        return grpc.stream_stream_rpc_method_handler(call, request_deserializer=sized(handler.request_deserializer),
                                                      response_serializer=handler.response_serializer)

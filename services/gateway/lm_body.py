@@ -67,6 +67,8 @@ class LMBody:
     """Mints the id of the response a Responses request stores (None: ``response_id`` as it is)."""
     owner: str = ""
     """The tenant whose response it is (its id verifies for it alone)."""
+    nbytes: int = 0
+    """The client's JSON body's size as it arrived (``OpenAICall.nbytes``)."""
 
     def render(self, req: lm_pb2.GenerateRequest, media: list[Media] | None = None, home: str = "") -> bytes:
         """The body for one LM attempt: each item an encoder laid out becomes a uuid-only part (the

@@ -38,6 +38,7 @@ from prometheus_client import Counter
 
 from epd.lm.v1 import lm_pb2
 from peerauth import SecurityConfig
+from services.common.media import off_loop
 from services.fleet_memory.prefix import NONE, Prefix
 from services.gateway import handoff
 from services.gateway.admission import NO_QUOTA, Admission, Ticket
@@ -131,9 +132,11 @@ class Orchestrator:
         request may go E -> P -> D (a generating route; not tokenize, say)."""
         deadline = time.monotonic() + self.cfg.request_timeout_s
         excluded = {"encoder": set(), "lm": set()}
-        keys = self.fleet.prefix_of(body) if lm is None else NONE  # a pinned request goes where it must
-        # What ties between equally busy LMs go by: the request's own, so every gateway replica agrees.
-        key = self.fleet.request_key([m.identifier for m in media], keys, body, req.openai.body) if lm is None else ""
+        keys, key = NONE, ""  # a pinned request goes where it must
+        if lm is None:  # its prefix keys, and what ties between equally busy LMs go by (every replica agrees)
+            size = max(body.nbytes if body is not None else 0, len(req.openai.body))
+            keys, key = await off_loop(size, self.fleet.route_keys, [m.identifier for m in media], body,
+                                       req.openai.body)
         base_id = req.request_id
         try:
             why = self.fleet.lm_wait_reason()

@@ -117,6 +117,9 @@ class OpenAICall:
     upload: bytes = b""
     """An ``upload`` API's body, as the client sent it (``content_type`` says how it is encoded)."""
     content_type: str = ""
+    nbytes: int = 0
+    """The size of the JSON body as it arrived: whether the per-body work after the parse (its prefix
+    keys) is large enough to leave the event loop for a thread."""
 
     @property
     def namespace(self) -> str:
@@ -136,7 +139,7 @@ class OpenAICall:
         client's body (never changed), where its media parts are, the ids and salt the LM gets, and its
         loaded ``media`` (``load_media``'s)."""
         return LMBody(self.api, self.body, self.parts, self.upload, self.request_id, self.id_given,
-                      self.response_id, self.salt_tenant, media if media is not None else [])
+                      self.response_id, self.salt_tenant, media if media is not None else [], nbytes=self.nbytes)
 
     def drop_payload(self) -> None:
         """Frees the request's body and media sources once it is answered, whatever still refers to
@@ -204,7 +207,7 @@ def parse_openai(api: str, raw: bytes, cfg: GatewayConfig, media: list[bytes] | 
     body = loads_strict(raw) if raw or spec.method != "GET" else {}
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
-    call = OpenAICall(api, body, body.get("stream") is True)
+    call = OpenAICall(api, body, body.get("stream") is True, nbytes=len(raw))
     if api == "responses":
         if "request_id" in body:
             raise ApiError(400, "request_id: a response's id is chosen by the server (it names the stored "

@@ -3,13 +3,14 @@ events, the gateway's directory and its consistency rule, and the LM scoring (lo
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import pytest
 
 from services.fleet_memory.directory import Directory
 from services.fleet_memory.holdings import EventListener, Holdings
-from services.fleet_memory.prefix import CHUNK_CHARS, ITEM_TOKENS, NONE, of_request
+from services.fleet_memory.prefix import CHUNK_CHARS, ITEM_TOKENS, NONE, feed, of_request
 from services.fleet_memory.scoring import pick_lm, score
 from services.gateway.routing import LeastOutstanding
 
@@ -231,3 +232,18 @@ def test_the_lm_holding_the_longest_prefix_wins_and_images_after_it_count_too():
     assert pick_lm([], [a, b], d, policy, spill=2, prefix=conv) == (a, "spill")
     d.sent("a", [conv.last])  # a answered the whole conversation: it holds more of it than b
     assert pick_lm([], [a, b], d, policy, spill=5, prefix=conv) == (a, "held")
+
+
+def _fed(value) -> str:
+    h = hashlib.sha256()
+    feed(h, value)
+    return h.hexdigest()
+
+
+def test_a_prefix_digest_tells_every_json_value_apart_and_ignores_key_order():
+    values = ["1", 1, 1.0, True, None, "", [], {}, ["ab", "c"], ["a", "bc"], {"a": "b"}, ["a", "b"],
+              {"a": 1, "b": [2]}, "é", "\ud800"]
+    assert len({_fed(v) for v in values}) == len(values)
+    assert _fed({"a": 1, "b": [2]}) == _fed({"b": [2], "a": 1})
+    big = "x" * (4 << 20)  # a text of megabytes is hashed as its bytes, once
+    assert _fed({"text": big}) == _fed({"text": "x" * (4 << 20)}) != _fed({"text": big + "x"})

@@ -28,7 +28,6 @@ A policy owns no instance and no directory: the fleet owns both and passes the d
 from __future__ import annotations
 
 import hashlib
-import json
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -63,8 +62,12 @@ def request_key(items: Sequence[str], keys: prefix.Prefix, body: Any = None) -> 
         return ",".join(items)
     if body is None:
         return ""
-    raw = body if isinstance(body, bytes) else json.dumps(body, sort_keys=True, default=str).encode()
-    return "b:" + hashlib.blake2b(raw, digest_size=16).hexdigest()
+    h = hashlib.blake2b(digest_size=16)
+    if isinstance(body, bytes):
+        h.update(body)
+    else:
+        prefix.feed(h, body)
+    return "b:" + h.hexdigest()
 
 
 class EncoderPolicy(ABC):
