@@ -41,7 +41,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from tests import early  # noqa: E402 - needs the root on the path
+from tests import ahead, early  # noqa: E402 - needs the root on the path
 
 TIERS = ("unit", "integration", "e2e", "multihost")
 """The order the tiers run in: the e2e tier's shared work starts (tests/early.py) on the core that the
@@ -125,10 +125,24 @@ def modules_loaded_twice() -> dict[str, list[str]]:
 def pytest_collection_finish(session):
     if not session.config.option.collectonly:
         early.start(session.items)
+        ahead.plan(session.items)
+
+
+_module_running: list[str] = [""]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """A module's first test: the next deployment the run needs is launched (tests/ahead.py)."""
+    module = getattr(getattr(item, "module", None), "__name__", "")
+    if module != _module_running[0]:
+        _module_running[0] = module
+        ahead.step()
 
 
 def pytest_sessionfinish(session, exitstatus):
     early.finish()
+    ahead.finish()
     twice = modules_loaded_twice()
     if twice:
         session.config.get_terminal_writer().line(f"\ntest files loaded under two module names: {twice}", red=True)

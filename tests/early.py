@@ -20,10 +20,44 @@ fixture took (a run cut short by ``-x``, a selection that did not use it)."""
 
 from __future__ import annotations
 
+import os
 import sys
 import tempfile
 
 NICE = ("nice", "-n", "19")
+AUTOGROUP_NICE = 19
+
+
+def background(pid: int) -> None:
+    """``pid``, which leads a session of its own (the services and `vllm serve` start one: their stop
+    kills the group), at the lowest CPU priority against the tests. Its ``nice`` alone (``NICE``) does not
+    do it where the kernel schedules by autogroup (Linux's default on desktops and most distribution
+    kernels, and on this host): each session's processes share the CPU as one group against every other
+    session, whatever their nice values. So the session's group is niced too (``/proc/PID/autogroup``;
+    a kernel without it: nothing to do)."""
+    _autogroup(pid, AUTOGROUP_NICE)
+
+
+def foreground(procs) -> None:
+    """``procs`` (psutil processes) back at this process's own priority: each one's nice and its session's
+    group (lowering either needs root; without it they stay where they were)."""
+    import psutil
+
+    own = os.nice(0)
+    for p in procs:
+        try:
+            p.nice(own)
+        except psutil.Error:
+            pass
+        _autogroup(p.pid, own)
+
+
+def _autogroup(pid: int, nice: int) -> None:
+    try:
+        with open(f"/proc/{pid}/autogroup", "w") as f:
+            f.write(str(nice))
+    except OSError:  # no autogroup, the process gone, or not allowed
+        pass
 
 _deployment = None  # services.up.Deployment, launched
 _deployment_taken = False
@@ -61,6 +95,8 @@ def start(items) -> None:
         for svc in _deployment.services:
             svc.command = [*NICE, *svc.argv]
         _deployment.launch()
+        for svc in _deployment.services:
+            background(svc.proc.pid)
     if _uses(items, "reference_run"):
         from tests.references import REFERENCE_REQUESTS
         from tools.reference import launch
@@ -83,7 +119,11 @@ def session_deployment():
     if _deployment is None:
         return None
     _deployment_taken = True
-    return _deployment.wait_ready()
+    from tests.ahead import renice
+
+    _deployment.wait_ready()
+    renice(_deployment)  # the tests in front now; what runs ahead of them stays at 19 (tests/ahead.py)
+    return _deployment
 
 
 def reference_run():

@@ -178,11 +178,6 @@ def perturbable(dep):
     return dep
 
 
-def start_perturbable(dep):
-    """Starts ``dep`` with the test-only hooks (``perturbable``)."""
-    return perturbable(dep).start()
-
-
 LATE_INDEX = 1  # the second output of the encoder's step: the second item
 LATE_S = 3.0
 

@@ -24,7 +24,9 @@ import pytest
 from PIL import Image
 
 from epd.transfer.v1 import transfer_pb2, transfer_pb2_grpc
+from services.cli import default_model
 from services.up import Deployment, grpc_serving
+from tests import ahead
 from tests.e2e.conftest import stop_in_background
 from tests.e2e.helpers import TEARDOWN_DRAIN_S, encodes_done, image_chat, metric, post, producer_stats
 from tests.e2e.test_transports import forced_transport_is_exact
@@ -37,12 +39,19 @@ CANCELLED_IMAGES = 24
 land in (with 8, a busy 2-core host sometimes let the tiny model finish all of them first)."""
 
 
+def _deployment() -> Deployment:
+    engine = json.dumps({"max_num_batched_tokens": 96})  # one 224x224 image (5 tiles of 16 tokens) per step
+    return Deployment(model=default_model(), quiet=True, drain_grace_s=TEARDOWN_DRAIN_S,
+                      encoder_args=["--vllm-args", engine, "--max-images-per-prompt", str(CANCELLED_IMAGES)],
+                      lm_args=["--transports", "grpc"])
+
+
+ahead.register(__name__, "dep", _deployment)
+
+
 @pytest.fixture(scope="module")
 def dep(tiny_model):
-    engine = json.dumps({"max_num_batched_tokens": 96})  # one 224x224 image (5 tiles of 16 tokens) per step
-    d = Deployment(model=tiny_model, quiet=True, drain_grace_s=TEARDOWN_DRAIN_S,
-                   encoder_args=["--vllm-args", engine, "--max-images-per-prompt", str(CANCELLED_IMAGES)],
-                   lm_args=["--transports", "grpc"]).start()
+    d = ahead.take(__name__) or _deployment().start()
     yield d
     stop_in_background(d)
 

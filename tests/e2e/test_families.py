@@ -17,6 +17,7 @@ import time
 import pytest
 
 from services.up import Deployment
+from tests import ahead
 from tests.e2e.conftest import stop_in_background
 from tests.e2e.helpers import (
     LATE_S,
@@ -25,10 +26,10 @@ from tests.e2e.helpers import (
     late_items,
     metric,
     perturb_chat,
+    perturbable,
     post,
     producer_stats,
     settled,
-    start_perturbable,
 )
 from tools.media import data_url, make_audio, make_image, make_video
 from tools.reference import launch
@@ -169,6 +170,16 @@ def stop_references() -> None:
         ref.run.stop()
 
 
+def _deployment(name: str) -> Deployment:
+    """The family's deployment, unstarted, with the perturbation hook (off until its test turns it on)."""
+    from services.cli import default_model
+
+    return perturbable(Deployment(model=default_model(family=name), quiet=True, drain_grace_s=TEARDOWN_DRAIN_S))
+
+
+ahead.register(__name__, "family", _deployment, param="family")
+
+
 @pytest.fixture(scope="module", params=[family_param(n) for n in LAID_OUT_BY])
 def family(request):
     """The family's deployment and plain vLLM's answers (tokens and expanded prompts) to its requests."""
@@ -176,9 +187,11 @@ def family(request):
 
     start_references([request.param])  # no-op when the session started it
     model = default_model(family=request.param)
-    dep = Deployment(model=model, quiet=True, drain_grace_s=TEARDOWN_DRAIN_S)
+    ready = ahead.take(__name__, request.param)
+    dep = ready or _deployment(request.param)
     try:
-        start_perturbable(dep)  # the perturbation hook, off until its test turns it on
+        if ready is None:
+            dep.start()
         reference, prompts = _REFERENCES[request.param].result()
     except BaseException:
         dep.stop()

@@ -24,10 +24,12 @@ import pytest
 from epd.encoder.v1 import encoder_pb2_grpc
 from epd.lm.v1 import lm_pb2_grpc
 from epd.transfer.v1 import transfer_pb2
+from services.cli import default_model
 from services.common.media import content_id
 from services.gateway.routing import pick_encoder
 from services.probe import gateway_admitted
 from services.up import Deployment, grpc_serving
+from tests import ahead
 from tests.e2e.conftest import REFERENCE_REQUESTS, stop_in_background
 from tests.e2e.helpers import (
     TEARDOWN_DRAIN_S,
@@ -45,16 +47,24 @@ from tests.integration.gateway_processes import poll
 pytestmark = [pytest.mark.e2e]
 
 
-@pytest.fixture(scope="module")
-def multi(tiny_model):
+def _deployment() -> Deployment:
     # Health checks every 3 s (timeout 3 s): an instance is ejected as slow after two timeouts in a row,
     # so the frozen encoder below stays admitted at least 9 s, and a check slowed by a loaded host
     # does not eject a working one.
     # A host tier of 8 KiB per encoder (a tiny-model image's output is 4 KiB): a few images evict it.
     # Stored responses on (previous_response_id), as the session's deployment and the parity module's `vllm serve`.
-    dep = Deployment(model=tiny_model, quiet=True, drain_grace_s=TEARDOWN_DRAIN_S, n_encoders=2, n_lms=2, encoder_args=["--host-tier-mib", "0.008"],
-                     gateway_args=["--health-interval-s", "3"], env={"VLLM_ENABLE_RESPONSES_API_STORE": "1"})
-    dep.start()  # ready once the gateway has admitted all four (routing by affinity needs both encoders)
+    return Deployment(model=default_model(), quiet=True, drain_grace_s=TEARDOWN_DRAIN_S, n_encoders=2, n_lms=2,
+                      encoder_args=["--host-tier-mib", "0.008"], gateway_args=["--health-interval-s", "3"],
+                      env={"VLLM_ENABLE_RESPONSES_API_STORE": "1"})
+
+
+ahead.register(__name__, "multi", _deployment)
+
+
+@pytest.fixture(scope="module")
+def multi(tiny_model):
+    # Ready once the gateway has admitted all four (routing by affinity needs both encoders).
+    dep = ahead.take(__name__) or _deployment().start()
     yield dep
     stop_in_background(dep)
 

@@ -16,8 +16,10 @@ import pathlib
 import urllib.error
 import urllib.request
 
+import psutil
 import pytest
 
+from tests import early
 from tests.e2e.helpers import VllmServe, metric
 from tools.media import data_url, make_image
 
@@ -34,10 +36,11 @@ def start_early(model: str, log_dir: str, prefix: tuple[str, ...] = ()) -> None:
     start), so that its start overlaps the tests before it."""
     if not _EARLY:
         _EARLY.append(_server(model, pathlib.Path(log_dir) / "server.log", prefix).start())
+        early.background(_EARLY[0].proc.pid)
 
 
 def _server(model: str, log: pathlib.Path, prefix: tuple[str, ...] = ()) -> VllmServe:
-    # Stored responses on, as the session deployment's LM has them (tests/e2e/helpers.start_perturbable).
+    # Stored responses on, as the session deployment's LM has them (tests/e2e/helpers.perturbable).
     return VllmServe(model, log, FRONTEND_FLAGS, env={"VLLM_ENABLE_RESPONSES_API_STORE": "1"}, prefix=prefix)
 
 
@@ -50,7 +53,9 @@ def stop_early() -> None:
 def vllm_serve(tiny_model, tmp_path_factory):
     server = _EARLY[0] if _EARLY else _server(tiny_model, tmp_path_factory.mktemp("vllm-serve") / "server.log").start()
     try:
-        yield server.wait_ready()
+        url = server.wait_ready()
+        early.foreground(psutil.Process(server.proc.pid).children(recursive=True) + [psutil.Process(server.proc.pid)])
+        yield url
     finally:
         server.stop()
 

@@ -22,6 +22,7 @@ import pytest
 from epd.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from services.cli import default_model
 from services.up import Deployment
+from tests import ahead
 from tests.e2e.conftest import stop_in_background
 from tests.e2e.helpers import TEARDOWN_DRAIN_S, metric, perturbable, settled, vllm_serve
 from tools.media import make_audio
@@ -40,14 +41,23 @@ def whisper() -> str:
     return default_model(family="whisper")
 
 
+def _deployment() -> Deployment:
+    # One decode bound for both (a minute, so that a clip past it stays small): the LM's flag, vLLM's variable.
+    bound = ["--max-audio-seconds", str(MAX_S)]
+    return perturbable(Deployment(model=default_model(family="whisper"), quiet=True, drain_grace_s=TEARDOWN_DRAIN_S,
+                                  lm_args=bound, encoder_args=bound))
+
+
+ahead.register(__name__, "pair", _deployment)
+
+
 @pytest.fixture(scope="module")
 def pair(whisper, tmp_path_factory):
     """(epd-serve's gateway URL, the deployment, vllm serve's URL) on the tiny Whisper."""
-    # One decode bound for both (a minute, so that a clip past it stays small): the LM's flag, vLLM's variable.
-    bound = ["--max-audio-seconds", str(MAX_S)]
-    dep = perturbable(Deployment(model=whisper, quiet=True, drain_grace_s=TEARDOWN_DRAIN_S, lm_args=bound, encoder_args=bound))
+    ready = ahead.take(__name__)
+    dep = ready or _deployment()
     with ThreadPoolExecutor(1) as pool:
-        started = pool.submit(dep.start)
+        started = pool.submit(lambda: ready or dep.start())
         with vllm_serve(whisper, tmp_path_factory.mktemp("vllm-serve-whisper") / "server.log",
                         env={"VLLM_MAX_AUDIO_DECODE_DURATION_S": str(MAX_S)}) as ref:
             started.result()
