@@ -29,19 +29,17 @@ other users and containers, and a foreign entry must not stop a service starting
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import logging
 import mmap
 import os
 import re
 import secrets
-import stat
 import warnings
 
 import torch
 
 from ectransfer.base import ConsumerTransport, Landed, ProducerTransport, Receiver, proof_matches, seal_proof
+from ectransfer.lockfile import create_held, open_regular, sweep
 from ectransfer.pool import ALIGNMENT, Pool, check_range
 from ectransfer.protocol import ProtocolError
 from epd.transfer.v1 import transfer_pb2
@@ -102,74 +100,15 @@ def new_name(role: str) -> str:
     return f"epd-{role}-{os.getpid()}-{secrets.token_hex(6)}"
 
 
-def _open_regular(path: str, flags: int) -> int:
-    """Opens ``path`` without following a link and without blocking (a FIFO
-    would block an O_RDONLY open until a writer comes), and only if it is a
-    regular file (what shm_open makes); raises OSError otherwise."""
-    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular shared-memory object", path)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def _owner_alive(path: str) -> bool:
-    """Whether someone holds ``path``'s lock; also True for what is not ours
-    to judge (gone, a link, a FIFO or anything but a regular file). Raises
-    OSError only when the lock itself cannot be tried (``cleanup_orphans``
-    then leaves the entry alone)."""
-    try:
-        fd = _open_regular(path, os.O_RDONLY)
-    except FileNotFoundError:
-        return True  # gone already: nothing to do
-    except OSError as e:
-        logger.warning("leaving %s alone: not a regular shared-memory object (%s)", path, e.strerror or e)
-        return True
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True  # the owner still holds its lock
-    finally:
-        os.close(fd)  # closing drops our lock too
-    return False
-
-
 def cleanup_orphans() -> list[str]:
     """Unlinks epd segments whose owner no longer holds them (it died), and
-    returns their names.
+    returns their names (``lockfile.sweep``).
 
     Every service calls this as it starts, and /dev/shm is shared with
     whatever else runs on the host (other users, other containers), so an
     entry it cannot judge or remove (permission denied, a directory, a lock
     it cannot take) is skipped with a warning: this never raises OSError."""
-    removed: list[str] = []
-    try:
-        names = os.listdir(SHM_DIR)
-    except FileNotFoundError:
-        return removed
-    except OSError as e:
-        logger.warning("not cleaning orphaned shared-memory segments: cannot list %s (%s)", SHM_DIR, e.strerror or e)
-        return removed
-    for name in names:
-        if _OWNED.fullmatch(name) is None:
-            continue
-        path = os.path.join(SHM_DIR, name)
-        try:
-            if _owner_alive(path):
-                continue
-            os.unlink(path)
-        except FileNotFoundError:
-            continue  # another service's sweep got there first
-        except OSError as e:
-            logger.warning("leaving %s alone: cannot check or remove it (%s)", path, e.strerror or e)
-            continue
-        removed.append(name)
-    if removed:
-        logger.warning("removed %d orphaned shared-memory segment(s): %s", len(removed), ", ".join(removed))
-    return removed
+    return sweep(SHM_DIR, _OWNED, logger, "shared-memory segment(s)")
 
 
 class ShmSegment:
@@ -199,10 +138,9 @@ class ShmSegment:
         if nbytes <= 0:
             raise ValueError(f"a shared-memory segment needs > 0 bytes, got {nbytes}")
         path = os.path.join(SHM_DIR, validate_name(name))
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         # Locked before anything else: another service's cleanup_orphans at this
         # moment (epd up starts them together) must see it as alive.
-        fcntl.flock(fd, fcntl.LOCK_SH)
+        fd = create_held(path, os.O_RDWR)
         try:
             os.ftruncate(fd, nbytes)
         except OSError:
@@ -215,7 +153,7 @@ class ShmSegment:
     @classmethod
     def attach(cls, name: str, readonly: bool = True) -> ShmSegment:
         path = os.path.join(SHM_DIR, validate_name(name))
-        fd = _open_regular(path, os.O_RDONLY if readonly else os.O_RDWR)
+        fd = open_regular(path, os.O_RDONLY if readonly else os.O_RDWR)
         size = os.fstat(fd).st_size
         if size == 0:
             os.close(fd)

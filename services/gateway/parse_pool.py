@@ -55,12 +55,14 @@ import functools
 import logging
 import multiprocessing
 import os
+import re
 import tempfile
 import uuid
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 
+from ectransfer.lockfile import create_held, sweep
 from services.common.routes import API
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import ApiError
@@ -87,7 +89,10 @@ class MediaRef:
 
 _CFG: GatewayConfig | None = None
 BODY_FILE_PREFIX = "epd-gateway-body-"
-"""A body on its way to the helper: ``<dir>/epd-gateway-body-<pid>-<random>`` (``ParsePool.parse``)."""
+"""A body on its way to the helper: ``<dir>/epd-gateway-body-<pid>-<random>`` (``ParsePool.parse``). The
+gateway process that wrote it holds its lock until the parse ends (``ectransfer.lockfile``); what a gateway
+killed with ``kill -9`` left, the next parse helper's start removes (``ParsePool.start``)."""
+BODY_FILE_RE = re.compile(rf"^{BODY_FILE_PREFIX}\d+-[0-9a-f]+$")
 
 
 def _start_helper(cfg: GatewayConfig, nice: int) -> None:
@@ -102,16 +107,20 @@ def _ready() -> int:
     return os.getpid()
 
 
-def _write_body(path: str, raw: bytes) -> None:
+def _write_body(path: str, raw: bytes) -> int:
     """On a thread of the gateway: ``raw`` into a new file only this user reads (``os.write`` releases the
-    GIL: the kernel copies, the event loop runs on)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    GIL: the kernel copies, the event loop runs on). Returns its descriptor, which holds the file's lock:
+    the caller removes the file, then closes it (``ParsePool._drop``)."""
+    fd = create_held(path)
     try:
         view = memoryview(raw)
         while view:
             view = view[os.write(fd, view):]
-    finally:
+    except BaseException:
         os.close(fd)
+        _unlink(path)
+        raise
+    return fd
 
 
 def _unlink(path: str | None) -> None:
@@ -159,6 +168,8 @@ class ParsePool:
         self.body_dir = _body_dir()
         self._turns = asyncio.Semaphore(1 + queued)
         self._executor: ProcessPoolExecutor | None = None
+        self._held: dict[str, int] = {}
+        """Each body file's descriptor (its lock, ``ectransfer.lockfile``) until the file is dropped."""
         self.helper_pid: int | None = None
         """The helper's pid once started (tests, logs)."""
 
@@ -168,7 +179,9 @@ class ParsePool:
                                    initializer=_start_helper, initargs=(self.cfg, self.nice))
 
     async def start(self) -> None:
-        """Starts the helper and waits until it runs (its imports are done before the first body)."""
+        """Starts the helper and waits until it runs (its imports are done before the first body); first
+        removes the body files no gateway process holds any more (one killed mid-parse left them)."""
+        sweep(self.body_dir, BODY_FILE_RE, logger, "gateway body file(s)")
         self._executor = self._new_executor()
         self.helper_pid = await asyncio.wrap_future(self._executor.submit(_ready))
         logger.info("body parser: pid %d, bodies of %d bytes and more (nice +%d)",
@@ -215,19 +228,28 @@ class ParsePool:
         copy made holding the GIL)."""
         write = asyncio.ensure_future(asyncio.to_thread(_write_body, path, raw))
         try:
-            await asyncio.shield(write)  # a client that leaves does not stop the thread: its file goes after it
+            self._held[path] = await asyncio.shield(write)  # a client that leaves does not stop the thread
         except asyncio.CancelledError:
-            write.add_done_callback(lambda _: _unlink(path))
+            write.add_done_callback(lambda done: self._drop(path, done))  # its file goes after it
             raise
         except OSError as e:
-            _unlink(path)
             logger.warning("body parser: a body could not be written to %s (%s); sent pickled", self.body_dir, e)
             return raw
         return path
 
-    def _given_back(self, path: str) -> None:
-        """A body's turn and file given back (the file is gone already when the helper read it)."""
+    def _drop(self, path: str, written: asyncio.Future | None = None) -> None:
+        """``path``'s file removed (the helper removes it once read), then its descriptor and lock given up:
+        the one held, or the one the abandoned ``written`` returned."""
         _unlink(path)
+        fd = self._held.pop(path, None)
+        if fd is None and written is not None and not written.cancelled() and written.exception() is None:
+            fd = written.result()
+        if fd is not None:
+            os.close(fd)
+
+    def _given_back(self, path: str) -> None:
+        """A body's turn and file given back."""
+        self._drop(path)
         self._turns.release()
 
     async def _replace(self, broken: ProcessPoolExecutor | None) -> None:

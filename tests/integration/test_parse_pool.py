@@ -88,7 +88,7 @@ def test_the_helper_decides_what_the_inline_parse_decides_and_leaves_nothing_beh
         finally:
             await pool.close()
         assert not helper.is_running() or helper.status() == psutil.STATUS_ZOMBIE
-        assert _owned_body_files(pool) == []
+        assert _owned_body_files(pool) == [] and pool._held == {}  # every file and its lock given up
         assert not pool.wants("chat", GOOD[0][1])  # closed: bodies are parsed inline again
 
     asyncio.run(main())
@@ -129,3 +129,46 @@ def test_a_helper_killed_mid_parse_answers_503_and_a_new_one_parses_the_next_bod
         assert _owned_body_files(pool) == []
 
     asyncio.run(main())
+
+
+_HOLD_AND_WAIT = """
+import os, sys, time
+from ectransfer.lockfile import create_held
+path = os.path.join(sys.argv[1], f"{sys.argv[2]}{os.getpid()}-{os.urandom(8).hex()}")
+create_held(path)
+print(path, flush=True)
+time.sleep(600)
+"""
+
+
+def test_body_files_a_killed_gateway_left_are_removed_when_a_helper_starts_and_live_ones_kept():
+    """A gateway process killed with ``kill -9`` mid-parse leaves its body file; the lock it held goes with
+    it, so the next parse helper's start removes the file, and leaves one a live process holds."""
+    import subprocess
+    import sys
+
+    body_dir = ParsePool(CFG, THRESHOLD).body_dir
+    holders = [subprocess.Popen([sys.executable, "-c", _HOLD_AND_WAIT, body_dir, BODY_FILE_PREFIX], stdout=subprocess.PIPE,
+                                text=True, cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))) for _ in range(2)]
+    paths = []
+    try:
+        paths = [h.stdout.readline().strip() for h in holders]
+        assert all(os.path.exists(p) for p in paths), paths
+        holders[0].kill()  # kill -9: its lock goes, its file stays
+        holders[0].wait()
+
+        async def main():
+            pool = ParsePool(CFG, THRESHOLD)
+            await pool.start()
+            await pool.close()
+
+        asyncio.run(main())
+        assert not os.path.exists(paths[0])
+        assert os.path.exists(paths[1])  # its owner lives
+    finally:
+        for h in holders:
+            h.kill()
+            h.wait()
+        for p in paths:
+            if os.path.exists(p):
+                os.unlink(p)
