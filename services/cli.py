@@ -314,16 +314,16 @@ def _main(argv: list[str] | None = None) -> int:
         from services.up import gateway_key_args, run_up
 
         try:
+            budget = from_args(Budget, ns, prefix="autoscale_") if ns.autoscale else None
             return run_up(model=ns.model or default_model(), host=ns.host, port=ns.port, engine_args=ns.vllm_args,
                           security=ns.security, encoder_args=shlex.split(ns.encoder_args),
                           lm_args=shlex.split(ns.lm_args),
                           gateway_args=[*gateway_key_args(ns.api_keys_file),
                                         *([f"--workers={ns.workers}"] if ns.workers != 1 else []),
-                                        *shlex.split(ns.gateway_args)],
+                                        *(budget.gateway_args() if budget else []), *shlex.split(ns.gateway_args)],
                           insecure=ns.insecure, prefills=ns.prefills, decodes=ns.decodes, lms=ns.lms,
                           api_keys=ns.api_key, encoders=ns.encoders, drain_grace_s=ns.drain_grace_s,
-                          autoscale=from_args(Budget, ns, prefix="autoscale_") if ns.autoscale else None,
-                          autoscale_interval_s=ns.autoscale_interval_s)
+                          autoscale=budget, autoscale_interval_s=ns.autoscale_interval_s)
         except (ValueError, StartupError) as e:  # refused before anything started
             say_error(e)
             return 2

@@ -195,6 +195,10 @@ class Autoscaler:
                 self._seen[svc.address] = (now, m)
                 snap.of(role).append(inst)
                 self._last[svc.address] = inst
+        members = {svc.address for svc in (*encoders, *lms)}
+        for table in (self._seen, self._last, self._held):  # an instance gone is forgotten: bounded by the fleet
+            for address in table.keys() - members:
+                del table[address]
         return snap
 
     @staticmethod

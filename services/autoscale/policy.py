@@ -12,8 +12,9 @@ objective, averaged over the instances that serve and have a reading (a draining
   engine, ``epd_encoder_service_wait_seconds_total``, plus in the encoder engine's scheduler,
   ``vllm:request_queue_time_seconds``), over ``encoder_wait_s``;
 - LM: the larger of its TTFT p90 over ``ttft_s`` and its TPOT p90 over ``tpot_s``, over the last interval
-  (vLLM's ``vllm:time_to_first_token_seconds`` and ``vllm:request_time_per_output_token_seconds``); set
-  ``ttft_s``/``tpot_s`` to the gateway's ``--objective-ttft-ms``/``--objective-tpot-ms``.
+  (vLLM's ``vllm:time_to_first_token_seconds`` and ``vllm:request_time_per_output_token_seconds``);
+  ``epd up --autoscale`` gives ``ttft_s``/``tpot_s`` to its gateway as ``--objective-ttft-ms``/``-tpot-ms``
+  (``Budget.gateway_args``).
 
 An instance with no reading (no item started, no first token and no request finished in the interval) is
 left out of the mean; a role where none has one reads 0 (nothing was late).
@@ -106,6 +107,12 @@ class Budget:
 
     def bounds(self, role: str) -> tuple[int, int]:
         return (self.min_encoders, self.max_encoders) if role == "encoder" else (self.min_lms, self.max_lms)
+
+    def gateway_args(self) -> list[str]:
+        """The gateway's objective flags for these objectives, so that the attainment it publishes reads
+        the LMs against what the autoscaler does (``epd up --autoscale`` passes them before the user's
+        ``--gateway-args``, which win)."""
+        return [f"--objective-ttft-ms={self.ttft_s * 1000:g}", f"--objective-tpot-ms={self.tpot_s * 1000:g}"]
 
 
 @dataclass

@@ -154,6 +154,11 @@ def test_the_loop_reads_the_signals_leaves_draining_instances_out_and_acts_throu
         sample = scaler.history[-1]
         assert (sample["encoders"], sample["lms"], sample["attainment"]) == (1, 1, 0.5)
         assert sample["encoder_lateness"] == pytest.approx(2.0) and sample["lm_held"] == 0.5
+
+        gone = dep.encoders.pop()  # an instance that left the fleet: its readings are forgotten
+        scaler.snapshot()
+        assert gone.address not in scaler._seen and gone.address not in scaler._last
+        dep.encoders.append(gone)  # closed with the others
     finally:
         dep.close()
 

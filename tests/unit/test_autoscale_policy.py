@@ -160,3 +160,17 @@ def test_a_role_with_a_change_in_flight_is_skipped_and_its_timers_restart():
 def test_a_budget_that_cannot_hold_is_refused(kwargs):
     with pytest.raises(ValueError):
         Budget(**kwargs)
+
+
+def test_the_gateway_is_given_the_autoscalers_objectives_and_the_users_own_flags_win():
+    from services.cli import build_parser
+    from services.common.config import from_args
+    from services.gateway.config import GatewayConfig
+
+    def gateway(*argv):
+        return from_args(GatewayConfig, build_parser().parse_args(["gateway", "--lms", "lm:1", *argv]))
+
+    args = Budget(ttft_s=1.5, tpot_s=0.05).gateway_args()
+    assert args == ["--objective-ttft-ms=1500", "--objective-tpot-ms=50"]
+    assert (gateway(*args).objective_ttft_ms, gateway(*args).objective_tpot_ms) == (1500, 50)
+    assert gateway(*args, "--objective-ttft-ms", "900").objective_ttft_ms == 900  # epd up's --gateway-args come after
