@@ -253,7 +253,8 @@ class Autoscaler:
                 add = self.dep.add_encoder if action.role == "encoder" else self.dep.add_lm
                 event["address"] = ",".join(add(timeout=self.start_timeout_s).address for _ in range(action.count))
             else:
-                svc = next((s for s in [*self.dep.encoders, *self.dep.lms] if s.address == action.address), None)
+                encoders, lms, _ = self.dep.members()  # copies, under the deployment's lock
+                svc = next((s for s in [*encoders, *lms] if s.address == action.address), None)
                 if svc is not None:
                     event["drained"] = self.dep.remove(svc)
             event["ok"] = True
