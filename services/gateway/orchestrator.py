@@ -134,9 +134,10 @@ class Orchestrator:
         excluded = {"encoder": set(), "lm": set()}
         keys, key = NONE, ""  # a pinned request goes where it must
         if lm is None:  # its prefix keys, and what ties between equally busy LMs go by (every replica agrees)
-            size = max(body.nbytes if body is not None else 0, len(req.openai.body))
-            keys, key = await off_loop(size, self.fleet.route_keys, [m.identifier for m in media], body,
-                                       req.openai.body)
+            # Only without a body is ``req.openai.body`` read: each read of a protobuf bytes field copies it.
+            sent = req.openai.body if body is None else b""
+            keys, key = await off_loop(body.nbytes if body is not None else len(sent), self.fleet.route_keys,
+                                       [m.identifier for m in media], body, sent)
         base_id = req.request_id
         try:
             why = self.fleet.lm_wait_reason()

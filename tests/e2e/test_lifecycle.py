@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -97,7 +98,8 @@ def _segments_of(procs: list[psutil.Process]) -> set[str]:
         except psutil.Error:
             continue
         names |= {os.path.basename(m.path).removesuffix(" (deleted)") for m in maps if m.path.startswith("/dev/shm/")}
-    return names | {n for n in _epd_segments() if n.startswith("epd-") and n.split("-")[2:3] and n.split("-")[2] in pids}
+    owned = (re.fullmatch(r"epd-[a-z]+-(\d+)-[0-9a-f]+", n) for n in _epd_segments())
+    return names | {m.group(0) for m in owned if m and m.group(1) in pids}
 
 
 def test_epd_up_serves_and_ctrl_c_leaves_nothing_behind(tiny_model, reference):
